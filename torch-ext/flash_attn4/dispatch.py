@@ -1,0 +1,95 @@
+"""Which kernel runs a problem: device capability -> compile target, problem -> ForwardConfig.
+
+Everything here is a pure function of plain values (capability, dtype, head dims, mask flags), so it
+can be tested without a GPU. Batch size and sequence lengths are deliberately not parameters of
+anything that builds a config: they are runtime values of the kernel and never part of the compile key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from . import device_info
+from .fa4_kernels.arch import IMPLEMENTED, Arch
+from .fa4_kernels.config import ForwardConfig
+
+SUPPORTED_DEVICES = "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)"
+
+_ARCH_FAMILY_NAMES = {Arch.SM90: "Hopper (sm_90)", Arch.SM100: "Blackwell (sm_100 family)"}
+
+_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def arch_for_capability(capability: tuple[int, int], device_name: str = "this GPU",
+                        kernel: str = "forward") -> Arch:
+    """The compile target for a device, or a clear error.
+
+    RuntimeError for GPUs we ship no kernels for; NotImplementedError for a supported family whose
+    ``kernel`` is not implemented yet (per ``fa4_kernels.arch.IMPLEMENTED``).
+    """
+    major, minor = capability
+    arch = Arch.for_capability(major, minor)
+    if arch is None:
+        raise RuntimeError(
+            f"flash-attn4 has no kernels for {device_name} (compute capability {major}.{minor}); "
+            f"{SUPPORTED_DEVICES}"
+        )
+    if kernel not in IMPLEMENTED.get(arch, ()):
+        family = _ARCH_FAMILY_NAMES.get(arch, str(arch))
+        if arch == Arch.SM100:
+            what = "Blackwell kernels are not implemented yet"
+        else:
+            what = f"{family} {kernel} kernels are not implemented yet"
+        raise NotImplementedError(
+            f"flash-attn4: {what} ({kernel} pass requested on {device_name}, compute capability "
+            f"{major}.{minor}); implemented today: "
+            + ", ".join(f"{a.value}: {list(k)}" for a, k in IMPLEMENTED.items() if k)
+        )
+    return arch
+
+
+def arch_for_device(device: torch.device, kernel: str = "forward") -> Arch:
+    info = device_info.get_device_info(device)
+    return arch_for_capability(info.capability, f"{info.name} (cuda:{info.index})", kernel)
+
+
+_FORWARD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ForwardConfig)}
+
+
+def choose_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
+    """Tile sizes and pipeline depth for a problem class (never for a problem size).
+
+    Returns ForwardConfig field overrides (tile_m, tile_n, num_stages). Today: ForwardConfig's defaults,
+    with tile_n shrunk for large head dims so K/V stages still fit in shared memory (the same steps as
+    fa4_kernels.compile.kernel_set: 128 up to d=128, 96 up to 192, 64 above). The kernel owner tunes this.
+    """
+    del causal, local  # no mask-specific tiles yet
+    tiles = {name: _FORWARD_DEFAULTS[name] for name in ("tile_m", "tile_n", "num_stages")}
+    if arch == Arch.SM90:
+        d = max(head_dim, head_dim_v)
+        if d > 192:
+            tiles["tile_n"] = min(tiles["tile_n"], 64)
+        elif d > 128:
+            tiles["tile_n"] = min(tiles["tile_n"], 96)
+    return tiles
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _TORCH_DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype}; supported: torch.bfloat16, torch.float16") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
+                   has_softcap: bool, varlen: bool, has_seqused_k: bool, has_sink: bool) -> ForwardConfig:
+    """The ForwardConfig for a problem class. Cached: the same arguments give the same object."""
+    return ForwardConfig(
+        arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, local=local,
+        has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
+        **choose_tiles(arch, head_dim, head_dim_v, causal, local),
+    )
