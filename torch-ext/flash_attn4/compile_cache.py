@@ -1,0 +1,256 @@
+"""Compiled kernels: an in-process dict in front of a persistent on-disk cache.
+
+Lookup order for a ForwardConfig: memory (keyed by ``cfg.key()``, which contains the arch) -> disk ->
+compile. The disk cache is on by default; settings.py documents the folder and the switch.
+
+Disk format. CuTe DSL's TVM-FFI compiled function can ``export_to_c(path.o, function_name=...)``: a
+relocatable object holding the host launcher and the embedded device code. ``cutlass.runtime.load_module
+(path.o, enable_tvm_ffi=True)`` links it in-process (LLVM JITLink, against the DSL runtime libraries) and
+returns ``tvm_ffi.Function`` objects by name, so no system compiler or linker is needed. The entry lives at
+
+    <cache dir>/<fingerprint>/<kind>-<sha256(key)[:32]>.o    (+ .json sidecar with the readable key)
+
+where the fingerprint hashes every .py file of fa4_kernels plus the nvidia-cutlass-dsl and tvm-ffi
+versions: editing a kernel or upgrading the DSL moves to a fresh folder; stale folders are never read.
+
+Concurrency: an entry is written to a temporary file in the same folder and published with
+``os.replace`` (atomic on POSIX), so a reader sees a whole file or none. A per-entry ``fcntl`` lock
+makes a second process wait for the first one's compile instead of compiling the same kernel again
+(e.g. eight ranks of one job starting together); if the lock cannot be had within LOCK_TIMEOUT_S the
+process compiles on its own, which is still correct. Threads of one process share one lock.
+A corrupt or unloadable entry is logged, removed and recompiled; a failed export only costs the next
+process a compile. Nothing on disk is ever required for correctness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+from . import settings
+from .fa4_kernels.config import ForwardConfig
+
+EXPORT_NAME = "fa4_kernel"
+LOCK_TIMEOUT_S = 300.0
+
+_memory: dict[tuple, Callable] = {}
+_lock = threading.RLock()
+_stats: Counter = Counter()
+_fingerprint: str | None = None
+
+
+# ---- fingerprint ----
+
+
+def _kernels_root() -> Path:
+    # fa4_kernels may be a namespace package (no __file__); in the source tree it is a symlink.
+    return (Path(__file__).resolve().parent / "fa4_kernels").resolve()
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def source_fingerprint(root: Path | None = None) -> str:
+    """sha256 over the fa4_kernels sources (relative path + bytes of every .py file, sorted) and the
+    versions of nvidia-cutlass-dsl and apache-tvm-ffi. Computed once per process for the default root."""
+    global _fingerprint
+    if root is None and _fingerprint is not None:
+        return _fingerprint
+    base = root if root is not None else _kernels_root()
+    h = hashlib.sha256()
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        h.update(f"{dist}=={_package_version(dist)}\n".encode())
+    for src in sorted(base.rglob("*.py")):
+        if "__pycache__" in src.parts or not src.is_file():
+            continue
+        data = src.read_bytes()
+        h.update(src.relative_to(base).as_posix().encode() + b"\0" + str(len(data)).encode() + b"\0")
+        h.update(data)
+    digest = h.hexdigest()[:24]
+    if root is None:
+        _fingerprint = digest
+    return digest
+
+
+# ---- disk layout ----
+
+
+def entry_path(kind: str, key: tuple, fingerprint: str | None = None) -> Path:
+    """Where the object file of a compile key lives (depends on settings.cache_dir at call time)."""
+    fp = fingerprint or source_fingerprint()
+    digest = hashlib.sha256(repr((kind,) + tuple(key)).encode()).hexdigest()[:32]
+    return settings.cache_dir() / fp / f"{kind}-{digest}.o"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout: float):
+    """Exclusive advisory lock on ``path`` (a .lock file); yields True if held, False on timeout."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no cross-process lock, atomic replace still keeps files whole
+        yield False
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        held = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        try:
+            yield held
+        finally:
+            if held:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, writer: Callable[[str], None]) -> None:
+    """Call ``writer(tmp_path)`` for a temp file next to ``path``, then publish it with os.replace."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        writer(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared FLASH_ATTN4_CACHE_DIR should be readable
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _export(fn, path: Path, key: tuple) -> None:
+    write_atomic(path, lambda tmp: fn.export_to_c(tmp, function_name=EXPORT_NAME))
+
+    def write_sidecar(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump({"key": list(key), "fingerprint": path.parent.name}, f, indent=1)
+
+    write_atomic(path.with_suffix(".json"), write_sidecar)
+
+
+def _load(path: Path):
+    from cutlass.runtime import load_module  # the DSL is imported only when a kernel is needed
+
+    module = load_module(str(path), enable_tvm_ffi=True)
+    return module[EXPORT_NAME]
+
+
+# ---- compile ----
+
+
+def _compile_forward(cfg: ForwardConfig):
+    from .fa4_kernels.compile import compile_forward
+
+    return compile_forward(cfg)
+
+
+def _timed_compile(kind: str, cfg, compile_fn: Callable):
+    log = settings.get_logger()
+    t0 = time.perf_counter()
+    fn = compile_fn(cfg)
+    dt = time.perf_counter() - t0
+    _stats["compiled"] += 1
+    level = 30 if dt >= settings.slow_compile_seconds() else 20  # WARNING / INFO
+    log.log(level, "compiling %s kernel for %s took %.2f s", kind, _describe(cfg), dt)
+    return fn
+
+
+def _describe(cfg) -> str:
+    try:
+        return ", ".join(part for part in cfg.key()[1:])
+    except Exception:  # pragma: no cover - cfg without key()
+        return repr(cfg)
+
+
+def get_kernel(kind: str, cfg, compile_fn: Callable):
+    """The compiled function for ``cfg`` (anything with ``.key()``), compiling at most once per process
+    and, with the disk cache on, at most once per machine and kernel-source fingerprint."""
+    key = cfg.key()
+    mem_key = (kind,) + tuple(key)
+    fn = _memory.get(mem_key)
+    if fn is not None:
+        _stats["memory_hits"] += 1
+        return fn
+    with _lock:
+        fn = _memory.get(mem_key)
+        if fn is None:
+            fn = _get_uncached(kind, cfg, key, compile_fn)
+            _memory[mem_key] = fn
+        else:
+            _stats["memory_hits"] += 1
+    return fn
+
+
+def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
+    log = settings.get_logger()
+    if not settings.disk_cache_enabled():
+        return _timed_compile(kind, cfg, compile_fn)
+    try:
+        path = entry_path(kind, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("flash-attn4 disk cache unavailable (%s); compiling in memory only", e)
+        return _timed_compile(kind, cfg, compile_fn)
+
+    with _file_lock(path.with_suffix(".lock"), LOCK_TIMEOUT_S) as held:
+        if not held:
+            log.debug("cache lock %s not acquired; compiling without it", path)
+        if path.exists():
+            try:
+                fn = _load(path)
+                _stats["disk_hits"] += 1
+                log.info("loaded %s kernel from %s", kind, path)
+                return fn
+            except Exception as e:  # corrupt or incompatible entry: drop it and rebuild
+                _stats["disk_errors"] += 1
+                log.warning("could not load cached kernel %s (%s: %s); recompiling", path, type(e).__name__, e)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        fn = _timed_compile(kind, cfg, compile_fn)
+        try:
+            _export(fn, path, key)
+            _stats["disk_writes"] += 1
+        except Exception as e:
+            _stats["disk_errors"] += 1
+            log.warning("could not write kernel cache entry %s (%s: %s)", path, type(e).__name__, e)
+        return fn
+
+
+def get_forward_kernel(cfg: ForwardConfig):
+    """The compiled forward kernel for ``cfg`` (call convention: ForwardConfig's docstring)."""
+    return get_kernel("fwd", cfg, _compile_forward)
+
+
+def stats() -> dict:
+    """Counters since start (or the last clear): compiled, memory_hits, disk_hits, disk_writes, disk_errors."""
+    return {k: _stats[k] for k in ("compiled", "memory_hits", "disk_hits", "disk_writes", "disk_errors")}
+
+
+def clear(memory: bool = True, counters: bool = True) -> None:
+    """Forget in-process kernels and/or counters (the disk cache is left alone)."""
+    with _lock:
+        if memory:
+            _memory.clear()
+        if counters:
+            _stats.clear()

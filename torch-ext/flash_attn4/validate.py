@@ -1,0 +1,276 @@
+"""Argument checks and layout fixes for the attention entry points.
+
+Two kinds of checks, on purpose in different places:
+
+* metadata checks (dtype, device, ndim, shapes, head dims, option values) raise ``ValueError`` naming
+  the offending argument. They only read tensor metadata, so they are free, run on every call and are
+  traced by ``torch.compile`` without graph breaks (``interface`` calls them).
+* layout fixes (:func:`kernel_layout`) and the optional cu_seqlens *value* check run inside the op's
+  real implementation, on real tensors: the kernel needs a unit-stride last dim, 16-byte-aligned
+  pointers and strides; any other layout is legal but is copied to a fresh contiguous tensor rather
+  than rejected. The value check needs a device sync, so it only runs when
+  ``FLASH_ATTN4_CHECK_CU_SEQLENS=1`` (see ``settings``): malformed cu_seqlens values are otherwise
+  undefined behaviour, exactly as in FlashAttention.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DEVICES = "supported: CUDA tensors on sm_90 (H100/H200) or sm_100 family (B200/GB200) GPUs"
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+ALIGN_BYTES = 16
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Device types accepted by check_devices. Only CUDA is real; CPU tests monkeypatch this to exercise
+# the plumbing (interface -> op -> kernel call convention) with a torch stand-in for the kernel.
+DEVICE_TYPES = ("cuda",)
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q has dtype {q.dtype}; supported: torch.bfloat16, torch.float16")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+
+
+def check_devices(q: torch.Tensor, **others) -> None:
+    """q must be on a supported device; every other tensor given (None skipped) on the same one."""
+    if q.device.type not in DEVICE_TYPES:
+        raise ValueError(f"q is on device '{q.device}'; flash-attn4 runs on the GPU only ({SUPPORTED_DEVICES})")
+    for name, t in others.items():
+        if t is None:
+            continue
+        if t.device != q.device:
+            raise ValueError(
+                f"{name} is on device '{t.device}' but q is on '{q.device}'; all tensors must be on the same "
+                f"CUDA device ({SUPPORTED_DEVICES})"
+            )
+
+
+def check_head_dims(head_dim: int, head_dim_v: int) -> None:
+    for name, what, d in (("head_dim", "last dim of q and k", head_dim), ("head_dim_v", "last dim of v", head_dim_v)):
+        if d % HEAD_DIM_MULTIPLE != 0 or not HEAD_DIM_MULTIPLE <= d <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} ({what}) must be a multiple of {HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, "
+                f"{MAX_HEAD_DIM}], got {d}"
+            )
+
+
+def _check_heads(hq: int, hk: int) -> None:
+    if hk < 1 or hq % hk != 0:
+        raise ValueError(
+            f"the number of query heads (q.shape[-2] = {hq}) must be a multiple of the number of key/value "
+            f"heads (k.shape[-2] = {hk})"
+        )
+
+
+def check_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shapes for flash_attn_func: q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {_shape(t)}")
+    check_dtypes(q, k, v)
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must match k in (batch, seqlen_k, heads): k {_shape(k)}, v {_shape(v)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must have the head_dim of q: q {_shape(q)}, k {_shape(k)}")
+    _check_heads(q.shape[2], k.shape[2])
+    check_head_dims(q.shape[-1], v.shape[-1])
+
+
+def check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q, cu_seqlens_k) -> None:
+    """Shapes for flash_attn_varlen_func: q (total_q, hq, d), k (total_k, hk, d), v (total_k, hk, dv),
+    cu_seqlens_q/k int32 (b + 1,)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for varlen, got shape {_shape(t)}")
+    check_dtypes(q, k, v)
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"v must match k in (total_k, heads): k {_shape(k)}, v {_shape(v)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must have the head_dim of q: q {_shape(q)}, k {_shape(k)}")
+    _check_heads(q.shape[1], k.shape[1])
+    check_head_dims(q.shape[-1], v.shape[-1])
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None:
+            raise ValueError(f"{name} is required for flash_attn_varlen_func")
+        check_tensor(name, cu)
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {_shape(cu)}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must both have length batch + 1, got {cu_seqlens_q.shape[0]} "
+            f"and {cu_seqlens_k.shape[0]}"
+        )
+
+
+def check_seqused_k(seqused_k, batch: int) -> None:
+    if seqused_k is None:
+        return
+    check_tensor("seqused_k", seqused_k)
+    if seqused_k.dtype != torch.int32:
+        raise ValueError(f"seqused_k must have dtype torch.int32, got {seqused_k.dtype}")
+    if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
+        raise ValueError(f"seqused_k must have shape (batch,) = ({batch},), got {_shape(seqused_k)}")
+
+
+def check_learnable_sink(learnable_sink, num_heads_q: int) -> None:
+    if learnable_sink is None:
+        return
+    check_tensor("learnable_sink", learnable_sink)
+    if learnable_sink.dtype not in SINK_DTYPES:
+        raise ValueError(
+            f"learnable_sink must be float32, bfloat16 or float16, got {learnable_sink.dtype}"
+        )
+    if learnable_sink.dim() != 1 or learnable_sink.shape[0] != num_heads_q:
+        raise ValueError(
+            f"learnable_sink must have shape (num_heads_q,) = ({num_heads_q},), got {_shape(learnable_sink)}"
+        )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
+
+
+def check_window_size(window_size) -> tuple[int, int]:
+    """(left, right) as ints, -1 meaning unbounded; None (or a None entry) also means unbounded."""
+    if window_size is None:
+        return -1, -1
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    out = []
+    for side, w in (("left", left), ("right", right)):
+        if w is None:
+            w = -1
+        if not _is_int(w):
+            raise ValueError(f"window_size {side} must be an int (-1 = unbounded), got {w!r}")
+        if w < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {w}")
+        out.append(int(w) if isinstance(w, numbers.Integral) else w)
+    return out[0], out[1]
+
+
+def check_softcap(softcap) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap must be a float (0 = off), got {softcap!r}")
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
+    return softcap
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise ValueError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return softmax_scale
+
+
+def canonical_mask(causal: bool, window_left: int, window_right: int) -> tuple[bool, bool, int, int]:
+    """(causal, local, left, right) in the kernel's terms.
+
+    causal forces right = 0. No bound on either side: no mask. Unbounded left with right = 0: causal.
+    Anything else: local (a -1 side stays unbounded).
+    """
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if causal:
+        window_right = 0
+    if window_left < 0 and window_right < 0:
+        return False, False, -1, -1
+    if window_left < 0 and window_right == 0:
+        return True, False, -1, 0
+    return False, True, window_left, window_right
+
+
+def as_max_seqlen(name: str, value) -> int | None:
+    """An int from an int or a one-element tensor (a CUDA tensor costs a device sync), or None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+            raise ValueError(f"{name} must be an int or a one-element integer tensor, got {value!r}")
+        value = int(value.item())
+    elif not _is_int(value):
+        raise ValueError(f"{name} must be an int or a one-element integer tensor, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+# ---- real-tensor checks, run inside the op implementation ----
+
+
+def needs_copy(t: torch.Tensor) -> bool:
+    """True when the kernel cannot read ``t`` in place: last dim not unit-stride, a stride that is not a
+    multiple of 16 bytes, or a data pointer that is not 16-byte aligned."""
+    if t.numel() == 0:
+        return False
+    if t.stride(-1) != 1:
+        return True
+    elems = ALIGN_BYTES // t.element_size()
+    if any(s % elems for s in t.stride()[:-1]):
+        return True
+    return t.data_ptr() % ALIGN_BYTES != 0
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the kernel can read it, else a fresh row-major copy (legal layouts never raise)."""
+    if not needs_copy(t):
+        return t
+    fresh = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    fresh.copy_(t)
+    return fresh
+
+
+def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                        max_seqlen_q: int, seqused_k: torch.Tensor | None = None) -> None:
+    """Value checks of cu_seqlens / seqused_k / max_seqlen_q with one device sync (opt-in, see settings)."""
+    conds = []
+    names = []
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        lens = cu[1:] - cu[:-1]
+        conds += [cu[0] == 0, (lens >= 0).all(), cu[-1] == total]
+        names += [f"{name}[0] must be 0", f"{name} must be non-decreasing", f"{name}[-1] must equal {total}"]
+    lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if lens_q.numel():
+        conds.append(lens_q.max() <= max_seqlen_q)
+        names.append(f"max_seqlen_q = {max_seqlen_q} is smaller than the longest query sequence")
+    if seqused_k is not None:
+        lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        conds += [(seqused_k >= 0).all(), (seqused_k <= lens_k).all()]
+        names += ["seqused_k must be >= 0", "seqused_k[i] must be <= cu_seqlens_k[i+1] - cu_seqlens_k[i]"]
+    ok = torch.stack([c.reshape(()) for c in conds]).cpu().tolist()  # the one sync
+    bad = [n for n, good in zip(names, ok) if not good]
+    if bad:
+        raise ValueError("malformed varlen metadata: " + "; ".join(bad))
