@@ -1,0 +1,143 @@
+"""The public attention functions (FlashAttention-compatible signatures, see docs/CONTRACTS.md).
+
+Layout (batch, seqlen, heads, head_dim); varlen packs the sequences: (total_tokens, heads, head_dim)
+with int32 ``cu_seqlens`` offsets. Masks are aligned bottom-right when seqlen_q != seqlen_k: query row i
+sees keys j with ``i + sk - sq - left <= j <= i + sk - sq + right`` (-1 = unbounded; causal: right = 0).
+Rows that see no key give out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops, validate
+
+
+def _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q=None) -> None:
+    if dropout_p is None:
+        dropout_p = 0.0
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise ValueError(f"dropout_p must be a float, got {dropout_p!r}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"flash-attn4: dropout_p={dropout_p} is not supported (only dropout_p=0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("flash-attn4: alibi_slopes is not supported")
+    if return_attn_probs:
+        raise NotImplementedError(
+            "flash-attn4: return_attn_probs=True is not supported (use return_lse=True for the log-sum-exp)"
+        )
+    if seqused_q is not None:
+        raise NotImplementedError("flash-attn4: seqused_q is not supported (use cu_seqlens_q)")
+
+
+def _common_options(head_dim, softmax_scale, causal, window_size, softcap, learnable_sink):
+    softmax_scale = validate.check_softmax_scale(softmax_scale, head_dim)
+    softcap = validate.check_softcap(softcap)
+    left, right = validate.check_window_size(window_size)
+    causal, _local, left, right = validate.canonical_mask(causal, left, right)
+    if learnable_sink is not None and learnable_sink.dtype != torch.float32:
+        learnable_sink = learnable_sink.float()  # the kernel reads float32 sinks
+    return softmax_scale, softcap, causal, left, right, learnable_sink
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Attention over (batch, seqlen, heads, head_dim) tensors.
+
+    q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv); bf16 or fp16 on one CUDA device; hq a multiple
+    of hk (GQA/MQA); d, dv multiples of 8 up to 256. ``softmax_scale`` defaults to 1/sqrt(d); ``softcap``
+    > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores; ``learnable_sink`` (hq,) adds one
+    logit per head to the softmax denominator (gpt-oss). ``deterministic`` is accepted: the forward is
+    always deterministic. Returns ``out`` (b, sq, hq, dv), or ``(out, lse)`` with ``return_lse=True``
+    (lse float32 (b, hq, sq)). ``dropout_p`` > 0, ``alibi_slopes`` and ``return_attn_probs`` raise
+    NotImplementedError.
+    """
+    del deterministic  # the forward pass has no nondeterminism to switch off
+    _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    validate.check_batched(q, k, v)
+    validate.check_learnable_sink(learnable_sink, q.shape[2])
+    validate.check_devices(q, k=k, v=v, learnable_sink=learnable_sink)
+    softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
+        q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
+    )
+    out, lse = ops.fwd(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
+                       q.shape[1])
+    return (out, lse) if return_lse else out
+
+
+def _default_max_seqlen_q(cu_seqlens_q: torch.Tensor, total_q: int) -> int:
+    """Longest query sequence when the caller did not say. Exact needs a device sync; while compiling or
+    capturing a CUDA graph (where a sync is not allowed) total_q is used: a valid upper bound that only
+    launches idle tiles."""
+    if torch.compiler.is_compiling() or (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return total_q
+    if cu_seqlens_q.shape[0] < 2:
+        return 0
+    return int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | torch.Tensor | None = None,
+    max_seqlen_k: int | torch.Tensor | None = None,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Attention over packed variable-length sequences.
+
+    q (total_q, hq, d), k (total_k, hk, d), v (total_k, hk, dv); cu_seqlens_q/k int32 (b + 1,) offsets of
+    each sequence (start at 0, non-decreasing, end at total; checked only with
+    FLASH_ATTN4_CHECK_CU_SEQLENS=1 because it costs a sync). ``seqused_k`` int32 (b,) uses only the first
+    seqused_k[i] keys of sequence i (masks align to that length). ``max_seqlen_q`` may be an int or a
+    one-element tensor; a tensor is read with ``int()`` here, outside the op (a CUDA tensor costs a
+    device sync; pass an int under torch.compile). When None it is computed from cu_seqlens_q (a sync),
+    or, while compiling or capturing a CUDA graph, bounded by total_q. ``max_seqlen_k`` is accepted for
+    compatibility and not needed. Returns ``out`` (total_q, hq, dv), or ``(out, lse)`` with lse float32
+    (hq, total_q). Other options as in :func:`flash_attn_func`; ``seqused_q`` raises NotImplementedError.
+    """
+    del deterministic
+    _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q)
+    validate.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    batch = cu_seqlens_q.shape[0] - 1
+    validate.check_seqused_k(seqused_k, batch)
+    validate.check_learnable_sink(learnable_sink, q.shape[1])
+    validate.check_devices(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           seqused_k=seqused_k, learnable_sink=learnable_sink)
+    max_q = validate.as_max_seqlen("max_seqlen_q", max_seqlen_q)
+    if not isinstance(max_seqlen_k, torch.Tensor):  # unused by the kernel: a tensor is not read (no sync)
+        validate.as_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if max_q is None:
+        max_q = _default_max_seqlen_q(cu_seqlens_q, q.shape[0])
+    softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
+        q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
+    )
+    out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
+                       causal, left, right, max_q)
+    return (out, lse) if return_lse else out
