@@ -1,0 +1,73 @@
+"""Which KV blocks a query tile must visit under causal and sliding-window masks, and which of them
+need element-wise masking. Pure index arithmetic, shared by every architecture.
+
+Mask semantics (FlashAttention's, aligned bottom-right): query row i sees key j iff
+    i + (sk - sq) - window_left <= j <= i + (sk - sq) + window_right   and   0 <= j < sk,
+with causal meaning window_right = 0, and a negative window meaning unbounded on that side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32
+
+from .seqlen import SeqlenInfo
+
+
+@dataclass(frozen=True)
+class BlockRange:
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    causal: cutlass.Constexpr[bool]
+    local: cutlass.Constexpr[bool]
+    window_left: Int32  # used only when local; negative = unbounded
+    window_right: Int32
+
+    @cute.jit
+    def n_block_range(self, seqlen: SeqlenInfo, m_block: Int32):
+        """[n_block_min, n_block_max) of KV blocks holding at least one key visible to the tile."""
+        n_block_max = (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n
+        n_block_min = Int32(0)
+        offset = seqlen.diagonal_offset()
+        if cutlass.const_expr(self.causal or self.local):
+            # The tile's last row (clipped to the sequence) sees the rightmost key.
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q) - 1
+            right = Int32(0)
+            if cutlass.const_expr(self.local):
+                right = self.window_right
+            hi = last_row + offset + right + 1  # exclusive bound on visible keys
+            if cutlass.const_expr(self.local):
+                if self.window_right < 0:
+                    hi = seqlen.seqlen_k
+            hi = cutlass.max(hi, 0)
+            n_block_max = cutlass.min(n_block_max, (hi + self.tile_n - 1) // self.tile_n)
+        if cutlass.const_expr(self.local):
+            if self.window_left >= 0:
+                lo = m_block * self.tile_m + offset - self.window_left
+                n_block_min = cutlass.max(lo, 0) // self.tile_n
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def needs_mask(self, seqlen: SeqlenInfo, m_block: Int32, n_block: Int32) -> Boolean:
+        """Whether some element of block (m_block, n_block) is masked, i.e. the tile is not full."""
+        partial = (n_block + 1) * self.tile_n > seqlen.seqlen_k
+        if cutlass.const_expr(self.causal or self.local):
+            offset = seqlen.diagonal_offset()
+            right = Int32(0)
+            if cutlass.const_expr(self.local):
+                right = self.window_right
+            # The tile's first row sees the fewest keys on the right.
+            crosses_right = (n_block + 1) * self.tile_n - 1 > m_block * self.tile_m + offset + right
+            if cutlass.const_expr(self.local):
+                crosses_right = crosses_right and self.window_right >= 0
+            partial = partial or crosses_right
+        if cutlass.const_expr(self.local):
+            offset = seqlen.diagonal_offset()
+            # The tile's last row sees the fewest keys on the left.
+            lo_last_row = (m_block + 1) * self.tile_m - 1 + offset - self.window_left
+            crosses_left = n_block * self.tile_n < lo_last_row
+            partial = partial or (crosses_left and self.window_left >= 0)
+        return partial

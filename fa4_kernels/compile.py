@@ -1,0 +1,130 @@
+"""Compile kernels without a GPU: fake tensors with symbolic sizes, the target named explicitly.
+
+    python -m fa4_kernels.compile --arch sm_90a     # compiles the kernel set, prints seconds each
+
+``compile_forward(cfg)`` is also what the torch layer calls on a real GPU: the compiled TVM-FFI
+function then takes torch tensors directly and runs on the current CUDA stream. Sizes (batch,
+sequence lengths, head counts) and strides other than the unit head-dim stride stay symbolic, so
+one compiled kernel serves every problem size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .arch import Arch
+from .config import ForwardConfig
+
+_IMPLEMENTATIONS = {}
+
+
+def _forward_class(arch: Arch):
+    if arch is Arch.SM90:
+        from .sm90.fwd import FlashAttentionForwardSm90
+
+        return FlashAttentionForwardSm90
+    raise NotImplementedError(
+        f"flash-attn4: no forward kernel for {arch.value} yet (implemented: {Arch.SM90.value})"
+    )
+
+
+def _fake_tensors(cfg: ForwardConfig):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
+
+    def sym():
+        return cute.sym_int()
+
+    def sym_stride():
+        # 16-byte aligned strides (8 half-precision elements); 64-bit so huge tensors cannot overflow.
+        return cute.sym_int(64, divisibility=8)
+
+    def qkv(dim):
+        if cfg.varlen:  # (total, heads, dim)
+            return make_fake_tensor(dtype, (sym(), sym(), dim), (sym_stride(), sym_stride(), 1), assumed_align=16)
+        return make_fake_tensor(dtype, (sym(), sym(), sym(), dim),
+                                (sym_stride(), sym_stride(), sym_stride(), 1), assumed_align=16)
+
+    q, k, v, o = qkv(cfg.head_dim), qkv(cfg.head_dim), qkv(cfg.head_dim_v), qkv(cfg.head_dim_v)
+    if cfg.varlen:
+        lse = make_fake_tensor(cutlass.Float32, (sym(), sym()), (cute.sym_int(64), 1), assumed_align=4)
+        cu_q = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+        cu_k = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
+    else:
+        lse = make_fake_tensor(cutlass.Float32, (sym(), sym(), sym()),
+                               (cute.sym_int(64), cute.sym_int(64), 1), assumed_align=4)
+        cu_q = cu_k = None
+    seqused_k = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4) if cfg.has_seqused_k else None
+    sink = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4) if cfg.has_sink else None
+    return q, k, v, o, lse, cu_q, cu_k, seqused_k, sink
+
+
+def compile_forward(cfg: ForwardConfig):
+    """Compile the forward kernel for ``cfg`` (no GPU needed); returns the TVM-FFI callable
+    with the call convention documented on ``ForwardConfig``."""
+    import cutlass
+    import cutlass.cute as cute
+
+    kernel = _forward_class(cfg.arch)(cfg)
+    tensors = _fake_tensors(cfg)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kernel, *tensors,
+        cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
+        cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
+        cutlass.Int32(1),  # max_seqlen_q
+        stream,
+        options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}",
+    )
+
+
+def kernel_set(arch: Arch) -> list[ForwardConfig]:
+    """The configurations CI compiles for an arch: every head dim the dispatcher routes to a
+    distinct tile shape, plus each feature switch once."""
+    if arch is not Arch.SM90:
+        return []
+    base = ForwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128)
+    configs = [base, base.replace(causal=True), base.replace(dtype="float16"),
+               base.replace(varlen=True, has_seqused_k=True), base.replace(local=True),
+               base.replace(has_softcap=True, has_sink=True)]
+    for d, dv, tile_n in ((64, 64, 128), (96, 96, 128), (192, 192, 96), (192, 128, 96), (256, 256, 64)):
+        configs.append(base.replace(head_dim=d, head_dim_v=dv, tile_n=tile_n))
+    return configs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90a", help="compile target (sm_90a, sm_100a)")
+    parser.add_argument("--only", type=int, default=None, help="compile only the first N configurations")
+    args = parser.parse_args(argv)
+    arch = Arch.parse(args.arch)
+    configs = kernel_set(arch)[: args.only]
+    if not configs:
+        print(f"no kernels implemented for {arch.value} yet")
+        return 0
+    failures = 0
+    total = time.perf_counter()
+    for cfg in configs:
+        start = time.perf_counter()
+        try:
+            compile_forward(cfg)
+            status = "ok"
+        except Exception as exc:  # report every failing configuration, then fail
+            failures += 1
+            status = f"FAILED: {type(exc).__name__}: {exc}"
+        print(f"{time.perf_counter() - start:7.2f} s  fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} "
+              f"tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} local={cfg.local} varlen={cfg.varlen} "
+              f"softcap={cfg.has_softcap} sink={cfg.has_sink}  {status}", flush=True)
+    print(f"{len(configs) - failures}/{len(configs)} kernels compiled for {arch.value} "
+          f"in {time.perf_counter() - total:.1f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Compile-time configuration of the attention kernels.
+
+Everything that changes the generated code lives in one frozen dataclass; the compile key is derived
+from it (``ForwardConfig.key``), never assembled by hand, so a new field can never be forgotten in the
+key. Problem sizes (batch, sequence lengths, head counts) are *not* here: they stay runtime values so
+that a new length never triggers a recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .arch import Arch
+
+DTYPES = ("bfloat16", "float16")
+HEAD_DIMS = tuple(range(8, 257, 8))
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """What a forward kernel is specialised on.
+
+    Kernel call convention (the compiled function, called with torch tensors through TVM-FFI on the
+    current CUDA stream):
+
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+           softmax_scale, softcap, window_left, window_right, max_seqlen_q)
+
+    batched (``varlen=False``): q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv),
+        out (b, sq, hq, dv), lse (b, hq, sq) float32; cu_seqlens_* are None.
+    varlen (``varlen=True``): q (total_q, hq, d), k (total_k, hk, d), v (total_k, hk, dv),
+        out (total_q, hq, dv), lse (hq, total_q); cu_seqlens_q/k int32 (b + 1,).
+    seqused_k: int32 (b,) or None (``has_seqused_k``); learnable_sink: float32 (hq,) or None.
+    softmax_scale, softcap: float (softcap used only when ``has_softcap``);
+    window_left/right: int (used only when ``local``; -1 means unbounded on that side);
+    max_seqlen_q: int (grid size; for batched inputs it is sq).
+    hq must be a multiple of hk (GQA/MQA: query head h reads KV head h // (hq // hk)).
+    """
+
+    arch: Arch
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    causal: bool = False
+    local: bool = False
+    has_softcap: bool = False
+    varlen: bool = False
+    has_seqused_k: bool = False
+    has_sink: bool = False
+    # Tuning knobs; dispatch picks them from the problem, tests may pin them.
+    tile_m: int = 128
+    tile_n: int = 128
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("head_dim", "head_dim_v"):
+            if getattr(self, name) not in HEAD_DIMS:
+                raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
+        if self.causal and self.local:
+            raise ValueError("causal and local are exclusive: express causal as local with window_right=0")
+
+    def key(self) -> tuple:
+        """Hashable compile key: every field, in declaration order."""
+        return (type(self).__name__,) + tuple(
+            f.name + "=" + str(getattr(self, f.name)) for f in dataclasses.fields(self)
+        )
+
+    def replace(self, **changes) -> "ForwardConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,52 @@
+"""Per-batch sequence bookkeeping: where a sequence starts in a packed (varlen) tensor and how long it is.
+
+Batched inputs have one length for every batch entry (the tensor extent). Varlen inputs are packed
+along the token axis and described by ``cu_seqlens`` (prefix sums, length batch + 1); ``seqused_k``
+optionally shortens each key sequence (e.g. a KV cache filled to different depths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@dataclass(frozen=True)
+class SeqlenInfo:
+    """Offsets and lengths of one batch entry; built inside a kernel from runtime values."""
+
+    offset_q: Int32
+    offset_k: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+
+    @staticmethod
+    def create(
+        batch_idx: Int32,
+        seqlen_q_static: Int32,
+        seqlen_k_static: Int32,
+        cu_seqlens_q: Optional[cute.Tensor] = None,
+        cu_seqlens_k: Optional[cute.Tensor] = None,
+        seqused_k: Optional[cute.Tensor] = None,
+    ) -> "SeqlenInfo":
+        if cutlass.const_expr(cu_seqlens_q is None):
+            offset_q, seqlen_q = Int32(0), Int32(seqlen_q_static)
+        else:
+            offset_q = cu_seqlens_q[batch_idx]
+            seqlen_q = cu_seqlens_q[batch_idx + 1] - offset_q
+        if cutlass.const_expr(cu_seqlens_k is None):
+            offset_k, seqlen_k = Int32(0), Int32(seqlen_k_static)
+        else:
+            offset_k = cu_seqlens_k[batch_idx]
+            seqlen_k = cu_seqlens_k[batch_idx + 1] - offset_k
+        if cutlass.const_expr(seqused_k is not None):
+            seqlen_k = seqused_k[batch_idx]
+        return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k)
+
+    def diagonal_offset(self) -> Int32:
+        """Masks are aligned bottom-right: query row i lines up with key column i + (sk - sq)."""
+        return self.seqlen_k - self.seqlen_q

@@ -1,0 +1,40 @@
+"""Views of Hopper WGMMA register fragments.
+
+A WGMMA accumulator (m64nNk16, fp32) gives each thread of a warpgroup a fragment shaped
+((2, 2, N/8), MMA_M, MMA_N): 2 adjacent columns, 2 rows 8 apart, N/8 column groups. The shared
+softmax and mask code works on (rows, cols) views; P@V needs the same registers, converted to 16 bits,
+as the A operand, which WGMMA reads as ((2, 2, 2), MMA_M, MMA_K) per k16 slice.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+
+# Lanes that share an accumulator row (a quad).
+THREADS_PER_ROW = 4
+
+
+def acc_rows_view(acc: cute.Tensor) -> cute.Tensor:
+    """((2, 2, V), M, N) accumulator -> ((2, M), (2, V, N)) = (rows, cols)."""
+    flat = cute.make_layout(acc.shape)
+    (s_col, s_row, s_grp), s_m, s_n = flat.shape
+    (d_col, d_row, d_grp), d_m, d_n = flat.stride
+    rows_cols = cute.make_layout(
+        ((s_row, s_m), (s_col, s_grp, s_n)),
+        stride=((d_row, d_m), (d_col, d_grp, d_n)),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
+
+
+def acc_as_a_operand(frag: cute.Tensor) -> cute.Tensor:
+    """((2, 2, V), M, N) accumulator-shaped fragment -> ((2, 2, 2), M, (V/2, N)) A operand of the
+    next WGMMA: two consecutive 8-column groups form one k16 slice."""
+    flat = cute.make_layout(frag.shape)
+    (s_col, s_row, s_grp), s_m, s_n = flat.shape
+    (d_col, d_row, d_grp), d_m, d_n = flat.stride
+    assert s_grp % 2 == 0, "P@V needs the KV tile to be a multiple of 16"
+    a_view = cute.make_layout(
+        ((s_col, s_row, 2), s_m, (s_grp // 2, s_n)),
+        stride=((d_col, d_row, d_grp), d_m, (2 * d_grp, d_n)),
+    )
+    return cute.make_tensor(frag.iterator, cute.composition(frag.layout, a_view))

@@ -1,0 +1,392 @@
+"""FlashAttention forward for Hopper (sm_90a).
+
+One CTA computes one (tile_m x head_dim_v) output tile of one head:
+
+    warpgroup 0   producer   one warp issues TMA loads: Q once, then K_j and V_j for every KV block j,
+                             into a ``num_stages``-deep ring of shared-memory buffers
+    warpgroup 1   consumer   rows [0, 64) of the tile    } each: S = Q K_j^T (WGMMA, operands in smem),
+    warpgroup 2   consumer   rows [64, 128) of the tile  } mask, online softmax, O += P V_j (WGMMA, P
+                                                           from registers), then the epilogue
+
+Synchronisation: three mbarrier pipelines (Q, K, V). The producer waits on a stage's "empty"
+barrier before reloading it and the TMA unit completes its "full" barrier; consumers wait on "full"
+and release "empty" as soon as the WGMMA that read the stage has retired. K and V have separate
+pipelines so that S = Q K^T can start before V has landed.
+
+KV blocks are visited from the last to the first: the blocks that need element-wise masking
+(sequence end, causal diagonal) come first, so the steady state runs without mask checks.
+
+The producer gives registers up (setmaxnreg) so that the consumers can hold S, P and O at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..block_range import BlockRange
+from ..config import ForwardConfig
+from ..mask import AttentionMask
+from ..scheduler import SingleTileScheduler
+from ..seqlen import SeqlenInfo
+from ..softmax import LOG2_E, OnlineSoftmax
+from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+WARPGROUP_THREADS = 128
+NUM_CONSUMER_WARPGROUPS = 2
+# setmaxnreg budgets: 24 + 2 * 240 registers per thread slot fit the 64K register file at 384 threads.
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """K-major (row-major) shared-memory layout with the widest swizzle the row allows, as WGMMA
+    and TMA expect; staged buffers stack along a third mode."""
+    row_bits = cols * dtype.width
+    kind = warpgroup.SmemLayoutAtomKind
+    atom_kind = (
+        kind.K_SW128 if row_bits % 1024 == 0 else
+        kind.K_SW64 if row_bits % 512 == 0 else
+        kind.K_SW32 if row_bits % 256 == 0 else
+        kind.K_INTER
+    )
+    atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a shared-memory tensor (V as the N-major B operand of P @ V)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+           zero_init: cutlass.Constexpr[bool]):
+    """acc (+)= a @ b over the k slices of the fragments; issued asynchronously and committed as one
+    group (the caller waits)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(a.shape[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+class FlashAttentionForwardSm90:
+    def __init__(self, cfg: ForwardConfig):
+        if cfg.tile_m != 64 * NUM_CONSUMER_WARPGROUPS:
+            raise ValueError(f"sm90 forward: tile_m must be {64 * NUM_CONSUMER_WARPGROUPS}, got {cfg.tile_m}")
+        if cfg.tile_n % 16 != 0:
+            raise ValueError(f"sm90 forward: tile_n must be a multiple of 16, got {cfg.tile_n}")
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
+        self.num_stages = cfg.num_stages
+        self.num_threads = WARPGROUP_THREADS * (1 + NUM_CONSUMER_WARPGROUPS)
+
+    # ------------------------------------------------------------------------------------------
+    # Host side: views, MMAs, shared-memory layouts, TMA descriptors, launch
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, hq, d) or (total_q, hq, d)
+        mK: cute.Tensor,  # (b, sk, hk, d) or (total_k, hk, d)
+        mV: cute.Tensor,  # (b, sk, hk, dv) or (total_k, hk, dv)
+        mO: cute.Tensor,  # like mQ with dv
+        mLSE: cute.Tensor,  # (b, hq, sq) or (hq, total_q), float32
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_q: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        # Re-view everything as (seq, dim, head[, batch]) so that the sequence is the tiled mode.
+        if cutlass.const_expr(cfg.varlen):
+            mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+                              for t in (mQ, mK, mV, mO)]
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0]))
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                              for t in (mQ, mK, mV, mO)]
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+            num_batch = mQ.shape[3]
+        num_heads = mQ.shape[2]
+        qhead_per_kvhead = num_heads // mK.shape[2]
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        # P comes from registers; V^T is read N-major straight from V's row-major tile.
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.hdim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.hdim)
+        sK_layout = _smem_layout(self.dtype, self.tile_n, self.hdim, self.num_stages)
+        sV_layout = _smem_layout(self.dtype, self.tile_n, self.hdim_v, self.num_stages)
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.hdim))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdim_v), 1)
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        # Softcap squashes the scaled scores with tanh before the softmax, whose own scale is then
+        # the cap itself: softcap * tanh(s * scale / softcap).
+        if cutlass.const_expr(cfg.has_softcap):
+            score_prescale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+        else:
+            score_prescale = Float32(1.0)
+            scale_log2 = softmax_scale * LOG2_E
+
+        num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
+            score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
+            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, num_m_blocks,
+        ).launch(grid=SingleTileScheduler.grid(num_m_blocks, num_heads, num_batch), block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor,
+        tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+        score_prescale: Float32, scale_log2: Float32,
+        window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        num_m_blocks: Int32,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # One TMA-issuing warp produces; every consumer warp releases a stage once (lane 0 arrives).
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS // cute.arch.WARP_SIZE)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tma_bytes_q, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tma_bytes_k, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tma_bytes_v, defer_sync=True)
+        # Barrier initialisation must be visible to the async proxy and to every warp before use.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        scheduler = SingleTileScheduler(num_m_blocks, self.cfg.causal or self.cfg.local)
+        m_block, head, batch = scheduler.tile()
+        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        blocks = BlockRange(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
+                            window_left, window_right)
+        n_block_min, n_block_max = blocks.n_block_range(seqlen, m_block)
+        tile_in_sequence = m_block * self.tile_m < seqlen.seqlen_q
+
+        if tile_in_sequence:
+            warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+            if warpgroup_idx == 0:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+                if warp_idx == 0:
+                    self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                                 pipe_q, pipe_k, pipe_v, seqlen, m_block, head, batch,
+                                 head // qhead_per_kvhead, n_block_min, n_block_max)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+                self.consume(tidx - WARPGROUP_THREADS, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                             tiled_mma_qk, tiled_mma_pv, mO, mLSE, mSink, seqlen, blocks,
+                             m_block, head, batch, n_block_min, n_block_max,
+                             score_prescale, scale_log2, window_left, window_right)
+
+    @cute.jit
+    def _slice_head(self, t: cute.Tensor, offset: Int32, head: Int32, batch: Int32) -> cute.Tensor:
+        """(seq, dim) slice of one head of one batch entry; varlen sequences start at ``offset``."""
+        if cutlass.const_expr(self.cfg.varlen):
+            return cute.domain_offset((offset, 0), t[None, None, head])
+        else:
+            return t[None, None, head, batch]
+
+    # ---- producer warp --------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                pipe_q, pipe_k, pipe_v, seqlen: SeqlenInfo, m_block, head, batch, head_kv,
+                n_block_min, n_block_max):
+        gQ = cute.local_tile(self._slice_head(mQ, seqlen.offset_q, head, batch),
+                             (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(self._slice_head(mK, seqlen.offset_k, head_kv, batch),
+                             (self.tile_n, self.hdim), (None, 0))  # (tile_n, d, n_blocks)
+        gV = cute.local_tile(self._slice_head(mV, seqlen.offset_k, head_kv, batch),
+                             (self.tile_n, self.hdim_v), (None, 0))
+        no_mcast = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+
+        # Q is loaded even when no KV block is visible, so that consumers never special-case it.
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+            n_block = n_block_max - 1 - i
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+
+    # ---- consumer warpgroups --------------------------------------------------------------------
+    @cute.jit
+    def consume(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                mO, mLSE, mSink, seqlen: SeqlenInfo, blocks: BlockRange, m_block, head, batch,
+                n_block_min, n_block_max, score_prescale, scale_log2, window_left, window_right):
+        cfg = self.cfg
+        warpgroup_first_thread = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
+        wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_first_thread)
+        wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_first_thread)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K)
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stage)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose_view(sV)))
+        acc_S_shape = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.hdim_v)))
+        acc_O.fill(0.0)
+
+        # Score coordinates within a (tile_m, tile_n) block, for masking.
+        tScS = acc_rows_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        mask = AttentionMask(self.tile_m, self.tile_n, cfg.causal, cfg.local, window_left, window_right)
+        softmax = OnlineSoftmax.create(scale_log2, cute.size(tScS, mode=[0]), THREADS_PER_ROW)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+            n_block = n_block_max - 1 - i
+            # S = Q K^T
+            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+            pipe_k.consumer_wait(kv_state)
+            _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], zero_init=True)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(kv_state)
+
+            s_rows = acc_rows_view(acc_S)
+            if cutlass.const_expr(cfg.has_softcap):
+                for j in cutlass.range_constexpr(cute.size(acc_S)):
+                    acc_S[j] = cute.math.tanh(acc_S[j] * score_prescale, fastmath=True)
+            if blocks.needs_mask(seqlen, m_block, n_block):
+                mask.apply(s_rows, tScS, seqlen, m_block, n_block)
+            row_scale = softmax.update(s_rows)
+
+            o_rows = acc_rows_view(acc_O)
+            for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                    o_rows[r, c] = o_rows[r, c] * row_scale[r]
+
+            # O += P V, P converted to 16 bits in registers as WGMMA's A operand.
+            rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            pipe_v.consumer_wait(kv_state)
+            _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP),
+                   tOrVt[None, None, None, kv_state.index], zero_init=False)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
+
+        sink = None
+        if cutlass.const_expr(cfg.has_sink):
+            sink = Float32(mSink[head])
+        out_scale, lse = softmax.finalize(sink)
+        self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen, m_block, head, batch)
+
+    @cute.jit
+    def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,
+                 m_block, head, batch):
+        """Normalise O, write the rows that lie inside the sequence, and their LSE."""
+        gO = cute.local_tile(self._slice_head(mO, seqlen.offset_q, head, batch),
+                             (self.tile_m, self.hdim_v), (m_block, 0))
+        tOgO = acc_rows_view(thr_mma_pv.partition_C(gO))
+        tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        o_rows = acc_rows_view(acc_O)
+        rows_left = seqlen.seqlen_q - m_block * self.tile_m
+        if cutlass.const_expr(self.cfg.varlen):
+            gLSE = cute.domain_offset((seqlen.offset_q,), mLSE[None, head])
+        else:
+            gLSE = mLSE[None, head, batch]
+        for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
+            row = tOcO[r, 0][0]
+            if row < rows_left:
+                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                    tOgO[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
+                if tidx % THREADS_PER_ROW == 0:
+                    gLSE[m_block * self.tile_m + row] = lse[r]

@@ -1,0 +1,105 @@
+"""Online softmax over a (rows, cols) view of a score fragment.
+
+Shared by every architecture: a row may be spread over ``threads_per_row`` neighbouring lanes
+(4 on Hopper's WGMMA accumulators, 1 on Blackwell's row-per-thread TMEM loads); the reductions
+across those lanes are butterfly shuffles.
+
+Scores arrive unscaled; probabilities are computed in the log2 domain, P = exp2(S * scale_log2 - m),
+so one FFMA per element folds the softmax scale into the exponent. Row sums stay per-thread
+partials until ``finalize`` (the rescale factor is uniform across a row, so partial sums can be
+rescaled independently). Fully masked rows (max = -inf) give P = 0, output 0 and LSE = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+@cute.jit
+def row_allreduce(x: Float32, op: cutlass.Constexpr, threads_per_row: cutlass.Constexpr) -> Float32:
+    """Reduce x over the ``threads_per_row`` neighbouring lanes that share a row."""
+    for i in cutlass.range_constexpr(int(math.log2(threads_per_row))):
+        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1 << i))
+    return x
+
+
+def _fmax(a, b):
+    return cute.arch.fmax(a, b)
+
+
+def _add(a, b):
+    return a + b
+
+
+@dataclass
+class OnlineSoftmax:
+    scale_log2: Float32
+    num_rows: cutlass.Constexpr[int]
+    threads_per_row: cutlass.Constexpr[int]
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: int, threads_per_row: int) -> "OnlineSoftmax":
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return OnlineSoftmax(scale_log2, num_rows, threads_per_row, row_max, row_sum)
+
+    @cute.jit
+    def update(self, s_rows: cute.Tensor) -> cute.Tensor:
+        """Turn scores into unnormalised probabilities in place; return the factor by which each
+        row's running output must be rescaled."""
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = s_rows[r, None]
+            m_local = row.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            m_new = row_allreduce(cute.arch.fmax(m_local, self.row_max[r]), _fmax, self.threads_per_row)
+            # A row that has seen only masked keys keeps max = -inf; shift by 0 so that exp2
+            # gives 0 (not NaN) for it.
+            m_scaled = m_new * self.scale_log2
+            if m_new == -Float32.inf:
+                m_scaled = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(row)):
+                row[c] = cute.math.exp2(row[c] * self.scale_log2 - m_scaled, fastmath=True)
+            scale = cute.math.exp2(self.row_max[r] * self.scale_log2 - m_scaled, fastmath=True)
+            row_scale[r] = scale
+            self.row_sum[r] = self.row_sum[r] * scale + row.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            self.row_max[r] = m_new
+        return row_scale
+
+    @cute.jit
+    def finalize(self, sink_logit: Optional[Float32] = None):
+        """Return (output scale per row, LSE per row, natural log). With a learnable sink, the sink
+        logit joins the denominator only (it has no value row)."""
+        out_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        lse = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = row_allreduce(self.row_sum[r], _add, self.threads_per_row)
+            m = self.row_max[r] * self.scale_log2  # -inf for a fully masked row
+            if cutlass.const_expr(sink_logit is not None):
+                sink2 = sink_logit * LOG2_E
+                mm = cute.arch.fmax(m, sink2)
+                keep = cute.math.exp2(m - mm, fastmath=True)
+                total = total * keep + cute.math.exp2(sink2 - mm, fastmath=True)
+                out_scale[r] = keep / total
+                lse[r] = (mm + cute.math.log2(total, fastmath=True)) * LN_2
+            else:
+                scale = Float32(0.0)
+                lse_r = -Float32.inf
+                if total > Float32(0.0):
+                    scale = cute.arch.rcp_approx(total)
+                    lse_r = (m + cute.math.log2(total, fastmath=True)) * LN_2
+                out_scale[r] = scale
+                lse[r] = lse_r
+        return out_scale, lse
