@@ -1,0 +1,65 @@
+"""Shared test setup.
+
+- The source tree is importable without installing: ``torch-ext`` (for ``flash_attn4``) and the
+  repository root (for ``fa4_kernels``, ``scripts``, ``benchmarks``) go first on ``sys.path``.
+- Tests marked ``gpu`` need an sm90 (Hopper) or sm100-family (Blackwell) CUDA GPU; elsewhere they are
+  skipped with the reason.
+- ``hub_build``: the Hub tree as ``make build`` writes it, built once per session into a temp folder.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+for _path in (REPO_ROOT, REPO_ROOT / "torch-ext"):  # torch-ext ends up first
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+
+def gpu_skip_reason() -> str | None:
+    """Why `gpu` tests cannot run here, or None when they can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0) and major != 10:
+        return f"needs an sm90 or sm100-family GPU, this one is sm{major}{minor}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    reason = gpu_skip_reason()
+    if reason is not None:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def hub_build(tmp_path_factory) -> Path:
+    """Folder holding ``build/torch-cuda/``, made by ``make build`` (so the Makefile is exercised too)."""
+    root = tmp_path_factory.mktemp("hub")
+    build_dir = root / "build"
+    done = subprocess.run(
+        ["make", "-s", "-C", str(REPO_ROOT), "build", f"BUILD_DIR={build_dir}", f"PYTHON={sys.executable}"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"make build failed:\n{done.stdout}\n{done.stderr}"
+    return root
