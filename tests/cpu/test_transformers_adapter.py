@@ -1,0 +1,680 @@
+"""transformers integration on the CPU, with a pure-torch stand-in for the kernels.
+
+The stand-in (``RefBackend``) implements the public API of CONTRACTS.md (same parameter names,
+FlashAttention mask semantics: bottom-right alignment, window (left, right), causal = right 0)
+in float32 and records every call, so the tests can check both *what the adapter asks the
+kernels for* (layout, heads, cu_seqlens, options) and *that the answer is right* (against
+PyTorch SDPA with an explicit mask, or against transformers' own eager/sdpa models).
+
+Run: python -m pytest tests/cpu/test_transformers_adapter.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import inspect
+import math
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import flash_attn4  # noqa: E402  (tests/conftest.py puts torch-ext on sys.path)
+from flash_attn4 import transformers_adapter as ta  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference backend (the kernels' contract, in plain torch)
+# ----------------------------------------------------------------------------------------------
+
+
+def _attend(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink):
+    """One sequence. q (sq, hq, d), k (sk, hk, d), v (sk, hk, dv) -> (sq, hq, dv)."""
+    sq, hq, d = q.shape
+    sk, hk, _ = k.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    rep = hq // hk
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(sq).view(-1, 1)
+    j = torch.arange(sk).view(1, -1)
+    diag = i + sk - sq
+    allowed = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        allowed &= j >= diag - left
+    if right >= 0:
+        allowed &= j <= diag + right
+    s = s.masked_fill(~allowed, float("-inf"))
+    if learnable_sink is not None:
+        sink = learnable_sink.float().view(hq, 1, 1).expand(hq, sq, 1)
+        s = torch.cat([s, sink], dim=-1)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    p = torch.where(denom > 0, p / denom, torch.zeros_like(p))
+    if learnable_sink is not None:
+        p = p[..., :-1]
+    return torch.einsum("hqk,khd->qhd", p, vf).to(q.dtype)
+
+
+class RefBackend:
+    """flash_attn_func / flash_attn_varlen_func with the contract's signatures; records calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def flash_attn_func(self, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        learnable_sink=None, dropout_p=0.0, alibi_slopes=None, deterministic=False,
+                        return_lse=False, return_attn_probs=False):
+        assert q.dim() == 4 and k.dim() == 4, "flash_attn_func takes (batch, seqlen, heads, head_dim)"
+        assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
+        self.calls.append(dict(fn="dense", q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink))
+        return torch.stack([
+            _attend(q[b], k[b], v[b], softmax_scale, causal, window_size, softcap, learnable_sink)
+            for b in range(q.shape[0])
+        ])
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                               seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, learnable_sink=None, dropout_p=0.0,
+                               alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False):
+        assert q.dim() == 3 and k.dim() == 3, "flash_attn_varlen_func takes (total, heads, head_dim)"
+        assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+        self.calls.append(dict(fn="varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q.clone(),
+                               cu_seqlens_k=cu_seqlens_k.clone(), max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                               window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink))
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(cq) - 1):
+            if cq[b + 1] > cq[b]:
+                out[cq[b]:cq[b + 1]] = _attend(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
+                                               softmax_scale, causal, window_size, softcap, learnable_sink)
+        return out
+
+    def fns(self, fn):
+        return [c for c in self.calls if c["fn"] == fn]
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    """Inject the reference as the package's public kernels (the adapter looks them up per call)."""
+    rb = RefBackend()
+    monkeypatch.setattr(flash_attn4, "flash_attn_func", rb.flash_attn_func, raising=False)
+    monkeypatch.setattr(flash_attn4, "flash_attn_varlen_func", rb.flash_attn_varlen_func, raising=False)
+    return rb
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    return ta.register()
+
+
+def _module(is_causal=True, training=False):
+    m = torch.nn.Module()
+    m.is_causal = is_causal
+    m.train(training)
+    return m
+
+
+def _qkv(b, hq, hk, sq, sk, d=32, dv=None, dtype=torch.float32, gen=None):
+    dv = dv or d
+    q = torch.randn(b, hq, sq, d, generator=gen, dtype=dtype)
+    k = torch.randn(b, hk, sk, d, generator=gen, dtype=dtype)
+    v = torch.randn(b, hk, sk, dv, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+def _sdpa(q, k, v, allowed, scale=None):
+    """SDPA with an explicit (B, Sq, Sk) boolean mask; (B, H, S, D) in -> (B, Sq, Hq, Dv) out."""
+    rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+        attn_mask=allowed[:, None], scale=scale,
+    )
+    return out.transpose(1, 2)
+
+
+def _causal_allowed(b, sq, sk, key_valid=None, window=None):
+    i = torch.arange(sq).view(-1, 1)
+    j = torch.arange(sk).view(1, -1)
+    allowed = (j <= i + sk - sq).expand(b, sq, sk).clone()
+    if window is not None:  # transformers' sliding_window_overlay: kv_idx > q_idx - window
+        allowed &= j > i + sk - sq - window
+    if key_valid is not None:
+        allowed &= key_valid[:, None, :]
+    return allowed
+
+
+def _left_padding_mask(lengths, total):
+    j = torch.arange(total).view(1, -1)
+    return j >= (total - torch.as_tensor(lengths)).view(-1, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+
+def test_register_puts_both_functions_in_transformers_interfaces():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = ta.register("fa4_test_name")
+    assert name == "fa4_test_name"
+    assert ALL_ATTENTION_FUNCTIONS[name] is ta.attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS[name] is ta.padding_mask
+    assert ta.maybe_register() == ta.DEFAULT_NAME
+    assert ALL_ATTENTION_FUNCTIONS[ta.DEFAULT_NAME] is ta.attention_forward
+
+
+@pytest.mark.parametrize("bad", ["flash_fa4", "my-Flash", "org/fa4", "org/fa4:fn", ""])
+def test_register_rejects_names_transformers_would_reroute(bad):
+    with pytest.raises(ValueError):
+        ta.register(bad)
+
+
+def test_maybe_register_without_transformers_is_a_noop(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a, **k: None if n == "transformers" else real_find_spec(n, *a, **k))
+    assert ta.maybe_register("fa4_absent") is None
+
+
+def test_hub_constants_match_build_toml():
+    build_toml = REPO_ROOT / "build.toml"
+    if not build_toml.exists():
+        pytest.skip("no build.toml")
+    cfg = tomllib.loads(build_toml.read_text())
+    assert ta.HUB_REPO_ID == cfg["general"]["hub"]["repo-id"]
+    assert ta.HUB_VERSION == cfg["general"]["version"]
+    assert ta.HUB_ATTN_IMPLEMENTATION == f"{cfg['general']['hub']['repo-id']}@v{cfg['general']['version']}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention function on its own
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_layout_gqa_and_values(backend, hq, hk, causal):
+    gen = torch.Generator().manual_seed(hq * 10 + hk + causal)
+    b, s, d = 2, 37, 32
+    q, k, v = _qkv(b, hq, hk, s, s, d, gen=gen)
+    out, weights = ta.attention_forward(_module(causal), q, k, v, None, scaling=0.3)
+    assert weights is None
+    assert out.shape == (b, s, hq, d)
+    (call,) = backend.calls
+    assert call["fn"] == "dense"
+    # (B, S, H, D) views of the inputs, KV heads not repeated, no copy made by the adapter.
+    assert call["q"].shape == (b, s, hq, d) and call["k"].shape == (b, s, hk, d)
+    assert call["q"].data_ptr() == q.data_ptr() and call["k"].data_ptr() == k.data_ptr()
+    assert torch.equal(call["k"], k.transpose(1, 2))
+    assert call["causal"] is causal and call["window_size"] == (-1, -1)
+    assert call["softmax_scale"] == 0.3 and call["softcap"] == 0.0 and call["learnable_sink"] is None
+    allowed = _causal_allowed(b, s, s) if causal else torch.ones(b, s, s, dtype=torch.bool)
+    torch.testing.assert_close(out, _sdpa(q, k, v, allowed, scale=0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_is_causal_kwarg_overrides_module(backend):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _qkv(1, 2, 2, 9, 9, gen=gen)
+    out, _ = ta.attention_forward(_module(is_causal=True), q, k, v, None, is_causal=False)
+    assert backend.calls[-1]["causal"] is False
+    torch.testing.assert_close(out, _sdpa(q, k, v, torch.ones(1, 9, 9, dtype=torch.bool)), atol=1e-5, rtol=1e-5)
+    ta.attention_forward(_module(is_causal=False), q, k, v, None, is_causal=True)
+    assert backend.calls[-1]["causal"] is True
+
+
+def test_chunk_after_cache_is_bottom_right_causal(backend):
+    gen = torch.Generator().manual_seed(2)
+    b, sq, sk = 2, 5, 19
+    q, k, v = _qkv(b, 4, 2, sq, sk, gen=gen)
+    out, _ = ta.attention_forward(_module(), q, k, v, None)
+    assert backend.calls[-1]["causal"] is True
+    torch.testing.assert_close(out, _sdpa(q, k, v, _causal_allowed(b, sq, sk)), atol=1e-5, rtol=1e-5)
+
+
+def test_single_query_decode_step_is_sent_non_causal(backend):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _qkv(3, 4, 2, 1, 23, gen=gen)
+    out, _ = ta.attention_forward(_module(), q, k, v, None)
+    assert backend.calls[-1]["causal"] is False  # identical to causal for one bottom-right-aligned row
+    torch.testing.assert_close(out, _sdpa(q, k, v, torch.ones(3, 1, 23, dtype=torch.bool)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_unpads_to_varlen_and_repads_with_zeros(backend, side):
+    gen = torch.Generator().manual_seed(4 + (side == "right"))
+    b, s, hq, hk, d = 4, 29, 6, 2, 32
+    lengths = torch.randint(1, s + 1, (b,), generator=gen)
+    lengths[0] = s  # one full row
+    valid = _left_padding_mask(lengths, s)
+    if side == "right":
+        valid = valid.flip(-1)
+    q, k, v = _qkv(b, hq, hk, s, s, d, gen=gen)
+    out, _ = ta.attention_forward(_module(), q, k, v, valid)
+    assert out.shape == (b, s, hq, d)
+    (call,) = backend.calls
+    assert call["fn"] == "varlen"
+    expected_cu = F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+    assert torch.equal(call["cu_seqlens_q"], expected_cu) and torch.equal(call["cu_seqlens_k"], expected_cu)
+    assert call["max_seqlen_q"] == int(lengths.max()) and isinstance(call["max_seqlen_q"], int)
+    assert call["q"].shape == (int(lengths.sum()), hq, d) and call["k"].shape == (int(lengths.sum()), hk, d)
+    assert torch.count_nonzero(out[~valid]) == 0  # padded query positions are zeros
+    # Right padding keeps queries and keys top-left aligned, i.e. plain causal within each row.
+    i = torch.arange(s).view(-1, 1)
+    j = torch.arange(s).view(1, -1)
+    if side == "left":
+        allowed = _causal_allowed(b, s, s, key_valid=valid)
+    else:
+        allowed = (j <= i) & valid[:, None, :]
+    ref = _sdpa(q, k, v, allowed)
+    torch.testing.assert_close(out[valid], ref[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_padded_decode_step_and_padded_chunk(backend):
+    gen = torch.Generator().manual_seed(6)
+    b, sk, hq, hk = 3, 17, 4, 1
+    lengths = torch.tensor([17, 9, 3])
+    valid = _left_padding_mask(lengths, sk)
+    for sq in (1, 3):  # decode step, then a 3-token chunk on top of the cache
+        q, k, v = _qkv(b, hq, hk, sq, sk, gen=gen)
+        out, _ = ta.attention_forward(_module(), q, k, v, valid)
+        call = backend.calls[-1]
+        assert call["fn"] == "varlen" and call["causal"] is (sq > 1)
+        assert torch.equal(call["cu_seqlens_q"], torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32))
+        ref = _sdpa(q, k, v, _causal_allowed(b, sq, sk, key_valid=valid))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_noncausal_mask_with_fewer_queries_pads_keys_only(backend):
+    gen = torch.Generator().manual_seed(7)
+    b, sq, sk = 2, 5, 11  # e.g. cross-attention: the mask is the encoder's padding mask
+    valid = _left_padding_mask([11, 4], sk).flip(-1)
+    q, k, v = _qkv(b, 2, 2, sq, sk, gen=gen)
+    out, _ = ta.attention_forward(_module(is_causal=False), q, k, v, valid)
+    ref = _sdpa(q, k, v, valid[:, None, :].expand(b, sq, sk))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mask_shorter_than_keys_ignores_the_cache_tail(backend):
+    """Static cache: keys have the cache's full length, the mask covers the tokens seen so far."""
+    gen = torch.Generator().manual_seed(8)
+    b, sq, seen, cache = 2, 1, 13, 32
+    q, k, v = _qkv(b, 4, 2, sq, cache, gen=gen)
+    k[:, :, seen:] = 1e4  # garbage in the unused tail would dominate the softmax
+    v[:, :, seen:] = 1e4
+    for valid in (torch.ones(b, seen, dtype=torch.bool), _left_padding_mask([13, 6], seen)):
+        out, _ = ta.attention_forward(_module(), q, k, v, valid)
+        call = backend.calls[-1]
+        assert call["k"].shape[-3] in (seen, int(valid.sum()))  # dense (seen) or varlen (total)
+        assert call["fn"] == ("dense" if bool(valid.all()) else "varlen")
+        ref = _sdpa(q[..., :seen, :], k[:, :, :seen], v[:, :, :seen], _causal_allowed(b, sq, seen, key_valid=valid))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_mask_function_rules():
+    full = torch.ones(2, 10, dtype=torch.bool)
+    assert ta.padding_mask(2, 10, 10, attention_mask=full) is None
+    padded = full.clone()
+    padded[1, :5] = False
+    got = ta.padding_mask(2, 10, 10, attention_mask=padded)
+    assert got.dtype == torch.bool and torch.equal(got, padded)
+    assert torch.equal(ta.padding_mask(2, 10, 10, attention_mask=padded.long()), padded)
+    # sliding-window cache layers: the mask is cut to the last kv_length columns...
+    assert torch.equal(ta.padding_mask(2, 1, 6, kv_offset=4, attention_mask=padded), padded[:, -6:])
+    # ...and is dropped when that part has no padding
+    assert ta.padding_mask(2, 1, 5, kv_offset=5, attention_mask=padded) is None
+    # dynamic cache, nothing padded: nothing to do
+    assert ta.padding_mask(2, 1, 11, q_offset=10, attention_mask=None) is None
+    assert ta.padding_mask(2, 7, 7, attention_mask=None) is None
+    # static cache (keys longer than what was seen), nothing padded: an all-true mask of the seen length
+    m = ta.padding_mask(2, 1, 64, q_offset=torch.tensor(10), attention_mask=None, device="cpu")
+    assert m.dtype == torch.bool and m.shape == (2, 11) and bool(m.all())
+    # a static-cache mask shorter than kv_length comes back as it is, padded or not
+    assert torch.equal(ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=padded), padded)
+    assert torch.equal(ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=full), full)
+
+
+def test_packed_position_ids_go_varlen(backend):
+    gen = torch.Generator().manual_seed(9)
+    lens = [7, 1, 12, 5]
+    total = sum(lens)
+    q, k, v = _qkv(1, 4, 2, total, total, gen=gen)
+    position_ids = torch.cat([torch.arange(n) for n in lens]).view(1, -1)
+    out, _ = ta.attention_forward(_module(), q, k, v, None, position_ids=position_ids)
+    (call,) = backend.calls
+    assert call["fn"] == "varlen"
+    assert call["cu_seqlens_q"].tolist() == [0, 7, 8, 20, 25] and call["max_seqlen_q"] == 12
+    seq_id = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    allowed = _causal_allowed(1, total, total) & (seq_id[:, None] == seq_id[None, :])
+    torch.testing.assert_close(out, _sdpa(q, k, v, allowed), atol=1e-5, rtol=1e-5)
+    # plain increasing positions (one sequence, possibly offset) stay dense
+    ta.attention_forward(_module(), q, k, v, None, position_ids=torch.arange(total).view(1, -1) + 3)
+    assert backend.calls[-1]["fn"] == "dense"
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_cu_seq_lens_kwargs(backend, as_tensor):
+    gen = torch.Generator().manual_seed(10 + as_tensor)
+    lens = torch.tensor([3, 10, 6])
+    cu = F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+    total = int(lens.sum())
+    q, k, v = _qkv(1, 4, 4, total, total, gen=gen)
+    mx = lens.max() if as_tensor else int(lens.max())
+    out, _ = ta.attention_forward(_module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                  max_length_q=mx, max_length_k=mx)
+    (call,) = backend.calls
+    assert call["fn"] == "varlen" and torch.equal(call["cu_seqlens_k"], cu)
+    assert type(call["max_seqlen_q"]) is int and type(call["max_seqlen_k"]) is int and call["max_seqlen_q"] == 10
+    seq_id = torch.repeat_interleave(torch.arange(3), lens)
+    allowed = _causal_allowed(1, total, total) & (seq_id[:, None] == seq_id[None, :])
+    torch.testing.assert_close(out, _sdpa(q, k, v, allowed), atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_follows_transformers_flash_convention(backend):
+    gen = torch.Generator().manual_seed(12)
+    b, s, w = 2, 40, 9
+    q, k, v = _qkv(b, 4, 2, s, s, gen=gen)
+    out, _ = ta.attention_forward(_module(), q, k, v, None, sliding_window=w)
+    assert backend.calls[-1]["window_size"] == (w - 1, 0)
+    torch.testing.assert_close(out, _sdpa(q, k, v, _causal_allowed(b, s, s, window=w)), atol=1e-5, rtol=1e-5)
+    # non-causal: symmetric (w - 1, w - 1), as transformers' flash path sends it
+    ta.attention_forward(_module(is_causal=False), q, k, v, None, sliding_window=w)
+    assert backend.calls[-1]["window_size"] == (w - 1, w - 1)
+    # keys no longer than the window: no window at all (transformers does the same)
+    ta.attention_forward(_module(), q[:, :, :w], k[:, :, :w], v[:, :, :w], None, sliding_window=w)
+    assert backend.calls[-1]["window_size"] == (-1, -1)
+    # decode step with a window: right 0 and the left edge still applies
+    q1 = q[:, :, -1:]
+    out1, _ = ta.attention_forward(_module(), q1, k, v, None, sliding_window=w)
+    assert backend.calls[-1]["window_size"] == (w - 1, 0)
+    torch.testing.assert_close(out1, _sdpa(q1, k, v, _causal_allowed(b, 1, s, window=w)), atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_scaling_and_sinks_pass_through(backend):
+    gen = torch.Generator().manual_seed(13)
+    b, s, hq, hk, d = 2, 21, 4, 2, 32
+    q, k, v = _qkv(b, hq, hk, s, s, d, gen=gen)
+    q = q * 4  # large logits, so that the cap matters
+    sinks = torch.randn(hq, generator=gen).to(torch.bfloat16)
+    out, _ = ta.attention_forward(_module(), q, k, v, None, scaling=0.2, softcap=3.0, s_aux=sinks)
+    call = backend.calls[-1]
+    assert call["softcap"] == 3.0 and call["softmax_scale"] == 0.2
+    assert call["learnable_sink"].dtype == torch.float32 and torch.equal(call["learnable_sink"], sinks.float())
+    # eager formula: capped scores, a per-head sink logit in the softmax denominator
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = 3.0 * torch.tanh(q @ kr.transpose(-1, -2) * 0.2 / 3.0)
+    scores = scores.masked_fill(~_causal_allowed(b, s, s)[:, None], float("-inf"))
+    logits = torch.cat([scores, sinks.float().view(1, hq, 1, 1).expand(b, hq, s, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    torch.testing.assert_close(out, (probs @ vr).transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_errors(backend):
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = _qkv(1, 2, 2, 8, 8, gen=gen)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ta.attention_forward(_module(training=True), q, k, v, None, dropout=0.1)
+    assert backend.calls == []
+    ta.attention_forward(_module(training=False), q, k, v, None, dropout=0.1)  # eval: dropout is off
+    ta.attention_forward(_module(training=True), q, k, v, None, dropout=0.0)
+    with pytest.raises(ValueError, match="2-D"):
+        ta.attention_forward(_module(), q, k, v, torch.zeros(1, 1, 8, 8))
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        ta.attention_forward(_module(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ValueError):
+        ta.attention_forward(_module(), q[0], k[0], v[0], None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole models: attn_implementation="fa4" (reference backend) against transformers' own
+# ----------------------------------------------------------------------------------------------
+
+VOCAB = 256
+
+
+def _llama_config(**overrides):
+    cfg = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    return transformers.LlamaConfig(**cfg)
+
+
+def _model_pair(config, impl_ref="sdpa", impl="fa4", seed=0):
+    # Each model gets its own config: from_config records the implementation on the config object.
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl_ref).eval()
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl).eval()
+    ours.load_state_dict(ref.state_dict())
+    assert ref.config._attn_implementation == impl_ref and ours.config._attn_implementation == impl
+    assert ref.config is not ours.config
+    return ref, ours
+
+
+def _left_padded_batch(lengths, total, gen):
+    ids = torch.randint(3, VOCAB, (len(lengths), total), generator=gen)
+    mask = _left_padding_mask(lengths, total).long()
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@torch.no_grad()
+def test_llama_logits_match_sdpa(backend):
+    gen = torch.Generator().manual_seed(20)
+    ref, ours = _model_pair(_llama_config())
+    ids = torch.randint(3, VOCAB, (2, 33), generator=gen)
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
+    assert len(backend.fns("dense")) == ours.config.num_hidden_layers  # our path ran, once per layer
+    assert all(c["k"].shape[-2] == 2 for c in backend.calls)  # 2 KV heads, not repeated
+
+
+@torch.no_grad()
+def test_llama_left_padding_logits_match_sdpa(backend):
+    gen = torch.Generator().manual_seed(21)
+    ref, ours = _model_pair(_llama_config())
+    ids, mask = _left_padded_batch([30, 17, 4], 30, gen)
+    lo, lr = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(lo[valid], lr[valid], atol=1e-4, rtol=1e-4)
+    assert len(backend.fns("varlen")) == ours.config.num_hidden_layers and not backend.fns("dense")
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+@torch.no_grad()
+def test_llama_greedy_generation_matches_sdpa(backend, cache_implementation):
+    gen = torch.Generator().manual_seed(22)
+    ref, ours = _model_pair(_llama_config(), seed=1)
+    ids, mask = _left_padded_batch([19, 11, 6], 19, gen)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if cache_implementation:
+        kw["cache_implementation"] = cache_implementation
+    out_ref = ref.generate(ids, **kw)
+    out = ours.generate(ids, **kw)
+    assert out.shape == (3, 19 + 8)
+    assert torch.equal(out, out_ref)
+    # prefill and the 7 decode steps (single-query calls) of every layer went through us
+    layers = ours.config.num_hidden_layers
+    decode = [c for c in backend.calls
+              if (c["fn"] == "dense" and c["q"].shape[1] == 1) or (c["fn"] == "varlen" and c["max_seqlen_q"] == 1)]
+    assert len(decode) == 7 * layers and len(backend.calls) == 8 * layers
+    # and without padding, generation uses the dense path (no mask) or the seen-length mask (static)
+    backend.calls.clear()
+    full = torch.randint(3, VOCAB, (2, 12), generator=gen)
+    kw.pop("attention_mask")
+    assert torch.equal(ours.generate(full, attention_mask=torch.ones_like(full), **kw),
+                       ref.generate(full, attention_mask=torch.ones_like(full), **kw))
+
+
+@torch.no_grad()
+def test_llama_packed_sequences_match_separate_runs(backend):
+    gen = torch.Generator().manual_seed(23)
+    ref, ours = _model_pair(_llama_config())
+    lens = [9, 14, 5]
+    seqs = [torch.randint(3, VOCAB, (1, n), generator=gen) for n in lens]
+    packed = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lens]).view(1, -1)
+    logits = ours(packed, position_ids=position_ids).logits
+    expected = torch.cat([ref(s).logits for s in seqs], dim=1)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert backend.calls and all(c["fn"] == "varlen" for c in backend.calls)
+    # the same through FlashAttentionKwargs (cu_seq_lens + 0-d tensor max lengths)
+    backend.calls.clear()
+    cu = F.pad(torch.cumsum(torch.tensor(lens), 0), (1, 0)).to(torch.int32)
+    mx = torch.tensor(max(lens))
+    logits2 = ours(packed, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=mx, max_length_k=mx).logits
+    torch.testing.assert_close(logits2, expected, atol=1e-4, rtol=1e-4)
+    assert all(type(c["max_seqlen_q"]) is int for c in backend.calls)
+
+
+def test_llama_training_with_dropout_raises(backend):
+    _, ours = _model_pair(_llama_config(attention_dropout=0.1))
+    ours.train()
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ours(ids)
+
+
+@torch.no_grad()
+def test_gemma2_softcap_scaling_sliding_window_match_eager(backend):
+    gen = torch.Generator().manual_seed(24)
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=8, attn_logit_softcapping=2.0,
+        query_pre_attn_scalar=20, final_logit_softcapping=None, pad_token_id=0,
+    )
+    ref, ours = _model_pair(cfg, impl_ref="eager")
+    for layer in ref.model.layers:  # make the cap bite: larger q/k projections
+        layer.self_attn.q_proj.weight.mul_(8)
+    ours.load_state_dict(ref.state_dict())
+    ids, mask = _left_padded_batch([27, 15], 27, gen)
+    lo, lr = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(lo[valid], lr[valid], atol=1e-4, rtol=1e-4)
+    windows = {c["window_size"] for c in backend.calls}
+    assert windows == {(7, 0), (-1, -1)}  # one sliding layer, one full layer
+    assert all(c["softcap"] == 2.0 and c["softmax_scale"] == pytest.approx(20 ** -0.5) for c in backend.calls)
+
+
+@torch.no_grad()
+def test_gpt_oss_sinks_match_eager(backend):
+    gen = torch.Generator().manual_seed(25)
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        pad_token_id=0,
+    )
+    ref, ours = _model_pair(cfg, impl_ref="eager")
+    for layer in ref.model.layers:
+        layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=gen) * 2)
+    ours.load_state_dict(ref.state_dict())
+    ids, mask = _left_padded_batch([20, 13], 20, gen)
+    lo, lr = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(lo[valid], lr[valid], atol=1e-4, rtol=1e-4)
+    assert all(c["learnable_sink"] is not None for c in backend.calls)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hub string: transformers' own flash wrapper around our flash_attn_(varlen_)func
+# ----------------------------------------------------------------------------------------------
+
+
+# The package's real entry points, taken before any test substitutes them.
+_REAL_FUNCTIONS = {n: getattr(flash_attn4, n, None) for n in ("flash_attn_func", "flash_attn_varlen_func")}
+
+
+def _public_functions():
+    fns = dict(_REAL_FUNCTIONS)
+    if any(f is None for f in fns.values()):
+        pytest.skip("flash_attn4 does not export flash_attn_func / flash_attn_varlen_func yet")
+    return fns
+
+
+def test_transformers_sees_every_option_in_our_varlen_signature():
+    """transformers decides what to pass by reading flash_attn_varlen_func's parameter names."""
+    from transformers import modeling_flash_attention_utils as mfau
+
+    fns = _public_functions()
+    process = mfau._lazy_define_process_function(fns["flash_attn_varlen_func"])
+    supports = process.keywords["supports_mapping"]
+    for name in ("softmax_scale", "window_size", "softcap", "learnable_sink", "max_seqlen_q", "max_seqlen_k"):
+        assert supports.get(name), f"transformers would not pass {name!r} to our flash_attn_varlen_func"
+    for fn in fns.values():
+        params = inspect.signature(fn).parameters
+        assert {"causal", "softmax_scale", "window_size", "softcap", "learnable_sink"} <= set(params)
+    # s_aux goes in as learnable_sink (the FA4 name); the legacy name must not shadow it
+    assert not supports.get("s_aux")
+
+
+@pytest.fixture
+def hub_kernel(monkeypatch, backend):
+    """Make transformers' Hub loader return our package, with the reference behind its real signatures."""
+    from transformers import modeling_flash_attention_utils as mfau
+    from transformers.integrations import hub_kernels
+
+    fns = _public_functions()
+    module = types.ModuleType("flash_attn4_hub_stand_in")
+    for name, real in fns.items():
+        # transformers reads the real signature (inspect follows __wrapped__), the reference runs.
+        setattr(module, name, functools.wraps(real)(functools.partial(getattr(backend, name))))
+    requests = []
+
+    def fake_get_kernel(repo_id, revision=None, version=None, allow_all_kernels=False, **kwargs):
+        requests.append(dict(repo_id=repo_id, revision=revision, version=version))
+        return module
+
+    monkeypatch.setattr(hub_kernels, "get_kernel", fake_get_kernel)
+    monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(mfau, "_loaded_implementation", None)  # forget any previously loaded flash impl
+    return requests
+
+
+@torch.no_grad()
+def test_hub_string_runs_transformers_flash_wrapper_on_our_functions(hub_kernel, backend):
+    gen = torch.Generator().manual_seed(30)
+    ref, ours = _model_pair(_llama_config(), impl=ta.HUB_ATTN_IMPLEMENTATION)
+    assert hub_kernel and hub_kernel[0]["repo_id"] == ta.HUB_REPO_ID
+    assert hub_kernel[0]["revision"] == f"v{ta.HUB_VERSION}"  # the "@v1" pins the branch in every version
+    ids, mask = _left_padded_batch([25, 9], 25, gen)
+    lo, lr = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(lo[valid], lr[valid], atol=1e-4, rtol=1e-4)
+    assert backend.fns("varlen")
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(ours.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+@torch.no_grad()
+def test_hub_string_sliding_window_model(hub_kernel, backend):
+    """transformers' wrapper sends causal=True with window (w-1, w-1): causal must clip the right side."""
+    gen = torch.Generator().manual_seed(31)
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=6, pad_token_id=0, max_position_embeddings=256,
+    )
+    ref, ours = _model_pair(cfg, impl=ta.HUB_ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, VOCAB, (2, 24), generator=gen)
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
+    assert {c["window_size"] for c in backend.calls} == {(5, 5)} and all(c["causal"] for c in backend.calls)
