@@ -5,11 +5,14 @@ BUILD_DIR ?= build
 
 .PHONY: setup build compile test test-gpu demo bench clean
 
-# Pinned dependencies and the package itself (editable). torch comes first and explicitly:
-# `torch==2.13.0` is the CPU wheel on this project's machines (pip takes it from local disk); on a
-# machine with a GPU, install the CUDA build of torch you need before running `make setup`.
+# torch is installed first and explicitly: `torch==2.13.0` is the CPU wheel that pip takes from
+# local disk on this project's machines. On a GPU machine, install the CUDA build of torch you want
+# first and run `make setup TORCH=` to keep it.
+TORCH ?= torch==2.13.0
+
+# Pinned dependencies and the package itself (editable, with the dev extras).
 setup:
-	$(PYTHON) -m pip install "torch==2.13.0"
+	$(if $(TORCH),$(PYTHON) -m pip install "$(TORCH)")
 	$(PYTHON) -m pip install -e ".[dev]"
 
 # The Hub tree: $(BUILD_DIR)/torch-cuda/ (module files, generated _ops.py, metadata.json).
