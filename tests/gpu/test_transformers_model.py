@@ -1,0 +1,236 @@
+"""transformers models on the real kernels (GPU): attn_implementation="fa4" and the Hub string.
+
+Small models built from configs (random weights, nothing downloaded), bf16 on CUDA. Tolerances follow
+the FlashAttention convention: a bf16 run is compared with a float32 run of the same weights, and our
+error may be at most twice the error of transformers' own bf16 attention (sdpa, or eager where sdpa
+lacks a feature) plus a small absolute slack. Greedy generation must pick, at every step, a token
+that the float32 model also ranks first up to that same bf16 noise, and must agree with the bf16
+reference except where the float32 model itself sees a near tie.
+
+Run: python -m pytest tests/gpu/test_transformers_model.py -m gpu -q
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+transformers = pytest.importorskip("transformers")
+
+import flash_attn4  # noqa: E402
+from flash_attn4 import transformers_adapter as ta  # noqa: E402
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+VOCAB = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    return ta.register()
+
+
+def _llama_config(head_dim, **overrides):
+    heads = 4
+    cfg = dict(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+               num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim,
+               max_position_embeddings=512, initializer_range=0.05, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2)
+    cfg.update(overrides)
+    return transformers.LlamaConfig(**cfg)
+
+
+def _models(config, impl="fa4", ref_impl="sdpa", seed=0, tweak=None):
+    """(float32 reference, bf16 reference, bf16 ours) with identical weights, in eval mode."""
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=ref_impl)
+    if tweak is not None:
+        with torch.no_grad():
+            tweak(base)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+    ours.load_state_dict(base.state_dict())
+    ref16 = copy.deepcopy(base)
+    assert ours.config._attn_implementation == impl and ref16.config._attn_implementation == ref_impl
+    return (base.to(DEVICE).eval(), ref16.to(DEVICE, DTYPE).eval(), ours.to(DEVICE, DTYPE).eval())
+
+
+def _left_padded(lengths, total, gen):
+    ids = torch.randint(3, VOCAB, (len(lengths), total), generator=gen)
+    j = torch.arange(total).view(1, -1)
+    mask = (j >= (total - torch.tensor(lengths)).view(-1, 1)).long()
+    return ids.masked_fill(mask == 0, 0).to(DEVICE), mask.to(DEVICE)
+
+
+def _assert_logits_close(ref32, ref16, ours, ids, mask=None, **kw):
+    with torch.no_grad():
+        l32 = ref32(ids, attention_mask=mask, **kw).logits.float()
+        l16 = ref16(ids, attention_mask=mask, **kw).logits.float()
+        lo = ours(ids, attention_mask=mask, **kw).logits.float()
+    valid = mask.bool() if mask is not None else torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    assert torch.isfinite(lo[valid]).all()
+    err_ours = (lo - l32)[valid].abs().max().item()
+    err_ref = (l16 - l32)[valid].abs().max().item()
+    slack = 1e-2 * l32[valid].abs().max().item()
+    assert err_ours <= 2 * err_ref + slack, f"fa4 error {err_ours:.4g} vs bf16 reference error {err_ref:.4g}"
+    return err_ref + slack
+
+
+def _assert_greedy_ok(ref32, ids, mask, seq_ours, seq_ref16, tol):
+    """Both bf16 continuations must be greedy under the float32 model up to tol; they may part ways only
+    at a near tie of the float32 model."""
+    prompt = ids.shape[1]
+    new = seq_ours.shape[1] - prompt
+    assert seq_ours.shape == seq_ref16.shape and new > 0
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
+    with torch.no_grad():
+        logits = {name: ref32(seq, attention_mask=full_mask).logits.float()
+                  for name, seq in (("ours", seq_ours), ("ref", seq_ref16))}
+    for name, seq in (("ours", seq_ours), ("ref", seq_ref16)):
+        step = logits[name][:, prompt - 1:-1]  # the logits that chose each new token
+        chosen = step.gather(-1, seq[:, prompt:, None]).squeeze(-1)
+        gap = step.max(-1).values - chosen
+        assert (gap <= tol).all(), f"{name}: a generated token trails the float32 argmax by {gap.max():.4g} > {tol:.4g}"
+    for b in range(seq_ours.shape[0]):
+        diff = (seq_ours[b, prompt:] != seq_ref16[b, prompt:]).nonzero()
+        if diff.numel():
+            t = prompt + diff[0, 0].item()
+            step = logits["ref"][b, t - 1]
+            a, c = seq_ours[b, t].item(), seq_ref16[b, t].item()
+            assert abs(step[a] - step[c]).item() <= tol, (
+                f"row {b}: fa4 and the bf16 reference chose {a} and {c} at step {t - prompt}, not a near tie"
+            )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_llama_logits_without_and_with_left_padding(head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    ref32, ref16, ours = _models(_llama_config(head_dim))
+    ids = torch.randint(3, VOCAB, (2, 77), generator=gen).to(DEVICE)
+    _assert_logits_close(ref32, ref16, ours, ids)
+    ids, mask = _left_padded([130, 77, 5, 129], 130, gen)
+    _assert_logits_close(ref32, ref16, ours, ids, mask)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_llama_greedy_generation(head_dim, cache_implementation):
+    gen = torch.Generator().manual_seed(1000 + head_dim)
+    ref32, ref16, ours = _models(_llama_config(head_dim), seed=1)
+    ids, mask = _left_padded([40, 23, 9], 40, gen)
+    tol = _assert_logits_close(ref32, ref16, ours, ids, mask)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if cache_implementation:
+        kw["cache_implementation"] = cache_implementation
+    with torch.no_grad():
+        seq_ours = ours.generate(ids, **kw)
+        seq_ref16 = ref16.generate(ids, **kw)
+    _assert_greedy_ok(ref32, ids, mask, seq_ours, seq_ref16, 2 * tol)
+
+
+def test_llama_packed_sequences():
+    gen = torch.Generator().manual_seed(7)
+    ref32, ref16, ours = _models(_llama_config(128))
+    lens = [33, 70, 1, 18]
+    seqs = [torch.randint(3, VOCAB, (1, n), generator=gen).to(DEVICE) for n in lens]
+    packed = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lens]).view(1, -1).to(DEVICE)
+    with torch.no_grad():
+        l32 = torch.cat([ref32(s).logits.float() for s in seqs], dim=1)
+        l16 = torch.cat([ref16(s).logits.float() for s in seqs], dim=1)
+        lo = ours(packed, position_ids=position_ids).logits.float()
+    err_ours, err_ref = (lo - l32).abs().max().item(), (l16 - l32).abs().max().item()
+    assert err_ours <= 2 * err_ref + 1e-2 * l32.abs().max().item()
+
+
+def test_training_forward_then_backward_raises():
+    ref32, _, ours = _models(_llama_config(64))
+    ours.train()
+    ids = torch.randint(3, VOCAB, (2, 64)).to(DEVICE)
+    logits = ours(ids).logits
+    assert logits.requires_grad and torch.isfinite(logits).all()
+    with pytest.raises(NotImplementedError):
+        logits.float().logsumexp(-1).mean().backward()
+
+
+def test_training_with_attention_dropout_raises():
+    _, _, ours = _models(_llama_config(64, attention_dropout=0.1))
+    ours.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ours(torch.randint(3, VOCAB, (1, 16)).to(DEVICE))
+
+
+def test_gemma2_softcap_scaling_sliding_window():
+    """Softcap, a non-default scale and alternating sliding/full layers; eager is the reference (sdpa has
+    no softcap)."""
+    gen = torch.Generator().manual_seed(11)
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=32, attn_logit_softcapping=5.0,
+        query_pre_attn_scalar=48, final_logit_softcapping=None, pad_token_id=0, initializer_range=0.05,
+    )
+
+    def sharpen(model):  # larger q projections so that the cap changes the result
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+
+    ref32, ref16, ours = _models(cfg, ref_impl="eager", tweak=sharpen)
+    ids, mask = _left_padded([150, 100, 31], 150, gen)
+    _assert_logits_close(ref32, ref16, ours, ids, mask)
+    ids = torch.randint(3, VOCAB, (2, 97), generator=gen).to(DEVICE)
+    _assert_logits_close(ref32, ref16, ours, ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hub string through transformers' own flash wrapper (the device has no `kernels` package:
+# transformers' loader is pointed at this package instead)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hub_string(monkeypatch):
+    from transformers import modeling_flash_attention_utils as mfau
+    from transformers.integrations import hub_kernels
+
+    def get_kernel(repo_id, revision=None, version=None, allow_all_kernels=False, **kwargs):
+        assert repo_id == ta.HUB_REPO_ID
+        module = types.ModuleType("flash_attn4_hub")
+        module.flash_attn_func = flash_attn4.flash_attn_func
+        module.flash_attn_varlen_func = flash_attn4.flash_attn_varlen_func
+        return module
+
+    monkeypatch.setattr(hub_kernels, "get_kernel", get_kernel)
+    monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(mfau, "_loaded_implementation", None)
+    return ta.HUB_ATTN_IMPLEMENTATION
+
+
+def test_hub_string_llama(hub_string):
+    gen = torch.Generator().manual_seed(21)
+    ref32, ref16, ours = _models(_llama_config(128), impl=hub_string)
+    ids = torch.randint(3, VOCAB, (2, 77), generator=gen).to(DEVICE)
+    _assert_logits_close(ref32, ref16, ours, ids)
+    ids, mask = _left_padded([90, 41], 90, gen)
+    tol = _assert_logits_close(ref32, ref16, ours, ids, mask)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        _assert_greedy_ok(ref32, ids, mask, ours.generate(ids, **kw), ref16.generate(ids, **kw), 2 * tol)
+
+
+def test_hub_string_sliding_window(hub_string):
+    """transformers sends causal=True with window_size=(w - 1, w - 1): causal must clip the right side."""
+    gen = torch.Generator().manual_seed(22)
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, sliding_window=48, pad_token_id=0, max_position_embeddings=512,
+        initializer_range=0.05,
+    )
+    ref32, ref16, ours = _models(cfg, impl=hub_string)
+    ids = torch.randint(3, VOCAB, (2, 200), generator=gen).to(DEVICE)
+    _assert_logits_close(ref32, ref16, ours, ids)
+    ids, mask = _left_padded([200, 120], 200, gen)
+    _assert_logits_close(ref32, ref16, ours, ids, mask)
