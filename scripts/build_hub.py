@@ -110,11 +110,6 @@ def python_depends(config: dict, backend: str) -> list[str]:
     return list(general.get("python-depends", [])) + list(general.get(backend, {}).get("python-depends", []))
 
 
-def kernel_depends(config: dict, backend: str) -> list:
-    general = config["general"]
-    return list(general.get("kernel-depends", [])) + list(general.get(backend, {}).get("kernel-depends", []))
-
-
 def backend_archs(config: dict, backend: str) -> list[str] | None:
     key = ARCH_KEYS.get(backend)
     archs = config.get("torch-noarch", {}).get(key) if key else None
@@ -128,7 +123,7 @@ def module_files(module_dir: Path, pyext: tuple[str, ...]) -> dict[str, Path]:
     for dirpath, dirnames, filenames in os.walk(module_dir, followlinks=True):
         real = Path(dirpath).resolve()
         if real in seen_dirs:
-            raise BuildError(f"symlink cycle at {dirpath}")
+            raise BuildError(f"{dirpath}: directory reached twice through symlinks (a cycle?)")
         seen_dirs.add(real)
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(filenames):
@@ -170,7 +165,7 @@ def metadata(config: dict, backend: str, ops_id: str, variant_dir: Path) -> dict
     meta.update(
         {
             "python-depends": python_depends(config, backend),
-            "kernel-depends": kernel_depends(config, backend),
+            "kernel-depends": [],
             "backend": backend_info,
             "digest": file_digest(variant_dir),
         }
@@ -206,8 +201,11 @@ def build_variant(root: Path, config: dict, backend: str, build_dir: Path, uid: 
 
 def build(root: Path = REPO_ROOT, build_dir: Path | None = None, uid: str | None = None) -> list[Path]:
     config = load_config(root)
-    if config["general"].get("edition") != 5 or "torch-noarch" not in config:
+    general = config["general"]
+    if general.get("edition") != 5 or "torch-noarch" not in config:
         raise BuildError("only edition-5 [torch-noarch] kernels are supported")
+    if "kernel-depends" in general or any("kernel-depends" in general.get(b, {}) for b in general["backends"]):
+        raise BuildError("kernel-depends is not supported by this build script")
     build_dir = build_dir if build_dir is not None else root / "build"
     uid = uid or unique_id(root)
     return [build_variant(root, config, b, build_dir, uid) for b in config["general"]["backends"]]
