@@ -2,10 +2,22 @@
 
 Public API: :func:`flash_attn_func` and :func:`flash_attn_varlen_func` (FlashAttention-compatible).
 Environment overrides are documented in ``settings``.
+
+transformers: when transformers is already imported, importing this package registers
+``attn_implementation="fa4"`` (see ``transformers_adapter``); otherwise call
+``flash_attn4.transformers_adapter.register()`` - importing transformers here would cost every user
+of the plain functions seconds.
 """
+
+import sys as _sys
 
 from .interface import flash_attn_func, flash_attn_varlen_func
 
 __version__ = "0.1.0"
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "__version__"]
+
+if "transformers" in _sys.modules:
+    from . import transformers_adapter as _transformers_adapter
+
+    _transformers_adapter.maybe_register()

@@ -69,10 +69,10 @@ def flash_attn_func(
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     validate.check_batched(q, k, v)
     validate.check_learnable_sink(learnable_sink, q.shape[2])
-    validate.check_devices(q, k=k, v=v, learnable_sink=learnable_sink)
     softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
+    validate.check_devices(q, k=k, v=v, learnable_sink=learnable_sink)
     out, lse = ops.fwd(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
                        q.shape[1])
     return (out, lse) if return_lse else out
@@ -128,16 +128,16 @@ def flash_attn_varlen_func(
     batch = cu_seqlens_q.shape[0] - 1
     validate.check_seqused_k(seqused_k, batch)
     validate.check_learnable_sink(learnable_sink, q.shape[1])
-    validate.check_devices(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           seqused_k=seqused_k, learnable_sink=learnable_sink)
-    max_q = validate.as_max_seqlen("max_seqlen_q", max_seqlen_q)
-    if not isinstance(max_seqlen_k, torch.Tensor):  # unused by the kernel: a tensor is not read (no sync)
-        validate.as_max_seqlen("max_seqlen_k", max_seqlen_k)
-    if max_q is None:
-        max_q = _default_max_seqlen_q(cu_seqlens_q, q.shape[0])
     softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
+    max_q = validate.as_max_seqlen("max_seqlen_q", max_seqlen_q)
+    if not isinstance(max_seqlen_k, torch.Tensor):  # unused by the kernel: a tensor is not read (no sync)
+        validate.as_max_seqlen("max_seqlen_k", max_seqlen_k)
+    validate.check_devices(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           seqused_k=seqused_k, learnable_sink=learnable_sink)
+    if max_q is None:
+        max_q = _default_max_seqlen_q(cu_seqlens_q, q.shape[0])
     out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
                        causal, left, right, max_q)
     return (out, lse) if return_lse else out

@@ -180,18 +180,18 @@ def check_softcap(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise ValueError(f"softcap must be a float (0 = off), got {softcap!r}")
     softcap = float(softcap)
-    if not math.isfinite(softcap) or softcap < 0:
+    if not 0.0 <= softcap < math.inf:  # also false for NaN; comparisons (not math.isfinite) trace in dynamo
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
     return softcap
 
 
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        return head_dim ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise ValueError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
     softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale):
+    if not -math.inf < softmax_scale < math.inf:
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     return softmax_scale
 

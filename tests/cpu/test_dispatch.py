@@ -1,0 +1,157 @@
+"""Dispatch: capability -> compile target (with a mocked device table), tile choice, config building."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from flash_attn4 import device_info, dispatch
+from flash_attn4.fa4_kernels import arch as arch_mod
+from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.config import ForwardConfig
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Replace the torch device query with a table entry; returns a setter."""
+    def set_device(name, capability, sm_count=132):
+        info = device_info.DeviceInfo(index=0, name=name, capability=capability, sm_count=sm_count)
+        monkeypatch.setattr(device_info, "get_device_info", lambda device: info)
+    return set_device
+
+
+@pytest.fixture
+def sm100_implemented(monkeypatch):
+    table = dict(arch_mod.IMPLEMENTED)
+    table[Arch.SM100] = ("forward",)
+    monkeypatch.setattr(dispatch, "IMPLEMENTED", table)
+
+
+def test_hopper_is_sm90(fake_device):
+    fake_device("NVIDIA H200", (9, 0))
+    assert dispatch.arch_for_device("cuda:0") is Arch.SM90
+
+
+@pytest.mark.parametrize("cap,name", [((10, 0), "NVIDIA B200"), ((10, 3), "NVIDIA B300")])
+def test_blackwell_not_implemented_yet(fake_device, cap, name):
+    if "forward" in arch_mod.IMPLEMENTED.get(Arch.SM100, ()):
+        pytest.skip("sm100 forward is implemented now; covered by test_blackwell_when_implemented")
+    fake_device(name, cap)
+    with pytest.raises(NotImplementedError, match="Blackwell kernels are not implemented yet") as info:
+        dispatch.arch_for_device("cuda:0")
+    assert name in str(info.value) and f"{cap[0]}.{cap[1]}" in str(info.value)
+
+
+@pytest.mark.parametrize("cap", [(10, 0), (10, 3)])
+def test_blackwell_when_implemented(fake_device, sm100_implemented, cap):
+    fake_device("NVIDIA B200", cap)
+    assert dispatch.arch_for_device("cuda:0") is Arch.SM100
+
+
+@pytest.mark.parametrize("cap,name", [((8, 0), "NVIDIA A100-SXM4-80GB"), ((12, 0), "NVIDIA GeForce RTX 5090"),
+                                      ((8, 9), "NVIDIA L4"), ((9, 1), "hypothetical sm91")])
+def test_unsupported_gpu_names_device_capability_and_support(fake_device, cap, name):
+    fake_device(name, cap)
+    with pytest.raises(RuntimeError) as info:
+        dispatch.arch_for_device("cuda:0")
+    msg = str(info.value)
+    assert name in msg
+    assert f"{cap[0]}.{cap[1]}" in msg
+    assert "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)" in msg
+
+
+def test_unknown_kernel_kind_on_hopper():
+    with pytest.raises(NotImplementedError, match="backward"):
+        dispatch.arch_for_capability((9, 0), "NVIDIA H100", kernel="backward")
+
+
+def test_device_info_is_cached_per_index(monkeypatch):
+    calls = []
+
+    class Props:
+        name, major, minor, multi_processor_count = "NVIDIA H100 80GB HBM3", 9, 0, 132
+
+    def fake_props(index):
+        calls.append(index)
+        return Props()
+
+    monkeypatch.setattr(device_info.torch.cuda, "get_device_properties", fake_props)
+    device_info.clear_cache()
+    try:
+        for _ in range(3):
+            info = device_info.get_device_info(1)
+        device_info.get_device_info(2)
+        assert info.capability == (9, 0) and info.sm_count == 132 and info.capability_str == "9.0"
+        assert calls == [1, 2]
+    finally:
+        device_info.clear_cache()
+
+
+def test_device_index_rejects_cpu():
+    with pytest.raises(ValueError, match="expected a CUDA device"):
+        device_info.device_index("cpu")
+
+
+# ---- heuristics ----
+
+
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(ForwardConfig)}
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+def test_choose_tiles_defaults_up_to_128(d, causal, local):
+    tiles = dispatch.choose_tiles(Arch.SM90, d, d, causal, local)
+    assert tiles == {k: DEFAULTS[k] for k in ("tile_m", "tile_n", "num_stages")}
+
+
+@pytest.mark.parametrize("d,dv", [(192, 192), (192, 128), (256, 256), (160, 160)])
+def test_choose_tiles_large_head_dims_shrink_tile_n(d, dv):
+    tiles = dispatch.choose_tiles(Arch.SM90, d, dv, False, False)
+    assert tiles["tile_m"] == DEFAULTS["tile_m"]
+    assert tiles["tile_n"] < DEFAULTS["tile_n"]
+    assert tiles["tile_n"] % 16 == 0
+    # larger head dim never gets a larger K/V tile
+    assert dispatch.choose_tiles(Arch.SM90, 256, 256, False, False)["tile_n"] <= tiles["tile_n"]
+
+
+def test_choose_tiles_matches_kernel_set_of_the_compiler():
+    """The torch layer must ask for the configurations CI compiles (fa4_kernels.compile.kernel_set)."""
+    compile_mod = pytest.importorskip("flash_attn4.fa4_kernels.compile")
+    for cfg in compile_mod.kernel_set(Arch.SM90):
+        tiles = dispatch.choose_tiles(cfg.arch, cfg.head_dim, cfg.head_dim_v, cfg.causal, cfg.local)
+        assert (cfg.tile_m, cfg.tile_n, cfg.num_stages) == (tiles["tile_m"], tiles["tile_n"], tiles["num_stages"]), cfg
+
+
+def test_forward_config_fields_and_cache():
+    flags = dict(causal=True, local=False, has_softcap=False, varlen=True, has_seqused_k=True, has_sink=False)
+    cfg = dispatch.forward_config(Arch.SM90, "float16", 96, 96, **flags)
+    assert isinstance(cfg, ForwardConfig)
+    assert (cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v) == (Arch.SM90, "float16", 96, 96)
+    assert cfg.causal and cfg.varlen and cfg.has_seqused_k and not cfg.has_sink
+    assert dispatch.forward_config(Arch.SM90, "float16", 96, 96, **flags) is cfg
+
+
+def test_forward_config_has_no_size_parameters():
+    """The compile key can only contain what forward_config is given; no batch/length parameter exists,
+    and the key of random configs never mentions sizes."""
+    import inspect
+
+    params = set(inspect.signature(dispatch.forward_config).parameters)
+    assert not params & {"batch", "seqlen_q", "seqlen_k", "max_seqlen_q", "total_q", "num_heads"}
+    rng = random.Random()
+    d = rng.choice([64, 128, 256])
+    cfg = dispatch.forward_config(Arch.SM90, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
+                                  varlen=False, has_seqused_k=False, has_sink=False)
+    assert not any(part.startswith(("batch", "seqlen", "max_seqlen")) for part in cfg.key()[1:])
+
+
+def test_dtype_name():
+    import torch
+
+    assert dispatch.dtype_name(torch.bfloat16) == "bfloat16"
+    assert dispatch.dtype_name(torch.float16) == "float16"
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        dispatch.dtype_name(torch.float32)

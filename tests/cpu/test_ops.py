@@ -1,0 +1,284 @@
+"""The custom op, its fake implementation, torch.compile and autograd - on CPU.
+
+What these tests prove and what they do not: the real kernel needs a GPU, so here the compile step is
+replaced by a *torch stand-in* that implements the kernel call convention (ForwardConfig docstring) with
+tests/reference.py, and CPU tensors are let through the device check. That exercises everything of the
+torch layer around the kernel - validation, mask canonicalisation, the op schema, dispatch to a
+ForwardConfig, the compile cache, the argument order of the kernel call, output allocation, the fake
+implementation, torch.compile tracing and the autograd stub. It says nothing about the kernel's numerics
+(tests/gpu does that).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_attn4 import compile_cache, dispatch, flash_attn_func, flash_attn_varlen_func, ops, validate
+from flash_attn4._ops import add_op_namespace_prefix
+from flash_attn4.fa4_kernels.arch import Arch
+from tests.reference import attention_ref, random_cu_seqlens
+
+BF16 = torch.bfloat16
+
+
+def torch_kernel(cfg, calls):
+    """A stand-in for compile_forward(cfg): same call convention, computed with the reference."""
+
+    def run(q, k, v, out, lse, cu_q, cu_k, seqused_k, sink, softmax_scale, softcap, window_left, window_right,
+            max_seqlen_q):
+        calls.append(cfg)
+        assert isinstance(softmax_scale, float) and isinstance(softcap, float)
+        assert all(isinstance(x, int) for x in (window_left, window_right, max_seqlen_q))
+        assert (cu_q is not None) == (cu_k is not None) == cfg.varlen
+        assert (seqused_k is not None) == cfg.has_seqused_k
+        assert (sink is not None) == cfg.has_sink
+        assert sink is None or sink.dtype == torch.float32
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32
+        if cfg.varlen:
+            assert max_seqlen_q >= int((cu_q[1:] - cu_q[:-1]).max())
+        else:
+            assert max_seqlen_q == q.shape[1]
+        window = (window_left, window_right) if cfg.local else (-1, -1)
+        o, l = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=cfg.causal, window_size=window,
+                             softcap=softcap if cfg.has_softcap else 0.0, learnable_sink=sink,
+                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k)
+        out.copy_(o)
+        lse.copy_(l)
+
+    return run
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    """CPU tensors pass validation, dispatch says sm90, compiling yields the torch stand-in.
+    Returns the list of configs the stand-in was called with."""
+    calls = []
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": Arch.SM90)
+    monkeypatch.setattr(compile_cache, "_compile_forward", lambda cfg: torch_kernel(cfg, calls))
+    monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
+    compile_cache.clear()
+    yield calls
+    compile_cache.clear()
+
+
+def rand_qkv(b, sq, sk, hq, hk, d, dv=None, dtype=BF16):
+    dv = d if dv is None else dv
+    return (torch.randn(b, sq, hq, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
+            torch.randn(b, sk, hk, dv, dtype=dtype))
+
+
+def rand_varlen(batch, max_len, hq, hk, d, allow_zero=True):
+    cu_q = random_cu_seqlens(batch, max_len, allow_zero=allow_zero)
+    cu_k = random_cu_seqlens(batch, max_len, allow_zero=allow_zero)
+    q = torch.randn(int(cu_q[-1]), hq, d, dtype=BF16)
+    k = torch.randn(int(cu_k[-1]), hk, d, dtype=BF16)
+    v = torch.randn(int(cu_k[-1]), hk, d, dtype=BF16)
+    return q, k, v, cu_q, cu_k
+
+
+def test_op_is_registered_in_the_build_namespace():
+    name = add_op_namespace_prefix("fwd")
+    ns, op = name.split("::")
+    packet = getattr(getattr(torch.ops, ns), op)
+    schema = packet.default._schema
+    assert not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    assert [r.type.kind() for r in schema.returns] == ["TensorType", "TensorType"]
+
+
+# ---- fake implementation ----
+
+
+def test_fake_shapes_batched_match_real(cpu_kernel):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    b, sq, sk, hq, hk, d, dv = 2, 17, 33, 6, 2, 64, 32
+    with FakeTensorMode():
+        q = torch.empty(b, sq, hq, d, dtype=BF16, device="cuda")
+        k = torch.empty(b, sk, hk, d, dtype=BF16, device="cuda")
+        v = torch.empty(b, sk, hk, dv, dtype=BF16, device="cuda")
+        out_f, lse_f = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out_f.shape == (b, sq, hq, dv) and out_f.dtype == BF16 and out_f.device.type == "cuda"
+    assert lse_f.shape == (b, hq, sq) and lse_f.dtype == torch.float32 and lse_f.device.type == "cuda"
+    out, lse = flash_attn_func(*rand_qkv(b, sq, sk, hq, hk, d, dv), causal=True, return_lse=True)
+    assert out.shape == out_f.shape and out.stride() == out_f.stride()
+    assert lse.shape == lse_f.shape and lse.stride() == lse_f.stride()
+
+
+def test_fake_shapes_varlen_match_real(cpu_kernel):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, cu_q, cu_k = rand_varlen(4, 20, 8, 1, 128)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fcq, fck = (mode.from_tensor(t) for t in (q, k, v, cu_q, cu_k))
+        out_f, lse_f = flash_attn_varlen_func(fq, fk, fv, fcq, fck, max_seqlen_q=20, return_lse=True)
+    assert out_f.shape == out.shape == (q.shape[0], 8, 128) and out_f.stride() == out.stride()
+    assert lse_f.shape == lse.shape == (8, q.shape[0]) and lse_f.dtype == torch.float32
+
+
+def test_opcheck(cpu_kernel):
+    """torch.library.opcheck: schema, fake vs real implementation, autograd registration, AOT dispatch."""
+    q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
+    sink = torch.randn(4)
+    ns, name = add_op_namespace_prefix("fwd").split("::")
+    op = getattr(getattr(torch.ops, ns), name)
+    torch.library.opcheck(op, (q, k, v, None, None, None, sink, 0.125, 0.0, True, -1, 0, 9))
+    vq, vk, vv, cu_q, cu_k = rand_varlen(3, 12, 4, 2, 64, allow_zero=False)
+    max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    torch.library.opcheck(op, (vq, vk, vv, cu_q, cu_k, None, None, 0.1, 5.0, False, 3, 2, max_q))
+
+
+# ---- end to end through the public API with the stand-in ----
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, -1)), (False, (4, 2)),
+                                           (False, (-1, 0))])
+@pytest.mark.parametrize("sq,sk", [(7, 7), (5, 19), (19, 5)])
+def test_public_api_matches_reference(cpu_kernel, causal, window, sq, sk):
+    q, k, v = rand_qkv(2, sq, sk, 4, 2, 64)
+    sink = torch.randn(4)
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=3.0, learnable_sink=sink,
+                               return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window, softcap=3.0, learnable_sink=sink)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    cfg = cpu_kernel[-1]
+    assert cfg.causal == (causal and window[0] < 0 or window == (-1, 0))
+    assert cfg.has_softcap and cfg.has_sink and not cfg.varlen
+
+
+def test_varlen_matches_reference(cpu_kernel):
+    q, k, v, cu_q, cu_k = rand_varlen(5, 16, 6, 3, 64)
+    lens_k = cu_k[1:] - cu_k[:-1]
+    used = (lens_k * torch.rand(5)).to(torch.int32)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=used, causal=True, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    assert cpu_kernel[-1].varlen and cpu_kernel[-1].has_seqused_k
+
+
+def test_returns_out_only_by_default(cpu_kernel):
+    out = flash_attn_func(*rand_qkv(1, 3, 3, 2, 2, 64))
+    assert isinstance(out, torch.Tensor)
+
+
+def test_non_contiguous_inputs_are_copied_not_rejected(cpu_kernel):
+    q, k, v = rand_qkv(2, 11, 11, 4, 4, 64)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (b, s, h, d) view of a (b, h, s, d) buffer
+    kt = k.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim not unit-stride
+    out = flash_attn_func(qt, kt, v)
+    torch.testing.assert_close(out, flash_attn_func(q, k, v))
+
+
+def test_empty_problems(cpu_kernel):
+    # no keys: every row fully masked -> out 0, lse -inf, kernel not called
+    q, k, v = rand_qkv(2, 5, 0, 4, 2, 64)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    # no keys with a sink: lse is the sink logit
+    sink = torch.randn(4)
+    out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sink[None, :, None].expand(2, 4, 5))
+    # no queries / no batch
+    assert flash_attn_func(*rand_qkv(0, 5, 5, 4, 2, 64)).shape == (0, 5, 4, 64)
+    assert flash_attn_func(*rand_qkv(2, 0, 5, 4, 2, 64)).shape == (2, 0, 4, 64)
+    cu = torch.zeros(3, dtype=torch.int32)
+    vq = torch.randn(0, 4, 64, dtype=BF16)
+    assert flash_attn_varlen_func(vq, vq[:, :2], vq[:, :2], cu, cu).shape == (0, 4, 64)
+    assert cpu_kernel == []
+
+
+# ---- compile key and compile count ----
+
+
+def test_lengths_and_batch_never_recompile(cpu_kernel):
+    for b, sq, sk in [(1, 1, 1), (3, 17, 40), (2, 128, 7), (5, 64, 64)]:
+        flash_attn_func(*rand_qkv(b, sq, sk, 4, 1, 64), causal=True)
+    for batch in (1, 4, 9):
+        q, k, v, cu_q, cu_k = rand_varlen(batch, 30, 4, 1, 64)
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=torch.tensor(30), causal=True)
+    stats = compile_cache.stats()
+    assert stats["compiled"] == 2, stats  # one batched, one varlen
+    assert len({c.key() for c in cpu_kernel}) == 2
+    assert stats["memory_hits"] == len(cpu_kernel) - 2
+
+
+def test_cu_seqlens_check_is_read_at_call_time(cpu_kernel, monkeypatch):
+    q, k, v, cu_q, cu_k = rand_varlen(3, 10, 2, 2, 64, allow_zero=False)
+    bad_cu_q = cu_q.clone()
+    bad_cu_q[-1] -= 1  # last offset no longer equals total_q
+    max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    monkeypatch.setenv("FLASH_ATTN4_CHECK_CU_SEQLENS", "0")
+    flash_attn_varlen_func(q, k, v, bad_cu_q, cu_k, max_seqlen_q=max_q)  # unchecked: runs
+    monkeypatch.setenv("FLASH_ATTN4_CHECK_CU_SEQLENS", "1")
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] must equal"):
+        flash_attn_varlen_func(q, k, v, bad_cu_q, cu_k, max_seqlen_q=max_q)
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=max_q)  # good metadata passes the check
+
+
+# ---- torch.compile ----
+
+
+def test_torch_compile_fullgraph_matches_eager(cpu_kernel):
+    def attn(q, k, v, sink):
+        out = flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+        return out.float().sum(-1) * 2
+
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    q, k, v = rand_qkv(2, 12, 20, 4, 2, 64)
+    sink = torch.randn(4)
+    torch.testing.assert_close(compiled(q, k, v, sink), attn(q, k, v, sink))
+
+
+def test_torch_compile_varlen_fullgraph(cpu_kernel):
+    def attn(q, k, v, cu_q, cu_k):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=16, window_size=(3, 1), return_lse=True)
+
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    args = rand_varlen(3, 16, 4, 4, 64, allow_zero=False)
+    for got, want in zip(compiled(*args), attn(*args)):
+        torch.testing.assert_close(got, want)
+
+
+def test_torch_compile_dynamic_lengths_trace_once(cpu_kernel):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def attn(q, k, v):
+        return flash_attn_func(q, k, v, causal=True)
+
+    compiled = torch.compile(attn, fullgraph=True, backend=counter, dynamic=True)
+    # sizes chosen distinct from each other and from b/h/d so duck sizing does not tie them together
+    counts = []
+    for sq, sk in [(9, 11), (13, 29), (40, 17)]:
+        q, k, v = rand_qkv(3, sq, sk, 6, 2, 64)
+        torch.testing.assert_close(compiled(q, k, v), attn(q, k, v))
+        counts.append(counter.frame_count)
+    # the first call may take more than one attempt (dynamo restarts analysis); new lengths add none
+    assert counts[0] >= 1 and counts[1:] == [counts[0]] * 2, counts
+    assert compile_cache.stats()["compiled"] == 1
+
+
+# ---- autograd ----
+
+
+def test_forward_with_requires_grad_inputs_works_backward_raises(cpu_kernel):
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
+    out = flash_attn_func(q, k, v)
+    assert out.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(flash_attn_func(q, k, v), out.detach())
+    with pytest.raises(NotImplementedError, match="flash-attn4: backward is not implemented yet"):
+        out.float().sum().backward()
+
+
+def test_inference_mode(cpu_kernel):
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
+    with torch.inference_mode():
+        out = flash_attn_func(q, k, v)
+    assert not out.requires_grad

@@ -1,0 +1,143 @@
+"""Plain-torch attention reference and the FlashAttention accuracy rule, for the tests.
+
+``attention_ref`` implements exactly the semantics of docs/CONTRACTS.md, written the obvious way
+(materialised score matrix, explicit boolean mask) so it can be read and trusted:
+
+* layout (b, s, h, d), or varlen (total, h, d) with int32 cu_seqlens; GQA/MQA by repeating K/V heads
+  (query head h reads KV head h // (hq // hk));
+* scores s = softmax_scale * q.k; with softcap > 0, s = softcap * tanh(s / softcap);
+* masks aligned bottom-right: query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right
+  (-1 = unbounded; causal forces right = 0), where sk is seqused_k[b] when given;
+* learnable_sink: one extra logit per head in the softmax denominator only (gpt-oss); lse includes it;
+* a row that sees no key: out = 0, lse = -inf (with a sink: lse = the sink logit, out = 0).
+
+``upcast=True`` computes in float32 (the "out_ref" of the FlashAttention test rule); ``upcast=False``
+keeps q, k, v and the probabilities in the input dtype (the "out_pt"), with only the softmax itself in
+float32 as torch does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _mask(sq: int, sk: int, causal: bool, window_size, device) -> torch.Tensor:
+    """(sq, sk) bool, True where query i may see key j."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    diag = i + sk - sq
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left is not None and left >= 0:
+        visible &= j >= diag - left
+    if right is not None and right >= 0:
+        visible &= j <= diag + right
+    return visible
+
+
+def _attention_one(q, k, v, *, softmax_scale, causal, window_size, softcap, sink, upcast):
+    """q (sq, hq, d), k (sk, hk, d), v (sk, hk, dv) -> out (sq, hq, dv) in q.dtype, lse (hq, sq) float32."""
+    sq, hq, _ = q.shape
+    sk, hk, _ = k.shape
+    dv = v.shape[-1]
+    out_dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    group = hq // hk
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale  # (hq, sq, sk), in the compute dtype
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.float()
+    visible = _mask(sq, sk, causal, window_size, q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is not None:
+        logits = torch.cat([scores, sink.float()[:, None, None].expand(hq, sq, 1)], dim=-1)
+    else:
+        logits = scores
+    if logits.shape[-1] == 0:
+        lse = torch.full((hq, sq), float("-inf"), device=q.device)
+        return torch.zeros(sq, hq, dv, dtype=out_dtype, device=q.device), lse
+    lse = torch.logsumexp(logits, dim=-1)  # (hq, sq); -inf for rows that see nothing
+    finite = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(finite, lse, 0.0)[..., None])  # sink column dropped
+    probs = torch.where(finite[..., None], probs, 0.0)
+    if not upcast:
+        probs = probs.to(v.dtype)
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    return out.to(out_dtype), lse
+
+
+def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, upcast=True):
+    """Reference attention. Batched: q (b, sq, hq, d) -> out (b, sq, hq, dv), lse (b, hq, sq).
+    Varlen (cu_seqlens given): q (total_q, hq, d) -> out (total_q, hq, dv), lse (hq, total_q)."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    window_size = tuple(-1 if w is None else w for w in window_size)
+    opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                sink=learnable_sink, upcast=upcast)
+    if cu_seqlens_q is None:
+        b = q.shape[0]
+        outs, lses = [], []
+        for i in range(b):
+            sk = k.shape[1] if seqused_k is None else int(seqused_k[i])
+            o, l = _attention_one(q[i], k[i, :sk], v[i, :sk], **opts)
+            outs.append(o)
+            lses.append(l)
+        out = torch.stack(outs) if b else q.new_empty(0, q.shape[1], q.shape[2], v.shape[-1])
+        lse = torch.stack(lses) if b else q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
+        return out, lse
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    for i in range(len(cq) - 1):
+        ks, ke = ck[i], ck[i + 1]
+        if seqused_k is not None:
+            ke = ks + int(seqused_k[i])
+        o, l = _attention_one(q[cq[i]:cq[i + 1]], k[ks:ke], v[ks:ke], **opts)
+        out[cq[i]:cq[i + 1]] = o
+        lse[:, cq[i]:cq[i + 1]] = l
+    return out, lse
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float32, treating matching infinities as equal and any NaN as infinite error."""
+    a, b = a.float(), b.float()
+    if a.numel() == 0:
+        return 0.0
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return float("inf")
+    same_inf = torch.isinf(a) & (a == b)
+    diff = torch.where(same_inf, 0.0, (a - b).abs())
+    return float(diff.max())
+
+
+def assert_close_fa_rule(out, out_ref, out_pt, atol: float = 1e-5, name: str = "out") -> None:
+    """FlashAttention's rule: max|out - out_ref| <= 2 * max|out_pt - out_ref| + atol.
+
+    out_ref: float32 reference, out_pt: the same computation in the input precision. The kernel may be
+    at most twice as far from the exact answer as a plain low-precision implementation, plus atol.
+    """
+    assert out.shape == out_ref.shape == out_pt.shape, (out.shape, out_ref.shape, out_pt.shape)
+    err = max_abs_diff(out, out_ref)
+    base = max_abs_diff(out_pt, out_ref)
+    assert math.isfinite(base), f"{name}: the low-precision reference itself is not finite"
+    assert err <= 2 * base + atol, (
+        f"{name}: max|out - ref| = {err:.3e} exceeds 2 * max|out_pt - ref| + atol = "
+        f"2 * {base:.3e} + {atol:.1e}"
+    )
+
+
+def random_cu_seqlens(batch: int, max_len: int, *, generator=None, allow_zero: bool = True,
+                      device="cpu") -> torch.Tensor:
+    """int32 (batch + 1,) offsets of random lengths in [0 or 1, max_len]."""
+    low = 0 if allow_zero else 1
+    lens = torch.randint(low, max_len + 1, (batch,), generator=generator)
+    return torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(device)
