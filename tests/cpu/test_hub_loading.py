@@ -230,13 +230,14 @@ def test_load_kernel_from_a_lockfile(hub_cache, work, tmp_path):
 
 
 def test_loading_the_hub_module_registers_fa4_with_transformers(hub_cache, work):
-    # The README's transformers usage: after get_kernel, attn_implementation="fa4" works, served by
-    # the functions of the module that was loaded (not by some other copy of flash_attn4).
+    # The README's transformers usage: with transformers imported first, get_kernel makes
+    # attn_implementation="fa4" work, served by the functions of the module that was loaded (not by
+    # some other copy of flash_attn4).
     cache, _ = hub_cache
     done = run_python(
         f"""
-        from kernels import get_kernel
         from transformers import AttentionInterface, AttentionMaskInterface
+        from kernels import get_kernel
         module = get_kernel({REPO_ID!r}, version={VERSION}, trust_remote_code=True)
         report(module)
         attention = AttentionInterface._global_mapping.get("fa4")
