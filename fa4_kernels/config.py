@@ -52,6 +52,13 @@ class ForwardConfig:
     tile_m: int = 128
     tile_n: int = 128
     num_stages: int = 2
+    # Ping-pong: the two consumer warpgroups take turns issuing GEMMs (named barriers), so that
+    # one's softmax overlaps the other's GEMMs.
+    pingpong: bool = True
+    # Conditional rescaling threshold in log2 units (FA4: 8.0 for 16-bit inputs); 0 = always rescale.
+    rescale_threshold: float = 8.0
+    # How many of every 8 softmax exponentials run as a polynomial on the FMA pipe (0 = all MUFU).
+    exp2_emulated_eighths: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -59,6 +66,8 @@ class ForwardConfig:
         for name in ("head_dim", "head_dim_v"):
             if getattr(self, name) not in HEAD_DIMS:
                 raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
+        if not 0 <= self.exp2_emulated_eighths <= 8:
+            raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {self.exp2_emulated_eighths}")
         if self.causal and self.local:
             raise ValueError("causal and local are exclusive: express causal as local with window_right=0")
 

@@ -20,6 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from .exp2 import exp2_fma
+
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
@@ -32,12 +34,35 @@ def row_allreduce(x: Float32, op: cutlass.Constexpr, threads_per_row: cutlass.Co
     return x
 
 
+def _tree_reduce(values: list, op):
+    """Pairwise reduction: log-depth dependency chains instead of a serial one."""
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]
+
+
 def _fmax(a, b):
     return cute.arch.fmax(a, b)
 
 
 def _add(a, b):
     return a + b
+
+
+@cute.jit
+def exp2_rows(s_rows: cute.Tensor, scale_log2: Float32, shift: cute.Tensor,
+              exp2_emulated_eighths: cutlass.Constexpr[int] = 0):
+    """P = exp2(S * scale_log2 - shift[row]) in place (one FFMA + one exp2 per element).
+    exp2_emulated_eighths: that many of every 8 columns use ``exp2_fma`` instead of MUFU.EX2,
+    which is only valid for blocks without -inf scores."""
+    for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+            x = cute.math.fma(s_rows[r, c], scale_log2, -shift[r])
+            if cutlass.const_expr(c % 8 >= 8 - exp2_emulated_eighths):
+                s_rows[r, c] = exp2_fma(x)
+            else:
+                s_rows[r, c] = cute.math.exp2(x, fastmath=True)
 
 
 @dataclass
@@ -57,26 +82,50 @@ class OnlineSoftmax:
         return OnlineSoftmax(scale_log2, num_rows, threads_per_row, row_max, row_sum)
 
     @cute.jit
-    def update(self, s_rows: cute.Tensor) -> cute.Tensor:
-        """Turn scores into unnormalised probabilities in place; return the factor by which each
-        row's running output must be rescaled."""
-        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+    def update(self, s_rows: cute.Tensor, row_scale: cute.Tensor,
+               rescale_threshold: cutlass.Constexpr[float] = 0.0,
+               exp2_emulated_eighths: cutlass.Constexpr[int] = 0):
+        """One online-softmax step: scores -> unnormalised probabilities in place; ``row_scale``
+        receives the factor by which each row's running output must be rescaled."""
+        shift = self.update_max(s_rows, row_scale, rescale_threshold)
+        exp2_rows(s_rows, self.scale_log2, shift, exp2_emulated_eighths)
+        self.update_sum(s_rows, row_scale)
+
+    @cute.jit
+    def update_max(self, s_rows: cute.Tensor, row_scale: cute.Tensor,
+                   rescale_threshold: cutlass.Constexpr[float] = 0.0) -> cute.Tensor:
+        """Fold a block's scores into the running row maxima. Returns each row's exponent shift
+        (max * scale_log2) and writes the output rescale factor into ``row_scale``.
+
+        rescale_threshold > 0 (log2 units): keep a row's stale maximum unless the new one exceeds it
+        by more than the threshold; P then stays <= 2^threshold, the factor is exactly 1 and the
+        output needs no rescale. Final normalisation stays exact: output and sum share the stale max.
+        """
+        shift = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             row = s_rows[r, None]
-            m_local = row.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            m_new = row_allreduce(cute.arch.fmax(m_local, self.row_max[r]), _fmax, self.threads_per_row)
-            # A row that has seen only masked keys keeps max = -inf; shift by 0 so that exp2
+            m_old = self.row_max[r]
+            m_local = _tree_reduce([row[c] for c in range(cute.size(row))], cute.arch.fmax)
+            m_new = row_allreduce(cute.arch.fmax(m_local, m_old), _fmax, self.threads_per_row)
+            if cutlass.const_expr(rescale_threshold > 0.0):
+                if (m_new - m_old) * self.scale_log2 <= rescale_threshold:
+                    m_new = m_old
+            # A row that has seen only masked keys keeps max = -inf; shift it by 0 so that exp2
             # gives 0 (not NaN) for it.
             m_scaled = m_new * self.scale_log2
             if m_new == -Float32.inf:
                 m_scaled = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(row)):
-                row[c] = cute.math.exp2(row[c] * self.scale_log2 - m_scaled, fastmath=True)
-            scale = cute.math.exp2(self.row_max[r] * self.scale_log2 - m_scaled, fastmath=True)
-            row_scale[r] = scale
-            self.row_sum[r] = self.row_sum[r] * scale + row.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            shift[r] = m_scaled
+            row_scale[r] = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
             self.row_max[r] = m_new
-        return row_scale
+        return shift
+
+    @cute.jit
+    def update_sum(self, p_rows: cute.Tensor, row_scale: cute.Tensor):
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = p_rows[r, None]
+            block_sum = _tree_reduce([row[c] for c in range(cute.size(row))], _add)
+            self.row_sum[r] = self.row_sum[r] * row_scale[r] + block_sum
 
     @cute.jit
     def finalize(self, sink_logit: Optional[Float32] = None):

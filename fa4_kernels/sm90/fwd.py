@@ -21,7 +21,7 @@ The producer gives registers up (setmaxnreg) so that the consumers can hold S, P
 
 from __future__ import annotations
 
-import math
+from functools import partial
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -38,7 +38,7 @@ from ..config import ForwardConfig
 from ..mask import AttentionMask
 from ..scheduler import SingleTileScheduler
 from ..seqlen import SeqlenInfo
-from ..softmax import LOG2_E, OnlineSoftmax
+from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -48,6 +48,8 @@ NUM_CONSUMER_WARPGROUPS = 2
 # setmaxnreg budgets: 24 + 2 * 240 registers per thread slot fit the 64K register file at 384 threads.
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
+# Named barrier 0 is __syncthreads; 1 and 2 gate the two consumer warpgroups' GEMM turns.
+PINGPONG_BARRIER = 1
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
@@ -86,6 +88,13 @@ def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.T
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+def _advanced(state: pipeline.PipelineState) -> pipeline.PipelineState:
+    """The next pipeline state, as a new value: loop-carried state must be rebound, not mutated."""
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
 
 
 class FlashAttentionForwardSm90:
@@ -328,46 +337,119 @@ class FlashAttentionForwardSm90:
         mask = AttentionMask(self.tile_m, self.tile_n, cfg.causal, cfg.local, window_left, window_right)
         softmax = OnlineSoftmax.create(scale_log2, cute.size(tScS, mode=[0]), THREADS_PER_ROW)
 
+        wg = tidx // WARPGROUP_THREADS
+        row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)  # P of the previous block, A of P@V
+        probs = partial(self.scores_to_probs, softmax=softmax, mask=mask, blocks=blocks, tScS=tScS,
+                        seqlen=seqlen, m_block=m_block, score_prescale=score_prescale,
+                        row_scale=row_scale)
+
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-            n_block = n_block_max - 1 - i
-            # S = Q K^T
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        self.gemm_turn_init(wg)
+        n_blocks = n_block_max - n_block_min
+        if n_blocks > 0:
+            # Prologue: S and P of the first block; its P @ V joins the next block's S = Q K^T.
             acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-            pipe_k.consumer_wait(kv_state)
-            _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], zero_init=True)
+            pipe_k.consumer_wait(kv)
+            self.gemm_turn_wait(wg)
+            _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+            self.gemm_turn_pass(wg)
             warpgroup.wait_group(0)
-            pipe_k.consumer_release(kv_state)
-
-            s_rows = acc_rows_view(acc_S)
-            if cutlass.const_expr(cfg.has_softcap):
-                for j in cutlass.range_constexpr(cute.size(acc_S)):
-                    acc_S[j] = cute.math.tanh(acc_S[j] * score_prescale, fastmath=True)
-            if blocks.needs_mask(seqlen, m_block, n_block):
-                mask.apply(s_rows, tScS, seqlen, m_block, n_block)
-            row_scale = softmax.update(s_rows)
-
-            o_rows = acc_rows_view(acc_O)
-            for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    o_rows[r, c] = o_rows[r, c] * row_scale[r]
-
-            # O += P V, P converted to 16 bits in registers as WGMMA's A operand.
-            rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)
+            pipe_k.consumer_release(kv)
+            probs(acc_S, n_block=n_block_max - 1)
             rP.store(acc_S.load().to(self.dtype))
-            pipe_v.consumer_wait(kv_state)
-            _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP),
-                   tOrVt[None, None, None, kv_state.index], zero_init=False)
+
+            # Steady state: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then run the
+            # softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores.
+            for i in cutlass.range(1, n_blocks, unroll=1):
+                kv_prev = kv
+                kv = _advanced(kv)
+                acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                pipe_k.consumer_wait(kv)
+                self.gemm_turn_wait(wg)
+                _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+                pipe_v.consumer_wait(kv_prev)
+                _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP),
+                       tOrVt[None, None, None, kv_prev.index], zero_init=False)
+                self.gemm_turn_pass(wg)
+                warpgroup.wait_group(1)  # S_j has landed; P_{j-1} V_{j-1} may still run
+                pipe_k.consumer_release(kv)
+                probs(acc_S, n_block=n_block_max - 1 - i)
+                warpgroup.wait_group(0)  # rP is an operand of the running GEMM until here
+                pipe_v.consumer_release(kv_prev)
+                self.rescale_rows(acc_O, row_scale)
+                rP.store(acc_S.load().to(self.dtype))
+
+            # Epilogue of the loop: P @ V of the last block.
+            pipe_v.consumer_wait(kv)
+            _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv.index],
+                   zero_init=False)
             warpgroup.wait_group(0)
-            pipe_v.consumer_release(kv_state)
-            kv_state.advance()
+            pipe_v.consumer_release(kv)
 
         sink = None
         if cutlass.const_expr(cfg.has_sink):
             sink = Float32(mSink[head])
         out_scale, lse = softmax.finalize(sink)
         self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen, m_block, head, batch)
+
+    @cute.jit
+    def scores_to_probs(self, acc_S: cute.Tensor, softmax: OnlineSoftmax, mask: AttentionMask,
+                        blocks: BlockRange, tScS: cute.Tensor, seqlen: SeqlenInfo, m_block: Int32,
+                        n_block: Int32, score_prescale: Float32, row_scale: cute.Tensor):
+        """Softcap, mask and online softmax of one score block, in place. Blocks that need no mask
+        hold only finite scores: only they may use the FMA-pipe exp2."""
+        cfg = self.cfg
+        s_rows = acc_rows_view(acc_S)
+        if cutlass.const_expr(cfg.has_softcap):
+            for j in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[j] = cute.math.tanh(acc_S[j] * score_prescale, fastmath=True)
+        needs_mask = blocks.needs_mask(seqlen, m_block, n_block)
+        if needs_mask:
+            mask.apply(s_rows, tScS, seqlen, m_block, n_block)
+        shift = softmax.update_max(s_rows, row_scale, cfg.rescale_threshold)
+        if cutlass.const_expr(cfg.exp2_emulated_eighths == 0):
+            exp2_rows(s_rows, softmax.scale_log2, shift)
+        elif needs_mask:  # -inf scores must stay on MUFU
+            exp2_rows(s_rows, softmax.scale_log2, shift)
+        else:
+            exp2_rows(s_rows, softmax.scale_log2, shift, cfg.exp2_emulated_eighths)
+        softmax.update_sum(s_rows, row_scale)
+
+    @cute.jit
+    def rescale_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        """O *= row_scale per row; with conditional rescaling most blocks skip it."""
+        o_rows = acc_rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
+            if cutlass.const_expr(self.cfg.rescale_threshold > 0.0):
+                if row_scale[r] != Float32(1.0):
+                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                        o_rows[r, c] = o_rows[r, c] * row_scale[r]
+            else:
+                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                    o_rows[r, c] = o_rows[r, c] * row_scale[r]
+
+    # ---- ping-pong between the consumer warpgroups ----------------------------------------------
+    # Named barrier PINGPONG_BARRIER + w gates warpgroup w's GEMM issue. A warpgroup waits on its
+    # own barrier, issues, then arrives on the other's; warpgroup 0 holds the first turn.
+    @cute.jit
+    def gemm_turn_init(self, wg: Int32):
+        if cutlass.const_expr(self.cfg.pingpong):
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def gemm_turn_wait(self, wg: Int32):
+        if cutlass.const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def gemm_turn_pass(self, wg: Int32):
+        if cutlass.const_expr(self.cfg.pingpong):
+            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg,
+                                     number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
     def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,
