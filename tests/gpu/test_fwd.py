@@ -1,0 +1,290 @@
+"""Forward correctness on a real GPU against tests/reference.py, with FlashAttention's accuracy rule:
+max|out - out_ref| <= 2 * max|out_pt - out_ref| + atol (out_ref float32, out_pt in the input dtype).
+
+Outputs are poisoned: the op's test hook (ops._poison_outputs_for_tests) fills out with NaN and lse with
++inf right after allocation, so an element the kernel forgets to write fails the test instead of passing
+on whatever torch.empty returned. Inputs are fresh random tensors; the seed is printed for reruns.
+
+Core features (dense, causal, GQA/MQA, varlen, fp16/bf16, all head dims) must pass. Optional features
+(local windows, softcap, sinks, seqused_k, head_dim_v != head_dim) xfail with the kernel's own
+NotImplementedError message until the kernel supports them; any other failure is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flash_attn4 import compile_cache, flash_attn_func, flash_attn_varlen_func, ops
+from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(ops, "_poison_outputs_for_tests", True)
+
+
+@pytest.fixture
+def seed():
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    print(f"seed={s}")
+    return s
+
+
+def optional_feature(feature, fn):
+    """Run fn; a NotImplementedError from the library (the kernel lacks ``feature``) is an xfail."""
+    try:
+        return fn()
+    except NotImplementedError as e:
+        pytest.xfail(f"{feature} not supported by the kernel yet: {e}")
+
+
+def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale).to(dtype)
+
+
+def check(out, lse, q, k, v, *, atol=None, lse_atol=2e-3, **ref_kwargs):
+    """Compare (out, lse) with the float32 reference under the FA rule; lse must agree where finite and
+    be -inf exactly where the reference is. Default atol: twice the error of rounding the exact output
+    to the input dtype (FlashAttention's tests use the same kind of allowance)."""
+    assert not torch.isnan(out).any(), "NaN in out (an unwritten element, or a NaN from masked rows)"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    out_ref, lse_ref = attention_ref(q, k, v, upcast=True, **ref_kwargs)
+    out_pt, lse_pt = attention_ref(q, k, v, upcast=False, **ref_kwargs)
+    if atol is None:
+        # the output is stored in q.dtype: its own rounding is an error no kernel can avoid
+        atol = 2 * max_abs_diff(out_ref.to(q.dtype), out_ref) + 1e-6
+    assert_close_fa_rule(out, out_ref, out_pt, atol=atol)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref)), "lse -inf pattern differs from reference"
+    assert not torch.isposinf(lse).any(), "lse left unwritten (+inf poison)"
+    # lse: the kernel's scores are float32 dot products of the same inputs, so it is held to an absolute
+    # tolerance (the input-precision lse_pt, from rounded scores, would be a far looser yardstick)
+    finite = torch.isfinite(lse_ref)
+    err = max_abs_diff(lse[finite], lse_ref[finite])
+    assert err <= lse_atol, f"lse: max|lse - ref| = {err:.3e} > {lse_atol:.1e}"
+    # rows that see no key: exactly zero output
+    masked = torch.isneginf(lse_ref)
+    if masked.any():
+        rows = masked.transpose(-1, -2) if lse_ref.dim() == 3 else masked.transpose(0, 1)  # -> (.., s, h)
+        assert (out[rows] == 0).all(), "fully masked rows must give out = 0"
+
+
+# ---- batched: the main grid ----
+
+SEQLENS = [(1, 1), (3, 3), (113, 203), (203, 113), (128, 128), (1000, 1000)]
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_batched_bf16(seed, d, sq, sk, causal, heads):
+    hq, hk = HEADS[heads]
+    b = 2
+    q, k, v = rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (b, sq, hq, d) and out.dtype == torch.bfloat16
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    check(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000), (1, 257)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_batched_fp16(seed, d, sq, sk, causal):
+    hq, hk = HEADS["gqa"]
+    q, k, v = (rand(2, sq, hq, d, dtype=torch.float16), rand(2, sk, hk, d, dtype=torch.float16),
+               rand(2, sk, hk, d, dtype=torch.float16))
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == torch.float16
+    check(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence(seed, causal):
+    hq, hk, d = 4, 2, 128
+    s = 4224
+    q, k, v = rand(1, s, hq, d), rand(1, s, hk, d), rand(1, s, hk, d)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal=causal)
+
+
+def test_fully_masked_rows_causal_sq_gt_sk(seed):
+    """Causal with sq > sk: the first sq - sk query rows see no key -> out 0, lse -inf, no NaN."""
+    b, sq, sk, hq, hk, d = 2, 300, 77, 4, 2, 128
+    q, k, v = rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    n_masked = sq - sk
+    assert (out[:, :n_masked] == 0).all()
+    assert torch.isneginf(lse[:, :, :n_masked]).all()
+    assert torch.isfinite(lse[:, :, n_masked:]).all()
+    check(out, lse, q, k, v, causal=True)
+
+
+def test_softmax_scale_and_return_types(seed):
+    q, k, v = rand(1, 65, 2, 64), rand(1, 80, 2, 64), rand(1, 80, 2, 64)
+    scale = float(torch.empty(()).uniform_(0.05, 0.5))
+    out = flash_attn_func(q, k, v, softmax_scale=scale)
+    assert isinstance(out, torch.Tensor)
+    out, lse = flash_attn_func(q, k, v, softmax_scale=scale, return_lse=True)
+    check(out, lse, q, k, v, softmax_scale=scale)
+
+
+def test_deterministic_forward_is_bitwise_repeatable(seed):
+    q, k, v = rand(2, 333, 6, 128), rand(2, 444, 2, 128), rand(2, 444, 2, 128)
+    a = flash_attn_func(q, k, v, causal=True, deterministic=True)
+    b = flash_attn_func(q, k, v, causal=True, deterministic=True)
+    assert torch.equal(a, b)
+
+
+def test_strided_inputs(seed):
+    """q/k/v as slices of a fused projection (non-contiguous, 16-byte aligned strides) and a transposed
+    (b, h, s, d) buffer give the same result as contiguous copies."""
+    b, s, h, d = 2, 157, 4, 128
+    fused = rand(b, s, 3, h, d)
+    q, k, v = fused.unbind(2)
+    assert not q.is_contiguous()
+    kt = rand(b, h, s, d).transpose(1, 2)
+    out = flash_attn_func(q, kt, v, causal=True)
+    ref = flash_attn_func(q.contiguous(), kt.contiguous(), v.contiguous(), causal=True)
+    assert torch.equal(out, ref)
+
+
+def test_head_dim_v_differs(seed):
+    q, k, v = rand(2, 129, 4, 192), rand(2, 211, 2, 192), rand(2, 211, 2, 128)
+    out, lse = optional_feature("head_dim_v != head_dim",
+                                lambda: flash_attn_func(q, k, v, causal=True, return_lse=True))
+    assert out.shape == (2, 129, 4, 128)
+    check(out, lse, q, k, v, causal=True)
+
+
+# ---- optional features ----
+
+
+@pytest.mark.parametrize("window", [(32, 0), (17, 5), (-1, 9), (0, 0), (64, -1)])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (256, 256), (203, 113)])
+def test_local_window(seed, window, sq, sk):
+    q, k, v = rand(2, sq, 4, 128), rand(2, sk, 2, 128), rand(2, sk, 2, 128)
+    out, lse = optional_feature("local window", lambda: flash_attn_func(q, k, v, window_size=window,
+                                                                        return_lse=True))
+    check(out, lse, q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(seed, causal):
+    q, k, v = rand(2, 173, 4, 128, scale=4.0), rand(2, 190, 2, 128), rand(2, 190, 2, 128)
+    out, lse = optional_feature("softcap", lambda: flash_attn_func(q, k, v, causal=causal, softcap=15.0,
+                                                                   return_lse=True))
+    # tanh is typically evaluated approximately in hardware (rel. error ~5e-4): scores move by up to
+    # softcap * 5e-4, so lse gets a matching allowance
+    check(out, lse, q, k, v, causal=causal, softcap=15.0, lse_atol=15.0 * 1e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16])
+def test_learnable_sink(seed, causal, sink_dtype):
+    q, k, v = rand(2, 150, 8, 64), rand(2, 150, 2, 64), rand(2, 150, 2, 64)
+    sink = (torch.randn(8, device=DEVICE) * 2).to(sink_dtype)
+    out, lse = optional_feature("learnable_sink", lambda: flash_attn_func(q, k, v, causal=causal,
+                                                                          learnable_sink=sink, return_lse=True))
+    check(out, lse, q, k, v, causal=causal, learnable_sink=sink.float())
+
+
+# ---- varlen ----
+
+
+def make_varlen(lens_q, lens_k, hq, hk, d, dtype=torch.bfloat16):
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = rand(int(cu_q[-1]), hq, d, dtype=dtype)
+    k = rand(int(cu_k[-1]), hk, d, dtype=dtype)
+    v = rand(int(cu_k[-1]), hk, d, dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def random_lengths(batch, max_len):
+    lens_q = torch.randint(1, max_len + 1, (batch,)).tolist()
+    lens_k = torch.randint(1, max_len + 1, (batch,)).tolist()
+    zero = int(torch.randint(0, batch, ()))
+    lens_q[zero] = lens_k[zero] = 0          # an empty sequence
+    other = (zero + 1) % batch
+    lens_k[other] = 0                        # queries with no keys at all: fully masked rows
+    return lens_q, lens_k
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen(seed, d, causal, heads):
+    hq, hk = HEADS[heads]
+    lens_q, lens_k = random_lengths(6, 300)
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, d)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                                      causal=causal, return_lse=True)
+    assert out.shape == (q.shape[0], hq, d) and lse.shape == (hq, q.shape[0])
+    check(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def test_varlen_fp16_default_max_seqlen(seed):
+    lens_q, lens_k = random_lengths(4, 500)
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 1, 128, dtype=torch.float16)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, return_lse=True)  # max_seqlen computed
+    check(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def test_varlen_matches_batched(seed):
+    """Equal-length varlen must equal the batched kernel on the same data (up to bf16 rounding)."""
+    b, s, hq, hk, d = 3, 190, 4, 2, 128
+    q, k, v = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d)
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=DEVICE)
+    out_b = flash_attn_func(q, k, v, causal=True)
+    out_v = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, max_seqlen_q=s,
+                                   causal=True)
+    assert max_abs_diff(out_v.view(b, s, hq, d), out_b) <= 1e-2
+
+
+def test_varlen_seqused_k(seed):
+    lens_q, lens_k = [70, 0, 200, 33], [90, 12, 150, 40]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, 128)
+    used = torch.tensor([int(torch.randint(0, n + 1, ())) for n in lens_k], dtype=torch.int32, device=DEVICE)
+    out, lse = optional_feature("seqused_k", lambda: flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_seqlen_q=200, seqused_k=used, causal=True, return_lse=True))
+    check(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used)
+
+
+def test_varlen_check_cu_seqlens_setting(seed, monkeypatch):
+    lens_q, lens_k = [10, 20], [15, 25]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 2, 2, 64)
+    bad = torch.tensor([0, 31, 30], dtype=torch.int32, device=DEVICE)  # decreasing, right total
+    monkeypatch.setenv("FLASH_ATTN4_CHECK_CU_SEQLENS", "1")
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        flash_attn_varlen_func(q, k, v, bad, cu_k, max_seqlen_q=31)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=20)
+    assert torch.isfinite(out).all()
+
+
+# ---- compile count ----
+
+
+def test_new_lengths_do_not_recompile(seed):
+    d = 128
+    flash_attn_func(rand(1, 8, 4, d), rand(1, 8, 2, d), rand(1, 8, 2, d), causal=True)  # warm
+    flash_attn_varlen_func(*make_varlen([5, 7], [6, 8], 4, 2, d), max_seqlen_q=7, causal=True)  # warm
+    before = compile_cache.stats()
+    for b, sq, sk in [(1, 1, 1), (3, 77, 500), (2, 1025, 1024), (5, 64, 3)]:
+        flash_attn_func(rand(b, sq, 4, d), rand(b, sk, 2, d), rand(b, sk, 2, d), causal=True)
+    for batch in (1, 3, 9):
+        lens_q, lens_k = random_lengths(max(batch, 2), 400)
+        q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, d)
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), causal=True)
+    after = compile_cache.stats()
+    assert after["compiled"] == before["compiled"], (before, after)
+    assert after["disk_hits"] == before["disk_hits"], (before, after)

@@ -1,0 +1,192 @@
+"""torch integration on a real GPU: torch.compile(fullgraph=True), CUDA graphs, streams, autograd stub,
+max_seqlen given as a 0-d tensor."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flash_attn4 import compile_cache, flash_attn_func, flash_attn_varlen_func, ops
+from tests.reference import attention_ref, assert_close_fa_rule
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    print(f"seed={s}")
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+
+def qkv(b=2, sq=257, sk=301, hq=8, hk=2, d=128):
+    return rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+
+
+def assert_matches_reference(out, q, k, v, **kw):
+    out_ref, _ = attention_ref(q, k, v, upcast=True, **kw)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_close_fa_rule(out, out_ref, out_pt, atol=1e-5)
+
+
+# ---- torch.compile ----
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+
+    def block(x, w_o, q, k, v):
+        attn = flash_attn_func(q, k, v, causal=True)
+        return x + attn.flatten(-2) @ w_o
+
+    compiled = torch.compile(block, fullgraph=True)
+    q, k, v = qkv()
+    x = rand(2, 257, 64)
+    w_o = rand(8 * 128, 64) * 0.02
+    got = compiled(x, w_o, q, k, v)
+    want = block(x, w_o, q, k, v)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_torch_compile_varlen_and_lse():
+    torch._dynamo.reset()
+
+    def attn(q, k, v, cu_q, cu_k):
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=300, causal=True, return_lse=True)
+        return out * 2, lse.exp()
+
+    compiled = torch.compile(attn, fullgraph=True)
+    cu = torch.tensor([0, 100, 100, 400], dtype=torch.int32, device=DEVICE)
+    q, k, v = rand(400, 8, 64), rand(400, 2, 64), rand(400, 2, 64)
+    (out_c, p_c), (out_e, p_e) = compiled(q, k, v, cu, cu), attn(q, k, v, cu, cu)
+    assert torch.equal(out_c, out_e)  # same kernel, same inputs, exact *2: bitwise
+    torch.testing.assert_close(p_c, p_e)  # exp may be lowered differently by inductor
+
+
+def test_torch_compile_dynamic_lengths_no_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                             backend=counter, dynamic=True)
+    counts = []
+    kernel_compiles = []
+    for sq, sk in [(97, 131), (250, 390), (1111, 1203)]:
+        q, k, v = qkv(b=3, sq=sq, sk=sk, hq=6, hk=2, d=128)
+        torch.testing.assert_close(compiled(q, k, v), flash_attn_func(q, k, v, causal=True), atol=0, rtol=0)
+        counts.append(counter.frame_count)
+        kernel_compiles.append(compile_cache.stats()["compiled"])
+    assert counts[1:] == [counts[0]] * 2, counts
+    assert kernel_compiles[1:] == [kernel_compiles[0]] * 2, kernel_compiles
+
+
+# ---- CUDA graphs and streams ----
+
+
+def test_cuda_graph_capture_and_replay():
+    q, k, v = qkv()
+    static = [t.clone() for t in (q, k, v)]
+    flash_attn_func(*static, causal=True)  # compile and warm up outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(*static, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flash_attn_func(*static, causal=True)
+
+    for _ in range(2):  # new data into the captured buffers, replay, compare with eager
+        fresh = qkv()
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = flash_attn_func(*fresh, causal=True)
+        assert torch.equal(static_out, eager)
+        assert_matches_reference(static_out, *fresh, causal=True)
+
+
+def test_cuda_graph_varlen_default_max_seqlen():
+    """max_seqlen_q=None during capture must not sync: the op uses total_q as a bound."""
+    cu = torch.tensor([0, 37, 37, 300], dtype=torch.int32, device=DEVICE)
+    q, k, v = rand(300, 4, 64), rand(300, 4, 64), rand(300, 4, 64)
+    flash_attn_varlen_func(q, k, v, cu, cu, causal=True)  # warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(out, q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+def test_runs_on_the_current_stream():
+    """Launched on a side stream that first waits on a long GPU job writing q: a kernel on the wrong stream
+    would read q before it is ready."""
+    q0, k, v = qkv(b=1, sq=512, sk=512)
+    q = torch.zeros_like(q0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of spinning on the side stream
+        q.copy_(q0)
+        out = flash_attn_func(q, k, v)
+    side.synchronize()
+    assert torch.equal(out, flash_attn_func(q0, k, v))
+
+
+def test_torch_compile_reduce_overhead():
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), mode="reduce-overhead",
+                       fullgraph=True)
+    q, k, v = qkv()
+    for _ in range(3):  # warm-up runs, then CUDA-graph replays
+        got = fn(q, k, v).clone()
+    assert torch.equal(got, flash_attn_func(q, k, v, causal=True))
+
+
+# ---- autograd ----
+
+
+def test_backward_raises_clear_error_forward_still_works():
+    q, k, v = (t.requires_grad_() for t in qkv(b=1, sq=64, sk=64))
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.requires_grad and not torch.isnan(out).any()
+    with pytest.raises(NotImplementedError, match="flash-attn4: backward is not implemented yet"):
+        out.float().sum().backward()
+    with torch.inference_mode():
+        assert torch.equal(flash_attn_func(q, k, v, causal=True), out.detach())
+
+
+# ---- max_seqlen as a 0-d tensor ----
+
+
+def test_max_seqlen_tensor_no_recompile():
+    d = 128
+    flash_attn_varlen_func(rand(8, 4, d), rand(8, 2, d), rand(8, 2, d),
+                           torch.tensor([0, 8], dtype=torch.int32, device=DEVICE),
+                           torch.tensor([0, 8], dtype=torch.int32, device=DEVICE), max_seqlen_q=8, causal=True)
+    before = compile_cache.stats()
+    for lens in ([5, 90, 33], [300, 1], [17]):
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        total = int(cu[-1])
+        q, k, v = rand(total, 4, d), rand(total, 2, d), rand(total, 2, d)
+        max_len = torch.tensor(max(lens), device=DEVICE)  # 0-d CUDA tensor, as transformers passes it
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True)
+        assert_matches_reference(out, q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    after = compile_cache.stats()
+    assert after["compiled"] == before["compiled"] and after["disk_hits"] == before["disk_hits"], (before, after)
+
+
+def test_poison_hook_is_off_by_default():
+    assert ops._poison_outputs_for_tests is False
