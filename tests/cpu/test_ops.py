@@ -282,3 +282,97 @@ def test_inference_mode(cpu_kernel):
     with torch.inference_mode():
         out = flash_attn_func(q, k, v)
     assert not out.requires_grad
+
+
+# ---- reference self-checks (the GPU tests trust tests/reference.py) ----
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+@pytest.mark.parametrize("sq,sk", [(9, 9), (5, 23), (23, 5), (1, 17)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hk", [(4, 4), (6, 2), (4, 1)])
+def test_reference_matches_sdpa(sq, sk, causal, hq, hk):
+    """Against torch's SDPA in float32; causal uses torch's own bottom-right bias (causal_lower_right)."""
+    from torch.nn.attention.bias import causal_lower_right
+    import torch.nn.functional as F
+
+    b, d = 2, 32
+    q, k, v = (torch.randn(b, s, h, d) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    scale = float(torch.empty(()).uniform_(0.1, 0.3))
+    out, lse = attention_ref(q, k, v, softmax_scale=scale, causal=causal)
+    mask = causal_lower_right(sq, sk) if causal else None
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if causal and sq > sk:  # SDPA gives NaN for rows that see nothing; compare only the others
+        rows = slice(sq - sk, None)
+    else:
+        rows = slice(None)
+    want = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
+    torch.testing.assert_close(out[:, rows], want.transpose(1, 2)[:, rows], atol=1e-5, rtol=1e-5)
+    if causal and sq > sk:
+        assert (out[:, : sq - sk] == 0).all() and torch.isneginf(lse[:, :, : sq - sk]).all()
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_reference_lse_normalises_probabilities(with_sink):
+    b, sq, sk, h, d = 2, 11, 19, 4, 16
+    q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, h, d), torch.randn(b, sk, h, d)
+    sink = torch.randn(h) if with_sink else None
+    out, lse = attention_ref(q, k, v, softcap=2.0, window_size=(6, 3), learnable_sink=sink)
+    s = 2.0 * torch.tanh(torch.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5 / 2.0)
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    s = s.masked_fill(~((j >= i - 6) & (j <= i + 3)), float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    total = p.sum(-1) + (torch.exp(sink[None, :, None] - lse) if with_sink else 0)
+    torch.testing.assert_close(total, torch.ones_like(total))
+    torch.testing.assert_close(out, torch.einsum("bhqk,bkhd->bqhd", p, v))
+
+
+def test_reference_window_by_brute_force():
+    sq, sk, left, right = 7, 12, 2, 1
+    q, k, v = torch.randn(1, sq, 1, 8), torch.randn(1, sk, 1, 8), torch.randn(1, sk, 1, 8)
+    out, _ = attention_ref(q, k, v, window_size=(left, right))
+    for i in range(sq):
+        keys = [j for j in range(sk) if i + sk - sq - left <= j <= i + sk - sq + right]
+        s = torch.stack([(q[0, i, 0] * k[0, j, 0]).sum() for j in keys]) / 8 ** 0.5
+        want = (torch.softmax(s, 0)[:, None] * v[0, keys, 0]).sum(0)
+        torch.testing.assert_close(out[0, i, 0], want)
+
+
+def test_reference_varlen_equals_per_sequence_batched():
+    cu_q = random_cu_seqlens(4, 12)
+    cu_k = random_cu_seqlens(4, 12)
+    q, k, v = (torch.randn(int(cu[-1]), 4, 16) for cu in (cu_q, cu_k, cu_k))
+    k = k[:, :2]
+    v = v[:, :2]
+    used = ((cu_k[1:] - cu_k[:-1]) * torch.rand(4)).int()
+    out, lse = attention_ref(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used)
+    for i in range(4):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i]) + int(used[i]))
+        o, l = attention_ref(q[qs][None], k[ks][None], v[ks][None], causal=True)
+        torch.testing.assert_close(out[qs], o[0])
+        torch.testing.assert_close(lse[:, qs], l[0])
+
+
+def test_reference_low_precision_path_differs_but_is_close():
+    q, k, v = (torch.randn(1, 64, 2, 64, dtype=BF16) for _ in range(3))
+    ref, _ = attention_ref(q, k, v, upcast=True)
+    pt, _ = attention_ref(q, k, v, upcast=False)
+    assert ref.dtype == pt.dtype == BF16
+    from tests.reference import max_abs_diff
+
+    assert 0 < max_abs_diff(pt, ref) < 0.1
+
+
+def test_fa_rule_helper():
+    from tests.reference import assert_close_fa_rule
+
+    ref = torch.randn(100)
+    pt = ref + 0.01 * torch.randn(100)
+    assert_close_fa_rule(ref + 0.005 * torch.randn(100).clamp(-1, 1), ref, pt, atol=1e-2)
+    with pytest.raises(AssertionError):
+        assert_close_fa_rule(ref + 1.0, ref, pt, atol=1e-3)
+    bad = ref.clone()
+    bad[3] = float("nan")
+    with pytest.raises(AssertionError):
+        assert_close_fa_rule(bad, ref, pt, atol=1e-3)
