@@ -1,8 +1,8 @@
 """transformers integration on the CPU, with a pure-torch stand-in for the kernels.
 
-The stand-in (``RefBackend``) implements the public API of CONTRACTS.md (same parameter names,
-FlashAttention mask semantics: bottom-right alignment, window (left, right), causal = right 0)
-in float32 and records every call, so the tests can check both *what the adapter asks the
+The stand-in (``RefBackend``) puts tests/reference.py's ``attention_ref`` (the semantics of
+CONTRACTS.md: bottom-right alignment, window (left, right), causal = right 0) behind the public
+signatures of flash_attn_func / flash_attn_varlen_func, computes in float32 and records every call, so the tests can check both *what the adapter asks the
 kernels for* (layout, heads, cu_seqlens, options) and *that the answer is right* (against
 PyTorch SDPA with an explicit mask, or against transformers' own eager/sdpa models).
 
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import importlib
+import importlib.util
+import sys
 import inspect
-import math
 import tomllib
 import types
 from pathlib import Path
@@ -26,51 +28,16 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-import flash_attn4  # noqa: E402  (tests/conftest.py puts torch-ext on sys.path)
+import flash_attn4  # noqa: E402  (tests/conftest.py puts torch-ext and the repo root on sys.path)
 from flash_attn4 import transformers_adapter as ta  # noqa: E402
+from tests.reference import attention_ref  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------------------
-# Reference backend (the kernels' contract, in plain torch)
+# Reference backend: tests/reference.py's attention_ref behind the public signatures
 # ----------------------------------------------------------------------------------------------
-
-
-def _attend(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink):
-    """One sequence. q (sq, hq, d), k (sk, hk, d), v (sk, hk, dv) -> (sq, hq, dv)."""
-    sq, hq, d = q.shape
-    sk, hk, _ = k.shape
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    rep = hq // hk
-    kf = k.float().repeat_interleave(rep, dim=1)
-    vf = v.float().repeat_interleave(rep, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    left, right = window_size
-    if causal:
-        right = 0
-    i = torch.arange(sq).view(-1, 1)
-    j = torch.arange(sk).view(1, -1)
-    diag = i + sk - sq
-    allowed = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        allowed &= j >= diag - left
-    if right >= 0:
-        allowed &= j <= diag + right
-    s = s.masked_fill(~allowed, float("-inf"))
-    if learnable_sink is not None:
-        sink = learnable_sink.float().view(hq, 1, 1).expand(hq, sq, 1)
-        s = torch.cat([s, sink], dim=-1)
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    denom = p.sum(dim=-1, keepdim=True)
-    p = torch.where(denom > 0, p / denom, torch.zeros_like(p))
-    if learnable_sink is not None:
-        p = p[..., :-1]
-    return torch.einsum("hqk,khd->qhd", p, vf).to(q.dtype)
 
 
 class RefBackend:
@@ -86,10 +53,9 @@ class RefBackend:
         assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
         self.calls.append(dict(fn="dense", q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal,
                                window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink))
-        return torch.stack([
-            _attend(q[b], k[b], v[b], softmax_scale, causal, window_size, softcap, learnable_sink)
-            for b in range(q.shape[0])
-        ])
+        out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                               softcap=softcap, learnable_sink=learnable_sink)
+        return out
 
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                                seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
@@ -102,12 +68,9 @@ class RefBackend:
                                cu_seqlens_k=cu_seqlens_k.clone(), max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink))
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for b in range(len(cq) - 1):
-            if cq[b + 1] > cq[b]:
-                out[cq[b]:cq[b + 1]] = _attend(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
-                                               softmax_scale, causal, window_size, softcap, learnable_sink)
+        out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                               softcap=softcap, learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k)
         return out
 
     def fns(self, fn):
@@ -678,3 +641,38 @@ def test_hub_string_sliding_window_model(hub_kernel, backend):
     ids = torch.randint(3, VOCAB, (2, 24), generator=gen)
     torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
     assert {c["window_size"] for c in backend.calls} == {(5, 5)} and all(c["causal"] for c in backend.calls)
+
+
+# ----------------------------------------------------------------------------------------------
+# The adapter as it ships: inside the Hub build, imported under a unique module name
+# ----------------------------------------------------------------------------------------------
+
+
+def _import_built(variant: Path):
+    name = "flash_attn4_built_" + hashlib.sha256(str(variant).encode()).hexdigest()[:12]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, variant / "__init__.py",
+                                                      submodule_search_locations=[str(variant)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@torch.no_grad()
+def test_adapter_from_the_hub_build_calls_its_own_package(hub_build, monkeypatch):
+    built = _import_built(hub_build / "build" / "torch-cuda")
+    adapter = importlib.import_module(built.__name__ + ".transformers_adapter")
+    assert adapter is not ta and adapter.__file__ != ta.__file__
+    rb = RefBackend()
+    monkeypatch.setattr(built, "flash_attn_func", rb.flash_attn_func)
+    monkeypatch.setattr(built, "flash_attn_varlen_func", rb.flash_attn_varlen_func)
+    name = adapter.register("fa4_built")
+    gen = torch.Generator().manual_seed(40)
+    ref, ours = _model_pair(_llama_config(), impl=name)
+    ids, mask = _left_padded_batch([21, 8], 21, gen)
+    lo, lr = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(lo[valid], lr[valid], atol=1e-4, rtol=1e-4)
+    # the built adapter reached the built package's functions (not the source tree's)
+    assert len(rb.fns("varlen")) == ours.config.num_hidden_layers
