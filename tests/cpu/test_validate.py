@@ -241,9 +241,15 @@ def test_learnable_sink(sink):
         flash_attn_func(q, k, v, learnable_sink=sink)
 
 
-def test_causal_must_be_bool():
+@pytest.mark.parametrize("causal", ["yes", 2, None, 0.5])
+def test_causal_must_be_bool(causal):
     with pytest.raises(ValueError, match="^causal must be a bool"):
-        validate.canonical_mask("yes", -1, -1)
+        validate.canonical_mask(causal, -1, -1)
+
+
+def test_causal_accepts_0_and_1():
+    assert validate.canonical_mask(1, -1, -1) == (True, False, -1, 0)
+    assert validate.canonical_mask(0, -1, -1) == (False, False, -1, -1)
 
 
 # ---- unsupported options: NotImplementedError naming the parameter ----

@@ -42,7 +42,8 @@ from .fa4_kernels.config import ForwardConfig
 EXPORT_NAME = "fa4_kernel"
 LOCK_TIMEOUT_S = 300.0
 
-_memory: dict[tuple, Callable] = {}
+_memory: dict[tuple, Callable] = {}  # (kind,) + cfg.key() -> compiled function: the cache itself
+_by_cfg: dict[tuple, Callable] = {}  # (kind, cfg) -> the same functions, a faster index for hot calls
 _lock = threading.RLock()
 _stats: Counter = Counter()
 _fingerprint: str | None = None
@@ -186,12 +187,15 @@ def _describe(cfg) -> str:
 def get_kernel(kind: str, cfg, compile_fn: Callable):
     """The compiled function for ``cfg`` (anything with ``.key()``), compiling at most once per process
     and, with the disk cache on, at most once per machine and kernel-source fingerprint."""
-    key = cfg.key()
-    mem_key = (kind,) + tuple(key)
-    fn = _memory.get(mem_key)
+    try:  # fast path: the config object itself (hashing a frozen dataclass is cheaper than key())
+        fn = _by_cfg.get((kind, cfg))
+    except TypeError:  # unhashable config
+        fn = None
     if fn is not None:
         _stats["memory_hits"] += 1
         return fn
+    key = cfg.key()
+    mem_key = (kind,) + tuple(key)
     with _lock:
         fn = _memory.get(mem_key)
         if fn is None:
@@ -199,6 +203,10 @@ def get_kernel(kind: str, cfg, compile_fn: Callable):
             _memory[mem_key] = fn
         else:
             _stats["memory_hits"] += 1
+        try:
+            _by_cfg[(kind, cfg)] = fn
+        except TypeError:
+            pass
     return fn
 
 
@@ -252,5 +260,6 @@ def clear(memory: bool = True, counters: bool = True) -> None:
     with _lock:
         if memory:
             _memory.clear()
+            _by_cfg.clear()
         if counters:
             _stats.clear()

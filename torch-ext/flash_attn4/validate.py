@@ -202,8 +202,9 @@ def canonical_mask(causal: bool, window_left: int, window_right: int) -> tuple[b
     causal forces right = 0. No bound on either side: no mask. Unbounded left with right = 0: causal.
     Anything else: local (a -1 side stays unbounded).
     """
-    if not isinstance(causal, bool):
+    if not (isinstance(causal, bool) or (isinstance(causal, numbers.Integral) and causal in (0, 1))):
         raise ValueError(f"causal must be a bool, got {causal!r}")
+    causal = bool(causal)
     if causal:
         window_right = 0
     if window_left < 0 and window_right < 0:
