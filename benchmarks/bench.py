@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import datetime
 import json
-import math
 import platform
 import statistics
 import subprocess

@@ -57,6 +57,7 @@ HUB_REPO_ID = "flash-attn4-org/flash-attn4"
 HUB_VERSION = 1
 HUB_ATTN_IMPLEMENTATION = f"{HUB_REPO_ID}@v{HUB_VERSION}"
 
+
 def _backend():
     """The package whose public functions we call (resolved per call, never cached)."""
     return importlib.import_module(__package__)
