@@ -155,11 +155,22 @@ def test_register_rejects_names_transformers_would_reroute(bad):
         ta.register(bad)
 
 
-def test_maybe_register_without_transformers_is_a_noop(monkeypatch):
+def test_maybe_register_never_imports_transformers_by_itself(monkeypatch):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for mod in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, mod)  # as if transformers had not been imported yet
+    assert ta.maybe_register("fa4_not_imported") is None
+    assert "transformers" not in sys.modules
+    assert "fa4_not_imported" not in ALL_ATTENTION_FUNCTIONS
+
+
+def test_maybe_register_with_import_and_without_transformers(monkeypatch):
+    monkeypatch.delitem(sys.modules, "transformers")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a, **k: None if n == "transformers" else real_find_spec(n, *a, **k))
-    assert ta.maybe_register("fa4_absent") is None
+    assert ta.maybe_register("fa4_absent", import_transformers=True) is None
 
 
 def test_hub_constants_match_build_toml():

@@ -4,9 +4,11 @@ Two ways to run a transformers model on these kernels:
 
 1. ``attn_implementation="fa4"`` (this module). ``register()`` adds an attention function and a
    padding-mask function to transformers' ``AttentionInterface`` / ``AttentionMaskInterface``;
-   ``maybe_register()`` does the same and is a no-op when transformers is not installed.
+   ``maybe_register()`` does the same only when transformers is already imported (the package's
+   ``__init__`` calls it, so that importing flash_attn4 alone never imports transformers).
 
-       import flash_attn4                     # registers "fa4" when transformers is importable
+       import transformers
+       import flash_attn4                     # registers "fa4" (or call transformers_adapter.register())
        model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fa4")
 
 2. The Hub string ``attn_implementation=HUB_ATTN_IMPLEMENTATION`` ("<org>/flash-attn4@v1").
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import warnings
 
 import torch
@@ -92,17 +95,22 @@ def register(name: str = DEFAULT_NAME) -> str:
     return name
 
 
-def maybe_register(name: str = DEFAULT_NAME) -> str | None:
-    """``register(name)`` if transformers is importable; otherwise do nothing and return None.
+def maybe_register(name: str = DEFAULT_NAME, import_transformers: bool = False) -> str | None:
+    """``register(name)`` when transformers is already imported; otherwise do nothing, return None.
 
-    Never raises: a transformers that cannot be imported or lacks the interfaces gives a warning.
-    Note that this imports transformers (a few seconds on a cold start) when it is installed.
+    Meant for the package's ``__init__``: importing flash_attn4 never pulls in transformers (seconds
+    of import time) by itself. A program that imports flash_attn4 first calls ``register()`` later,
+    or passes ``import_transformers=True`` to import it here when it is installed. Never raises: a
+    transformers that fails to import or lacks the interfaces gives a warning.
     """
-    try:
-        if importlib.util.find_spec("transformers") is None:
+    if "transformers" not in sys.modules:
+        if not import_transformers:
             return None
-    except (ImportError, ValueError):
-        return None
+        try:
+            if importlib.util.find_spec("transformers") is None:
+                return None
+        except (ImportError, ValueError):
+            return None
     try:
         return register(name)
     except Exception as exc:  # an incompatible or broken transformers must not break our import
