@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Int32
+from cutlass import Int32
 
 from .seqlen import SeqlenInfo
 
@@ -51,23 +51,27 @@ class BlockRange:
         return n_block_min, n_block_max
 
     @cute.jit
-    def needs_mask(self, seqlen: SeqlenInfo, m_block: Int32, n_block: Int32) -> Boolean:
-        """Whether some element of block (m_block, n_block) is masked, i.e. the tile is not full."""
-        partial = (n_block + 1) * self.tile_n > seqlen.seqlen_k
+    def n_block_max_full(self, seqlen: SeqlenInfo, m_block: Int32) -> Int32:
+        """Blocks below this index have no key past the right mask edge (sequence end, causal
+        diagonal or right window) for any row of the tile."""
+        hi = seqlen.seqlen_k  # exclusive bound on keys every row sees on the right
         if cutlass.const_expr(self.causal or self.local):
-            offset = seqlen.diagonal_offset()
             right = Int32(0)
             if cutlass.const_expr(self.local):
                 right = self.window_right
-            # The tile's first row sees the fewest keys on the right.
-            crosses_right = (n_block + 1) * self.tile_n - 1 > m_block * self.tile_m + offset + right
+            first_row_hi = m_block * self.tile_m + seqlen.diagonal_offset() + right + 1
             if cutlass.const_expr(self.local):
-                crosses_right = crosses_right and self.window_right >= 0
-            partial = partial or crosses_right
+                if self.window_right < 0:
+                    first_row_hi = seqlen.seqlen_k
+            hi = cutlass.min(hi, first_row_hi)
+        return cutlass.max(hi, 0) // self.tile_n
+
+    @cute.jit
+    def n_block_min_full(self, seqlen: SeqlenInfo, m_block: Int32) -> Int32:
+        """Blocks from this index on have no key before the left window edge for any row."""
+        n_min = Int32(0)
         if cutlass.const_expr(self.local):
-            offset = seqlen.diagonal_offset()
-            # The tile's last row sees the fewest keys on the left.
-            lo_last_row = (m_block + 1) * self.tile_m - 1 + offset - self.window_left
-            crosses_left = n_block * self.tile_n < lo_last_row
-            partial = partial or (crosses_left and self.window_left >= 0)
-        return partial
+            if self.window_left >= 0:
+                last_row_lo = (m_block + 1) * self.tile_m - 1 + seqlen.diagonal_offset() - self.window_left
+                n_min = (cutlass.max(last_row_lo, 0) + self.tile_n - 1) // self.tile_n
+        return n_min

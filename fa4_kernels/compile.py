@@ -11,12 +11,12 @@ one compiled kernel serves every problem size.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-from .arch import Arch
+from .arch import IMPLEMENTED, Arch
 from .config import ForwardConfig
+from .tiles import forward_tiles
 
 _IMPLEMENTATIONS = {}
 
@@ -85,17 +85,18 @@ def compile_forward(cfg: ForwardConfig):
 
 
 def kernel_set(arch: Arch) -> list[ForwardConfig]:
-    """The configurations CI compiles for an arch: every head dim the dispatcher routes to a
-    distinct tile shape, plus each feature switch once."""
-    if arch is not Arch.SM90:
+    """The configurations CI compiles for an arch: each head-dim class with the tiles dispatch
+    picks for it, plus each feature switch once."""
+    if arch not in IMPLEMENTED or "forward" not in IMPLEMENTED[arch]:
         return []
-    base = ForwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128)
-    configs = [base, base.replace(causal=True), base.replace(dtype="float16"),
-               base.replace(varlen=True, has_seqused_k=True), base.replace(local=True),
-               base.replace(has_softcap=True, has_sink=True)]
-    for d, dv, tile_n in ((64, 64, 128), (96, 96, 128), (192, 192, 96), (192, 128, 96), (256, 256, 64)):
-        configs.append(base.replace(head_dim=d, head_dim_v=dv, tile_n=tile_n))
-    return configs
+
+    def cfg(d=128, dv=128, causal=False, local=False, **flags):
+        return ForwardConfig(arch=arch, dtype=flags.pop("dtype", "bfloat16"), head_dim=d, head_dim_v=dv,
+                             causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local))
+
+    return [cfg(), cfg(causal=True), cfg(dtype="float16"), cfg(varlen=True, has_seqused_k=True),
+            cfg(local=True), cfg(has_softcap=True, has_sink=True),
+            cfg(64, 64), cfg(64, 64, causal=True), cfg(96, 96), cfg(192, 192), cfg(192, 128), cfg(256, 256)]
 
 
 def main(argv=None) -> int:

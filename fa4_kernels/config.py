@@ -55,9 +55,11 @@ class ForwardConfig:
     # Ping-pong: the two consumer warpgroups take turns issuing GEMMs (named barriers), so that
     # one's softmax overlaps the other's GEMMs.
     pingpong: bool = True
-    # Conditional rescaling threshold in log2 units (FA4: 8.0 for 16-bit inputs); 0 = always rescale.
-    rescale_threshold: float = 8.0
+    # Conditional rescaling threshold in log2 units (FA4 uses 8.0 for 16-bit inputs); 0 = always
+    # rescale. Off by default: on Hopper it measured 1-5% slower (docs/perf.md).
+    rescale_threshold: float = 0.0
     # How many of every 8 softmax exponentials run as a polynomial on the FMA pipe (0 = all MUFU).
+    # Off by default: it measured slower on Hopper at d=64..256 (docs/perf.md).
     exp2_emulated_eighths: int = 0
 
     def __post_init__(self):

@@ -1,8 +1,14 @@
 """Tile schedulers: which (m_block, head, batch) tile a CTA works on.
 
-A single-tile scheduler launches one CTA per tile. With causal or local masks tiles differ in cost
-(the last query tiles see the most keys), so the grid's x index is reversed: CTAs that start first
-take the longest tiles (longest-processing-time-first), which shortens the tail of the launch.
+One CTA per output tile. Without masks every tile costs the same, and the launch order
+(m_block fastest, then head, then batch) keeps the CTAs of one wave on few heads, whose K and V
+then stay in L2 for all their query tiles.
+
+With causal or local masks tiles differ in cost (the last query tiles see the most keys), so
+tiles are issued longest-processing-time-first: the most expensive tiles start in the first waves
+and the cheap ones fill the tail. Doing that over all heads at once would spread a wave's K/V
+working set over every head and thrash L2, so heads are taken in groups whose K and V fit in
+about half of Hopper's 50 MB L2, and the longest-first order runs within each group.
 """
 
 from __future__ import annotations
@@ -13,23 +19,45 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+L2_BUDGET_BYTES = 24 * 1024 * 1024
+
 
 @dataclass(frozen=True)
-class SingleTileScheduler:
-    """Built on the device from the number of query tiles; the host launches ``grid(...)``."""
-
+class TileScheduler:
     num_m_blocks: Int32
+    num_heads: Int32
+    num_head_batch: Int32  # heads * batch
+    group_heads: Int32  # (head, batch) pairs per L2 group; used only when longest_first
     longest_first: cutlass.Constexpr[bool]
 
     @staticmethod
-    def grid(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32):
-        return (num_m_blocks, num_heads, num_batch)
+    def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, kv_bytes_per_head: Int32,
+               longest_first: bool) -> "TileScheduler":
+        """Host side. kv_bytes_per_head: K and V bytes one (head, batch) pair reads."""
+        num_head_batch = num_heads * num_batch
+        group = Int32(1)
+        if cutlass.const_expr(longest_first):
+            group = cutlass.max(cutlass.min(L2_BUDGET_BYTES // cutlass.max(kv_bytes_per_head, 1), num_head_batch), 1)
+        return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, longest_first)
+
+    def grid(self):
+        if cutlass.const_expr(self.longest_first):
+            return (self.num_m_blocks * self.num_head_batch, 1, 1)
+        return (self.num_m_blocks, self.num_heads, self.num_head_batch // self.num_heads)
 
     @cute.jit
     def tile(self):
-        """(m_block, head, batch) of this CTA."""
+        """Device side: (m_block, head, batch) of this CTA."""
         bx, by, bz = cute.arch.block_idx()
-        m_block = bx
+        m_block, head, batch = bx, by, bz
         if cutlass.const_expr(self.longest_first):
-            m_block = self.num_m_blocks - 1 - bx
-        return m_block, by, bz
+            group_tiles = self.group_heads * self.num_m_blocks
+            group = bx // group_tiles
+            rank = bx - group * group_tiles
+            heads_here = cutlass.min(self.group_heads, self.num_head_batch - group * self.group_heads)
+            m_rev = rank // heads_here
+            head_batch = group * self.group_heads + (rank - m_rev * heads_here)
+            m_block = self.num_m_blocks - 1 - m_rev
+            batch = head_batch // self.num_heads
+            head = head_batch - batch * self.num_heads
+        return m_block, head, batch

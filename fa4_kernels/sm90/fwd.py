@@ -36,7 +36,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..block_range import BlockRange
 from ..config import ForwardConfig
 from ..mask import AttentionMask
-from ..scheduler import SingleTileScheduler
+from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
@@ -44,11 +44,10 @@ from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 WARPGROUP_THREADS = 128
-NUM_CONSUMER_WARPGROUPS = 2
-# setmaxnreg budgets: 24 + 2 * 240 registers per thread slot fit the 64K register file at 384 threads.
-PRODUCER_REGISTERS = 24
-CONSUMER_REGISTERS = 240
-# Named barrier 0 is __syncthreads; 1 and 2 gate the two consumer warpgroups' GEMM turns.
+# setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
+# split over 128 producer threads and 128 threads per consumer warpgroup.
+REGISTERS = {2: (24, 240), 3: (32, 160)}
+# Named barrier 0 is __syncthreads; 1, 2 (and 3) gate the consumer warpgroups' GEMM turns.
 PINGPONG_BARRIER = 1
 
 
@@ -99,8 +98,8 @@ def _advanced(state: pipeline.PipelineState) -> pipeline.PipelineState:
 
 class FlashAttentionForwardSm90:
     def __init__(self, cfg: ForwardConfig):
-        if cfg.tile_m != 64 * NUM_CONSUMER_WARPGROUPS:
-            raise ValueError(f"sm90 forward: tile_m must be {64 * NUM_CONSUMER_WARPGROUPS}, got {cfg.tile_m}")
+        if cfg.tile_m not in (128, 192):
+            raise ValueError(f"sm90 forward: tile_m must be 128 or 192 (64 rows per consumer warpgroup), got {cfg.tile_m}")
         if cfg.tile_n % 16 != 0:
             raise ValueError(f"sm90 forward: tile_n must be a multiple of 16, got {cfg.tile_n}")
         self.cfg = cfg
@@ -108,7 +107,9 @@ class FlashAttentionForwardSm90:
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
         self.num_stages = cfg.num_stages
-        self.num_threads = WARPGROUP_THREADS * (1 + NUM_CONSUMER_WARPGROUPS)
+        self.num_consumer_wg = cfg.tile_m // 64
+        self.producer_regs, self.consumer_regs = REGISTERS[self.num_consumer_wg]
+        self.num_threads = WARPGROUP_THREADS * (1 + self.num_consumer_wg)
 
     # ------------------------------------------------------------------------------------------
     # Host side: views, MMAs, shared-memory layouts, TMA descriptors, launch
@@ -149,12 +150,12 @@ class FlashAttentionForwardSm90:
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.tile_n),
+            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, self.tile_n),
         )
         # P comes from registers; V^T is read N-major straight from V's row-major tile.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.hdim_v),
+            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, self.hdim_v),
             a_source=warpgroup.OperandSource.RMEM,
         )
 
@@ -193,13 +194,17 @@ class FlashAttentionForwardSm90:
             scale_log2 = softmax_scale * LOG2_E
 
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        # Longest-first order for masked problems (needs a per-head K/V size; varlen keeps the
+        # plain order).
+        kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
+        scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
+                                         longest_first=(cfg.causal or cfg.local) and not cfg.varlen)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
             score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
-            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, num_m_blocks,
-        ).launch(grid=SingleTileScheduler.grid(num_m_blocks, num_heads, num_batch), block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=1)
+            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, scheduler,
+        ).launch(grid=scheduler.grid(), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -217,7 +222,7 @@ class FlashAttentionForwardSm90:
         window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        num_m_blocks: Int32,
+        scheduler: TileScheduler,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -233,7 +238,7 @@ class FlashAttentionForwardSm90:
         # One TMA-issuing warp produces; every consumer warp releases a stage once (lane 0 arrives).
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS // cute.arch.WARP_SIZE)
+            pipeline.Agent.Thread, self.num_consumer_wg * WARPGROUP_THREADS // cute.arch.WARP_SIZE)
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
             consumer_group=consumers, tx_count=self.tma_bytes_q, defer_sync=True)
@@ -247,7 +252,6 @@ class FlashAttentionForwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        scheduler = SingleTileScheduler(num_m_blocks, self.cfg.causal or self.cfg.local)
         m_block, head, batch = scheduler.tile()
         seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         blocks = BlockRange(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
@@ -258,13 +262,13 @@ class FlashAttentionForwardSm90:
         if tile_in_sequence:
             warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
             if warpgroup_idx == 0:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+                cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                                  pipe_q, pipe_k, pipe_v, seqlen, m_block, head, batch,
                                  head // qhead_per_kvhead, n_block_min, n_block_max)
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(tidx - WARPGROUP_THREADS, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                              tiled_mma_qk, tiled_mma_pv, mO, mLSE, mSink, seqlen, blocks,
                              m_block, head, batch, n_block_min, n_block_max,
@@ -340,17 +344,19 @@ class FlashAttentionForwardSm90:
         wg = tidx // WARPGROUP_THREADS
         row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
         rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)  # P of the previous block, A of P@V
-        probs = partial(self.scores_to_probs, softmax=softmax, mask=mask, blocks=blocks, tScS=tScS,
-                        seqlen=seqlen, m_block=m_block, score_prescale=score_prescale,
-                        row_scale=row_scale)
+        step = partial(self.mainloop_step, wg=wg, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, rP=rP,
+                       acc_S_shape=acc_S_shape, pipe_k=pipe_k, pipe_v=pipe_v,
+                       tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, softmax=softmax,
+                       mask=mask, tScS=tScS, seqlen=seqlen, m_block=m_block,
+                       score_prescale=score_prescale, row_scale=row_scale)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         self.gemm_turn_init(wg)
-        n_blocks = n_block_max - n_block_min
-        if n_blocks > 0:
-            # Prologue: S and P of the first block; its P @ V joins the next block's S = Q K^T.
+        if n_block_max > n_block_min:
+            # Prologue: S and P of the last block (always checked against the masks); its P @ V
+            # joins the next block's S = Q K^T.
             acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
             pipe_k.consumer_wait(kv)
             self.gemm_turn_wait(wg)
@@ -358,31 +364,26 @@ class FlashAttentionForwardSm90:
             self.gemm_turn_pass(wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv)
-            probs(acc_S, n_block=n_block_max - 1)
+            self.scores_to_probs(acc_S, softmax, mask, tScS, seqlen, m_block, n_block_max - 1,
+                                 score_prescale, row_scale, masked=True)
             rP.store(acc_S.load().to(self.dtype))
 
-            # Steady state: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then run the
-            # softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores.
-            for i in cutlass.range(1, n_blocks, unroll=1):
-                kv_prev = kv
-                kv = _advanced(kv)
-                acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-                pipe_k.consumer_wait(kv)
-                self.gemm_turn_wait(wg)
-                _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
-                pipe_v.consumer_wait(kv_prev)
-                _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP),
-                       tOrVt[None, None, None, kv_prev.index], zero_init=False)
-                self.gemm_turn_pass(wg)
-                warpgroup.wait_group(1)  # S_j has landed; P_{j-1} V_{j-1} may still run
-                pipe_k.consumer_release(kv)
-                probs(acc_S, n_block=n_block_max - 1 - i)
-                warpgroup.wait_group(0)  # rP is an operand of the running GEMM until here
-                pipe_v.consumer_release(kv_prev)
-                self.rescale_rows(acc_O, row_scale)
-                rP.store(acc_S.load().to(self.dtype))
+            # Steady state, from the last KV block to the first: blocks that cross the right mask
+            # edge (sequence end, causal diagonal, right window), then full blocks without any mask
+            # code, then (local only) blocks that cross the left window edge.
+            n_full_max = cutlass.max(blocks.n_block_max_full(seqlen, m_block), n_block_min)
+            n_full_min = cutlass.max(blocks.n_block_min_full(seqlen, m_block), n_block_min)
+            n_full_max = cutlass.min(cutlass.max(n_full_max, n_full_min), n_block_max - 1)
+            for i in cutlass.range(n_block_max - 1 - n_full_max, unroll=1):
+                kv = step(kv, n_block=n_block_max - 2 - i, masked=True)
+            for i in cutlass.range(n_full_max - n_full_min, unroll=1):
+                kv = step(kv, n_block=n_full_max - 1 - i, masked=False)
+            if cutlass.const_expr(cfg.local):
+                n_left = cutlass.min(n_full_min, n_block_max - 1)
+                for i in cutlass.range(n_left - n_block_min, unroll=1):
+                    kv = step(kv, n_block=n_left - 1 - i, masked=True)
 
-            # Epilogue of the loop: P @ V of the last block.
+            # Epilogue of the loop: P @ V of the first block.
             pipe_v.consumer_wait(kv)
             _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv.index],
                    zero_init=False)
@@ -396,44 +397,74 @@ class FlashAttentionForwardSm90:
         self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen, m_block, head, batch)
 
     @cute.jit
+    def mainloop_step(self, kv, n_block: Int32, masked: cutlass.Constexpr[bool], wg, tSrQ, tSrK, tOrVt,
+                      acc_O, rP, acc_S_shape, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                      softmax: OnlineSoftmax, mask: AttentionMask, tScS, seqlen: SeqlenInfo,
+                      m_block: Int32, score_prescale: Float32, row_scale: cute.Tensor):
+        """One steady-state block: issue S_j = Q K_j^T and O += P_{j+1} V_{j+1} back to back, then run
+        the softmax of S_j while P_{j+1} V_{j+1} is still on the tensor cores. Returns the next
+        pipeline state (block j's stage, whose V the next step consumes)."""
+        kv_prev = kv
+        kv = _advanced(kv)
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        pipe_k.consumer_wait(kv)
+        self.gemm_turn_wait(wg)
+        _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+        pipe_v.consumer_wait(kv_prev)
+        _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv_prev.index],
+               zero_init=False)
+        self.gemm_turn_pass(wg)
+        warpgroup.wait_group(1)  # S_j has landed; P V may still run
+        pipe_k.consumer_release(kv)
+        self.scores_to_probs(acc_S, softmax, mask, tScS, seqlen, m_block, n_block, score_prescale,
+                             row_scale, masked=masked)
+        warpgroup.wait_group(0)  # rP is an operand of the running GEMM until here
+        pipe_v.consumer_release(kv_prev)
+        self.rescale_rows(acc_O, row_scale)
+        rP.store(acc_S.load().to(self.dtype))
+        return kv
+
+    @cute.jit
     def scores_to_probs(self, acc_S: cute.Tensor, softmax: OnlineSoftmax, mask: AttentionMask,
-                        blocks: BlockRange, tScS: cute.Tensor, seqlen: SeqlenInfo, m_block: Int32,
-                        n_block: Int32, score_prescale: Float32, row_scale: cute.Tensor):
-        """Softcap, mask and online softmax of one score block, in place. Blocks that need no mask
-        hold only finite scores: only they may use the FMA-pipe exp2."""
+                        tScS: cute.Tensor, seqlen: SeqlenInfo, m_block: Int32, n_block: Int32,
+                        score_prescale: Float32, row_scale: cute.Tensor, masked: cutlass.Constexpr[bool]):
+        """Softcap, mask and online softmax of one score block, in place. Only blocks known to be
+        full (no -inf scores) may use the FMA-pipe exp2."""
         cfg = self.cfg
         s_rows = acc_rows_view(acc_S)
         if cutlass.const_expr(cfg.has_softcap):
             for j in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[j] = cute.math.tanh(acc_S[j] * score_prescale, fastmath=True)
-        needs_mask = blocks.needs_mask(seqlen, m_block, n_block)
-        if needs_mask:
+        if cutlass.const_expr(masked):
             mask.apply(s_rows, tScS, seqlen, m_block, n_block)
         shift = softmax.update_max(s_rows, row_scale, cfg.rescale_threshold)
-        if cutlass.const_expr(cfg.exp2_emulated_eighths == 0):
-            exp2_rows(s_rows, softmax.scale_log2, shift)
-        elif needs_mask:  # -inf scores must stay on MUFU
-            exp2_rows(s_rows, softmax.scale_log2, shift)
-        else:
-            exp2_rows(s_rows, softmax.scale_log2, shift, cfg.exp2_emulated_eighths)
+        exp2_rows(s_rows, softmax.scale_log2, shift, 0 if masked else cfg.exp2_emulated_eighths)
         softmax.update_sum(s_rows, row_scale)
 
     @cute.jit
     def rescale_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        """O *= row_scale per row; with conditional rescaling most blocks skip it."""
+        """O *= row_scale per row. With conditional rescaling most blocks leave every factor at
+        exactly 1: the warp skips the multiplies when none of its rows moved (a warp-uniform branch,
+        so no divergence)."""
         o_rows = acc_rows_view(acc_O)
+        if cutlass.const_expr(self.cfg.rescale_threshold > 0.0):
+            moved = row_scale[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(o_rows, mode=[0])):
+                moved = moved or row_scale[r] != Float32(1.0)
+            if cute.arch.vote_any_sync(moved):
+                self._scale_rows(o_rows, row_scale)
+        else:
+            self._scale_rows(o_rows, row_scale)
+
+    @cute.jit
+    def _scale_rows(self, o_rows: cute.Tensor, row_scale: cute.Tensor):
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
-            if cutlass.const_expr(self.cfg.rescale_threshold > 0.0):
-                if row_scale[r] != Float32(1.0):
-                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                        o_rows[r, c] = o_rows[r, c] * row_scale[r]
-            else:
-                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    o_rows[r, c] = o_rows[r, c] * row_scale[r]
+            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                o_rows[r, c] = o_rows[r, c] * row_scale[r]
 
     # ---- ping-pong between the consumer warpgroups ----------------------------------------------
     # Named barrier PINGPONG_BARRIER + w gates warpgroup w's GEMM issue. A warpgroup waits on its
-    # own barrier, issues, then arrives on the other's; warpgroup 0 holds the first turn.
+    # own barrier, issues, then arrives on the next one's (cyclically); warpgroup 0 has the first turn.
     @cute.jit
     def gemm_turn_init(self, wg: Int32):
         if cutlass.const_expr(self.cfg.pingpong):
@@ -448,8 +479,10 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def gemm_turn_pass(self, wg: Int32):
         if cutlass.const_expr(self.cfg.pingpong):
-            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - wg,
-                                     number_of_threads=2 * WARPGROUP_THREADS)
+            nxt = wg + 1
+            if nxt == self.num_consumer_wg:
+                nxt = 0
+            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + nxt, number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
     def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,

@@ -7,7 +7,6 @@ anything that builds a config: they are runtime values of the kernel and never p
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch
 from .fa4_kernels.config import ForwardConfig
+from .fa4_kernels.tiles import forward_tiles
 
 SUPPORTED_DEVICES = "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)"
 
@@ -56,25 +56,10 @@ def arch_for_device(device: torch.device, kernel: str = "forward") -> Arch:
     return arch_for_capability(info.capability, f"{info.name} (cuda:{info.index})", kernel)
 
 
-_FORWARD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ForwardConfig)}
-
-
 def choose_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
-    """Tile sizes and pipeline depth for a problem class (never for a problem size).
-
-    Returns ForwardConfig field overrides (tile_m, tile_n, num_stages). Today: ForwardConfig's defaults,
-    with tile_n shrunk for large head dims so K/V stages still fit in shared memory (the same steps as
-    fa4_kernels.compile.kernel_set: 128 up to d=128, 96 up to 192, 64 above). The kernel owner tunes this.
-    """
-    del causal, local  # no mask-specific tiles yet
-    tiles = {name: _FORWARD_DEFAULTS[name] for name in ("tile_m", "tile_n", "num_stages")}
-    if arch == Arch.SM90:
-        d = max(head_dim, head_dim_v)
-        if d > 192:
-            tiles["tile_n"] = min(tiles["tile_n"], 64)
-        elif d > 128:
-            tiles["tile_n"] = min(tiles["tile_n"], 96)
-    return tiles
+    """Tile sizes and pipeline depth for a problem class (never for a problem size): the kernels'
+    own table (fa4_kernels.tiles), so the torch layer asks for what CI compiles."""
+    return forward_tiles(arch, head_dim, head_dim_v, causal, local)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,0 +1,28 @@
+"""Tile shapes per problem class: a pure function of head dims and mask kind, never of sizes.
+
+Hopper forward, measured on the H200 (docs/perf.md has the A/B runs):
+- max(d, dv) <= 64: three consumer warpgroups (192 x 128 tiles). At d=64 the exponentials take as
+  long as the GEMMs; a third warpgroup keeps the tensor cores fed while two others run softmax.
+  Its 160-register budget fits S, P and O only up to 64 columns of O.
+- <= 128: 128 x 128.  <= 192: 128 x 96.  <= 256: 128 x 80 (Q and two K/V stages fill 224 KiB
+  of shared memory; 80 beat 64 at d=256 causal and tied non-causal).
+"""
+
+from __future__ import annotations
+
+from .arch import Arch
+
+
+def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
+    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class."""
+    del causal, local  # no mask-specific tiles measured to pay yet
+    if arch is not Arch.SM90:
+        raise NotImplementedError(f"no forward tiles for {arch.value} yet")
+    d = max(head_dim, head_dim_v)
+    if d <= 64:
+        return dict(tile_m=192, tile_n=128, num_stages=2)
+    if d <= 128:
+        return dict(tile_m=128, tile_n=128, num_stages=2)
+    if d <= 192:
+        return dict(tile_m=128, tile_n=96, num_stages=2)
+    return dict(tile_m=128, tile_n=80, num_stages=2)
