@@ -177,6 +177,46 @@ def _ours_fwd(case: Case, x: Inputs):
     return lambda: fa.flash_attn_func(x.q, x.k, x.v, causal=case.causal)
 
 
+def _parse_variant(text: str) -> tuple[str, dict]:
+    """'NAME:field=value,field=value' -> (NAME, overrides of fa4_kernels' ForwardConfig)."""
+    name, _, spec = text.partition(":")
+    overrides = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        field_name, _, value = item.partition("=")
+        overrides[field_name] = {"true": True, "false": False}.get(value.lower(), None)
+        if overrides[field_name] is None:
+            overrides[field_name] = float(value) if "." in value else int(value)
+    if not name or not overrides:
+        raise argparse.ArgumentTypeError(f"--variant wants NAME:field=value[,field=value], got {text!r}")
+    return name, overrides
+
+
+def _variant_fwd(overrides: dict):
+    """Our kernel with ForwardConfig fields overridden (A/B of kernel switches such as pingpong,
+    rescale_threshold, exp2_emulated_eighths, tile_n), compiled and called directly with the
+    kernel call convention (docs/CONTRACTS.md); "ours" (dispatch's own choice) is the baseline."""
+    def prepare(case: Case, x: Inputs):
+        import importlib
+
+        import torch
+
+        if case.group == "varlen":
+            raise Unsupported("variants run batched cases only")
+        package = _import_ours().__name__
+        dispatch = importlib.import_module(package + ".dispatch")
+        compile_forward = importlib.import_module(package + ".fa4_kernels.compile").compile_forward
+        base = dispatch.forward_config(
+            dispatch.arch_for_device(x.q.device), dispatch.dtype_name(x.q.dtype), x.q.shape[-1], x.v.shape[-1],
+            causal=case.causal, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
+        kernel = compile_forward(base.replace(**overrides))
+        b, sq, hq, _ = x.q.shape
+        out = x.q.new_empty(b, sq, hq, x.v.shape[-1])
+        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=x.q.device)
+        scale = x.q.shape[-1] ** -0.5
+        return lambda: (kernel(x.q, x.k, x.v, out, lse, None, None, None, None, scale, 1.0, -1, -1, sq), out)[1]
+    return prepare
+
+
 def _sdpa_available(backend_name: str):
     def check():
         import torch
@@ -557,6 +597,9 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=float, default=50.0, help="timing budget per measurement (ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default benchmarks/results/)")
+    p.add_argument("--variant", action="append", type=_parse_variant, default=[],
+                   help="A/B our kernel with ForwardConfig overrides, e.g. "
+                        "--variant cr:rescale_threshold=8.0 --variant nopp:pingpong=false (repeatable)")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing implementations")
     args = p.parse_args(argv)
@@ -597,6 +640,9 @@ def main(argv=None) -> int:
 
     all_impls = make_impls()
     wanted = [n for n in IMPL_ORDER if not args.only or n in args.only]
+    for name, overrides in args.variant:
+        all_impls[f"ours[{name}]"] = Impl(f"ours[{name}]", _ours_available, _variant_fwd(overrides))
+        wanted.insert(wanted.index("ours") + 1 if "ours" in wanted else 0, f"ours[{name}]")
     impls, skipped = [], {}
     for name in wanted:
         why = all_impls[name].available()
