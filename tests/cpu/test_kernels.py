@@ -1,0 +1,136 @@
+"""fa4_kernels on the CPU: the math emulated in numpy, and compile-only checks of the sm_90a kernels
+(structure of the generated code) -- no GPU needed."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "torch-ext"))
+
+from flash_attn4.fa4_kernels import exp2 as exp2_mod  # noqa: E402
+from flash_attn4.fa4_kernels.arch import Arch  # noqa: E402
+from flash_attn4.fa4_kernels.config import ForwardConfig  # noqa: E402
+
+
+def _exp2_like_the_kernel(x: np.ndarray) -> np.ndarray:
+    """exp2_fma step by step in float32: clamp, floor via the round-down magic add, Horner, and the
+    exponent-field add of floor(x) << 23."""
+    x = np.maximum(x.astype(np.float32), np.float32(-127.0))
+    floor = np.floor(x).astype(np.float32)  # what add.rm(x, 1.5 * 2^23) - 1.5 * 2^23 yields
+    frac = (x - floor).astype(np.float32)
+    poly = np.float32(exp2_mod.COEFFS[3])
+    for c in exp2_mod.COEFFS[2::-1]:
+        poly = (poly * frac + np.float32(c)).astype(np.float32)
+    bits = poly.view(np.int32) + (floor.astype(np.int32) << 23)
+    return bits.view(np.float32)
+
+
+def test_exp2_polynomial_relative_error_is_below_1e_4():
+    rng = np.random.default_rng()
+    x = rng.uniform(-60.0, 20.0, size=200_000).astype(np.float32)
+    got = _exp2_like_the_kernel(x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    rel = np.abs(got - want) / want
+    assert rel.max() < 1e-4, rel.max()
+
+
+def test_exp2_round_down_magic_gives_floor_for_negative_and_positive_inputs():
+    """The magic constant leaves floor(x) in the low mantissa bits, for |x| < 2^22."""
+    magic = np.float64(exp2_mod.ROUND_DOWN_MAGIC)
+    for x in (-126.7, -3.5, -0.25, 0.0, 0.75, 5.999, 126.2):
+        rounded = np.float32(np.floor(np.float64(x) + magic))  # round-down add, exact in float32 here
+        assert float(rounded - np.float32(magic)) == np.floor(x)
+        low_bits = (np.array(rounded, dtype=np.float32).view(np.int32) << 23) >> 23
+        assert int(low_bits) == int(np.floor(x))
+
+
+def _compile_in_subprocess(tmp_path: Path, cfg_kwargs: dict, keep: str = "") -> subprocess.CompletedProcess:
+    """Compile one configuration in a fresh interpreter (CUTE_DSL_* settings are read at import)."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / 'torch-ext')!r})
+        from flash_attn4.fa4_kernels.arch import Arch
+        from flash_attn4.fa4_kernels.config import ForwardConfig
+        from flash_attn4.fa4_kernels.compile import compile_forward
+        compile_forward(ForwardConfig(arch=Arch.SM90, dtype="bfloat16", **{cfg_kwargs!r}))
+        print("compiled")
+    """)
+    env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path))
+    if keep:
+        env["CUTE_DSL_KEEP"] = keep
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+def _nvdisasm() -> str | None:
+    try:
+        import nvidia.cu13  # the nvidia-cuda-nvdisasm wheel
+
+        path = Path(list(nvidia.cu13.__path__)[0]) / "bin" / "nvdisasm"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    return shutil.which("nvdisasm")
+
+
+def test_sm90_forward_uses_wgmma_tma_and_does_not_spill(tmp_path):
+    proc = _compile_in_subprocess(tmp_path, dict(head_dim=128, head_dim_v=128, causal=True), keep="ptx,cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads
+    assert "setmaxnreg" in ptx  # producer/consumer register reallocation
+    assert ".target sm_90a" in ptx
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    cubin = glob.glob(str(tmp_path / "*.cubin"))[0]
+    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+    assert "HGMMA" in sass
+    assert "MUFU.EX2" in sass
+    assert "STL" not in sass and "LDL" not in sass, "register spills to local memory"
+
+
+@pytest.mark.parametrize("cfg", [dict(head_dim=32, head_dim_v=32, tile_m=192),
+                                 dict(head_dim=80, head_dim_v=80),
+                                 dict(head_dim=192, head_dim_v=128, tile_n=96, local=True, varlen=True)])
+def test_less_common_shapes_compile(tmp_path, cfg):
+    proc = _compile_in_subprocess(tmp_path, cfg)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_head_dim_v_below_16_is_a_clear_error():
+    from flash_attn4.fa4_kernels.sm90.fwd import FlashAttentionForwardSm90
+
+    with pytest.raises(NotImplementedError, match="head_dim_v must be at least 16"):
+        FlashAttentionForwardSm90(ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=64, head_dim_v=8))
+
+
+def test_config_rejects_what_no_kernel_can_do():
+    base = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128)
+    with pytest.raises(ValueError, match="head_dim"):
+        ForwardConfig(**dict(base, head_dim=100))
+    with pytest.raises(ValueError, match="dtype"):
+        ForwardConfig(**dict(base, dtype="float32"))
+    with pytest.raises(ValueError, match="exclusive"):
+        ForwardConfig(**dict(base, causal=True, local=True))
+    with pytest.raises(ValueError, match="exp2_emulated_eighths"):
+        ForwardConfig(**dict(base, exp2_emulated_eighths=9))
+
+
+def test_compile_key_covers_every_field_and_no_sizes():
+    a = ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128)
+    assert a.key() == ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128).key()
+    for change in (dict(causal=True), dict(pingpong=False), dict(tile_n=96), dict(exp2_emulated_eighths=2)):
+        assert a.replace(**change).key() != a.key(), change
+    assert not any(word in " ".join(a.key()) for word in ("seqlen", "batch", "num_heads"))
