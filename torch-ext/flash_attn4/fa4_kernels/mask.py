@@ -1,8 +1,13 @@
-"""Element-wise attention masks on a (rows, cols) view of a score fragment.
+"""Attention masks, shared by every architecture: which KV blocks a query tile visits, which of
+them are full (need no element-wise mask), and the element-wise mask itself.
 
-Architecture-independent: a kernel passes its score fragment and the matching coordinate fragment
-(an identity tensor partitioned like the scores), both viewed as (rows, cols); how the fragment is
-laid out across threads is the kernel's business. Semantics: see ``block_range``.
+Semantics (FlashAttention's, aligned bottom-right): query row i sees key j iff
+    i + (sk - sq) - window_left <= j <= i + (sk - sq) + window_right   and   0 <= j < sk,
+with causal meaning window_right = 0, and a negative window meaning unbounded on that side.
+
+The element-wise mask works on a (rows, cols) view of a score fragment and the matching coordinate
+fragment (an identity tensor partitioned like the scores); how a fragment is spread over threads is
+the kernel's business.
 """
 
 from __future__ import annotations
@@ -24,6 +29,56 @@ class AttentionMask:
     local: cutlass.Constexpr[bool]
     window_left: Int32  # used only when local; negative = unbounded
     window_right: Int32
+
+    @cute.jit
+    def n_block_range(self, seqlen: SeqlenInfo, m_block: Int32):
+        """[n_block_min, n_block_max) of KV blocks holding at least one key visible to the tile."""
+        n_block_max = (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n
+        n_block_min = Int32(0)
+        offset = seqlen.diagonal_offset()
+        if cutlass.const_expr(self.causal or self.local):
+            # The tile's last row (clipped to the sequence) sees the rightmost key.
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q) - 1
+            right = Int32(0)
+            if cutlass.const_expr(self.local):
+                right = self.window_right
+            hi = last_row + offset + right + 1  # exclusive bound on visible keys
+            if cutlass.const_expr(self.local):
+                if self.window_right < 0:
+                    hi = seqlen.seqlen_k
+            hi = cutlass.max(hi, 0)
+            n_block_max = cutlass.min(n_block_max, (hi + self.tile_n - 1) // self.tile_n)
+        if cutlass.const_expr(self.local):
+            if self.window_left >= 0:
+                lo = m_block * self.tile_m + offset - self.window_left
+                n_block_min = cutlass.max(lo, 0) // self.tile_n
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def n_block_max_full(self, seqlen: SeqlenInfo, m_block: Int32) -> Int32:
+        """Blocks below this index have no key past the right mask edge (sequence end, causal
+        diagonal or right window) for any row of the tile."""
+        hi = seqlen.seqlen_k  # exclusive bound on keys every row sees on the right
+        if cutlass.const_expr(self.causal or self.local):
+            right = Int32(0)
+            if cutlass.const_expr(self.local):
+                right = self.window_right
+            first_row_hi = m_block * self.tile_m + seqlen.diagonal_offset() + right + 1
+            if cutlass.const_expr(self.local):
+                if self.window_right < 0:
+                    first_row_hi = seqlen.seqlen_k
+            hi = cutlass.min(hi, first_row_hi)
+        return cutlass.max(hi, 0) // self.tile_n
+
+    @cute.jit
+    def n_block_min_full(self, seqlen: SeqlenInfo, m_block: Int32) -> Int32:
+        """Blocks from this index on have no key before the left window edge for any row."""
+        n_min = Int32(0)
+        if cutlass.const_expr(self.local):
+            if self.window_left >= 0:
+                last_row_lo = (m_block + 1) * self.tile_m - 1 + seqlen.diagonal_offset() - self.window_left
+                n_min = (cutlass.max(last_row_lo, 0) + self.tile_n - 1) // self.tile_n
+        return n_min
 
     @cute.jit
     def apply(self, s_rows: cute.Tensor, coord_rows: cute.Tensor, seqlen: SeqlenInfo,

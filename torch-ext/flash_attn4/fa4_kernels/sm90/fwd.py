@@ -33,7 +33,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..block_range import BlockRange
 from ..config import ForwardConfig
 from ..mask import AttentionMask
 from ..scheduler import TileScheduler
@@ -257,9 +256,9 @@ class FlashAttentionForwardSm90:
 
         m_block, head, batch = scheduler.tile()
         seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-        blocks = BlockRange(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
-                            window_left, window_right)
-        n_block_min, n_block_max = blocks.n_block_range(seqlen, m_block)
+        mask = AttentionMask(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
+                             window_left, window_right)
+        n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
         tile_in_sequence = m_block * self.tile_m < seqlen.seqlen_q
 
         if tile_in_sequence:
@@ -273,9 +272,9 @@ class FlashAttentionForwardSm90:
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(tidx - WARPGROUP_THREADS, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                             tiled_mma_qk, tiled_mma_pv, mO, mLSE, mSink, seqlen, blocks,
+                             tiled_mma_qk, tiled_mma_pv, mO, mLSE, mSink, seqlen, mask,
                              m_block, head, batch, n_block_min, n_block_max,
-                             score_prescale, scale_log2, window_left, window_right)
+                             score_prescale, scale_log2)
 
     @cute.jit
     def _slice_head(self, t: cute.Tensor, offset: Int32, head: Int32, batch: Int32) -> cute.Tensor:
@@ -323,8 +322,8 @@ class FlashAttentionForwardSm90:
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
     def consume(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-                mO, mLSE, mSink, seqlen: SeqlenInfo, blocks: BlockRange, m_block, head, batch,
-                n_block_min, n_block_max, score_prescale, scale_log2, window_left, window_right):
+                mO, mLSE, mSink, seqlen: SeqlenInfo, mask: AttentionMask, m_block, head, batch,
+                n_block_min, n_block_max, score_prescale, scale_log2):
         cfg = self.cfg
         warpgroup_first_thread = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_first_thread)
@@ -341,7 +340,6 @@ class FlashAttentionForwardSm90:
 
         # Score coordinates within a (tile_m, tile_n) block, for masking.
         tScS = acc_rows_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        mask = AttentionMask(self.tile_m, self.tile_n, cfg.causal, cfg.local, window_left, window_right)
         softmax = OnlineSoftmax.create(scale_log2, cute.size(tScS, mode=[0]), THREADS_PER_ROW)
 
         wg = tidx // WARPGROUP_THREADS
@@ -374,8 +372,8 @@ class FlashAttentionForwardSm90:
             # Steady state, from the last KV block to the first: blocks that cross the right mask
             # edge (sequence end, causal diagonal, right window), then full blocks without any mask
             # code, then (local only) blocks that cross the left window edge.
-            n_full_max = cutlass.max(blocks.n_block_max_full(seqlen, m_block), n_block_min)
-            n_full_min = cutlass.max(blocks.n_block_min_full(seqlen, m_block), n_block_min)
+            n_full_max = cutlass.max(mask.n_block_max_full(seqlen, m_block), n_block_min)
+            n_full_min = cutlass.max(mask.n_block_min_full(seqlen, m_block), n_block_min)
             n_full_max = cutlass.min(cutlass.max(n_full_max, n_full_min), n_block_max - 1)
             for i in cutlass.range(n_block_max - 1 - n_full_max, unroll=1):
                 kv = step(kv, n_block=n_block_max - 2 - i, masked=True)
