@@ -1,20 +1,26 @@
 """FlashAttention forward for Hopper (sm_90a).
 
-One CTA computes one (tile_m x head_dim_v) output tile of one head:
+One CTA computes one (tile_m x head_dim_v) output tile of one head, with 64 query rows per consumer
+warpgroup (tile_m = 128: two consumers; 192: three):
 
-    warpgroup 0   producer   one warp issues TMA loads: Q once, then K_j and V_j for every KV block j,
-                             into a ``num_stages``-deep ring of shared-memory buffers
-    warpgroup 1   consumer   rows [0, 64) of the tile    } each: S = Q K_j^T (WGMMA, operands in smem),
-    warpgroup 2   consumer   rows [64, 128) of the tile  } mask, online softmax, O += P V_j (WGMMA, P
-                                                           from registers), then the epilogue
+    warpgroup 0    producer   one warp issues TMA loads: Q once, then K_j and V_j for every KV
+                              block j into a ``num_stages``-deep ring of shared-memory buffers
+    warpgroup 1..  consumers  S_j = Q K_j^T (WGMMA, both operands in shared memory), mask, online
+                              softmax, O += P_j V_j (WGMMA, P from registers), then the epilogue
 
 Synchronisation: three mbarrier pipelines (Q, K, V). The producer waits on a stage's "empty"
 barrier before reloading it and the TMA unit completes its "full" barrier; consumers wait on "full"
 and release "empty" as soon as the WGMMA that read the stage has retired. K and V have separate
 pipelines so that S = Q K^T can start before V has landed.
 
-KV blocks are visited from the last to the first: the blocks that need element-wise masking
-(sequence end, causal diagonal) come first, so the steady state runs without mask checks.
+Overlap inside a consumer: S_j = Q K_j^T and O += P_{j+1} V_{j+1} are issued back to back and the
+softmax of S_j runs while P V is still on the tensor cores (P of the previous block is kept in
+registers). Overlap between consumers (ping-pong, optional): named barriers hand the right to issue
+GEMMs from one warpgroup to the next, so one's softmax runs under another's GEMMs.
+
+KV blocks are visited from the last to the first: blocks that cross the right mask edge (sequence
+end, causal diagonal) come first, then full blocks in a loop with no mask code, then (local) blocks
+that cross the left window edge.
 
 The producer gives registers up (setmaxnreg) so that the consumers can hold S, P and O at once.
 """
