@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -172,7 +173,7 @@ def _timed_compile(kind: str, cfg, compile_fn: Callable):
     fn = compile_fn(cfg)
     dt = time.perf_counter() - t0
     _stats["compiled"] += 1
-    level = 30 if dt >= settings.slow_compile_seconds() else 20  # WARNING / INFO
+    level = logging.WARNING if dt >= settings.slow_compile_seconds() else logging.INFO
     log.log(level, "compiling %s kernel for %s took %.2f s", kind, _describe(cfg), dt)
     return fn
 

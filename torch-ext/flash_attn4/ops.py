@@ -23,6 +23,7 @@ side >= 0. ``learnable_sink`` must already be float32.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -123,22 +124,11 @@ def fwd(
     return out, lse
 
 
-class _NullGuard:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL_GUARD = _NullGuard()
-
-
 def _device_guard(device: torch.device):
     """Make ``device`` current for the launch when it is not already (multi-GPU processes)."""
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
-    return _NULL_GUARD
+    return contextlib.nullcontext()
 
 
 @fwd.register_fake
