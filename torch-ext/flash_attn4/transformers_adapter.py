@@ -174,6 +174,16 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
 
 
+def _packed_attention(fa, q, k, v, cu_q, cu_k, max_q: int, max_k: int, options: dict) -> torch.Tensor:
+    """Packed sequences in a (batch, seq, heads, dim) batch (batch is 1 in practice): attend through
+    the varlen entry point and give the output back in the batch's shape."""
+    batch, sq = q.shape[0], q.shape[1]
+    out = _first_tensor(fa.flash_attn_varlen_func(
+        q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+        cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **options))
+    return out.reshape(batch, sq, *out.shape[-2:])
+
+
 def _first_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -272,34 +282,12 @@ def attention_forward(
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = _as_int(max_q) if max_q is not None else _as_int((cu_q[1:] - cu_q[:-1]).max())
         max_k = _as_int(max_k) if max_k is not None else _as_int((cu_k[1:] - cu_k[:-1]).max())
-        out = fa.flash_attn_varlen_func(
-            q.reshape(-1, *q.shape[2:]),
-            k.reshape(-1, *k.shape[2:]),
-            v.reshape(-1, *v.shape[2:]),
-            cu_q,
-            cu_k,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
-            **options,
-        )
-        out = _first_tensor(out)
-        return out.reshape(batch, sq, *out.shape[-2:]), None
+        return _packed_attention(fa, q, k, v, cu_q, cu_k, max_q, max_k, options), None
 
     packed = _packed_cu_seqlens(kwargs.get("position_ids"), batch, sq, sk)
     if packed is not None:
         cu, max_len = packed
-        out = fa.flash_attn_varlen_func(
-            q.reshape(-1, *q.shape[2:]),
-            k.reshape(-1, *k.shape[2:]),
-            v.reshape(-1, *v.shape[2:]),
-            cu,
-            cu,
-            max_seqlen_q=max_len,
-            max_seqlen_k=max_len,
-            **options,
-        )
-        out = _first_tensor(out)
-        return out.reshape(batch, sq, *out.shape[-2:]), None
+        return _packed_attention(fa, q, k, v, cu, cu, max_len, max_len, options), None
 
     return _first_tensor(fa.flash_attn_func(q, k, v, **options)), None
 
