@@ -8,6 +8,11 @@ Scores arrive unscaled; probabilities are computed in the log2 domain, P = exp2(
 so one FFMA per element folds the softmax scale into the exponent. Row sums stay per-thread
 partials until ``finalize`` (the rescale factor is uniform across a row, so partial sums can be
 rescaled independently). Fully masked rows (max = -inf) give P = 0, output 0 and LSE = -inf.
+
+One step of the online softmax is three calls, so that a kernel can keep masked blocks (-inf
+scores) on MUFU while full blocks use the FMA-pipe exp2: ``update_max`` (new maxima, the output
+rescale factors and the exponent shifts), ``exp2_rows`` (scores -> probabilities in place),
+``update_sum`` (rescaled running sums).
 """
 
 from __future__ import annotations
@@ -80,16 +85,6 @@ class OnlineSoftmax:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(scale_log2, num_rows, threads_per_row, row_max, row_sum)
-
-    @cute.jit
-    def update(self, s_rows: cute.Tensor, row_scale: cute.Tensor,
-               rescale_threshold: cutlass.Constexpr[float] = 0.0,
-               exp2_emulated_eighths: cutlass.Constexpr[int] = 0):
-        """One online-softmax step: scores -> unnormalised probabilities in place; ``row_scale``
-        receives the factor by which each row's running output must be rescaled."""
-        shift = self.update_max(s_rows, row_scale, rescale_threshold)
-        exp2_rows(s_rows, self.scale_log2, shift, exp2_emulated_eighths)
-        self.update_sum(s_rows, row_scale)
 
     @cute.jit
     def update_max(self, s_rows: cute.Tensor, row_scale: cute.Tensor,
