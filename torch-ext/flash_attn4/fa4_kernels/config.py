@@ -48,12 +48,13 @@ class ForwardConfig:
     varlen: bool = False
     has_seqused_k: bool = False
     has_sink: bool = False
-    # Tuning knobs; dispatch picks them from the problem, tests may pin them.
+    # Tuning knobs: dispatch takes them from the tile table (tiles.py); tests and A/B runs may pin
+    # them. tile_m is 64 rows per consumer warpgroup (128 or 192 on sm90).
     tile_m: int = 128
     tile_n: int = 128
     num_stages: int = 2
-    # Ping-pong: the two consumer warpgroups take turns issuing GEMMs (named barriers), so that
-    # one's softmax overlaps the other's GEMMs.
+    # Ping-pong: the consumer warpgroups take turns issuing GEMMs (named barriers), so that one's
+    # softmax overlaps another's GEMMs.
     pingpong: bool = True
     # Conditional rescaling threshold in log2 units (FA4 uses 8.0 for 16-bit inputs); 0 = always
     # rescale. Off by default: on Hopper it measured 1-5% slower (docs/perf.md).
