@@ -17,8 +17,30 @@ DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = tuple(range(8, 257, 8))
 
 
+class _KernelConfig:
+    """Shared by the kernel configurations: the compile key and validation of common fields."""
+
+    def key(self) -> tuple:
+        """Hashable compile key: the class name and every field, in declaration order."""
+        return (type(self).__name__,) + tuple(
+            f.name + "=" + str(getattr(self, f.name)) for f in dataclasses.fields(self)
+        )
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def _check_common(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("head_dim", "head_dim_v"):
+            if getattr(self, name) not in HEAD_DIMS:
+                raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
+        if self.causal and self.local:
+            raise ValueError("causal and local are exclusive: express causal as local with window_right=0")
+
+
 @dataclass(frozen=True)
-class ForwardConfig:
+class ForwardConfig(_KernelConfig):
     """What a forward kernel is specialised on.
 
     Kernel call convention (the compiled function, called with torch tensors through TVM-FFI on the
@@ -64,21 +86,37 @@ class ForwardConfig:
     exp2_emulated_eighths: int = 0
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("head_dim", "head_dim_v"):
-            if getattr(self, name) not in HEAD_DIMS:
-                raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
+        self._check_common()
         if not 0 <= self.exp2_emulated_eighths <= 8:
             raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {self.exp2_emulated_eighths}")
-        if self.causal and self.local:
-            raise ValueError("causal and local are exclusive: express causal as local with window_right=0")
 
-    def key(self) -> tuple:
-        """Hashable compile key: every field, in declaration order."""
-        return (type(self).__name__,) + tuple(
-            f.name + "=" + str(getattr(self, f.name)) for f in dataclasses.fields(self)
-        )
 
-    def replace(self, **changes) -> "ForwardConfig":
-        return dataclasses.replace(self, **changes)
+@dataclass(frozen=True)
+class BackwardConfig(_KernelConfig):
+    """What a backward kernel is specialised on.
+
+    Kernel call convention (TVM-FFI, current CUDA stream), batched layout only so far:
+
+        fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, softmax_scale,
+           window_left, window_right)
+
+    q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv), dout (b, sq, hq, dv) in ``dtype``;
+    lse_log2 (b, hq, sq) float32: the forward's LSE times log2(e), +inf for rows that saw no key;
+    dpsum (b, hq, sq) float32: rowsum(dout * out);
+    dq_accum (b, sq, hq, d), dk_accum (b, sk, hk, d), dv_accum (b, sk, hk, dv): float32, zeroed by
+    the caller; the kernel adds dQ / softmax_scale, dK and dV into them (dK and dV summed over the
+    query heads of each KV head, so GQA needs no reduction afterwards).
+    """
+
+    arch: Arch
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    causal: bool = False
+    local: bool = False
+    tile_m: int = 64  # query rows per step
+    tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup
+    num_stages: int = 2
+
+    def __post_init__(self):
+        self._check_common()

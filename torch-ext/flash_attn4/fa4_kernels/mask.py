@@ -81,6 +81,57 @@ class AttentionMask:
         return n_min
 
     @cute.jit
+    def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
+        """[m_block_min, m_block_max) of query blocks with at least one row that sees a key of KV
+        block ``n_block`` (the backward pass walks query blocks for a fixed KV block)."""
+        m_block_max = (seqlen.seqlen_q + self.tile_m - 1) // self.tile_m
+        m_block_min = Int32(0)
+        offset = seqlen.diagonal_offset()
+        if cutlass.const_expr(self.causal or self.local):
+            right = Int32(0)
+            if cutlass.const_expr(self.local):
+                right = self.window_right
+            # Row i sees key j only if j <= i + offset + right: the block's first key bounds i below.
+            lo = n_block * self.tile_n - offset - right
+            if cutlass.const_expr(self.local):
+                if self.window_right < 0:
+                    lo = Int32(0)
+            m_block_min = cutlass.max(lo, 0) // self.tile_m
+        if cutlass.const_expr(self.local):
+            if self.window_left >= 0:
+                # Row i sees key j only if j >= i + offset - window_left: the block's last key bounds i.
+                hi = (n_block + 1) * self.tile_n - 1 - offset + self.window_left + 1  # exclusive
+                m_block_max = cutlass.min(m_block_max, (cutlass.max(hi, 0) + self.tile_m - 1) // self.tile_m)
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def apply_transposed(self, s_rows: cute.Tensor, coord_rows: cute.Tensor, seqlen: SeqlenInfo,
+                         m_block: Int32, n_block: Int32):
+        """``apply`` for scores laid out keys x queries (S^T, as the backward pass computes them):
+        coord_rows[r, c] = (key, query) within a (tile_n, tile_m) block. Query rows past the sequence
+        are masked too, so that they contribute nothing to dK and dV."""
+        offset = seqlen.diagonal_offset()
+        for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+            row = coord_rows[0, c][1] + m_block * self.tile_m  # query index
+            hi = seqlen.seqlen_k  # exclusive bound on visible keys
+            lo = Int32(0)
+            if cutlass.const_expr(self.causal):
+                hi = cutlass.min(hi, row + offset + 1)
+            if cutlass.const_expr(self.local):
+                if self.window_right >= 0:
+                    hi = cutlass.min(hi, row + offset + self.window_right + 1)
+                if self.window_left >= 0:
+                    lo = row + offset - self.window_left
+            if row >= seqlen.seqlen_q:
+                hi = Int32(0)
+            hi = hi - n_block * self.tile_n
+            lo = lo - n_block * self.tile_n
+            for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
+                key = coord_rows[r, 0][0]
+                if key >= hi or key < lo:
+                    s_rows[r, c] = -Float32.inf
+
+    @cute.jit
     def apply(self, s_rows: cute.Tensor, coord_rows: cute.Tensor, seqlen: SeqlenInfo,
               m_block: Int32, n_block: Int32):
         """Set every score that row i may not see to -inf, in place."""

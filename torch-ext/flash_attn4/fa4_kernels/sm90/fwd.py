@@ -45,60 +45,13 @@ from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
+from .wgmma import DTYPES, WARPGROUP_THREADS, advanced, smem_layout, transpose_view, wgmma
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
-WARPGROUP_THREADS = 128
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
 # split over 128 producer threads and 128 threads per consumer warpgroup.
 REGISTERS = {2: (24, 240), 3: (32, 160)}
 # Named barrier 0 is __syncthreads; 1, 2 (and 3) gate the consumer warpgroups' GEMM turns.
 PINGPONG_BARRIER = 1
-
-
-def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """K-major (row-major) shared-memory layout with the widest swizzle the row allows, as WGMMA
-    and TMA expect; staged buffers stack along a third mode."""
-    row_bits = cols * dtype.width
-    kind = warpgroup.SmemLayoutAtomKind
-    atom_kind = (
-        kind.K_SW128 if row_bits % 1024 == 0 else
-        kind.K_SW64 if row_bits % 512 == 0 else
-        kind.K_SW32 if row_bits % 256 == 0 else
-        kind.K_INTER
-    )
-    atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
-def _transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of a shared-memory tensor (V as the N-major B operand of P @ V)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
-@cute.jit
-def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-           zero_init: cutlass.Constexpr[bool]):
-    """acc (+)= a @ b over the k slices of the fragments; issued asynchronously and committed as one
-    group (the caller waits)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(a.shape[2])):
-        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-
-
-def _advanced(state: pipeline.PipelineState) -> pipeline.PipelineState:
-    """The next pipeline state, as a new value: loop-carried state must be rebound, not mutated."""
-    nxt = state.clone()
-    nxt.advance()
-    return nxt
 
 
 class FlashAttentionForwardSm90:
@@ -111,7 +64,7 @@ class FlashAttentionForwardSm90:
         if cfg.tile_n % 16 != 0:
             raise ValueError(f"sm90 forward: tile_n must be a multiple of 16, got {cfg.tile_n}")
         self.cfg = cfg
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = DTYPES[cfg.dtype]
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
         self.num_stages = cfg.num_stages
@@ -167,9 +120,9 @@ class FlashAttentionForwardSm90:
             a_source=warpgroup.OperandSource.RMEM,
         )
 
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.hdim)
-        sK_layout = _smem_layout(self.dtype, self.tile_n, self.hdim, self.num_stages)
-        sV_layout = _smem_layout(self.dtype, self.tile_n, self.hdim_v, self.num_stages)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.hdim)
+        sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim, self.num_stages)
+        sV_layout = smem_layout(self.dtype, self.tile_n, self.hdim_v, self.num_stages)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.hdim))
@@ -339,7 +292,7 @@ class FlashAttentionForwardSm90:
 
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K)
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stage)
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose_view(sV)))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
         acc_S_shape = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.hdim_v)))
         acc_O.fill(0.0)
@@ -367,7 +320,7 @@ class FlashAttentionForwardSm90:
             acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
             pipe_k.consumer_wait(kv)
             self.gemm_turn_wait(wg)
-            _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
             self.gemm_turn_pass(wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv)
@@ -392,7 +345,7 @@ class FlashAttentionForwardSm90:
 
             # Epilogue of the loop: P @ V of the first block.
             pipe_v.consumer_wait(kv)
-            _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv.index],
+            wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv.index],
                    zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
@@ -412,13 +365,13 @@ class FlashAttentionForwardSm90:
         the softmax of S_j while P_{j+1} V_{j+1} is still on the tensor cores. Returns the next
         pipeline state (block j's stage, whose V the next step consumes)."""
         kv_prev = kv
-        kv = _advanced(kv)
+        kv = advanced(kv)
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipe_k.consumer_wait(kv)
         self.gemm_turn_wait(wg)
-        _wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
         pipe_v.consumer_wait(kv_prev)
-        _wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv_prev.index],
+        wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv_prev.index],
                zero_init=False)
         self.gemm_turn_pass(wg)
         warpgroup.wait_group(1)  # S_j has landed; P V may still run

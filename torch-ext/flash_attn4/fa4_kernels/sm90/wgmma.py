@@ -1,0 +1,60 @@
+"""Hopper building blocks shared by the sm90 kernels: shared-memory layouts WGMMA and TMA agree on,
+operand views, the asynchronous WGMMA issue, pipeline-state stepping."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import warpgroup
+
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+WARPGROUP_THREADS = 128
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """K-major (row-major) shared-memory layout with the widest swizzle the row allows, as WGMMA
+    and TMA expect; staged buffers stack along a third mode."""
+    row_bits = cols * dtype.width
+    kind = warpgroup.SmemLayoutAtomKind
+    atom_kind = (
+        kind.K_SW128 if row_bits % 1024 == 0 else
+        kind.K_SW64 if row_bits % 512 == 0 else
+        kind.K_SW32 if row_bits % 256 == 0 else
+        kind.K_INTER
+    )
+    atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a shared-memory tensor: a row-major (k, n) tile read as the
+    N-major B operand (n, k) of a WGMMA."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool]):
+    """acc (+)= a @ b over the k slices of the fragments; issued asynchronously and committed as one
+    group (the caller waits)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(a.shape[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+def advanced(state: pipeline.PipelineState) -> pipeline.PipelineState:
+    """The next pipeline state, as a new value: loop-carried state must be rebound, not mutated."""
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
