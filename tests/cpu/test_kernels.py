@@ -109,6 +109,33 @@ def test_less_common_shapes_compile(tmp_path, cfg):
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("cfg", [dict(head_dim=128, head_dim_v=128, causal=True), dict(head_dim=64, head_dim_v=64)])
+def test_sm90_backward_compiles_with_wgmma(tmp_path, cfg):
+    """The backward kernel is not dispatched yet (not run on a GPU): at least it must compile."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / 'torch-ext')!r})
+        from flash_attn4.fa4_kernels.arch import Arch
+        from flash_attn4.fa4_kernels.config import BackwardConfig
+        from flash_attn4.fa4_kernels.compile import compile_backward
+        compile_backward(BackwardConfig(arch=Arch.SM90, dtype="bfloat16", **{cfg!r}))
+        print("compiled")
+    """)
+    env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP="ptx")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
+    assert "wgmma.mma_async" in ptx and "red.relaxed.gpu.global.add.f32" in ptx
+
+
+def test_backward_refuses_what_it_does_not_do_yet():
+    from flash_attn4.fa4_kernels.config import BackwardConfig
+    from flash_attn4.fa4_kernels.sm90.bwd import FlashAttentionBackwardSm90
+
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        FlashAttentionBackwardSm90(BackwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=192, head_dim_v=128))
+
+
 def test_head_dim_v_below_16_is_a_clear_error():
     from flash_attn4.fa4_kernels.sm90.fwd import FlashAttentionForwardSm90
 

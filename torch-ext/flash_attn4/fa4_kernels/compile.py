@@ -15,7 +15,7 @@ import sys
 import time
 
 from .arch import IMPLEMENTED, Arch
-from .config import ForwardConfig
+from .config import BackwardConfig, ForwardConfig
 from .tiles import forward_tiles
 
 _IMPLEMENTATIONS = {}
@@ -84,6 +84,44 @@ def compile_forward(cfg: ForwardConfig):
     )
 
 
+def compile_backward(cfg: BackwardConfig):
+    """Compile the backward kernel for ``cfg`` (no GPU needed); call convention on BackwardConfig."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    if cfg.arch is not Arch.SM90:
+        raise NotImplementedError(f"flash-attn4: no backward kernel for {cfg.arch.value} yet")
+    from .sm90.bwd import FlashAttentionBackwardSm90
+
+    kernel = FlashAttentionBackwardSm90(cfg)
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
+    sym, stride = cute.sym_int, (lambda: cute.sym_int(64, divisibility=8))
+
+    def bshd(dt, dim, align=16):
+        return make_fake_tensor(dt, (sym(), sym(), sym(), dim), (stride(), stride(), stride(), 1),
+                                assumed_align=align)
+
+    def bhs():
+        return make_fake_tensor(cutlass.Float32, (sym(), sym(), sym()),
+                                (cute.sym_int(64), cute.sym_int(64), 1), assumed_align=4)
+
+    d, dv = cfg.head_dim, cfg.head_dim_v
+    args = (bshd(dtype, d), bshd(dtype, d), bshd(dtype, dv), bshd(dtype, dv), bhs(), bhs(),
+            bshd(cutlass.Float32, d, 4), bshd(cutlass.Float32, d, 4), bshd(cutlass.Float32, dv, 4))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *args, cutlass.Float32(1.0), cutlass.Int32(-1), cutlass.Int32(-1), stream,
+                        options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
+
+
+def backward_kernel_set(arch: Arch) -> list[BackwardConfig]:
+    """Backward configurations CI compiles (the kernel is not dispatched yet: compile-checked only)."""
+    if arch is not Arch.SM90:
+        return []
+    base = BackwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128)
+    return [base, base.replace(causal=True), base.replace(head_dim=64, head_dim_v=64)]
+
+
 def kernel_set(arch: Arch) -> list[ForwardConfig]:
     """The configurations CI compiles for an arch: each head-dim class with the tiles dispatch
     picks for it, plus each feature switch once."""
@@ -99,13 +137,21 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
             cfg(64, 64), cfg(64, 64, causal=True), cfg(96, 96), cfg(192, 192), cfg(192, 128), cfg(256, 256)]
 
 
+def _describe(cfg) -> str:
+    if isinstance(cfg, BackwardConfig):
+        return (f"bwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} "
+                f"causal={cfg.causal} (draft: not dispatched)")
+    return (f"fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} "
+            f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90a", help="compile target (sm_90a, sm_100a)")
     parser.add_argument("--only", type=int, default=None, help="compile only the first N configurations")
     args = parser.parse_args(argv)
     arch = Arch.parse(args.arch)
-    configs = kernel_set(arch)[: args.only]
+    configs = (kernel_set(arch) + backward_kernel_set(arch))[: args.only]
     if not configs:
         print(f"no kernels implemented for {arch.value} yet")
         return 0
@@ -114,14 +160,12 @@ def main(argv=None) -> int:
     for cfg in configs:
         start = time.perf_counter()
         try:
-            compile_forward(cfg)
+            (compile_backward if isinstance(cfg, BackwardConfig) else compile_forward)(cfg)
             status = "ok"
         except Exception as exc:  # report every failing configuration, then fail
             failures += 1
             status = f"FAILED: {type(exc).__name__}: {exc}"
-        print(f"{time.perf_counter() - start:7.2f} s  fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} "
-              f"tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} local={cfg.local} varlen={cfg.varlen} "
-              f"softcap={cfg.has_softcap} sink={cfg.has_sink}  {status}", flush=True)
+        print(f"{time.perf_counter() - start:7.2f} s  {_describe(cfg)}  {status}", flush=True)
     print(f"{len(configs) - failures}/{len(configs)} kernels compiled for {arch.value} "
           f"in {time.perf_counter() - total:.1f} s")
     return 1 if failures else 0
