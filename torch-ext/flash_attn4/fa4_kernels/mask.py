@@ -7,7 +7,8 @@ with causal meaning window_right = 0, and a negative window meaning unbounded on
 
 The element-wise mask works on a (rows, cols) view of a score fragment and the matching coordinate
 fragment (an identity tensor partitioned like the scores); how a fragment is spread over threads is
-the kernel's business.
+the kernel's business. ``key_bounds`` gives one query row's visible keys, for kernels that lay
+scores out otherwise (the backward's keys x queries).
 """
 
 from __future__ import annotations
@@ -105,51 +106,28 @@ class AttentionMask:
         return m_block_min, m_block_max
 
     @cute.jit
-    def apply_transposed(self, s_rows: cute.Tensor, coord_rows: cute.Tensor, seqlen: SeqlenInfo,
-                         m_block: Int32, n_block: Int32):
-        """``apply`` for scores laid out keys x queries (S^T, as the backward pass computes them):
-        coord_rows[r, c] = (key, query) within a (tile_n, tile_m) block. Query rows past the sequence
-        are masked too, so that they contribute nothing to dK and dV."""
+    def key_bounds(self, seqlen: SeqlenInfo, row: Int32, n_block: Int32):
+        """Keys query ``row`` sees, as [lo, hi) relative to the first key of KV block ``n_block``."""
         offset = seqlen.diagonal_offset()
-        for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
-            row = coord_rows[0, c][1] + m_block * self.tile_m  # query index
-            hi = seqlen.seqlen_k  # exclusive bound on visible keys
-            lo = Int32(0)
-            if cutlass.const_expr(self.causal):
-                hi = cutlass.min(hi, row + offset + 1)
-            if cutlass.const_expr(self.local):
-                if self.window_right >= 0:
-                    hi = cutlass.min(hi, row + offset + self.window_right + 1)
-                if self.window_left >= 0:
-                    lo = row + offset - self.window_left
-            if row >= seqlen.seqlen_q:
-                hi = Int32(0)
-            hi = hi - n_block * self.tile_n
-            lo = lo - n_block * self.tile_n
-            for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
-                key = coord_rows[r, 0][0]
-                if key >= hi or key < lo:
-                    s_rows[r, c] = -Float32.inf
+        hi = seqlen.seqlen_k  # exclusive
+        lo = Int32(0)
+        if cutlass.const_expr(self.causal):
+            hi = cutlass.min(hi, row + offset + 1)
+        if cutlass.const_expr(self.local):
+            if self.window_right >= 0:
+                hi = cutlass.min(hi, row + offset + self.window_right + 1)
+            if self.window_left >= 0:
+                lo = row + offset - self.window_left
+        hi = hi - n_block * self.tile_n
+        lo = lo - n_block * self.tile_n
+        return lo, hi
 
     @cute.jit
     def apply(self, s_rows: cute.Tensor, coord_rows: cute.Tensor, seqlen: SeqlenInfo,
               m_block: Int32, n_block: Int32):
         """Set every score that row i may not see to -inf, in place."""
-        offset = seqlen.diagonal_offset()
         for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
-            row = coord_rows[r, 0][0] + m_block * self.tile_m
-            hi = seqlen.seqlen_k  # exclusive
-            lo = Int32(0)
-            if cutlass.const_expr(self.causal):
-                hi = cutlass.min(hi, row + offset + 1)
-            if cutlass.const_expr(self.local):
-                if self.window_right >= 0:
-                    hi = cutlass.min(hi, row + offset + self.window_right + 1)
-                if self.window_left >= 0:
-                    lo = row + offset - self.window_left
-            # Shift the bounds into the block's column frame once per row.
-            hi = hi - n_block * self.tile_n
-            lo = lo - n_block * self.tile_n
+            lo, hi = self.key_bounds(seqlen, coord_rows[r, 0][0] + m_block * self.tile_m, n_block)
             for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
                 col = coord_rows[0, c][1]
                 if col >= hi or col < lo:

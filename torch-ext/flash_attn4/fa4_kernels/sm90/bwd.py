@@ -1,6 +1,7 @@
 """FlashAttention backward for Hopper (sm_90a): dQ, dK, dV from Q, K, V, dO, LSE and rowsum(dO * O).
 
-STATUS: compiles for sm_90a (tests/cpu/test_kernels.py); not yet run on a GPU and not dispatched.
+STATUS: compiles for sm_90a (tests/cpu/test_kernels.py; SASS at d=128: no spills non-causal, 2 causal);
+not yet run on a GPU and not dispatched.
 
 One CTA owns one KV tile (tile_n = 128 keys) of one query head and walks the query blocks that see it:
 
@@ -254,8 +255,6 @@ class FlashAttentionBackwardSm90:
         tQcdQ = thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
         rP = cute.make_rmem_tensor(acc_sdp_shape, self.dtype)
         rdS = cute.make_rmem_tensor(acc_sdp_shape, self.dtype)
-        lse = cute.make_rmem_tensor(cute.size(tScS, mode=[1]), Float32)
-        dpsum = cute.make_rmem_tensor(cute.size(tScS, mode=[1]), Float32)
 
         gLSE = mLSE[None, head, batch]
         gdPsum = mdPsum[None, head, batch]
@@ -265,15 +264,6 @@ class FlashAttentionBackwardSm90:
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            # Per-query statistics of this block (rows past the sequence: P = 0).
-            for c in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + tScS[0, c][1]
-                lse[c] = Float32.inf
-                dpsum[c] = Float32(0.0)
-                if row < seqlen.seqlen_q:
-                    lse[c] = gLSE[row]
-                    dpsum[c] = gdPsum[row]
-
             pipe_qdo.consumer_wait(state)
             acc_S = cute.make_rmem_tensor(acc_sdp_shape, Float32)
             acc_dP = cute.make_rmem_tensor(acc_sdp_shape, Float32)
@@ -282,12 +272,24 @@ class FlashAttentionBackwardSm90:
             warpgroup.wait_group(0)
 
             s_rows, dp_rows = acc_rows_view(acc_S), acc_rows_view(acc_dP)
-            mask.apply_transposed(s_rows, tScS, seqlen, m_block, n_block)
-            for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
-                    p = cute.math.exp2(s_rows[r, c] * scale_log2 - lse[c], fastmath=True)
+            for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+                # Per-query statistics and visible keys, computed where they are used: holding them
+                # for every column across the GEMMs spills registers at d=128. A row past the
+                # sequence gets LSE = +inf, so P = 0.
+                row = m_block * self.tile_m + tScS[0, c][1]
+                lo, hi = mask.key_bounds(seqlen, row, n_block)
+                lse = Float32.inf
+                dpsum = Float32(0.0)
+                if row < seqlen.seqlen_q:
+                    lse = gLSE[row]
+                    dpsum = gdPsum[row]
+                for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
+                    key = tScS[r, 0][0]
+                    p = cute.math.exp2(s_rows[r, c] * scale_log2 - lse, fastmath=True)
+                    if key >= hi or key < lo:
+                        p = Float32(0.0)
                     s_rows[r, c] = p
-                    dp_rows[r, c] = p * (dp_rows[r, c] - dpsum[c])  # dS^T, without the softmax scale
+                    dp_rows[r, c] = p * (dp_rows[r, c] - dpsum)  # dS^T, without the softmax scale
             rP.store(acc_S.load().to(self.dtype))
             rdS.store(acc_dP.load().to(self.dtype))
 
