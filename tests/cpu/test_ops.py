@@ -17,6 +17,7 @@ import torch
 from flash_attn4 import compile_cache, dispatch, flash_attn_func, flash_attn_varlen_func, ops, validate
 from flash_attn4._ops import add_op_namespace_prefix
 from flash_attn4.fa4_kernels.arch import Arch
+from tests.reference import _mask as reference_mask
 from tests.reference import attention_ref, random_cu_seqlens
 
 BF16 = torch.bfloat16
@@ -275,6 +276,86 @@ def test_forward_with_requires_grad_inputs_works_backward_raises(cpu_kernel):
         torch.testing.assert_close(flash_attn_func(q, k, v), out.detach())
     with pytest.raises(NotImplementedError, match="flash-attn4: backward is not implemented yet"):
         out.float().sum().backward()
+
+
+def torch_backward_kernel(cfg, calls):
+    """A stand-in for compile_backward(cfg): same call convention and the same math as the kernel,
+    from the inputs the torch layer prepares (LSE in log2 units, rowsum(dout * out))."""
+
+    def run(q, k, v, dout, lse_log2, dpsum, dq_acc, dk_acc, dv_acc, softmax_scale, window_left, window_right):
+        calls.append(cfg)
+        b, sq, hq, _ = q.shape
+        sk, hk = k.shape[1], k.shape[2]
+        assert lse_log2.shape == dpsum.shape == (b, hq, sq) and lse_log2.dtype == dpsum.dtype == torch.float32
+        assert dq_acc.dtype == dk_acc.dtype == dv_acc.dtype == torch.float32
+        assert not (dq_acc.any() or dk_acc.any() or dv_acc.any()), "accumulators must arrive zeroed"
+        assert isinstance(softmax_scale, float) and isinstance(window_left, int)
+        g = hq // hk
+        qf, dof = q.float().transpose(1, 2), dout.float().transpose(1, 2)  # (b, hq, s, d)
+        kf, vf = (t.float().repeat_interleave(g, 2).transpose(1, 2) for t in (k, v))
+        window = (window_left, window_right) if cfg.local else (-1, -1)
+        visible = reference_mask(sq, sk, cfg.causal, window, q.device)
+        s = (qf @ kf.transpose(-1, -2)) * softmax_scale
+        p = torch.exp2(s * 1.4426950408889634 - lse_log2[..., None]).masked_fill(~visible, 0.0)
+        ds = p * (dof @ vf.transpose(-1, -2) - dpsum[..., None])
+        dq_acc.add_((ds @ kf).transpose(1, 2))  # dQ / softmax_scale, as the kernel leaves it
+        dk_acc.add_((ds.transpose(-1, -2) @ qf * softmax_scale).transpose(1, 2).unflatten(2, (hk, g)).sum(3))
+        dv_acc.add_((p.transpose(-1, -2) @ dof).transpose(1, 2).unflatten(2, (hk, g)).sum(3))
+
+    return run
+
+
+@pytest.fixture
+def cpu_backward(cpu_kernel, monkeypatch):
+    """cpu_kernel plus the backward stand-in, with the developer switch on."""
+    calls = []
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg: torch_backward_kernel(cfg, calls))
+    monkeypatch.setenv("FLASH_ATTN4_UNVERIFIED_BACKWARD", "1")
+    return calls
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2)])
+def test_unverified_backward_plumbing_matches_reference_gradients(cpu_backward, causal, window, heads):
+    hq, hk = heads
+    q, k, v = (t.requires_grad_() for t in rand_qkv(2, 7, 9, hq, hk, 64))
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(qr, kr, vr, causal=causal, window_size=window)
+    ref.backward(dout.float())
+    for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+        assert got.dtype == BF16 and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert [c.causal for c in cpu_backward] == [causal] and cpu_backward[0].local == (window != (-1, -1))
+
+
+def test_unverified_backward_refuses_what_the_draft_does_not_do(cpu_backward):
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attn_func(q, k, v, softcap=5.0).float().sum().backward()
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    with pytest.raises(NotImplementedError, match="lse"):
+        (out.float().sum() + lse.sum()).backward()
+    qv, kv, vv, cu_q, cu_k = rand_varlen(2, 5, 2, 2, 64)
+    qv.requires_grad_()
+    with pytest.raises(NotImplementedError, match="varlen"):
+        flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k).float().sum().backward()
+    assert cpu_backward == []
+
+
+def test_unverified_backward_traces_under_torch_compile(cpu_backward):
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
+    fn = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True).float().square().sum(),
+                       fullgraph=True, backend="aot_eager")
+    fn(q, k, v).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flash_attn_func(q, k, v, causal=True).float().square().sum().backward()
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want)
 
 
 def test_inference_mode(cpu_kernel):

@@ -246,6 +246,17 @@ def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
         return fn
 
 
+def _compile_backward(cfg):
+    from .fa4_kernels.compile import compile_backward
+
+    return compile_backward(cfg)
+
+
+def get_backward_kernel(cfg):
+    """The compiled backward kernel for a BackwardConfig (call convention: its docstring)."""
+    return get_kernel("bwd", cfg, _compile_backward)
+
+
 def get_forward_kernel(cfg: ForwardConfig):
     """The compiled forward kernel for ``cfg`` (call convention: ForwardConfig's docstring)."""
     return get_kernel("fwd", cfg, _compile_forward)

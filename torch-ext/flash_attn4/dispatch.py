@@ -13,7 +13,7 @@ import torch
 
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch
-from .fa4_kernels.config import ForwardConfig
+from .fa4_kernels.config import BackwardConfig, ForwardConfig
 from .fa4_kernels.tiles import forward_tiles
 
 SUPPORTED_DEVICES = "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)"
@@ -78,3 +78,11 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
         **choose_tiles(arch, head_dim, head_dim_v, causal, local),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool,
+                    local: bool) -> BackwardConfig:
+    """The BackwardConfig for a problem class (the draft kernel's single tile shape)."""
+    return BackwardConfig(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
+                          local=local)

@@ -138,20 +138,90 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, so
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-# ---- autograd: forward works with requires_grad inputs; backward is a clear error ----
+# ---- backward ----
+#
+# The sm90 backward kernel is a draft that has not been validated on a GPU: unless the developer switch
+# FLASH_ATTN4_UNVERIFIED_BACKWARD=1 is set, a backward pass raises BACKWARD_NOT_IMPLEMENTED. Forward
+# calls with requires_grad inputs always work (inference, or training other parts of a model).
 
 BACKWARD_NOT_IMPLEMENTED = (
     "flash-attn4: backward is not implemented yet (forward only). Run the forward under "
     "torch.no_grad()/torch.inference_mode(), or use another attention implementation for training."
 )
+LOG2_E = 1.4426950408889634
+
+
+@torch.library.custom_op(add_op_namespace_prefix("bwd"), mutates_args=())
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of the batched forward (kernel call convention: BackwardConfig's docstring). The
+    small elementwise steps around the kernel (LSE in log2 units, rowsum(dout * out), fp32
+    accumulators and their conversion) run in torch."""
+    q, k, v, dout = (validate.kernel_layout(t) for t in (q, k, v, dout))
+    cfg = dispatch.backward_config(dispatch.arch_for_device(q.device), dispatch.dtype_name(q.dtype), q.shape[-1],
+                                   v.shape[-1], causal=causal, local=_is_local(causal, window_left, window_right))
+    kernel = compile_cache.get_backward_kernel(cfg)
+    lse_log2 = torch.where(torch.isinf(lse), float("inf"), lse * LOG2_E).contiguous()  # no key: P = 0
+    dpsum = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (b, hq, sq)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    with _device_guard(q.device):
+        kernel(q, k, v, dout, lse_log2, dpsum, dq_acc, dk_acc, dv_acc, float(softmax_scale), int(window_left),
+               int(window_right))
+    return (dq_acc * softmax_scale).to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _backward_limits(q, v, cu_seqlens_q, seqused_k, learnable_sink, softcap) -> str | None:
+    """What the backward draft does not do, or None."""
+    if cu_seqlens_q is not None or seqused_k is not None:
+        return "varlen inputs"
+    if learnable_sink is not None:
+        return "learnable_sink"
+    if softcap > 0.0:
+        return "softcap"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv or d > 128 or d % 16 != 0:
+        return f"head dims {d}/{dv} (needs head_dim == head_dim_v, a multiple of 16 up to 128)"
+    return None
 
 
 def _setup_context(ctx, inputs, output):
-    pass
+    q, k, v, cu_seqlens_q, _, seqused_k, learnable_sink, softmax_scale, softcap, causal, left, right, _ = inputs
+    out, lse = output
+    ctx.set_materialize_grads(False)  # an unused lse gradient arrives as None
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.limits = _backward_limits(q, v, cu_seqlens_q, seqused_k, learnable_sink, softcap)
+    ctx.options = (softmax_scale, causal, left, right)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError(BACKWARD_NOT_IMPLEMENTED)
+    if not settings.unverified_backward():
+        raise NotImplementedError(BACKWARD_NOT_IMPLEMENTED)
+    if ctx.limits is not None:
+        raise NotImplementedError(f"flash-attn4 backward (draft): {ctx.limits} not supported")
+    if grad_lse is not None:
+        raise NotImplementedError("flash-attn4 backward: gradients through the returned lse are not supported")
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 13
+    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, *ctx.options)
+    return (dq, dk, dv) + (None,) * 10
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
