@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Attention forward throughput: flash-attn4 against the usual comparators, side by side in one run.
+"""Attention throughput (forward, or --mode bwd): flash-attn4 against the usual comparators, side by
+side in one run.
 
     python benchmarks/bench.py                 # full grid (several minutes)
     python benchmarks/bench.py --quick         # a representative subset
@@ -25,6 +26,11 @@ the figure kept is the median over rounds of those per-round medians. Difference
 (shared/device/README.md). FLOPs = 4 * b * hq * sq * sk * d, halved when causal (varlen: summed over
 sequences). Every output is compared with ours (max abs difference) so that a broken comparator, or a
 broken kernel, shows up next to its number.
+
+--mode bwd times the backward pass alone (the forward runs once outside timing; each timed call is
+torch.autograd.grad of q, k, v with retain_graph), FLOPs = 2.5 x forward. Ours runs only where its
+backward does (today: with the developer switch FLASH_ATTN4_UNVERIFIED_BACKWARD=1, see settings.py);
+otherwise its rows say n/a with the reason.
 
 Writes bench-<mode>-<timestamp>.{csv,json,md,png} under --out (default benchmarks/results/, git-ignored;
 no PNG without matplotlib) and prints the markdown table with ratio columns (ours / each comparator).
@@ -127,7 +133,7 @@ def build_cases(args) -> list[Case]:
 # --------------------------------------------------------------------------------------------
 # Implementations. Each turns (case, inputs) into a zero-argument callable returning the output in
 # (batch, seqlen, heads, head_dim) (varlen: (total, heads, head_dim)), or raises Unsupported.
-# A later --mode bwd adds a ``bwd`` preparer next to ``fwd`` (see MODES).
+# --mode bwd derives a ``bwd`` preparer from each ``fwd`` one (_backward_of).
 # --------------------------------------------------------------------------------------------
 
 
@@ -144,12 +150,40 @@ class Inputs:
     max_seqlen: int = 0
 
 
+def _backward_of(prepare_fwd):
+    """A backward preparer from a forward one: run the forward once with q, k, v requiring grad
+    (outside timing), then time torch.autograd.grad of q, k, v (retaining the graph); returns dq."""
+    def prepare(case: Case, x: Inputs):
+        import torch
+
+        xg = Inputs(*(t.detach().requires_grad_() for t in (x.q, x.k, x.v)), x.cu_seqlens, x.max_seqlen)
+        out = prepare_fwd(case, xg)()
+        if not out.requires_grad:
+            raise Unsupported("no autograd through this implementation")
+        dout = torch.randn_like(out)
+        leaves = (xg.q, xg.k, xg.v)
+
+        def run():
+            return torch.autograd.grad(out, leaves, dout, retain_graph=True)[0]
+
+        try:
+            run()
+        except NotImplementedError as exc:  # e.g. our backward before it is enabled
+            raise Unsupported(str(exc).splitlines()[0][:120]) from None
+        return run
+    return prepare
+
+
 @dataclass
 class Impl:
     name: str
     available: Callable[[], str | None]  # None if usable, else why not
     fwd: Callable[[Case, Inputs], Callable]
     notes: dict = field(default_factory=dict)  # case name -> note (e.g. "kv expanded")
+
+    @property
+    def bwd(self) -> Callable[[Case, Inputs], Callable]:
+        return _backward_of(self.fwd)
 
 
 def _import_ours():
@@ -349,9 +383,7 @@ def make_impls() -> dict[str, Impl]:
     }
 
 
-# Extension point: a mode names the preparer each Impl provides and the FLOP multiplier. A backward
-# mode adds e.g. "bwd": Mode("bwd", "bwd", 2.5) once the Impls carry a ``bwd`` preparer (forward with
-# requires_grad outside timing, a closure calling out.backward(dout, retain_graph=True) inside).
+# A mode names the preparer each Impl provides and the FLOP multiplier over the forward's FLOPs.
 @dataclass(frozen=True)
 class Mode:
     name: str
@@ -359,7 +391,7 @@ class Mode:
     flop_factor: float
 
 
-MODES = {"fwd": Mode("fwd", "fwd", 1.0)}
+MODES = {"fwd": Mode("fwd", "fwd", 1.0), "bwd": Mode("bwd", "bwd", 2.5)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,7 +616,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=sorted(MODES), default="fwd", help="what to time (bwd: later)")
+    p.add_argument("--mode", choices=sorted(MODES), default="fwd", help="what to time: the forward, or the backward alone")
     p.add_argument("--quick", action="store_true", help="a representative subset of the cases")
     p.add_argument("--only", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    help=f"comma-separated implementations, from {','.join(IMPL_ORDER)}")
