@@ -17,8 +17,17 @@ DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = tuple(range(8, 257, 8))
 
 
+@dataclass(frozen=True)
 class _KernelConfig:
-    """Shared by the kernel configurations: the compile key and validation of common fields."""
+    """Shared by the kernel configurations: the problem-class fields every kernel has, the compile
+    key and their validation."""
+
+    arch: Arch
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    causal: bool = False
+    local: bool = False
 
     def key(self) -> tuple:
         """Hashable compile key: the class name and every field, in declaration order."""
@@ -60,12 +69,6 @@ class ForwardConfig(_KernelConfig):
     hq must be a multiple of hk (GQA/MQA: query head h reads KV head h // (hq // hk)).
     """
 
-    arch: Arch
-    dtype: str
-    head_dim: int
-    head_dim_v: int
-    causal: bool = False
-    local: bool = False
     has_softcap: bool = False
     varlen: bool = False
     has_seqused_k: bool = False
@@ -108,12 +111,6 @@ class BackwardConfig(_KernelConfig):
     query heads of each KV head, so GQA needs no reduction afterwards).
     """
 
-    arch: Arch
-    dtype: str
-    head_dim: int
-    head_dim_v: int
-    causal: bool = False
-    local: bool = False
     tile_m: int = 64  # query rows per step
     tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup
     num_stages: int = 2

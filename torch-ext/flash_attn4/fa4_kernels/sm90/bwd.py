@@ -38,7 +38,8 @@ from ..mask import AttentionMask
 from ..seqlen import SeqlenInfo
 from ..softmax import LOG2_E
 from .fragments import acc_as_a_operand, acc_rows_view
-from .wgmma import DTYPES, WARPGROUP_THREADS, advanced, smem_layout, transpose_view, wgmma
+from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
+                    wgmma)
 
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
@@ -192,19 +193,14 @@ class FlashAttentionBackwardSm90:
     def produce(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
                 sQ, sdO, sK, sV, pipe_kv, pipe_qdo, n_block, head, head_kv, batch,
                 m_block_min, m_block_max):
-        no_mcast = cute.make_layout(1)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
         gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, no_mcast, cute.group_modes(sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
+        tKsK, tKgK = tma_partition_tile(tma_atom_K, sK, gK)
+        tVsV, tVgV = tma_partition_tile(tma_atom_V, sV, gV)
+        tQsQ, tQgQ = tma_partition_tile(tma_atom_Q, sQ, gQ)
+        tdOsdO, tdOgdO = tma_partition_tile(tma_atom_dO, sdO, gdO)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)

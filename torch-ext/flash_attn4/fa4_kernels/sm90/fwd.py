@@ -45,7 +45,8 @@ from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
-from .wgmma import DTYPES, WARPGROUP_THREADS, advanced, smem_layout, transpose_view, wgmma
+from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
+                    wgmma)
 
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
 # split over 128 producer threads and 128 threads per consumer warpgroup.
@@ -254,13 +255,9 @@ class FlashAttentionForwardSm90:
                              (self.tile_n, self.hdim), (None, 0))  # (tile_n, d, n_blocks)
         gV = cute.local_tile(self._slice_head(mV, seqlen.offset_k, head_kv, batch),
                              (self.tile_n, self.hdim_v), (None, 0))
-        no_mcast = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = tma_partition_tile(tma_atom_Q, sQ, gQ)
+        tKsK, tKgK = tma_partition_tile(tma_atom_K, sK, gK)
+        tVsV, tVgV = tma_partition_tile(tma_atom_V, sV, gV)
 
         # Q is loaded even when no KV block is visible, so that consumers never special-case it.
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)

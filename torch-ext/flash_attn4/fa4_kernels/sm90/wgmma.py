@@ -8,7 +8,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 WARPGROUP_THREADS = 128
@@ -37,6 +37,13 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
     order = (1, 0, *range(2, cute.rank(t)))
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def tma_partition_tile(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor):
+    """(smem, gmem) partitions for a TMA load of (rows, cols[, ...]) tiles without multicast: the first
+    two modes form the TMA box, the rest (stages, tile index) stay addressable."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                 cute.group_modes(gmem, 0, 2))
 
 
 @cute.jit
