@@ -26,7 +26,6 @@ import importlib.util
 import inspect
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -152,28 +151,13 @@ def _sync():
 
 
 def _timer():
-    import torch
-
-    try:
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
-    except ImportError:
-        pass
-
-    def timer(fn):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
+    """The benchmark's timer (benchmarks/bench.py: triton do_bench median, or CUDA events), with a
+    short budget: the demo reports rough TFLOP/s, the benchmark the careful ones."""
+    spec = importlib.util.spec_from_file_location("fa4_bench", REPO_ROOT / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up while it executes
+    spec.loader.exec_module(bench)
+    timer, _ = bench.make_timer(rep_ms=50.0)
     return timer
 
 
