@@ -61,9 +61,10 @@ def test_unsupported_gpu_names_device_capability_and_support(fake_device, cap, n
     assert "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)" in msg
 
 
-def test_unknown_kernel_kind_on_hopper():
-    with pytest.raises(NotImplementedError, match="backward"):
-        dispatch.arch_for_capability((9, 0), "NVIDIA H100", kernel="backward")
+def test_backward_dispatch_hopper_yes_blackwell_clear_error():
+    assert dispatch.arch_for_capability((9, 0), "NVIDIA H100", kernel="backward") is Arch.SM90
+    with pytest.raises(NotImplementedError, match="Blackwell kernels are not implemented yet"):
+        dispatch.arch_for_capability((10, 0), "NVIDIA B200", kernel="backward")
 
 
 def test_device_info_is_cached_per_index(monkeypatch):

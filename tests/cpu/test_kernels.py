@@ -109,9 +109,11 @@ def test_less_common_shapes_compile(tmp_path, cfg):
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("cfg", [dict(head_dim=128, head_dim_v=128, causal=True), dict(head_dim=64, head_dim_v=64)])
-def test_sm90_backward_compiles_with_wgmma(tmp_path, cfg):
-    """The backward kernel is not dispatched yet (not run on a GPU): at least it must compile."""
+@pytest.mark.parametrize("cfg", [dict(head_dim=128, head_dim_v=128, causal=True), dict(head_dim=64, head_dim_v=64),
+                                 dict(head_dim=96, head_dim_v=96, varlen=True, has_seqused_k=True, local=True,
+                                      has_softcap=True, deterministic=True)])
+def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):
+    """The backward's GEMMs are WGMMAs and dQ leaves through TMA reduce-adds (no per-element atomics)."""
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / 'torch-ext')!r})
@@ -125,7 +127,8 @@ def test_sm90_backward_compiles_with_wgmma(tmp_path, cfg):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
     ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
-    assert "wgmma.mma_async" in ptx and "red.relaxed.gpu.global.add.f32" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.reduce.async.bulk.tensor" in ptx
+    assert "red.relaxed.gpu.global.add.f32" not in ptx
 
 
 def test_backward_refuses_what_it_does_not_do_yet():

@@ -126,10 +126,10 @@ def test_opcheck(cpu_kernel):
     sink = torch.randn(4)
     ns, name = add_op_namespace_prefix("fwd").split("::")
     op = getattr(getattr(torch.ops, ns), name)
-    torch.library.opcheck(op, (q, k, v, None, None, None, sink, 0.125, 0.0, True, -1, 0, 9))
+    torch.library.opcheck(op, (q, k, v, None, None, None, sink, 0.125, 0.0, True, -1, 0, 9, 13, False))
     vq, vk, vv, cu_q, cu_k = rand_varlen(3, 12, 4, 2, 64, allow_zero=False)
     max_q = int((cu_q[1:] - cu_q[:-1]).max())
-    torch.library.opcheck(op, (vq, vk, vv, cu_q, cu_k, None, None, 0.1, 5.0, False, 3, 2, max_q))
+    torch.library.opcheck(op, (vq, vk, vv, cu_q, cu_k, None, None, 0.1, 5.0, False, 3, 2, max_q, -1, True))
 
 
 # ---- end to end through the public API with the stand-in ----
@@ -268,84 +268,145 @@ def test_torch_compile_dynamic_lengths_trace_once(cpu_kernel):
 # ---- autograd ----
 
 
-def test_forward_with_requires_grad_inputs_works_backward_raises(cpu_kernel):
-    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
-    out = flash_attn_func(q, k, v)
-    assert out.requires_grad
-    with torch.no_grad():
-        torch.testing.assert_close(flash_attn_func(q, k, v), out.detach())
-    with pytest.raises(NotImplementedError, match="flash-attn4: backward is not implemented yet"):
-        out.float().sum().backward()
-
-
 def torch_backward_kernel(cfg, calls):
-    """A stand-in for compile_backward(cfg): same call convention and the same math as the kernel,
-    from the inputs the torch layer prepares (LSE in log2 units, rowsum(dout * out))."""
+    """A stand-in for compile_backward(cfg): same call convention (BackwardConfig docstring) and the
+    same math as the kernel, from the inputs the torch layer prepares (LSE in log2 units, rowsum(dout *
+    out), row-padded; a zeroed fp32 dQ accumulator; dK and dV written whole)."""
 
-    def run(q, k, v, dout, lse_log2, dpsum, dq_acc, dk_acc, dv_acc, softmax_scale, window_left, window_right):
-        calls.append(cfg)
-        b, sq, hq, _ = q.shape
-        sk, hk = k.shape[1], k.shape[2]
-        assert lse_log2.shape == dpsum.shape == (b, hq, sq) and lse_log2.dtype == dpsum.dtype == torch.float32
-        assert dq_acc.dtype == dk_acc.dtype == dv_acc.dtype == torch.float32
-        assert not (dq_acc.any() or dk_acc.any() or dv_acc.any()), "accumulators must arrive zeroed"
-        assert isinstance(softmax_scale, float) and isinstance(window_left, int)
+    def one_sequence(q, k, v, dout, lse_log2, dpsum, softmax_scale, softcap, window):
+        """q (s, hq, d) ... -> dq_acc (s, hq, d), dk, dv (s, hk, d); lse_log2 / dpsum (hq, s)."""
+        sq, hq, sk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
         g = hq // hk
-        qf, dof = q.float().transpose(1, 2), dout.float().transpose(1, 2)  # (b, hq, s, d)
-        kf, vf = (t.float().repeat_interleave(g, 2).transpose(1, 2) for t in (k, v))
-        window = (window_left, window_right) if cfg.local else (-1, -1)
+        qf, dof = q.float().transpose(0, 1), dout.float().transpose(0, 1)  # (hq, s, d)
+        kf, vf = (t.float().repeat_interleave(g, 1).transpose(0, 1) for t in (k, v))
         visible = reference_mask(sq, sk, cfg.causal, window, q.device)
         s = (qf @ kf.transpose(-1, -2)) * softmax_scale
+        grad_scale = torch.ones_like(s)
+        if cfg.has_softcap:
+            t = torch.tanh(s / softcap)
+            s, grad_scale = softcap * t, 1 - t * t
         p = torch.exp2(s * 1.4426950408889634 - lse_log2[..., None]).masked_fill(~visible, 0.0)
-        ds = p * (dof @ vf.transpose(-1, -2) - dpsum[..., None])
-        dq_acc.add_((ds @ kf).transpose(1, 2))  # dQ / softmax_scale, as the kernel leaves it
-        dk_acc.add_((ds.transpose(-1, -2) @ qf * softmax_scale).transpose(1, 2).unflatten(2, (hk, g)).sum(3))
-        dv_acc.add_((p.transpose(-1, -2) @ dof).transpose(1, 2).unflatten(2, (hk, g)).sum(3))
+        ds = p * (dof @ vf.transpose(-1, -2) - dpsum[..., None]) * grad_scale
+        dq = (ds @ kf).transpose(0, 1)  # dQ / softmax_scale, as the kernel leaves it
+        dk = (ds.transpose(-1, -2) @ qf * softmax_scale).transpose(0, 1).unflatten(1, (hk, g)).sum(2)
+        dv = (p.transpose(-1, -2) @ dof).transpose(0, 1).unflatten(1, (hk, g)).sum(2)
+        return dq, dk, dv
+
+    def run(q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, semaphore, softmax_scale,
+            softcap, window_left, window_right, max_seqlen_k):
+        calls.append(cfg)
+        assert (cu_q is not None) == (cu_k is not None) == cfg.varlen
+        assert (seqused_k is not None) == cfg.has_seqused_k and (semaphore is not None) == cfg.deterministic
+        assert isinstance(softmax_scale, float) and isinstance(softcap, float) and isinstance(max_seqlen_k, int)
+        assert lse_log2.shape == dpsum.shape and lse_log2.dtype == dpsum.dtype == torch.float32
+        assert lse_log2.shape[-1] % 4 == 0 and lse_log2.is_contiguous(), "rows padded for TMA strides"
+        assert dq_acc.dtype == torch.float32 and not dq_acc.any(), "the dQ accumulator must arrive zeroed"
+        assert dk.dtype == k.dtype and dv.dtype == v.dtype
+        window = (window_left, window_right) if cfg.local else (-1, -1)
+        if not cfg.varlen:
+            assert max_seqlen_k == k.shape[1]
+            for b in range(q.shape[0]):
+                sq = q.shape[1]
+                dq_b, dk[b], dv[b] = one_sequence(q[b], k[b], v[b], dout[b], lse_log2[b, :, :sq], dpsum[b, :, :sq],
+                                                  softmax_scale, softcap, window)
+                dq_acc[b] += dq_b
+            return
+        assert max_seqlen_k >= int((cu_k[1:] - cu_k[:-1]).max())
+        for b in range(cu_q.shape[0] - 1):
+            q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+            if seqused_k is not None:
+                k1 = k0 + int(seqused_k[b])
+            if q1 == q0 or k1 == k0:
+                continue  # the kernel writes nothing there: the op's zeros stand
+            dq_b, dk[k0:k1], dv[k0:k1] = one_sequence(q[q0:q1], k[k0:k1], v[k0:k1], dout[q0:q1],
+                                                      lse_log2[:, q0:q1], dpsum[:, q0:q1], softmax_scale, softcap,
+                                                      window)
+            dq_acc[q0:q1] += dq_b
 
     return run
 
 
 @pytest.fixture
 def cpu_backward(cpu_kernel, monkeypatch):
-    """cpu_kernel plus the backward stand-in, with the developer switch on."""
+    """cpu_kernel plus the backward stand-in; returns the BackwardConfigs it was called with."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg: torch_backward_kernel(cfg, calls))
-    monkeypatch.setenv("FLASH_ATTN4_UNVERIFIED_BACKWARD", "1")
     return calls
 
 
-@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])
+def _reference_grads(inputs, dout, **kwargs):
+    leaves = [t.detach().float().requires_grad_() if t is not None else None for t in inputs]
+    q, k, v, sink = leaves
+    ref, _ = attention_ref(q, k, v, learnable_sink=sink, **kwargs)
+    ref.backward(dout.float())
+    return [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (3, 1), 0.0), (True, (-1, -1), 4.0)])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2)])
-def test_unverified_backward_plumbing_matches_reference_gradients(cpu_backward, causal, window, heads):
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_backward_plumbing_matches_reference_gradients(cpu_backward, causal, window, softcap, heads, with_sink):
     hq, hk = heads
     q, k, v = (t.requires_grad_() for t in rand_qkv(2, 7, 9, hq, hk, 64))
-    out = flash_attn_func(q, k, v, causal=causal, window_size=window)
+    sink = torch.randn(hq, requires_grad=True) if with_sink else None
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink)
     dout = torch.randn_like(out)
     out.backward(dout)
-    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_ref(qr, kr, vr, causal=causal, window_size=window)
-    ref.backward(dout.float())
-    for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
-        assert got.dtype == BF16 and got.shape == want.shape
-        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-    assert [c.causal for c in cpu_backward] == [causal] and cpu_backward[0].local == (window != (-1, -1))
+    want = _reference_grads((q, k, v, sink), dout, causal=causal, window_size=window, softcap=softcap)
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        assert got.dtype == BF16 and got.shape == ref.shape
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    if with_sink:
+        assert sink.grad.dtype == torch.float32
+        # from the bf16 output (rowsum(dO * O)): a sum with cancellation, so an absolute tolerance
+        torch.testing.assert_close(sink.grad, want[3], atol=2e-2, rtol=2e-2)
+    (cfg,) = cpu_backward
+    assert cfg.causal == causal and cfg.local == (window != (-1, -1)) and cfg.has_softcap == (softcap > 0)
+    assert not cfg.varlen and not cfg.deterministic
 
 
-def test_unverified_backward_refuses_what_the_draft_does_not_do(cpu_backward):
-    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
-    with pytest.raises(NotImplementedError, match="softcap"):
-        flash_attn_func(q, k, v, softcap=5.0).float().sum().backward()
-    out, lse = flash_attn_func(q, k, v, return_lse=True)
-    with pytest.raises(NotImplementedError, match="lse"):
-        (out.float().sum() + lse.sum()).backward()
-    qv, kv, vv, cu_q, cu_k = rand_varlen(2, 5, 2, 2, 64)
+def test_varlen_backward_is_a_clear_error_forward_still_works(cpu_backward):
+    qv, kv, vv, cu_q, cu_k = rand_varlen(3, 9, 4, 2, 64)
     qv.requires_grad_()
-    with pytest.raises(NotImplementedError, match="varlen"):
-        flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k).float().sum().backward()
+    out = flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, causal=True)
+    with pytest.raises(NotImplementedError, match="backward: varlen inputs"):
+        out.float().sum().backward()
     assert cpu_backward == []
 
 
-def test_unverified_backward_traces_under_torch_compile(cpu_backward):
+@pytest.mark.parametrize("with_seqused", [False, True])
+def test_varlen_bwd_op_plumbing(cpu_backward, with_seqused):
+    """The bwd op's varlen arguments (disabled behind autograd until the kernel's varlen path works on
+    the H200) still reach the kernel in its call convention, and give the reference gradients."""
+    qv, kv, vv, cu_q, cu_k = rand_varlen(4, 9, 4, 2, 64)
+    used = ((cu_k[1:] - cu_k[:-1]) * torch.rand(4)).to(torch.int32) if with_seqused else None
+    out, lse = flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, seqused_k=used, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    dq, dk, dv = ops.bwd(dout, qv, kv, vv, out, lse, cu_q, cu_k, used, 64 ** -0.5, 0.0, True, -1, 0, max_q, -1, True)
+    want = _reference_grads((qv, kv, vv, None), dout, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            seqused_k=used)
+    for got, ref in zip((dq, dk, dv), want):
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    (cfg,) = cpu_backward
+    assert cfg.varlen and cfg.deterministic and cfg.has_seqused_k == with_seqused
+
+
+def test_backward_refuses_head_dims_and_lse_gradients_forward_still_works(cpu_backward):
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 72))
+    out = flash_attn_func(q, k, v)  # the forward supports d=72
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="backward: head dims 72/72"):
+        out.float().sum().backward()
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    with pytest.raises(NotImplementedError, match="lse"):
+        (out.float().sum() + lse.sum()).backward()
+    assert cpu_backward == []
+
+
+def test_backward_traces_under_torch_compile(cpu_backward):
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
     fn = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True).float().square().sum(),
                        fullgraph=True, backend="aot_eager")

@@ -81,8 +81,9 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
 
 
 @functools.lru_cache(maxsize=256)
-def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool,
-                    local: bool) -> BackwardConfig:
-    """The BackwardConfig for a problem class (the draft kernel's single tile shape)."""
+def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
+                    has_softcap: bool, varlen: bool, has_seqused_k: bool, deterministic: bool) -> BackwardConfig:
+    """The BackwardConfig for a problem class (one tile shape so far: 64 queries x 128 keys)."""
     return BackwardConfig(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
-                          local=local)
+                          local=local, has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
+                          deterministic=deterministic)

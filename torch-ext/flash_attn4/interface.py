@@ -60,12 +60,13 @@ def flash_attn_func(
     q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv); bf16 or fp16 on one CUDA device; hq a multiple
     of hk (GQA/MQA); d, dv multiples of 8 up to 256. ``softmax_scale`` defaults to 1/sqrt(d); ``softcap``
     > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores; ``learnable_sink`` (hq,) adds one
-    logit per head to the softmax denominator (gpt-oss). ``deterministic`` is accepted: the forward is
-    always deterministic. Returns ``out`` (b, sq, hq, dv), or ``(out, lse)`` with ``return_lse=True``
+    logit per head to the softmax denominator (gpt-oss). ``deterministic=True`` makes the backward
+    bitwise repeatable (dQ is reduced across KV tiles in a fixed order; a little slower); the forward
+    always is. Differentiable w.r.t. q, k, v and learnable_sink when head_dim == head_dim_v is a
+    multiple of 16 in [32, 128] (other head dims: forward only). Returns ``out`` (b, sq, hq, dv), or ``(out, lse)`` with ``return_lse=True``
     (lse float32 (b, hq, sq)). ``dropout_p`` > 0, ``alibi_slopes`` and ``return_attn_probs`` raise
     NotImplementedError.
     """
-    del deterministic  # the forward pass has no nondeterminism to switch off
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     validate.check_batched(q, k, v)
     validate.check_learnable_sink(learnable_sink, q.shape[2])
@@ -74,19 +75,8 @@ def flash_attn_func(
     )
     validate.check_devices(q, k=k, v=v, learnable_sink=learnable_sink)
     out, lse = ops.fwd(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
-                       q.shape[1])
+                       q.shape[1], k.shape[1], bool(deterministic))
     return (out, lse) if return_lse else out
-
-
-def _default_max_seqlen_q(cu_seqlens_q: torch.Tensor, total_q: int) -> int:
-    """Longest query sequence when the caller did not say. Exact needs a device sync; while compiling or
-    capturing a CUDA graph (where a sync is not allowed) total_q is used: a valid upper bound that only
-    launches idle tiles."""
-    if torch.compiler.is_compiling() or (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return total_q
-    if cu_seqlens_q.shape[0] < 2:
-        return 0
-    return int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
 
 
 def flash_attn_varlen_func(
@@ -118,11 +108,10 @@ def flash_attn_varlen_func(
     seqused_k[i] keys of sequence i (masks align to that length). ``max_seqlen_q`` may be an int or a
     one-element tensor; a tensor is read with ``int()`` here, outside the op (a CUDA tensor costs a
     device sync; pass an int under torch.compile). When None it is computed from cu_seqlens_q (a sync),
-    or, while compiling or capturing a CUDA graph, bounded by total_q. ``max_seqlen_k`` is accepted for
-    compatibility and not needed. Returns ``out`` (total_q, hq, dv), or ``(out, lse)`` with lse float32
+    or, while compiling or capturing a CUDA graph, bounded by total_q. ``max_seqlen_k`` likewise, but
+    only the backward needs it (it sizes the grid), so when None the backward computes it. Returns ``out`` (total_q, hq, dv), or ``(out, lse)`` with lse float32
     (hq, total_q). Other options as in :func:`flash_attn_func`; ``seqused_q`` raises NotImplementedError.
     """
-    del deterministic
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q)
     validate.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     batch = cu_seqlens_q.shape[0] - 1
@@ -132,12 +121,13 @@ def flash_attn_varlen_func(
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
     max_q = validate.as_max_seqlen("max_seqlen_q", max_seqlen_q)
-    if not isinstance(max_seqlen_k, torch.Tensor):  # unused by the kernel: a tensor is not read (no sync)
-        validate.as_max_seqlen("max_seqlen_k", max_seqlen_k)
+    max_k = validate.as_max_seqlen("max_seqlen_k", max_seqlen_k)
     validate.check_devices(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                            seqused_k=seqused_k, learnable_sink=learnable_sink)
     if max_q is None:
-        max_q = _default_max_seqlen_q(cu_seqlens_q, q.shape[0])
+        max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
+    if max_k is None:
+        max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
     out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                       causal, left, right, max_q)
+                       causal, left, right, max_q, max_k, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -15,8 +15,12 @@ varlen metadata values.
 
 Schema (all scalars are plain op arguments, never tensors):
     fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, seqused_k?, learnable_sink?, softmax_scale: float,
-        softcap: float, causal: bool, window_left: int, window_right: int, max_seqlen_q: int)
-        -> (out, lse)
+        softcap: float, causal: bool, window_left: int, window_right: int, max_seqlen_q: int,
+        max_seqlen_k: int, deterministic: bool) -> (out, lse)
+    bwd(dout, q, k, v, out, lse, cu_seqlens_q?, cu_seqlens_k?, seqused_k?, softmax_scale, softcap, causal,
+        window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic) -> (dq, dk, dv)
+``max_seqlen_k`` and ``deterministic`` only matter to the backward (the forward is deterministic);
+``fwd`` takes them so that its autograd formula has them.
 ``causal``/``window_*`` are canonical (``validate.canonical_mask``): local = not causal and a window
 side >= 0. ``learnable_sink`` must already be float32.
 """
@@ -87,7 +91,10 @@ def fwd(
     window_left: int,
     window_right: int,
     max_seqlen_q: int,
+    max_seqlen_k: int,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    del max_seqlen_k, deterministic  # for the backward (autograd saves the inputs)
     varlen = cu_seqlens_q is not None
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -133,22 +140,29 @@ def _device_guard(device: torch.device):
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-              causal, window_left, window_right, max_seqlen_q):
+              causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic):
     out_shape, lse_shape = _output_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 # ---- backward ----
-#
-# The sm90 backward kernel is a draft that has not been validated on a GPU: unless the developer switch
-# FLASH_ATTN4_UNVERIFIED_BACKWARD=1 is set, a backward pass raises BACKWARD_NOT_IMPLEMENTED. Forward
-# calls with requires_grad inputs always work (inference, or training other parts of a model).
 
-BACKWARD_NOT_IMPLEMENTED = (
-    "flash-attn4: backward is not implemented yet (forward only). Run the forward under "
-    "torch.no_grad()/torch.inference_mode(), or use another attention implementation for training."
-)
 LOG2_E = 1.4426950408889634
+_ROW_ALIGN = 4  # float32 rows of the LSE / rowsum buffers: TMA needs 16-byte strides
+
+
+def _rows_log2(lse: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """The forward's LSE in log2 units in a row-padded buffer; +inf where a row saw no key (P = 0)."""
+    rows = torch.zeros(*lse.shape[:-1], -(-lse.shape[-1] // _ROW_ALIGN) * _ROW_ALIGN, dtype=torch.float32,
+                       device=lse.device)
+    rows[..., : lse.shape[-1]] = torch.where(torch.isinf(lse), float("inf"), lse * LOG2_E)
+    return rows
+
+
+def _rowsum_dout_out(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """rowsum(dout * out) per (head, query) in the LSE's layout: (hq, total) or (b, hq, sq)."""
+    dpsum = (dout.float() * out.float()).sum(-1)  # (total, hq) or (b, sq, hq)
+    return dpsum.t() if varlen else dpsum.transpose(1, 2)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("bwd"), mutates_args=())
@@ -159,69 +173,116 @@ def bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
     softmax_scale: float,
+    softcap: float,
     causal: bool,
     window_left: int,
     window_right: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of the batched forward (kernel call convention: BackwardConfig's docstring). The
-    small elementwise steps around the kernel (LSE in log2 units, rowsum(dout * out), fp32
-    accumulators and their conversion) run in torch."""
+    """dq, dk, dv of ``fwd`` (kernel call convention: BackwardConfig's docstring). The small
+    elementwise steps around the kernel (LSE in log2 units, rowsum(dout * out), the fp32 dQ
+    accumulator and its conversion) run in torch."""
+    varlen = cu_seqlens_q is not None
+    # dK / dV start at zero: keys no query sees (past seqused_k, outside every window) get no write.
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), dk, dv
     q, k, v, dout = (validate.kernel_layout(t) for t in (q, k, v, dout))
-    cfg = dispatch.backward_config(dispatch.arch_for_device(q.device), dispatch.dtype_name(q.dtype), q.shape[-1],
-                                   v.shape[-1], causal=causal, local=_is_local(causal, window_left, window_right))
+    cfg = dispatch.backward_config(
+        dispatch.arch_for_device(q.device, kernel="backward"), dispatch.dtype_name(q.dtype), q.shape[-1],
+        v.shape[-1], causal=causal, local=_is_local(causal, window_left, window_right),
+        has_softcap=softcap > 0.0, varlen=varlen, has_seqused_k=seqused_k is not None,
+        deterministic=deterministic)
     kernel = compile_cache.get_backward_kernel(cfg)
-    lse_log2 = torch.where(torch.isinf(lse), float("inf"), lse * LOG2_E).contiguous()  # no key: P = 0
-    dpsum = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (b, hq, sq)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+
+    lse_log2 = _rows_log2(lse, varlen)
+    dpsum = torch.zeros_like(lse_log2)
+    dpsum[..., : lse.shape[-1]] = _rowsum_dout_out(dout, out, varlen)
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    semaphore = None
+    if deterministic:
+        batch, hq = (cu_seqlens_q.shape[0] - 1, q.shape[1]) if varlen else (q.shape[0], q.shape[2])
+        m_blocks = -(-max_seqlen_q // cfg.tile_m)
+        semaphore = torch.zeros(batch, hq, m_blocks, 2, dtype=torch.int32, device=q.device)
+    if varlen:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+        if max_seqlen_k < 0:  # not given to the forward: the longest key sequence sizes the grid
+            max_seqlen_k = validate.longest_sequence(cu_seqlens_k, k.shape[0])
+    else:
+        max_seqlen_k = k.shape[1]
+    if seqused_k is not None:
+        seqused_k = seqused_k.contiguous()
     with _device_guard(q.device):
-        kernel(q, k, v, dout, lse_log2, dpsum, dq_acc, dk_acc, dv_acc, float(softmax_scale), int(window_left),
-               int(window_right))
-    return (dq_acc * softmax_scale).to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        kernel(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, semaphore,
+               float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_k))
+    return (dq_accum * softmax_scale).to(q.dtype), dk, dv
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right):
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap, causal,
+              window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _backward_limits(q, v, cu_seqlens_q, seqused_k, learnable_sink, softcap) -> str | None:
-    """What the backward draft does not do, or None."""
-    if cu_seqlens_q is not None or seqused_k is not None:
-        return "varlen inputs"
-    if learnable_sink is not None:
-        return "learnable_sink"
-    if softcap > 0.0:
-        return "softcap"
+# The kernel's varlen path compiles but stopped the H200 with "illegal instruction" (2026-12-02, not
+# yet diagnosed); until it is fixed and tested, packed inputs get this error instead of a crash.
+VARLEN_BACKWARD_DISABLED = (
+    "varlen inputs (cu_seqlens; transformers padded or packed batches) are not supported yet; "
+    "train on unpadded (b, s, h, d) batches, or use another attention implementation for these")
+
+
+def _backward_limits(q: torch.Tensor, v: torch.Tensor, varlen: bool) -> str | None:
+    """Why the backward cannot run for these inputs, or None."""
+    if varlen:
+        return VARLEN_BACKWARD_DISABLED
     d, dv = q.shape[-1], v.shape[-1]
-    if d != dv or d > 128 or d % 16 != 0:
-        return f"head dims {d}/{dv} (needs head_dim == head_dim_v, a multiple of 16 up to 128)"
+    if d != dv or not 32 <= d <= 128 or d % 16 != 0:
+        return (f"head dims {d}/{dv}: the backward needs head_dim == head_dim_v, a multiple of 16 in "
+                f"[32, 128] (the forward supports them)")
     return None
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, _, seqused_k, learnable_sink, softmax_scale, softcap, causal, left, right, _ = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, left, right,
+     max_seqlen_q, max_seqlen_k, deterministic) = inputs
     out, lse = output
     ctx.set_materialize_grads(False)  # an unused lse gradient arrives as None
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.limits = _backward_limits(q, v, cu_seqlens_q, seqused_k, learnable_sink, softcap)
-    ctx.options = (softmax_scale, causal, left, right)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink)
+    ctx.limits = _backward_limits(q, v, cu_seqlens_q is not None)
+    ctx.options = (softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
+
+
+def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool) -> torch.Tensor:
+    """d loss / d sink_h = -sum over rows of P(sink) * rowsum(dO * O), with P(sink) = exp(sink - lse):
+    the sink is a logit without a value, so its dP is 0."""
+    dpsum = _rowsum_dout_out(grad_out, out, varlen)  # lse's layout
+    sink = learnable_sink[:, None] if varlen else learnable_sink[None, :, None]
+    dsink = -(torch.exp(sink - lse) * dpsum)
+    return dsink.sum(-1) if varlen else dsink.sum((0, 2))
 
 
 def _backward(ctx, grad_out, grad_lse):
-    if not settings.unverified_backward():
-        raise NotImplementedError(BACKWARD_NOT_IMPLEMENTED)
     if ctx.limits is not None:
-        raise NotImplementedError(f"flash-attn4 backward (draft): {ctx.limits} not supported")
+        raise NotImplementedError(f"flash-attn4 backward: {ctx.limits}")
     if grad_lse is not None:
         raise NotImplementedError("flash-attn4 backward: gradients through the returned lse are not supported")
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * 13
-    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, *ctx.options)
-    return (dq, dk, dv) + (None,) * 10
+        return (None,) * 15
+    softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic = ctx.options
+    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap,
+                     causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
+    dsink = None
+    if learnable_sink is not None and ctx.needs_input_grad[6]:
+        dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None)
+    return (dq, dk, dv, None, None, None, dsink) + (None,) * 8
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -21,9 +21,6 @@ variable                            default    effect
                                                left alone, i.e. quiet except for warnings.
 ``FLASH_ATTN4_SLOW_COMPILE_S``      ``1.0``    a kernel compile taking at least this many seconds is
                                                logged at WARNING (visible by default); faster ones at INFO
-``FLASH_ATTN4_UNVERIFIED_BACKWARD`` ``0``      developers only: ``1`` runs the sm90 backward draft
-                                               (fa4_kernels/sm90/bwd.py), which has NOT been validated on a
-                                               GPU, instead of raising; gradients may be wrong
 ==================================  =========  ===============================================================
 
 Where these are read inside ``torch.compile``-d code they would be frozen at trace time, so they are
@@ -43,9 +40,8 @@ DISABLE_DISK_CACHE = "FLASH_ATTN4_DISABLE_DISK_CACHE"
 CHECK_CU_SEQLENS = "FLASH_ATTN4_CHECK_CU_SEQLENS"
 LOG_LEVEL = "FLASH_ATTN4_LOG_LEVEL"
 SLOW_COMPILE_S = "FLASH_ATTN4_SLOW_COMPILE_S"
-UNVERIFIED_BACKWARD = "FLASH_ATTN4_UNVERIFIED_BACKWARD"
 
-ALL = (CACHE_DIR, DISABLE_DISK_CACHE, CHECK_CU_SEQLENS, LOG_LEVEL, SLOW_COMPILE_S, UNVERIFIED_BACKWARD)
+ALL = (CACHE_DIR, DISABLE_DISK_CACHE, CHECK_CU_SEQLENS, LOG_LEVEL, SLOW_COMPILE_S)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -76,10 +72,6 @@ def disk_cache_enabled() -> bool:
 
 def check_cu_seqlens() -> bool:
     return _flag(CHECK_CU_SEQLENS)
-
-
-def unverified_backward() -> bool:
-    return _flag(UNVERIFIED_BACKWARD)
 
 
 def slow_compile_seconds() -> float:

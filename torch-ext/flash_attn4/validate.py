@@ -214,6 +214,17 @@ def canonical_mask(causal: bool, window_left: int, window_right: int) -> tuple[b
     return False, True, window_left, window_right
 
 
+def longest_sequence(cu_seqlens: torch.Tensor, total: int) -> int:
+    """Longest sequence of a cu_seqlens vector. Exact needs a device sync; while compiling or capturing
+    a CUDA graph (where a sync is not allowed) the total is used: a valid upper bound that only
+    launches idle tiles."""
+    if torch.compiler.is_compiling() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return total
+    if cu_seqlens.shape[0] < 2:
+        return 0
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
 def as_max_seqlen(name: str, value) -> int | None:
     """An int from an int or a one-element tensor (a CUDA tensor costs a device sync), or None."""
     if value is None:

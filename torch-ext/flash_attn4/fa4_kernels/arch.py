@@ -32,4 +32,4 @@ class Arch(str, enum.Enum):
 
 
 # Kernel families that exist today; dispatch raises a clear error for the others.
-IMPLEMENTED = {Arch.SM90: ("forward",), Arch.SM100: ()}
+IMPLEMENTED = {Arch.SM90: ("forward", "backward"), Arch.SM100: ()}

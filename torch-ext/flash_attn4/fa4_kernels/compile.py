@@ -96,30 +96,46 @@ def compile_backward(cfg: BackwardConfig):
 
     kernel = FlashAttentionBackwardSm90(cfg)
     dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
-    sym, stride = cute.sym_int, (lambda: cute.sym_int(64, divisibility=8))
+    sym = cute.sym_int
 
-    def bshd(dt, dim, align=16):
-        return make_fake_tensor(dt, (sym(), sym(), sym(), dim), (stride(), stride(), stride(), 1),
-                                assumed_align=align)
+    def aligned(elements):  # a 64-bit stride that is a multiple of 16 bytes
+        return cute.sym_int(64, divisibility=elements)
 
-    def bhs():
-        return make_fake_tensor(cutlass.Float32, (sym(), sym(), sym()),
-                                (cute.sym_int(64), cute.sym_int(64), 1), assumed_align=4)
+    def tokens(dt, dim):  # (b, s, h, dim), or (total, h, dim) packed
+        lead = 2 if cfg.varlen else 3
+        return make_fake_tensor(dt, tuple(sym() for _ in range(lead)) + (dim,),
+                                tuple(aligned(8) for _ in range(lead)) + (1,), assumed_align=16)
+
+    def rows():  # lse_log2 / dpsum: (b, h, s_pad), or (h, total_pad) packed
+        lead = 1 if cfg.varlen else 2
+        return make_fake_tensor(cutlass.Float32, tuple(sym() for _ in range(lead + 1)),
+                                tuple(aligned(4) for _ in range(lead)) + (1,), assumed_align=16)
+
+    def vector():
+        return make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
 
     d, dv = cfg.head_dim, cfg.head_dim_v
-    args = (bshd(dtype, d), bshd(dtype, d), bshd(dtype, dv), bshd(dtype, dv), bhs(), bhs(),
-            bshd(cutlass.Float32, d, 4), bshd(cutlass.Float32, d, 4), bshd(cutlass.Float32, dv, 4))
+    cu_q, cu_k = (vector(), vector()) if cfg.varlen else (None, None)
+    seqused_k = vector() if cfg.has_seqused_k else None
+    semaphore = (make_fake_tensor(cutlass.Int32, (sym(), sym(), sym(), 2), (sym(64), sym(64), 2, 1), assumed_align=4)
+                 if cfg.deterministic else None)
+    args = (tokens(dtype, d), tokens(dtype, d), tokens(dtype, dv), tokens(dtype, dv), rows(), rows(),
+            tokens(cutlass.Float32, d), tokens(dtype, d), tokens(dtype, dv), cu_q, cu_k, seqused_k, semaphore)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *args, cutlass.Float32(1.0), cutlass.Int32(-1), cutlass.Int32(-1), stream,
-                        options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
+    return cute.compile(kernel, *args,
+                        cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
+                        cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
+                        cutlass.Int32(1),  # max_seqlen_k
+                        stream, options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
 
 
 def backward_kernel_set(arch: Arch) -> list[BackwardConfig]:
-    """Backward configurations CI compiles (the kernel is not dispatched yet: compile-checked only)."""
+    """Backward configurations CI compiles: the common head dims, and every feature switch once."""
     if arch is not Arch.SM90:
         return []
     base = BackwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128)
-    return [base, base.replace(causal=True), base.replace(head_dim=64, head_dim_v=64)]
+    return [base, base.replace(causal=True), base.replace(head_dim=64, head_dim_v=64),
+            base.replace(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True)]
 
 
 def kernel_set(arch: Arch) -> list[ForwardConfig]:
@@ -140,7 +156,8 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
 def _describe(cfg) -> str:
     if isinstance(cfg, BackwardConfig):
         return (f"bwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} "
-                f"causal={cfg.causal} (draft: not dispatched)")
+                f"causal={cfg.causal} local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} "
+                f"deterministic={cfg.deterministic}")
     return (f"fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} "
             f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink}")
 

@@ -98,22 +98,32 @@ class ForwardConfig(_KernelConfig):
 class BackwardConfig(_KernelConfig):
     """What a backward kernel is specialised on.
 
-    Kernel call convention (TVM-FFI, current CUDA stream), batched layout only so far:
+    Kernel call convention (TVM-FFI, current CUDA stream):
 
-        fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, softmax_scale,
-           window_left, window_right)
+        fn(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k,
+           dq_semaphore, softmax_scale, softcap, window_left, window_right, max_seqlen_k)
 
-    q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv), dout (b, sq, hq, dv) in ``dtype``;
-    lse_log2 (b, hq, sq) float32: the forward's LSE times log2(e), +inf for rows that saw no key;
-    dpsum (b, hq, sq) float32: rowsum(dout * out);
-    dq_accum (b, sq, hq, d), dk_accum (b, sk, hk, d), dv_accum (b, sk, hk, dv): float32, zeroed by
-    the caller; the kernel adds dQ / softmax_scale, dK and dV into them (dK and dV summed over the
-    query heads of each KV head, so GQA needs no reduction afterwards).
+    Batched: q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv), dout (b, sq, hq, dv) in ``dtype``;
+    lse_log2 and dpsum (b, hq, sq_pad) float32 with sq_pad a multiple of 4 (TMA strides are 16-byte
+    aligned): the forward's LSE times log2(e) (+inf for rows that saw no key) and rowsum(dout * out);
+    dq_accum like q in float32, zeroed by the caller: the kernel adds dQ / softmax_scale into it;
+    dk, dv like k, v in ``dtype``: written whole (dK and dV of a KV head summed over its query heads).
+    Varlen: the token axis is packed, q (total_q, hq, d) etc., lse_log2/dpsum (hq, total_q_pad);
+    cu_seqlens_q/k (batch + 1,) int32, seqused_k (batch,) int32 or None.
+    dq_semaphore (batch, hq, ceil(max_seqlen_q / tile_m), 2) int32 zeroed, when ``deterministic``
+    (else None): orders the dQ reduce-adds so that repeated runs are bitwise identical.
+    max_seqlen_k sizes the grid (the longest key sequence).
     """
 
+    has_softcap: bool = False
+    varlen: bool = False
+    has_seqused_k: bool = False
+    deterministic: bool = False
     tile_m: int = 64  # query rows per step
     tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup
     num_stages: int = 2
 
     def __post_init__(self):
         self._check_common()
+        if self.has_seqused_k and not self.varlen:
+            raise ValueError("has_seqused_k needs varlen")

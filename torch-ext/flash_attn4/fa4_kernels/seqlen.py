@@ -50,3 +50,21 @@ class SeqlenInfo:
     def diagonal_offset(self) -> Int32:
         """Masks are aligned bottom-right: query row i lines up with key column i + (sk - sq)."""
         return self.seqlen_k - self.seqlen_q
+
+
+@cute.jit
+def head_rows(t: cute.Tensor, offset: Int32, head: Int32, batch: Int32,
+              varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
+    """One head of one batch entry of a kernel-layout tensor, (seq, ...) with the sequence first:
+    (seq, dim, head, batch) / (seq, head, batch) batched, (total, dim, head) / (total, head) packed,
+    where the entry's tokens start at ``offset``."""
+    if cutlass.const_expr(varlen):
+        if cutlass.const_expr(cute.rank(t) == 3):
+            return cute.domain_offset((offset, 0), t[None, None, head])
+        else:
+            return cute.domain_offset((offset,), t[None, head])
+    else:
+        if cutlass.const_expr(cute.rank(t) == 4):
+            return t[None, None, head, batch]
+        else:
+            return t[None, head, batch]

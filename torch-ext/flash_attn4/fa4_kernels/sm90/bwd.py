@@ -1,28 +1,36 @@
 """FlashAttention backward for Hopper (sm_90a): dQ, dK, dV from Q, K, V, dO, LSE and rowsum(dO * O).
 
-STATUS: compiles for sm_90a (tests/cpu/test_kernels.py; SASS at d=128: no spills non-causal, 2 causal);
-not yet run on a GPU and not dispatched.
+One CTA owns one KV tile (tile_n = 128 keys) of one KV head and walks, for every query head that
+shares the KV head (GQA), the query blocks that see the tile. dK and dV so accumulate in registers
+over all their contributions and are written once, in the input dtype, without atomics; only dQ,
+which every KV tile contributes to, is reduced across CTAs.
 
-One CTA owns one KV tile (tile_n = 128 keys) of one query head and walks the query blocks that see it:
+    warp 0          producer   K_j and V_j once; then per (query head, query block i) Q_i, dO_i,
+                               LSE_i and rowsum_i into a ``num_stages``-deep ring (TMA)
+    warpgroups 1,2  consumers  64 keys each, in the transposed orientation (keys are the
+                               accumulator rows), per query block of tile_m = 64 rows:
+        S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
+        P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0
+        dV  += P^T dO_i                           P from registers, issued before dP^T is needed
+        dS^T = P^T * (dP^T - rowsum_i)            softcap: times 1 - tanh^2
+        dK  += dS^T Q_i                           dS from registers
+        dQ_i = dS K                               both warpgroups' dS through shared memory, each
+                                                  warpgroup computing half of the head dim
+        dQ_i -> shared memory -> TMA reduce-add into the fp32 dq_accum; in deterministic mode in
+                KV-tile order, one semaphore per (query block, half)
 
-    warpgroup 0    producer   one warp: K_j and V_j once, then Q_i and dO_i for every query block i
-                              into a ``num_stages``-deep ring (TMA)
-    warpgroup 1,2  consumers  64 keys each. Per query block (tile_m = 64 rows), in the transposed
-                              orientation (keys are the accumulator rows):
-                                S^T  = K Q_i^T          dP^T = V dO_i^T          (WGMMA, smem operands)
-                                P^T  = exp2(S^T * scale_log2 - LSE_i)             (mask: S^T = -inf)
-                                dS^T = P^T * (dP^T - rowsum(dO_i * O_i))
-                                dV  += P^T dO_i          dK  += dS^T Q_i           (WGMMA, P/dS in registers)
-                                dQ_i += dS K             (both warpgroups' dS through shared memory; each
-                                                          warpgroup takes half of the head dim; fp32
-                                                          atomics into dq_accum)
-                              then dK (times the softmax scale) and dV go out with fp32 atomics, which
-                              also sums the query heads of a KV head (GQA).
+The caller computes LSE in log2 units and rowsum(dO * O) before, and dQ = dq_accum * softmax_scale
+after (ops.py). Call convention: BackwardConfig's docstring.
 
-The caller turns dq_accum into dQ (times the softmax scale) and dk/dv_accum into the input dtype.
+Status (2026-12-02): batched inputs verified on the H200 (tests/gpu/test_bwd.py). The varlen path
+compiles but stopped the GPU with "illegal instruction" on its first run; ops.py refuses varlen
+backward until that is diagnosed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -35,7 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..config import BackwardConfig
 from ..mask import AttentionMask
-from ..seqlen import SeqlenInfo
+from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E
 from .fragments import acc_as_a_operand, acc_rows_view
 from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
@@ -43,17 +51,19 @@ from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partit
 
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
-# Named barrier 0 is __syncthreads; 1 orders the consumers' shared dS tile.
+# Named barriers (0 is __syncthreads): the consumers' shared dS tile, then one per consumer
+# warpgroup for its dQ staging tile.
 DS_BARRIER = 1
+DQ_BARRIER_FIRST = 2
 
 
 class FlashAttentionBackwardSm90:
     def __init__(self, cfg: BackwardConfig):
         if cfg.tile_n != 64 * NUM_CONSUMER_WARPGROUPS or cfg.tile_m != 64:
             raise ValueError("sm90 backward: tiles are 64 query rows x 128 keys")
-        if cfg.head_dim != cfg.head_dim_v or cfg.head_dim > 128 or cfg.head_dim % 16 != 0:
+        if cfg.head_dim != cfg.head_dim_v or not 32 <= cfg.head_dim <= 128 or cfg.head_dim % 16 != 0:
             raise NotImplementedError(
-                f"sm90 backward: head_dim == head_dim_v, a multiple of 16 up to 128 so far; got "
+                f"sm90 backward: head_dim == head_dim_v, a multiple of 16 in [32, 128]; got "
                 f"{cfg.head_dim}/{cfg.head_dim_v}")
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
@@ -67,16 +77,34 @@ class FlashAttentionBackwardSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mLSE: cute.Tensor, mdPsum: cute.Tensor, mdQacc: cute.Tensor, mdKacc: cute.Tensor,
-                 mdVacc: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32,
-                 stream: cuda.CUstream):
-        # (b, s, h, d) -> (s, d, h, b); (b, h, s) -> (s, h, b): the sequence is the tiled mode.
-        mQ, mK, mV, mdO, mdQacc, mdKacc, mdVacc = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-            for t in (mQ, mK, mV, mdO, mdQacc, mdKacc, mdVacc)]
-        mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mdPsum)]
-        num_heads, num_batch = mQ.shape[2], mQ.shape[3]
-        qhead_per_kvhead = num_heads // mK.shape[2]
+                 mLSE: cute.Tensor, mdPsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_k: Int32, stream: cuda.CUstream):
+        cfg = self.cfg
+        # Sequence first: (seq, d, head[, batch]) and (seq, head[, batch]).
+        per_token = (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
+        if cutlass.const_expr(cfg.varlen):
+            mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in per_token]
+            mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0])) for t in (mLSE, mdPsum)]
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in per_token]
+            mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                            for t in (mLSE, mdPsum)]
+            num_batch = mQ.shape[3]
+        num_heads_kv = mK.shape[2]
+        qhead_per_kvhead = mQ.shape[2] // num_heads_kv
+
+        # Softcap: the forward scored cap * tanh(s * scale / cap); P recomputes it the same way.
+        score_prescale = softmax_scale
+        scale_log2 = softmax_scale * LOG2_E
+        if cutlass.const_expr(cfg.has_softcap):
+            score_prescale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
 
         K_major, MN_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: keys are the M mode, one 64-key atom per consumer warpgroup.
@@ -88,46 +116,65 @@ class FlashAttentionBackwardSm90:
             self.dtype, self.dtype, K_major, MN_major, Float32,
             atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.hdim),
             a_source=warpgroup.OperandSource.RMEM)
-        # dQ = dS K: the 64 query rows once, the head dim split between the two warpgroups.
+        # dQ = dS K: the 64 query rows once, the head dim split between the two warpgroups; dS is
+        # read from its (keys, queries) tile, M-major.
         tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_major, MN_major, Float32,
+            self.dtype, self.dtype, MN_major, MN_major, Float32,
             atom_layout_mnk=(1, NUM_CONSUMER_WARPGROUPS, 1), tiler_mn=(64, self.hdim // NUM_CONSUMER_WARPGROUPS))
 
         sQ_layout = smem_layout(self.dtype, self.tile_m, self.hdim, self.num_stages)
         sdO_layout = smem_layout(self.dtype, self.tile_m, self.hdim, self.num_stages)
-        sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim)
+        # K is also the B operand of the dQ GEMM, split over the head dim between the warpgroups.
+        sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim, split=NUM_CONSUMER_WARPGROUPS)
         sV_layout = smem_layout(self.dtype, self.tile_n, self.hdim)
-        sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n)  # (queries, keys)
+        sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries), as computed
+        sRow_layout = cute.make_layout((self.tile_m, self.num_stages))  # LSE and rowsum per stage
+        # dQ staging: (query rows, d) fp32; the tile order keeps each warpgroup's half contiguous,
+        # one TMA box of dq_half_layout.
+        dq_half = self.hdim // NUM_CONSUMER_WARPGROUPS
+        sdQ_layout = smem_layout(Float32, self.tile_m, self.hdim, split=NUM_CONSUMER_WARPGROUPS)
+        dq_half_layout = smem_layout(Float32, self.tile_m, dq_half)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim), 1)
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim))
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), (self.tile_m, self.hdim), 1)
+            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), (self.tile_m, self.hdim))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, (self.tile_n, self.hdim))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, (self.tile_n, self.hdim))
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(
+            tma_load, mLSE, cute.make_layout(self.tile_m), (self.tile_m,))
+        tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(
+            tma_load, mdPsum, cute.make_layout(self.tile_m), (self.tile_m,))
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, dq_half_layout, (self.tile_m, dq_half))
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
-        self.tma_bytes_qdo = 2 * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.tma_bytes_qdo = (2 * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+                              + 2 * self.tile_m * 4)
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        num_n_blocks = (mK.shape[0] + self.tile_n - 1) // self.tile_n
+        num_n_blocks = (max_seqlen_k + self.tile_n - 1) // self.tile_n
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLSE, mdPsum, mdQacc, mdKacc, mdVacc, softmax_scale, softmax_scale * LOG2_E,
-            window_left, window_right, qhead_per_kvhead,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
+            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ,
+            mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore,
+            softmax_scale, score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-        ).launch(grid=(num_n_blocks, num_heads, num_batch), block=[self.num_threads, 1, 1],
+        ).launch(grid=(num_n_blocks, num_heads_kv, num_batch), block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -136,17 +183,21 @@ class FlashAttentionBackwardSm90:
     @cute.kernel
     def kernel(self, tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_dO: cute.CopyAtom, mdO: cute.Tensor,
                tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
-               mLSE: cute.Tensor, mdPsum: cute.Tensor, mdQacc: cute.Tensor, mdKacc: cute.Tensor,
-               mdVacc: cute.Tensor, softmax_scale: Float32, scale_log2: Float32,
-               window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
+               tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom,
+               mdPsum: cute.Tensor, tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+               mCuSeqlensK: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+               mSemaphore: Optional[cute.Tensor], softmax_scale: Float32, score_prescale: Float32,
+               scale_log2: Float32, window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sdS_layout: cute.ComposedLayout, tiled_mma_sdp: cute.TiledMma,
-               tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma):
+               sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout, sdQ_layout: cute.ComposedLayout,
+               tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
+            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_dPsum,
+                         tma_atom_dQ):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
@@ -155,6 +206,9 @@ class FlashAttentionBackwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sRow_layout)
+        sdPsum = storage.sdPsum.get_tensor(sRow_layout)
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(
@@ -168,60 +222,73 @@ class FlashAttentionBackwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        n_block, head, batch = cute.arch.block_idx()
-        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0])
-        mask = AttentionMask(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local, window_left, window_right)
-        m_block_min, m_block_max = mask.m_block_range(seqlen, n_block)
-        head_kv = head // qhead_per_kvhead
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        # Varlen grids are sized for the longest key sequence; shorter ones leave CTAs idle.
+        if n_block * self.tile_n < seqlen.seqlen_k:
+            mask = AttentionMask(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
+                                 window_left, window_right)
+            m_block_min, m_block_max = mask.m_block_range(seqlen, n_block)
+            blocks = QueryBlocks(head_kv * qhead_per_kvhead, m_block_min,
+                                 cutlass.max(m_block_max - m_block_min, 0))
+            num_steps = blocks.per_head * qhead_per_kvhead
 
-        warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        if warpgroup_idx == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-            if warp_idx == 0:
-                self.produce(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
-                             sQ, sdO, sK, sV, pipe_kv, pipe_qdo, n_block, head, head_kv, batch,
-                             m_block_min, m_block_max)
-        else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self.consume(tidx - WARPGROUP_THREADS, sQ, sdO, sK, sV, sdS, pipe_kv, pipe_qdo,
-                         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, mLSE, mdPsum, mdQacc, mdKacc,
-                         mdVacc, seqlen, mask, n_block, head, head_kv, batch, m_block_min, m_block_max,
-                         softmax_scale, scale_log2)
+            warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+            if warpgroup_idx == 0:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+                if warp_idx == 0:
+                    self.produce(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
+                                 tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
+                                 pipe_kv, pipe_qdo, seqlen, blocks, num_steps, n_block, head_kv, batch)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+                self.consume(tidx - WARPGROUP_THREADS, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
+                             pipe_kv, pipe_qdo, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                             tma_atom_dQ, mdQacc, mdK, mdV, mSemaphore, seqlen, mask, blocks, num_steps,
+                             n_block, head_kv, batch, softmax_scale, score_prescale, scale_log2)
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
-                sQ, sdO, sK, sV, pipe_kv, pipe_qdo, n_block, head, head_kv, batch,
-                m_block_min, m_block_max):
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
+                tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
+                pipe_kv, pipe_qdo, seqlen: SeqlenInfo, blocks: "QueryBlocks", num_steps: Int32,
+                n_block: Int32, head_kv: Int32, batch: Int32):
+        varlen = self.cfg.varlen
+        gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen),
+                             (self.tile_n, self.hdim), (n_block, 0))
+        gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, varlen),
+                             (self.tile_n, self.hdim), (n_block, 0))
         tKsK, tKgK = tma_partition_tile(tma_atom_K, sK, gK)
         tVsV, tVgV = tma_partition_tile(tma_atom_V, sV, gV)
-        tQsQ, tQgQ = tma_partition_tile(tma_atom_Q, sQ, gQ)
-        tdOsdO, tdOgdO = tma_partition_tile(tma_atom_dO, sdO, gdO)
-
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for step in cutlass.range(num_steps, unroll=1):
+            head, m_block = blocks.at(step)
+            tile, rows = (self.tile_m, self.hdim), (self.tile_m,)
+            gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, varlen), tile, (m_block, 0))
+            gdO = cute.local_tile(head_rows(mdO, seqlen.offset_q, head, batch, varlen), tile, (m_block, 0))
+            gLSE = cute.local_tile(head_rows(mLSE, seqlen.offset_q, head, batch, varlen), rows, (m_block,))
+            gdPsum = cute.local_tile(head_rows(mdPsum, seqlen.offset_q, head, batch, varlen), rows, (m_block,))
             pipe_qdo.producer_acquire(state)
-            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index],
-                      tma_bar_ptr=pipe_qdo.producer_get_barrier(state))
-            cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                      tma_bar_ptr=pipe_qdo.producer_get_barrier(state))
+            barrier = pipe_qdo.producer_get_barrier(state)
+            for atom, smem, gmem, box_rank in ((tma_atom_Q, sQ, gQ, 2), (tma_atom_dO, sdO, gdO, 2),
+                                               (tma_atom_LSE, sLSE, gLSE, 1),
+                                               (tma_atom_dPsum, sdPsum, gdPsum, 1)):
+                t_smem, t_gmem = tma_partition_tile(atom, smem, gmem, box_rank)
+                cute.copy(atom, t_gmem, t_smem[None, state.index], tma_bar_ptr=barrier)
             state = advanced(state)
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx, sQ, sdO, sK, sV, sdS, pipe_kv, pipe_qdo, tiled_mma_sdp, tiled_mma_dkv,
-                tiled_mma_dq, mLSE, mdPsum, mdQacc, mdKacc, mdVacc, seqlen: SeqlenInfo,
-                mask: AttentionMask, n_block, head, head_kv, batch, m_block_min, m_block_max,
-                softmax_scale, scale_log2):
+    def consume(self, tidx, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo, tiled_mma_sdp,
+                tiled_mma_dkv, tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSemaphore,
+                seqlen: SeqlenInfo, mask: AttentionMask, blocks: "QueryBlocks", num_steps: Int32,
+                n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
+                score_prescale: Float32, scale_log2: Float32):
         wg_first = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
         wg_sdp, thr_sdp = tiled_mma_sdp.get_slice(wg_first), tiled_mma_sdp.get_slice(tidx)
         wg_dkv, thr_dkv = tiled_mma_dkv.get_slice(wg_first), tiled_mma_dkv.get_slice(tidx)
@@ -235,8 +302,8 @@ class FlashAttentionBackwardSm90:
         # dV += P^T dO, dK += dS^T Q: B = dO^T / Q^T (d x queries), N-major views.
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
-        # dQ = dS K: A = dS (queries x keys), B = K^T (d x keys), N-major view.
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        # dQ = dS K: A = dS (queries x keys) and B = K^T (d x keys), both as transposed views.
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdS)))
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
 
         acc_sdp_shape = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))
@@ -245,95 +312,161 @@ class FlashAttentionBackwardSm90:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         acc_dq_shape = thr_dq.partition_shape_C((self.tile_m, self.hdim))
+        tdQsdQ = thr_dq.partition_C(sdQ)
 
-        # (key, query) of each score element, and where each element of dS^T goes in sdS.
+        # (key, query) of each score element within the (tile_n, tile_m) block.
         tScS = acc_rows_view(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
-        tQcdQ = thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
+        tdSsdS = thr_sdp.partition_C(sdS)
         rP = cute.make_rmem_tensor(acc_sdp_shape, self.dtype)
         rdS = cute.make_rmem_tensor(acc_sdp_shape, self.dtype)
-
-        gLSE = mLSE[None, head, batch]
-        gdPsum = mdPsum[None, head, batch]
-        gdQ = mdQacc[None, None, head, batch]
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for step in cutlass.range(num_steps, unroll=1):
+            head, m_block = blocks.at(step)
+            stage = state.index
             pipe_qdo.consumer_wait(state)
             acc_S = cute.make_rmem_tensor(acc_sdp_shape, Float32)
             acc_dP = cute.make_rmem_tensor(acc_sdp_shape, Float32)
-            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
-            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], zero_init=True)
-            warpgroup.wait_group(0)
-
-            s_rows, dp_rows = acc_rows_view(acc_S), acc_rows_view(acc_dP)
-            for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
-                # Per-query statistics and visible keys, computed where they are used: holding them
-                # for every column across the GEMMs spills registers at d=128. A row past the
-                # sequence gets LSE = +inf, so P = 0.
-                row = m_block * self.tile_m + tScS[0, c][1]
-                lo, hi = mask.key_bounds(seqlen, row, n_block)
-                lse = Float32.inf
-                dpsum = Float32(0.0)
-                if row < seqlen.seqlen_q:
-                    lse = gLSE[row]
-                    dpsum = gdPsum[row]
-                for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
-                    key = tScS[r, 0][0]
-                    p = cute.math.exp2(s_rows[r, c] * scale_log2 - lse, fastmath=True)
-                    if key >= hi or key < lo:
-                        p = Float32(0.0)
-                    s_rows[r, c] = p
-                    dp_rows[r, c] = p * (dp_rows[r, c] - dpsum)  # dS^T, without the softmax scale
-            rP.store(acc_S.load().to(self.dtype))
+            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], zero_init=True)
+            warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
+            self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
+                               score_prescale, scale_log2)
+            warpgroup.wait_group(0)  # dP^T is in
+            dS_rows, dP_rows = acc_rows_view(acc_S), acc_rows_view(acc_dP)
+            for c in cutlass.range_constexpr(cute.size(dP_rows, mode=[1])):
+                dpsum = sdPsum[tScS[0, c][1], stage]
+                for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
+                    dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)  # dS^T without the scale
             rdS.store(acc_dP.load().to(self.dtype))
-
-            # dV += P^T dO and dK += dS^T Q, both from registers.
-            wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, state.index],
+            wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage],
                   zero_init=False)
-            wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, state.index],
+            wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
                   zero_init=False)
 
             # dQ needs every key of the tile: both warpgroups' dS go through shared memory. The
-            # barrier before the writes keeps the previous block's dQ GEMM reads intact.
+            # first barrier keeps the previous block's dQ GEMM reads intact.
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
-            ds_rows = acc_rows_view(rdS)
-            for r in cutlass.range_constexpr(cute.size(ds_rows, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(ds_rows, mode=[1])):
-                    sdS[tScS[r, c][1], tScS[r, c][0]] = ds_rows[r, c]
+            tdSsdS.store(rdS.load())
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True)
-            warpgroup.wait_group(0)  # dV, dK and dQ GEMMs done: rP, rdS, sQ, sdO and sdS are free
+            warpgroup.wait_group(0)  # dV, dK and dQ GEMMs done: rP, rdS, the stage and sdS are free
             pipe_qdo.consumer_release(state)
             state = advanced(state)
-
-            # dQ (unscaled) into the fp32 accumulator, rows inside the sequence only.
-            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                row, col = tQcdQ[i]
-                row = row + m_block * self.tile_m
-                if row < seqlen.seqlen_q:
-                    cute.arch.red(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout), acc_dQ[i],
-                                  op="add", dtype="f32", sem="relaxed", scope="gpu")
+            self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
+                           head, batch, m_block, n_block)
 
         pipe_kv.consumer_release(kv_state)
-        self.epilogue(thr_dkv, acc_dK, acc_dV, mdKacc, mdVacc, seqlen, n_block, head_kv, batch, softmax_scale)
+        if (tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE == 0:  # the warps that issue the reduce-adds
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ must outlive its last reduce-add
+        self.write_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, seqlen, n_block, head_kv, batch, softmax_scale)
 
     @cute.jit
-    def epilogue(self, thr_dkv, acc_dK, acc_dV, mdKacc, mdVacc, seqlen: SeqlenInfo, n_block, head_kv,
-                 batch, softmax_scale):
-        """dK (times the softmax scale) and dV added into the fp32 accumulators of the KV head, so
-        that the query heads sharing it (GQA) sum up."""
-        gdK = mdKacc[None, None, head_kv, batch]
-        gdV = mdVacc[None, None, head_kv, batch]
-        tcKV = thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
-        for i in cutlass.range_constexpr(cute.size(acc_dK)):
-            row, col = tcKV[i]
-            row = row + n_block * self.tile_n
-            if row < seqlen.seqlen_k:
-                cute.arch.red(gdK.iterator + cute.crd2idx((row, col), gdK.layout), acc_dK[i] * softmax_scale,
-                              op="add", dtype="f32", sem="relaxed", scope="gpu")
-                cute.arch.red(gdV.iterator + cute.crd2idx((row, col), gdV.layout), acc_dV[i],
-                              op="add", dtype="f32", sem="relaxed", scope="gpu")
+    def probabilities(self, acc_S: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
+                      seqlen: SeqlenInfo, mask: AttentionMask, m_block: Int32, n_block: Int32,
+                      score_prescale: Float32, scale_log2: Float32):
+        """P^T from S^T, with masked entries and rows past the sequence 0. rP gets P in the input
+        dtype (the dV GEMM operand); acc_S keeps, in fp32, what dS^T = acc_S * (dP^T - rowsum)
+        needs: P, or P * (1 - tanh^2) under softcap."""
+        s_rows = acc_rows_view(acc_S)
+        p_rows = acc_rows_view(rP)
+        for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+            query = tScS[0, c][1]
+            row = m_block * self.tile_m + query
+            lo, hi = mask.key_bounds(seqlen, row, n_block)
+            if row >= seqlen.seqlen_q:
+                hi = lo  # no key
+            lse = sLSE[query]
+            for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
+                key = tScS[r, 0][0]
+                score = s_rows[r, c]
+                if cutlass.const_expr(self.cfg.has_softcap):
+                    score = cute.math.tanh(score * score_prescale, fastmath=True)
+                p = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
+                if key >= hi or key < lo:
+                    p = Float32(0.0)
+                if cutlass.const_expr(self.cfg.has_softcap):
+                    p_rows[r, c] = p.to(self.dtype)
+                    s_rows[r, c] = p * (Float32(1.0) - score * score)
+                else:
+                    s_rows[r, c] = p
+        if cutlass.const_expr(not self.cfg.has_softcap):
+            rP.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
+    def reduce_dq(self, tidx, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, sdQ: cute.Tensor,
+                  tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor, mSemaphore: Optional[cute.Tensor],
+                  seqlen: SeqlenInfo, mask: AttentionMask, head: Int32, batch: Int32, m_block: Int32,
+                  n_block: Int32):
+        """This KV tile's dQ (unscaled) added into the fp32 accumulator: each warpgroup stages its
+        half of the head dim in shared memory and its first warp issues a TMA reduce-add (TMA copies
+        are warp-collective: one lane is elected inside)."""
+        half = tidx // WARPGROUP_THREADS
+        issuer = cute.arch.make_warp_uniform((tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE) == 0
+        barrier_id = DQ_BARRIER_FIRST + half
+        if issuer:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce-add has read sdQ
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
+        tdQsdQ.store(acc_dQ.load())
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
+        if issuer:
+            dq_half = self.hdim // NUM_CONSUMER_WARPGROUPS
+            gdQ = cute.local_tile(head_rows(mdQacc, seqlen.offset_q, head, batch, self.cfg.varlen),
+                                  (self.tile_m, dq_half), (m_block, half))
+            s_half = cute.local_tile(sdQ, (self.tile_m, dq_half), (0, half))
+            t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, s_half, gdQ)
+            if cutlass.const_expr(self.cfg.deterministic):
+                # Reduce-adds into one (query block, half) happen in KV-tile order: wait for the
+                # tiles before this one, add, and count this one once its add has landed.
+                lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block, half), mSemaphore.layout)
+                n_block_first, _ = mask.n_block_range(seqlen, m_block)
+                done = Int32(-1)
+                while done != n_block - n_block_first:
+                    done = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
+                cute.arch.fence_proxy("async.global")
+                cute.copy(tma_atom_dQ, t_smem, t_gmem)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0)
+                cute.arch.fence_proxy("async.global")
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.red(lock, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+            else:
+                cute.copy(tma_atom_dQ, t_smem, t_gmem)
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def write_dkv(self, thr_dkv, acc_dK: cute.Tensor, acc_dV: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                  seqlen: SeqlenInfo, n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32):
+        """dK (times the softmax scale) and dV of the tile, in the input dtype, keys inside the sequence."""
+        varlen = self.cfg.varlen
+        tile = (self.tile_n, self.hdim)
+        tdKgdK = thr_dkv.partition_C(cute.local_tile(head_rows(mdK, seqlen.offset_k, head_kv, batch, varlen),
+                                                     tile, (n_block, 0)))
+        tdVgdV = thr_dkv.partition_C(cute.local_tile(head_rows(mdV, seqlen.offset_k, head_kv, batch, varlen),
+                                                     tile, (n_block, 0)))
+        tcKV = thr_dkv.partition_C(cute.make_identity_tensor(tile))
+        keys_left = seqlen.seqlen_k - n_block * self.tile_n
+        for acc, scale, gmem in ((acc_dK, softmax_scale, tdKgdK), (acc_dV, Float32(1.0), tdVgdV)):
+            out = cute.make_rmem_tensor(acc.shape, self.dtype)
+            out.store((acc.load() * scale).to(self.dtype))
+            for i in cutlass.range_constexpr(cute.size(out)):
+                if tcKV[i][0] < keys_left:
+                    gmem[i] = out[i]
+
+
+@dataclass(frozen=True)
+class QueryBlocks:
+    """The (query head, query block) steps of one KV tile: every query head sharing the KV head,
+    each over the same range of query blocks."""
+
+    first_head: Int32
+    m_block_min: Int32
+    per_head: Int32  # query blocks per head
+
+    def at(self, step: Int32):
+        return self.first_head + step // self.per_head, self.m_block_min + step % self.per_head

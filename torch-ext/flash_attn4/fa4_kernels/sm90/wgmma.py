@@ -14,17 +14,18 @@ DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 WARPGROUP_THREADS = 128
 
 
-def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None, *, split: int = 1):
     """K-major (row-major) shared-memory layout with the widest swizzle the row allows, as WGMMA
-    and TMA expect; staged buffers stack along a third mode."""
-    row_bits = cols * dtype.width
+    and TMA expect; staged buffers stack along a third mode. ``split`` > 1: the columns are also used
+    in ``split`` equal parts (one per warpgroup), so the swizzle atom must tile each part too."""
     kind = warpgroup.SmemLayoutAtomKind
-    atom_kind = (
-        kind.K_SW128 if row_bits % 1024 == 0 else
-        kind.K_SW64 if row_bits % 512 == 0 else
-        kind.K_SW32 if row_bits % 256 == 0 else
-        kind.K_INTER
-    )
+    part = cols // split
+    atom_kind = kind.K_INTER
+    for candidate, atom_bits in ((kind.K_SW128, 1024), (kind.K_SW64, 512), (kind.K_SW32, 256)):
+        atom_cols = atom_bits // dtype.width
+        if cols % atom_cols == 0 and (part % atom_cols == 0 or atom_cols % part == 0):
+            atom_kind = candidate
+            break
     atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
@@ -39,11 +40,11 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
-def tma_partition_tile(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor):
-    """(smem, gmem) partitions for a TMA load of (rows, cols[, ...]) tiles without multicast: the first
-    two modes form the TMA box, the rest (stages, tile index) stay addressable."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                 cute.group_modes(gmem, 0, 2))
+def tma_partition_tile(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, box_rank: int = 2):
+    """(smem, gmem) partitions for a TMA copy of (rows, cols[, ...]) tiles without multicast: the first
+    ``box_rank`` modes form the TMA box, the rest (stages, tile index) stay addressable."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, box_rank),
+                                 cute.group_modes(gmem, 0, box_rank))
 
 
 @cute.jit
