@@ -1,5 +1,5 @@
-"""torch integration on a real GPU: torch.compile(fullgraph=True), CUDA graphs, streams, autograd stub,
-max_seqlen given as a 0-d tensor."""
+"""torch integration on a real GPU: torch.compile(fullgraph=True) (forward, and forward + backward), CUDA
+graphs, streams, autograd without a switch, max_seqlen given as a 0-d tensor."""
 
 from __future__ import annotations
 
@@ -158,14 +158,97 @@ def test_torch_compile_reduce_overhead():
 # ---- autograd ----
 
 
-def test_backward_raises_clear_error_forward_still_works():
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def test_backward_runs_and_forward_matches_inference():
+    """Training works out of the box; the forward with requires_grad inputs gives the same output as
+    without autograd."""
     q, k, v = (t.requires_grad_() for t in qkv(b=1, sq=64, sk=64))
     out = flash_attn_func(q, k, v, causal=True)
     assert out.requires_grad and not torch.isnan(out).any()
-    with pytest.raises(NotImplementedError, match="flash-attn4: backward is not implemented yet"):
-        out.float().sum().backward()
+    out.float().square().sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape and torch.isfinite(t.grad).all()
     with torch.inference_mode():
         assert torch.equal(flash_attn_func(q, k, v, causal=True), out.detach())
+
+
+def test_torch_compile_fullgraph_backward_matches_eager():
+    """A compiled attention block (fused QKV projection -> flash_attn_func -> output projection -> loss),
+    fullgraph, then .backward(): AOTAutograd traces the op's backward. Every gradient must match eager
+    (same kernels; inductor may fuse and round the surrounding ops differently) and the attention inputs' gradients
+    must satisfy the FA rule against the float32 reference."""
+    torch._dynamo.reset()
+    b, s, dm, hq, hk, d = 2, 257, 256, 8, 2, 128
+
+    def block(x, w_qkv, w_o):
+        qkv_ = (x @ w_qkv).view(b, s, hq + 2 * hk, d)
+        q, k, v = qkv_.split([hq, hk, hk], dim=2)
+        attn = flash_attn_func(q, k, v, causal=True)
+        y = x + attn.flatten(-2) @ w_o
+        return y.float().square().mean()
+
+    x0, w_qkv0, w_o0 = rand(b, s, dm), rand(dm, (hq + 2 * hk) * d) * dm ** -0.5, rand(hq * d, dm) * 0.02
+    compiled = torch.compile(block, fullgraph=True)
+    results = {}
+    for name, fn in (("compiled", compiled), ("eager", block)):
+        x, w_qkv, w_o = (t.detach().clone().requires_grad_() for t in (x0, w_qkv0, w_o0))
+        loss = fn(x, w_qkv, w_o)
+        loss.backward()
+        results[name] = (loss.detach(), {"x": x.grad, "w_qkv": w_qkv.grad, "w_o": w_o.grad})
+    (loss_c, grads_c), (loss_e, grads_e) = results["compiled"], results["eager"]
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-3, atol=0)
+    for name in grads_e:
+        assert grads_c[name] is not None and torch.isfinite(grads_c[name]).all(), name
+        assert _rel_l2(grads_c[name], grads_e[name]) < 2e-2, (name, _rel_l2(grads_c[name], grads_e[name]))
+
+    # the attention part alone, compiled, against the reference
+    torch._dynamo.reset()
+    q0, k0, v0 = qkv(b=2, sq=257, sk=301, hq=8, hk=2)
+    dout = rand(*q0.shape)
+    attn_c = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True)
+    q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    attn_c(q, k, v).backward(dout)
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    flash_attn_func(qe, ke, ve, causal=True).backward(dout)
+    refs = {}
+    for upcast in (True, False):
+        qr, kr, vr = (t.detach().clone().float().requires_grad_() if upcast else t.detach().clone().requires_grad_()
+                      for t in (q0, k0, v0))
+        out_r, _ = attention_ref(qr, kr, vr, causal=True, upcast=upcast)
+        out_r.backward(dout.float() if upcast else dout)
+        refs[upcast] = (qr.grad, kr.grad, vr.grad)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        got, eager = (q, k, v)[i].grad, (qe, ke, ve)[i].grad
+        torch.testing.assert_close(got, eager, rtol=1e-2, atol=1e-3 * eager.abs().max().item())
+        want = refs[True][i]
+        atol = 2 * (want.to(got.dtype).float() - want).abs().max().item() + 1e-5
+        assert_close_fa_rule(got, want, refs[False][i], atol=atol, name=name)
+
+
+@pytest.mark.xfail(strict=True, reason="varlen backward disabled (illegal instruction on the H200); under "
+                   "torch.compile its NotImplementedError may arrive wrapped")
+def test_torch_compile_fullgraph_varlen_backward_matches_eager():
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 100, 100, 400], dtype=torch.int32, device=DEVICE)
+    q0, k0, v0 = rand(400, 8, 64), rand(400, 2, 64), rand(400, 2, 64)
+    w = torch.randn(400, 8, 64, device=DEVICE)
+
+    def loss_fn(q, k, v):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen_q=300, causal=True)
+        return (out.float() * w).sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    grads = {}
+    for name, fn in (("compiled", compiled), ("eager", loss_fn)):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        fn(q, k, v).backward()
+        grads[name] = (q.grad, k.grad, v.grad)
+    for got, eager in zip(grads["compiled"], grads["eager"]):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, eager, rtol=1e-2, atol=1e-3 * eager.abs().max().item())
 
 
 # ---- max_seqlen as a 0-d tensor ----

@@ -5,7 +5,9 @@ the FlashAttention convention: a bf16 run is compared with a float32 run of the 
 error may be at most twice the error of transformers' own bf16 attention (sdpa, or eager where sdpa
 lacks a feature) plus a small absolute slack. Greedy generation must pick, at every step, a token
 that the float32 model also ranks first up to that same bf16 noise, and must agree with the bf16
-reference except where the float32 model itself sees a near tie.
+reference except where the float32 model itself sees a near tie. Training: one step's loss and every
+parameter's gradient, fa4 (bf16) against an sdpa float32 model, held to twice the relative error of an
+sdpa bf16 model (plain, left-padded and packed batches); those tests draw a fresh seed (printed).
 
 Run: python -m pytest tests/gpu/test_transformers_model.py -m gpu -q
 """
@@ -13,6 +15,7 @@ Run: python -m pytest tests/gpu/test_transformers_model.py -m gpu -q
 from __future__ import annotations
 
 import copy
+import os
 import types
 
 import pytest
@@ -33,6 +36,13 @@ VOCAB = 256
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     return ta.register()
+
+
+# Varlen backward is disabled (ops.VARLEN_BACKWARD_DISABLED) until its kernel path, which hit an
+# "illegal instruction" on the H200, is fixed: these must raise; strict, so that enabling it fails them
+# until the marker goes.
+VARLEN_BACKWARD_DISABLED = pytest.mark.xfail(raises=NotImplementedError, strict=True,
+                                             reason="varlen backward disabled (illegal instruction on the H200)")
 
 
 def _llama_config(head_dim, **overrides):
@@ -147,14 +157,109 @@ def test_llama_packed_sequences():
     assert err_ours <= 2 * err_ref + 1e-2 * l32.abs().max().item()
 
 
-def test_training_forward_then_backward_raises():
-    ref32, _, ours = _models(_llama_config(64))
-    ours.train()
-    ids = torch.randint(3, VOCAB, (2, 64)).to(DEVICE)
-    logits = ours(ids).logits
-    assert logits.requires_grad and torch.isfinite(logits).all()
-    with pytest.raises(NotImplementedError):
-        logits.float().logsumexp(-1).mean().backward()
+# ---- training: one step's loss and parameter gradients ----
+
+GRAD_EPS = 5e-3  # slack on the relative L2 error of a parameter's gradient
+
+
+def _seed_from_urandom() -> int:
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={s}")
+    return s
+
+
+def _token_loss_sum(logits, labels):
+    """(sum of next-token cross entropies in float32, number of targets): logits[t] predicts labels[t + 1],
+    targets equal to -100 are skipped, as in transformers' causal-LM loss."""
+    logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    targets = labels[:, 1:].reshape(-1)
+    loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+    return loss, int((targets != -100).sum())
+
+
+def _train_step(model, pieces):
+    """One training step's loss (mean over all targets of all pieces) and every parameter's gradient (as
+    float32). pieces: (input_ids, labels, forward kwargs), run one after the other and averaged together,
+    so that separate per-sequence runs give the same loss as one packed run."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    total, count = 0.0, 0
+    for ids, labels, kw in pieces:
+        s, n = _token_loss_sum(model(ids, **kw).logits, labels)
+        total, count = total + s, count + n
+    loss = total / count
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name}: no gradient"
+        grads[name] = p.grad.float()
+    return loss.item(), grads
+
+
+def _rel_l2(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _assert_training_step_close(ref32, ref16, ours, ref_pieces, our_pieces=None):
+    """Loss within 1e-2 (relative) of the float32 model's; for every parameter,
+    |g_fa4 - g_32| / |g_32| <= 2 * |g_sdpa16 - g_32| / |g_32| + GRAD_EPS (L2 norms over the tensor)."""
+    l32, g32 = _train_step(ref32, ref_pieces)
+    l16, g16 = _train_step(ref16, ref_pieces)
+    lo, go = _train_step(ours, our_pieces if our_pieces is not None else ref_pieces)
+    for name, g in (("float32 reference", g32), ("bf16 reference", g16)):
+        bad = [n for n, t in g.items() if not torch.isfinite(t).all()]
+        assert not bad, f"the {name} itself has non-finite gradients in {bad[:3]}"
+    bad = [n for n, t in go.items() if not torch.isfinite(t).all()]
+    assert not bad, f"fa4: non-finite gradients in {bad}"
+    assert abs(lo - l32) <= 1e-2 * abs(l32), f"loss: fa4 {lo:.6g}, float32 {l32:.6g} (bf16 sdpa {l16:.6g})"
+    failures = []
+    for name in g32:
+        err_ours, err_ref = _rel_l2(go[name], g32[name]), _rel_l2(g16[name], g32[name])
+        if not err_ours <= 2 * err_ref + GRAD_EPS:
+            failures.append(f"{name}: fa4 {err_ours:.3e} vs bf16 sdpa {err_ref:.3e}")
+    assert not failures, "gradients further from float32 than 2x the bf16 reference + eps:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_training_step_plain_batch(head_dim):
+    seed = _seed_from_urandom()
+    ref32, ref16, ours = _models(_llama_config(head_dim), seed=seed)
+    ids = torch.randint(3, VOCAB, (3, 150)).to(DEVICE)
+    _assert_training_step_close(ref32, ref16, ours, [(ids, ids, {})])
+
+
+@VARLEN_BACKWARD_DISABLED
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_training_step_left_padded_batch(head_dim):
+    """attention_mask with left padding; labels -100 on padding and on the first real token of each row
+    (its prediction would come from a padded position), so no padded position's output enters the loss."""
+    seed = _seed_from_urandom()
+    gen = torch.Generator().manual_seed(seed)
+    ref32, ref16, ours = _models(_llama_config(head_dim), seed=seed)
+    ids, mask = _left_padded([140, 97, 6, 139], 140, gen)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+    _assert_training_step_close(ref32, ref16, ours, [(ids, labels, {"attention_mask": mask})])
+
+
+@VARLEN_BACKWARD_DISABLED
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_training_step_packed_sequences(head_dim):
+    """Several sequences in one row with position_ids restarting at 0 (fa4 runs them as varlen); the
+    references run each sequence on its own. Labels -100 at each sequence start so no target crosses a
+    boundary: both sides then average the same per-token losses."""
+    seed = _seed_from_urandom()
+    gen = torch.Generator().manual_seed(seed)
+    ref32, ref16, ours = _models(_llama_config(head_dim), seed=seed)
+    lens = [41, 90, 1, 17, 64]
+    seqs = [torch.randint(3, VOCAB, (1, n), generator=gen).to(DEVICE) for n in lens]
+    packed = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lens]).view(1, -1).to(DEVICE)
+    labels = packed.clone()
+    starts = torch.tensor([0] + lens[:-1]).cumsum(0)
+    labels[0, starts] = -100
+    _assert_training_step_close(ref32, ref16, ours, [(s, s, {}) for s in seqs],
+                                [(packed, labels, {"position_ids": position_ids})])
 
 
 def test_training_with_attention_dropout_raises():
