@@ -42,7 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..config import ForwardConfig
 from ..mask import AttentionMask
 from ..scheduler import TileScheduler
-from ..seqlen import SeqlenInfo
+from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
 from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
@@ -236,24 +236,16 @@ class FlashAttentionForwardSm90:
                              m_block, head, batch, n_block_min, n_block_max,
                              score_prescale, scale_log2)
 
-    @cute.jit
-    def _slice_head(self, t: cute.Tensor, offset: Int32, head: Int32, batch: Int32) -> cute.Tensor:
-        """(seq, dim) slice of one head of one batch entry; varlen sequences start at ``offset``."""
-        if cutlass.const_expr(self.cfg.varlen):
-            return cute.domain_offset((offset, 0), t[None, None, head])
-        else:
-            return t[None, None, head, batch]
-
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                 pipe_q, pipe_k, pipe_v, seqlen: SeqlenInfo, m_block, head, batch, head_kv,
                 n_block_min, n_block_max):
-        gQ = cute.local_tile(self._slice_head(mQ, seqlen.offset_q, head, batch),
+        gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, self.cfg.varlen),
                              (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(self._slice_head(mK, seqlen.offset_k, head_kv, batch),
+        gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
                              (self.tile_n, self.hdim), (None, 0))  # (tile_n, d, n_blocks)
-        gV = cute.local_tile(self._slice_head(mV, seqlen.offset_k, head_kv, batch),
+        gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
                              (self.tile_n, self.hdim_v), (None, 0))
         tQsQ, tQgQ = tma_partition_tile(tma_atom_Q, sQ, gQ)
         tKsK, tKgK = tma_partition_tile(tma_atom_K, sK, gK)
@@ -445,16 +437,13 @@ class FlashAttentionForwardSm90:
     def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,
                  m_block, head, batch):
         """Normalise O, write the rows that lie inside the sequence, and their LSE."""
-        gO = cute.local_tile(self._slice_head(mO, seqlen.offset_q, head, batch),
+        gO = cute.local_tile(head_rows(mO, seqlen.offset_q, head, batch, self.cfg.varlen),
                              (self.tile_m, self.hdim_v), (m_block, 0))
         tOgO = acc_rows_view(thr_mma_pv.partition_C(gO))
         tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         o_rows = acc_rows_view(acc_O)
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
-        if cutlass.const_expr(self.cfg.varlen):
-            gLSE = cute.domain_offset((seqlen.offset_q,), mLSE[None, head])
-        else:
-            gLSE = mLSE[None, head, batch]
+        gLSE = head_rows(mLSE, seqlen.offset_q, head, batch, self.cfg.varlen)
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
             row = tOcO[r, 0][0]
             if row < rows_left:
