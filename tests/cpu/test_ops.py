@@ -5,7 +5,8 @@ replaced by a *torch stand-in* that implements the kernel call convention (Forwa
 tests/reference.py, and CPU tensors are let through the device check. That exercises everything of the
 torch layer around the kernel - validation, mask canonicalisation, the op schema, dispatch to a
 ForwardConfig, the compile cache, the argument order of the kernel call, output allocation, the fake
-implementation, torch.compile tracing and the autograd stub. It says nothing about the kernel's numerics
+implementation, torch.compile tracing and the autograd formula (with a torch stand-in for the
+backward kernel). It says nothing about the kernel's numerics
 (tests/gpu does that).
 """
 
@@ -130,6 +131,17 @@ def test_opcheck(cpu_kernel):
     vq, vk, vv, cu_q, cu_k = rand_varlen(3, 12, 4, 2, 64, allow_zero=False)
     max_q = int((cu_q[1:] - cu_q[:-1]).max())
     torch.library.opcheck(op, (vq, vk, vv, cu_q, cu_k, None, None, 0.1, 5.0, False, 3, 2, max_q, -1, True))
+
+
+def test_opcheck_bwd(cpu_backward):
+    """The backward op: schema, fake vs real implementation (with the torch stand-in kernel)."""
+    q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    ns, name = add_op_namespace_prefix("bwd").split("::")
+    op = getattr(getattr(torch.ops, ns), name)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(op, (dout, q, k, v, out, lse, None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 # ---- end to end through the public API with the stand-in ----

@@ -1,5 +1,5 @@
-"""The torch.library custom op that runs the forward kernel, its fake (meta) implementation and its
-autograd registration.
+"""The torch.library custom ops that run the forward and backward kernels, their fake (meta)
+implementations, and the forward's autograd formula (which calls the backward op).
 
 ``fwd`` is functional (``mutates_args=()``): it allocates ``out`` and ``lse`` and returns both, so
 ``torch.compile(fullgraph=True)`` traces it as one opaque node (shapes from the fake implementation)
