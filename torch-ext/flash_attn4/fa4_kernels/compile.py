@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 from .arch import IMPLEMENTED, Arch
 from .config import BackwardConfig, ForwardConfig
@@ -65,6 +66,17 @@ def _fake_tensors(cfg: ForwardConfig):
     return q, k, v, o, lse, cu_q, cu_k, seqused_k, sink
 
 
+def _quiet_compile(*args, **kwargs):
+    """cute.compile without the DSL's note that fully unrolled loops compile slowly: the kernels
+    unroll their per-fragment loops on purpose, and users should not see the note on a first call."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DSLOptimizationWarning)
+        return cute.compile(*args, **kwargs)
+
+
 def compile_forward(cfg: ForwardConfig):
     """Compile the forward kernel for ``cfg`` (no GPU needed); returns the TVM-FFI callable
     with the call convention documented on ``ForwardConfig``."""
@@ -74,7 +86,7 @@ def compile_forward(cfg: ForwardConfig):
     kernel = _forward_class(cfg.arch)(cfg)
     tensors = _fake_tensors(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
+    return _quiet_compile(
         kernel, *tensors,
         cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
         cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
@@ -122,7 +134,7 @@ def compile_backward(cfg: BackwardConfig):
     args = (tokens(dtype, d), tokens(dtype, d), tokens(dtype, dv), tokens(dtype, dv), rows(), rows(),
             tokens(cutlass.Float32, d), tokens(dtype, d), tokens(dtype, dv), cu_q, cu_k, seqused_k, semaphore)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *args,
+    return _quiet_compile(kernel, *args,
                         cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
                         cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
                         cutlass.Int32(1),  # max_seqlen_k
