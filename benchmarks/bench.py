@@ -179,10 +179,11 @@ class Impl:
     available: Callable[[], str | None]  # None if usable, else why not
     fwd: Callable[[Case, Inputs], Callable]
     notes: dict = field(default_factory=dict)  # case name -> note (e.g. "kv expanded")
+    bwd_prepare: Callable[[Case, Inputs], Callable] | None = None  # else autograd through fwd
 
     @property
     def bwd(self) -> Callable[[Case, Inputs], Callable]:
-        return _backward_of(self.fwd)
+        return self.bwd_prepare or _backward_of(self.fwd)
 
 
 def _import_ours():
@@ -211,7 +212,8 @@ def _ours_fwd(case: Case, x: Inputs):
 
 
 def _parse_variant(text: str) -> tuple[str, dict]:
-    """'NAME:field=value,field=value' -> (NAME, overrides of fa4_kernels' ForwardConfig)."""
+    """'NAME:field=value,field=value' -> (NAME, overrides of fa4_kernels' ForwardConfig, or of its
+    BackwardConfig with --mode bwd)."""
     name, _, spec = text.partition(":")
     overrides = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -247,6 +249,42 @@ def _variant_fwd(overrides: dict):
         lse = torch.empty(b, hq, sq, dtype=torch.float32, device=x.q.device)
         scale = x.q.shape[-1] ** -0.5
         return lambda: (kernel(x.q, x.k, x.v, out, lse, None, None, None, None, scale, 1.0, -1, -1, sq), out)[1]
+    return prepare
+
+
+def _variant_bwd(overrides: dict):
+    """Our backward with BackwardConfig fields overridden (e.g. num_stages, deterministic), through
+    the backward op with the dispatch choice replaced for the duration of each call; the forward
+    runs once, outside timing. "ours" (autograd through the same op) is the baseline."""
+    def prepare(case: Case, x: Inputs):
+        import importlib
+
+        import torch
+
+        if case.group == "varlen":
+            raise Unsupported("variants run batched cases only")
+        fa = _import_ours()
+        dispatch = importlib.import_module(fa.__name__ + ".dispatch")
+        ops = importlib.import_module(fa.__name__ + ".ops")
+        out, lse = fa.flash_attn_func(x.q, x.k, x.v, causal=case.causal, return_lse=True)
+        dout = torch.randn_like(out)
+        left, right = (-1, 0) if case.causal else (-1, -1)
+        deterministic = bool(overrides.get("deterministic", False))
+        base = dispatch.backward_config(
+            dispatch.arch_for_device(x.q.device, kernel="backward"), dispatch.dtype_name(x.q.dtype), x.q.shape[-1],
+            x.v.shape[-1], causal=case.causal, local=False, has_softcap=False, varlen=False, has_seqused_k=False,
+            deterministic=deterministic)
+        cfg = base.replace(**overrides)
+        chosen = dispatch.backward_config
+
+        def run():
+            dispatch.backward_config = lambda *args, **kwargs: cfg
+            try:
+                return ops.bwd(dout, x.q, x.k, x.v, out, lse, None, None, None, x.q.shape[-1] ** -0.5, 0.0,
+                               case.causal, left, right, x.q.shape[1], x.k.shape[1], deterministic)[0]
+            finally:
+                dispatch.backward_config = chosen
+        return run
     return prepare
 
 
@@ -630,7 +668,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default benchmarks/results/)")
     p.add_argument("--variant", action="append", type=_parse_variant, default=[],
                    help="A/B our kernel with ForwardConfig overrides, e.g. "
-                        "--variant cr:rescale_threshold=8.0 --variant nopp:pingpong=false (repeatable)")
+                        "--variant cr:rescale_threshold=8.0 --variant nopp:pingpong=false (repeatable); with "
+                        "--mode bwd, BackwardConfig overrides, e.g. --variant st3:num_stages=3")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing implementations")
     args = p.parse_args(argv)
@@ -672,7 +711,8 @@ def main(argv=None) -> int:
     all_impls = make_impls()
     wanted = [n for n in IMPL_ORDER if not args.only or n in args.only]
     for name, overrides in args.variant:
-        all_impls[f"ours[{name}]"] = Impl(f"ours[{name}]", _ours_available, _variant_fwd(overrides))
+        all_impls[f"ours[{name}]"] = Impl(f"ours[{name}]", _ours_available, _variant_fwd(overrides),
+                                          bwd_prepare=_variant_bwd(overrides))
         wanted.insert(wanted.index("ours") + 1 if "ours" in wanted else 0, f"ours[{name}]")
     impls, skipped = [], {}
     for name in wanted:

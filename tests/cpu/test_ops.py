@@ -18,6 +18,7 @@ import torch
 from flash_attn4 import compile_cache, dispatch, flash_attn_func, flash_attn_varlen_func, ops, validate
 from flash_attn4._ops import add_op_namespace_prefix
 from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.config import BackwardConfig
 from tests.reference import _mask as reference_mask
 from tests.reference import attention_ref, random_cu_seqlens
 
@@ -530,3 +531,22 @@ def test_fa_rule_helper():
     bad[3] = float("nan")
     with pytest.raises(AssertionError):
         assert_close_fa_rule(bad, ref, pt, atol=1e-3)
+
+
+# ---- the benchmark's kernel variants (benchmarks/bench.py --variant), through the stand-ins ----
+
+
+def test_bench_backward_variant_compiles_the_overridden_config_and_matches_ours(cpu_backward):
+    from benchmarks import bench
+
+    case = bench.Case(group="grid", batch=2, hq=4, hk=2, seqlen=9, head_dim=64, causal=True)
+    q, k, v = rand_qkv(2, 9, 9, 4, 2, 64)
+    x = bench.Inputs(q, k, v)
+    torch.manual_seed(1)  # both preparers draw dout right after their forward
+    dq_variant = bench._variant_bwd({"num_stages": 3})(case, x)()
+    assert [c.num_stages for c in cpu_backward] == [3]
+    torch.manual_seed(1)
+    dq_ours = bench.Impl("ours", lambda: None, bench._ours_fwd).bwd(case, x)()
+    assert cpu_backward[-1].num_stages == BackwardConfig.num_stages
+    torch.testing.assert_close(dq_variant, dq_ours)
+    assert dispatch.backward_config.__name__ == "backward_config", "the dispatch choice must be restored"
