@@ -550,3 +550,43 @@ def test_bench_backward_variant_compiles_the_overridden_config_and_matches_ours(
     assert cpu_backward[-1].num_stages == BackwardConfig.num_stages
     torch.testing.assert_close(dq_variant, dq_ours)
     assert dispatch.backward_config.__name__ == "backward_config", "the dispatch choice must be restored"
+
+
+def torch_preprocess_kernel(cfg, calls):
+    """A stand-in for compile_backward_preprocess(cfg): its call convention (fa4_kernels/bwd_preprocess.py)."""
+
+    def run(out, dout, lse, dpsum, lse_log2):
+        calls.append(cfg)
+        assert out.dim() == dout.dim() == 4 and lse.dim() == dpsum.dim() == lse_log2.dim() == 3
+        assert out.shape[-1] == cfg.head_dim_v and lse.shape == (out.shape[0], out.shape[2], out.shape[1])
+        rows = lse.shape[-1]
+        assert dpsum.shape[-1] >= rows and dpsum.shape[-1] % 4 == 0
+        dpsum.zero_()
+        lse_log2.zero_()
+        dpsum[..., :rows] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        lse_log2[..., :rows] = torch.where(torch.isinf(lse), float("inf"), lse * 1.4426950408889634)
+
+    return run
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch, varlen):
+    """With ops.PREPROCESS_KERNEL the rows reach the kernel in its convention (packed inputs as one
+    batch entry) and the gradients do not change."""
+    calls = []
+    monkeypatch.setattr(compile_cache, "_compile_backward_preprocess", lambda cfg: torch_preprocess_kernel(cfg, calls))
+    if varlen:
+        q, k, v, cu_q, cu_k = rand_varlen(3, 9, 4, 2, 64)
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+        args = (cu_q, cu_k, None, 0.125, 0.0, True, -1, 0, int((cu_q[1:] - cu_q[:-1]).max()), -1, False)
+    else:
+        q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
+    dout = torch.randn_like(out)
+    want = ops.bwd(dout, q, k, v, out, lse, *args)
+    monkeypatch.setattr(ops, "PREPROCESS_KERNEL", True)
+    got = ops.bwd(dout, q, k, v, out, lse, *args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert len(calls) == 1 and calls[0].head_dim_v == 64 and calls[0].dtype == "bfloat16"

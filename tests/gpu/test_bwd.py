@@ -441,3 +441,22 @@ def test_gradient_through_lse_raises():
     out, lse = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_seqlen_q=34, return_lse=True)
     with pytest.raises(NotImplementedError, match="backward"):
         (out.float() * lse.T[..., None]).sum().backward()
+
+
+# ---- the preprocessing kernel (ops.PREPROCESS_KERNEL switches the backward to it) ----
+
+
+@pytest.mark.parametrize("dv", [64, 96, 128, 256])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_preprocess_kernel_matches_torch(dv, varlen):
+    """fa4_kernels/bwd_preprocess.py against the torch path it replaces: LSE in log2 units bitwise
+    (rows that saw no key: -inf -> +inf), rowsum(dO * O) to float32 rounding, padding rows 0."""
+    shape = (333, 3, dv) if varlen else (2, 301, 3, dv)
+    out, dout = rand(*shape), rand(*shape)
+    lse_shape = (3, 333) if varlen else (2, 3, 301)
+    lse = torch.randn(lse_shape, device=DEVICE) * 4
+    lse[..., ::7] = -float("inf")
+    want = ops._backward_rows(dout, out, lse, varlen, use_kernel=False)
+    got = ops._backward_rows(dout, out, lse, varlen, use_kernel=True)
+    assert torch.equal(got[0], want[0]), "lse_log2"
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)

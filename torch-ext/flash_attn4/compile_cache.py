@@ -252,6 +252,17 @@ def _compile_backward(cfg):
     return compile_backward(cfg)
 
 
+def _compile_backward_preprocess(cfg):
+    from .fa4_kernels.compile import compile_backward_preprocess
+
+    return compile_backward_preprocess(cfg)
+
+
+def get_backward_preprocess_kernel(cfg):
+    """The compiled preprocessing kernel of the backward for a PreprocessConfig."""
+    return get_kernel("bwd_pre", cfg, _compile_backward_preprocess)
+
+
 def get_backward_kernel(cfg):
     """The compiled backward kernel for a BackwardConfig (call convention: its docstring)."""
     return get_kernel("bwd", cfg, _compile_backward)

@@ -13,7 +13,7 @@ import torch
 
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch
-from .fa4_kernels.config import BackwardConfig, ForwardConfig
+from .fa4_kernels.config import BackwardConfig, ForwardConfig, PreprocessConfig
 from .fa4_kernels.tiles import forward_tiles
 
 SUPPORTED_DEVICES = "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)"
@@ -87,3 +87,9 @@ def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, c
     return BackwardConfig(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                           local=local, has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
                           deterministic=deterministic)
+
+
+@functools.lru_cache(maxsize=64)
+def preprocess_config(arch: Arch, dtype: str, head_dim_v: int) -> PreprocessConfig:
+    """The backward's preprocessing kernel for a dtype and head dim."""
+    return PreprocessConfig(arch=arch, dtype=dtype, head_dim_v=head_dim_v)

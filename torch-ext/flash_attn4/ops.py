@@ -151,18 +151,37 @@ LOG2_E = 1.4426950408889634
 _ROW_ALIGN = 4  # float32 rows of the LSE / rowsum buffers: TMA needs 16-byte strides
 
 
-def _rows_log2(lse: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """The forward's LSE in log2 units in a row-padded buffer; +inf where a row saw no key (P = 0)."""
-    rows = torch.zeros(*lse.shape[:-1], -(-lse.shape[-1] // _ROW_ALIGN) * _ROW_ALIGN, dtype=torch.float32,
-                       device=lse.device)
-    rows[..., : lse.shape[-1]] = torch.where(torch.isinf(lse), float("inf"), lse * LOG2_E)
-    return rows
+# The preprocessing as one kernel (fa4_kernels/bwd_preprocess.py) instead of torch ops: compiled in
+# CI, switched on once tests/gpu/test_bwd.py::test_preprocess_kernel_matches_torch has passed on the H200.
+PREPROCESS_KERNEL = False
 
 
 def _rowsum_dout_out(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tensor:
     """rowsum(dout * out) per (head, query) in the LSE's layout: (hq, total) or (b, hq, sq)."""
     dpsum = (dout.float() * out.float()).sum(-1)  # (total, hq) or (b, sq, hq)
     return dpsum.t() if varlen else dpsum.transpose(1, 2)
+
+
+def _backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, varlen: bool,
+                   use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse_log2, dpsum) in row-padded float32 buffers of the LSE's layout: the forward's LSE in log2
+    units (+inf where a row saw no key, so P = 0) and rowsum(dout * out); padding rows hold 0."""
+    rows = lse.shape[-1]
+    shape = (*lse.shape[:-1], -(-rows // _ROW_ALIGN) * _ROW_ALIGN)
+    if use_kernel:
+        lse_log2 = torch.empty(shape, dtype=torch.float32, device=lse.device)
+        dpsum = torch.empty_like(lse_log2)
+        cfg = dispatch.preprocess_config(dispatch.arch_for_device(out.device, kernel="backward"),
+                                         dispatch.dtype_name(out.dtype), out.shape[-1])
+        batched = (lambda t: t.unsqueeze(0)) if varlen else (lambda t: t)  # packed = one long batch entry
+        compile_cache.get_backward_preprocess_kernel(cfg)(
+            batched(out), batched(dout), batched(lse), batched(dpsum), batched(lse_log2))
+        return lse_log2, dpsum
+    lse_log2 = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+    lse_log2[..., :rows] = torch.where(torch.isinf(lse), float("inf"), lse * LOG2_E)
+    dpsum = torch.zeros_like(lse_log2)
+    dpsum[..., :rows] = _rowsum_dout_out(dout, out, varlen)
+    return lse_log2, dpsum
 
 
 @torch.library.custom_op(add_op_namespace_prefix("bwd"), mutates_args=())
@@ -202,9 +221,7 @@ def bwd(
         deterministic=deterministic)
     kernel = compile_cache.get_backward_kernel(cfg)
 
-    lse_log2 = _rows_log2(lse, varlen)
-    dpsum = torch.zeros_like(lse_log2)
-    dpsum[..., : lse.shape[-1]] = _rowsum_dout_out(dout, out, varlen)
+    lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, varlen, PREPROCESS_KERNEL)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     semaphore = None
     if deterministic:

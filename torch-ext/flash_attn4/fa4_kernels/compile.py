@@ -16,7 +16,7 @@ import time
 import warnings
 
 from .arch import IMPLEMENTED, Arch
-from .config import BackwardConfig, ForwardConfig
+from .config import BackwardConfig, ForwardConfig, PreprocessConfig
 from .tiles import forward_tiles
 
 _IMPLEMENTATIONS = {}
@@ -141,13 +141,39 @@ def compile_backward(cfg: BackwardConfig):
                         stream, options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
 
 
-def backward_kernel_set(arch: Arch) -> list[BackwardConfig]:
+def compile_backward_preprocess(cfg: PreprocessConfig):
+    """Compile the backward's preprocessing kernel (no GPU needed; call convention in
+    bwd_preprocess.py). Architecture-independent code, compiled for ``cfg.arch``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from .bwd_preprocess import BackwardPreprocess
+
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
+    sym = cute.sym_int
+
+    def rows():  # (b, h, s) float32, row-major
+        return make_fake_tensor(cutlass.Float32, (sym(), sym(), sym()), (sym(64), sym(64), 1), assumed_align=4)
+
+    def tokens():  # (b, s, h, dv), the head dim contiguous and 16-byte aligned
+        return make_fake_tensor(dtype, (sym(), sym(), sym(), cfg.head_dim_v),
+                                (sym(64, divisibility=8), sym(64, divisibility=8), sym(64, divisibility=8), 1),
+                                assumed_align=16)
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _quiet_compile(BackwardPreprocess(cfg), tokens(), tokens(), rows(), rows(), rows(), stream,
+                          options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
+
+
+def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig]:
     """Backward configurations CI compiles: the common head dims, and every feature switch once."""
     if arch is not Arch.SM90:
         return []
     base = BackwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128)
     return [base, base.replace(causal=True), base.replace(head_dim=64, head_dim_v=64),
-            base.replace(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True)]
+            base.replace(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
+            PreprocessConfig(arch=arch, dtype="bfloat16", head_dim_v=128)]
 
 
 def kernel_set(arch: Arch) -> list[ForwardConfig]:
@@ -165,7 +191,13 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
             cfg(64, 64), cfg(64, 64, causal=True), cfg(96, 96), cfg(192, 192), cfg(192, 128), cfg(256, 256)]
 
 
+_COMPILERS = {ForwardConfig: compile_forward, BackwardConfig: compile_backward,
+              PreprocessConfig: compile_backward_preprocess}
+
+
 def _describe(cfg) -> str:
+    if isinstance(cfg, PreprocessConfig):
+        return f"bwd preprocess {cfg.dtype} dv={cfg.head_dim_v}"
     if isinstance(cfg, BackwardConfig):
         return (f"bwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} "
                 f"causal={cfg.causal} local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} "
@@ -189,7 +221,7 @@ def main(argv=None) -> int:
     for cfg in configs:
         start = time.perf_counter()
         try:
-            (compile_backward if isinstance(cfg, BackwardConfig) else compile_forward)(cfg)
+            _COMPILERS[type(cfg)](cfg)
             status = "ok"
         except Exception as exc:  # report every failing configuration, then fail
             failures += 1

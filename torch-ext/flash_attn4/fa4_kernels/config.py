@@ -18,16 +18,8 @@ HEAD_DIMS = tuple(range(8, 257, 8))
 
 
 @dataclass(frozen=True)
-class _KernelConfig:
-    """Shared by the kernel configurations: the problem-class fields every kernel has, the compile
-    key and their validation."""
-
-    arch: Arch
-    dtype: str
-    head_dim: int
-    head_dim_v: int
-    causal: bool = False
-    local: bool = False
+class _Config:
+    """What every configuration has: the compile key and copies with changes."""
 
     def key(self) -> tuple:
         """Hashable compile key: the class name and every field, in declaration order."""
@@ -37,6 +29,19 @@ class _KernelConfig:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class _KernelConfig(_Config):
+    """Shared by the attention kernel configurations: the problem-class fields every kernel has and
+    their validation."""
+
+    arch: Arch
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    causal: bool = False
+    local: bool = False
 
     def _check_common(self) -> None:
         if self.dtype not in DTYPES:
@@ -127,3 +132,19 @@ class BackwardConfig(_KernelConfig):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
+
+
+@dataclass(frozen=True)
+class PreprocessConfig(_Config):
+    """The backward's preprocessing kernel (fa4_kernels/bwd_preprocess.py, call convention there):
+    it depends only on the output's dtype and head dim."""
+
+    arch: Arch
+    dtype: str
+    head_dim_v: int
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.head_dim_v not in HEAD_DIMS:
+            raise ValueError(f"head_dim_v must be a multiple of 8 in [8, 256], got {self.head_dim_v}")
