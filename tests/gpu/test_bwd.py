@@ -162,6 +162,19 @@ def test_backward_bf16(d, sq, sk, causal, heads):
     check_batched(rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d), causal=causal)
 
 
+@pytest.mark.parametrize("variant", [{"early_dv": True}, {"num_stages": 3}])
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
+def test_backward_tuning_variants(monkeypatch, variant, d, causal):
+    """BackwardConfig tuning switches that are off by default (bench --mode bwd --variant A/Bs their
+    speed) must give the same gradients."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(**variant))
+    hq, hk = HEADS["gqa"]
+    check_batched(rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d), causal=causal)
+
+
 def test_backward_fp16():
     hq, hk = HEADS["gqa"]
     dt = torch.float16

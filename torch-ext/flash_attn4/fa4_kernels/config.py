@@ -127,6 +127,9 @@ class BackwardConfig(_KernelConfig):
     tile_m: int = 64  # query rows per step
     tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup
     num_stages: int = 2
+    # Issue dV += P^T dO as soon as P is ready, so that it runs while dS is computed. Off: at d=128
+    # it spills 15-32 registers (nvdisasm); not yet measured where it does not (d <= 64).
+    early_dv: bool = False
 
     def __post_init__(self):
         self._check_common()

@@ -335,15 +335,21 @@ class FlashAttentionBackwardSm90:
             warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
             self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
                                score_prescale, scale_log2)
-            warpgroup.wait_group(0)  # dP^T is in
+            if cutlass.const_expr(self.cfg.early_dv):
+                wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage],
+                      zero_init=False)
+                warpgroup.wait_group(1)  # dP^T is in; dV keeps running under dS
+            else:
+                warpgroup.wait_group(0)  # dP^T is in
             dS_rows, dP_rows = acc_rows_view(acc_S), acc_rows_view(acc_dP)
             for c in cutlass.range_constexpr(cute.size(dP_rows, mode=[1])):
                 dpsum = sdPsum[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
                     dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)  # dS^T without the scale
             rdS.store(acc_dP.load().to(self.dtype))
-            wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage],
-                  zero_init=False)
+            if cutlass.const_expr(not self.cfg.early_dv):
+                wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage],
+                      zero_init=False)
             wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
                   zero_init=False)
 
