@@ -162,7 +162,7 @@ def test_backward_bf16(d, sq, sk, causal, heads):
     check_batched(rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d), causal=causal)
 
 
-@pytest.mark.parametrize("variant", [{"early_dv": True}, {"num_stages": 3}])
+@pytest.mark.parametrize("variant", [{"early_dv": True}, {"num_stages": 3}, {"prefetch_next": True}])
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
 def test_backward_tuning_variants(monkeypatch, variant, d, causal):
     """BackwardConfig tuning switches that are off by default (bench --mode bwd --variant A/Bs their

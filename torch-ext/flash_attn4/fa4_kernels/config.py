@@ -130,11 +130,16 @@ class BackwardConfig(_KernelConfig):
     # Issue dV += P^T dO as soon as P is ready, so that it runs while dS is computed. Off: at d=128
     # it spills 15-32 registers (nvdisasm); not yet measured where it does not (d <= 64).
     early_dv: bool = False
+    # Issue the next query block's S^T and dP^T GEMMs before this block's dQ is reduced, so that the
+    # reduction overlaps them. Costs 2 x 32 accumulator registers across steps. Not yet measured.
+    prefetch_next: bool = False
 
     def __post_init__(self):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
+        if self.prefetch_next and self.num_stages < 2:
+            raise ValueError("prefetch_next holds two query blocks at once: it needs num_stages >= 2")
 
 
 @dataclass(frozen=True)

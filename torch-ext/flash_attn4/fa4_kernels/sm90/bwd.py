@@ -324,14 +324,21 @@ class FlashAttentionBackwardSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        acc_S = cute.make_rmem_tensor(acc_sdp_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(acc_sdp_shape, Float32)
+        if cutlass.const_expr(self.cfg.prefetch_next):
+            # The next step's S^T and dP^T are issued before this step's dQ leaves (below).
+            if num_steps > 0:
+                pipe_qdo.consumer_wait(state)
+                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
+                wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], zero_init=True)
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = blocks.at(step)
             stage = state.index
-            pipe_qdo.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(acc_sdp_shape, Float32)
-            acc_dP = cute.make_rmem_tensor(acc_sdp_shape, Float32)
-            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], zero_init=True)
+            if cutlass.const_expr(not self.cfg.prefetch_next):
+                pipe_qdo.consumer_wait(state)
+                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+                wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], zero_init=True)
             warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
             self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
                                score_prescale, scale_log2)
@@ -361,7 +368,17 @@ class FlashAttentionBackwardSm90:
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True)
-            warpgroup.wait_group(0)  # dV, dK and dQ GEMMs done: rP, rdS, the stage and sdS are free
+            if cutlass.const_expr(self.cfg.prefetch_next):
+                upcoming = advanced(state)
+                if step + 1 < num_steps:
+                    pipe_qdo.consumer_wait(upcoming)
+                    wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, upcoming.index], zero_init=True)
+                    wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, upcoming.index], zero_init=True)
+                    warpgroup.wait_group(2)  # dV, dK and dQ done; the next S^T and dP^T run on
+                else:
+                    warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(0)  # dV, dK and dQ GEMMs done: rP, rdS, the stage and sdS are free
             pipe_qdo.consumer_release(state)
             state = advanced(state)
             self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
