@@ -11,13 +11,14 @@ which every KV tile contributes to, is reduced across CTAs.
                                accumulator rows), per query block of tile_m = 64 rows:
         S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
         P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0
-        dV  += P^T dO_i                           P from registers, issued before dP^T is needed
         dS^T = P^T * (dP^T - rowsum_i)            softcap: times 1 - tanh^2
+        dV  += P^T dO_i                           P from registers (early_dv: issued before dS^T)
         dK  += dS^T Q_i                           dS from registers
         dQ_i = dS K                               both warpgroups' dS through shared memory, each
                                                   warpgroup computing half of the head dim
         dQ_i -> shared memory -> TMA reduce-add into the fp32 dq_accum; in deterministic mode in
-                KV-tile order, one semaphore per (query block, half)
+                KV-tile order, one semaphore per (query block, half); prefetch_next issues the
+                next block's S^T and dP^T first
 
 The caller computes LSE in log2 units and rowsum(dO * O) before, and dQ = dq_accum * softmax_scale
 after (ops.py). Call convention: BackwardConfig's docstring.
