@@ -32,37 +32,54 @@ def _forward_class(arch: Arch):
     )
 
 
-def _fake_tensors(cfg: ForwardConfig):
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def _fake_tokens(dtype, lead: int, dim: int):
+    """(lead symbolic sizes..., dim) with dim contiguous: q/k/v/out-like tensors, (b, s, h, dim) or
+    packed (total, h, dim). Strides are 64-bit multiples of 8 elements (16 bytes at 16 bits; the
+    float32 dQ accumulator's strides are multiples of the head dim, itself a multiple of 16), the
+    base 16-byte aligned."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(lead)) + (dim,),
+                            tuple(cute.sym_int(64, divisibility=8) for _ in range(lead)) + (1,), assumed_align=16)
+
+
+def _fake_rows(lead: int, padded: bool):
+    """float32 (lead symbolic sizes..., rows) with rows contiguous: LSE-like tensors. ``padded``:
+    the row count is a multiple of 4 and the base 16-byte aligned (what TMA needs)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
+    stride = (lambda: cute.sym_int(64, divisibility=4)) if padded else (lambda: cute.sym_int(64))
+    return make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(lead + 1)),
+                            tuple(stride() for _ in range(lead)) + (1,), assumed_align=16 if padded else 4)
 
-    def sym():
-        return cute.sym_int()
 
-    def sym_stride():
-        # 16-byte aligned strides (8 half-precision elements); 64-bit so huge tensors cannot overflow.
-        return cute.sym_int(64, divisibility=8)
+def _fake_vector(dtype):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
 
-    def qkv(dim):
-        if cfg.varlen:  # (total, heads, dim)
-            return make_fake_tensor(dtype, (sym(), sym(), dim), (sym_stride(), sym_stride(), 1), assumed_align=16)
-        return make_fake_tensor(dtype, (sym(), sym(), sym(), dim),
-                                (sym_stride(), sym_stride(), sym_stride(), 1), assumed_align=16)
+    return make_fake_tensor(dtype, (cute.sym_int(),), (1,), assumed_align=4)
 
-    q, k, v, o = qkv(cfg.head_dim), qkv(cfg.head_dim), qkv(cfg.head_dim_v), qkv(cfg.head_dim_v)
-    if cfg.varlen:
-        lse = make_fake_tensor(cutlass.Float32, (sym(), sym()), (cute.sym_int(64), 1), assumed_align=4)
-        cu_q = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-        cu_k = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-    else:
-        lse = make_fake_tensor(cutlass.Float32, (sym(), sym(), sym()),
-                               (cute.sym_int(64), cute.sym_int(64), 1), assumed_align=4)
-        cu_q = cu_k = None
-    seqused_k = make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4) if cfg.has_seqused_k else None
-    sink = make_fake_tensor(cutlass.Float32, (sym(),), (1,), assumed_align=4) if cfg.has_sink else None
+
+def _fake_tensors(cfg: ForwardConfig):
+    import cutlass
+
+    dtype = _cutlass_dtype(cfg.dtype)
+    lead = 2 if cfg.varlen else 3  # (total, h) or (b, s, h)
+    q, k, v, o = (_fake_tokens(dtype, lead, dim) for dim in (cfg.head_dim, cfg.head_dim, cfg.head_dim_v,
+                                                               cfg.head_dim_v))
+    lse = _fake_rows(1 if cfg.varlen else 2, padded=False)
+    cu_q, cu_k = (_fake_vector(cutlass.Int32), _fake_vector(cutlass.Int32)) if cfg.varlen else (None, None)
+    seqused_k = _fake_vector(cutlass.Int32) if cfg.has_seqused_k else None
+    sink = _fake_vector(cutlass.Float32) if cfg.has_sink else None
     return q, k, v, o, lse, cu_q, cu_k, seqused_k, sink
 
 
@@ -107,32 +124,19 @@ def compile_backward(cfg: BackwardConfig):
     from .sm90.bwd import FlashAttentionBackwardSm90
 
     kernel = FlashAttentionBackwardSm90(cfg)
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
-    sym = cute.sym_int
-
-    def aligned(elements):  # a 64-bit stride that is a multiple of 16 bytes
-        return cute.sym_int(64, divisibility=elements)
-
-    def tokens(dt, dim):  # (b, s, h, dim), or (total, h, dim) packed
-        lead = 2 if cfg.varlen else 3
-        return make_fake_tensor(dt, tuple(sym() for _ in range(lead)) + (dim,),
-                                tuple(aligned(8) for _ in range(lead)) + (1,), assumed_align=16)
-
-    def rows():  # lse_log2 / dpsum: (b, h, s_pad), or (h, total_pad) packed
-        lead = 1 if cfg.varlen else 2
-        return make_fake_tensor(cutlass.Float32, tuple(sym() for _ in range(lead + 1)),
-                                tuple(aligned(4) for _ in range(lead)) + (1,), assumed_align=16)
-
-    def vector():
-        return make_fake_tensor(cutlass.Int32, (sym(),), (1,), assumed_align=4)
-
+    dtype, f32, i32 = _cutlass_dtype(cfg.dtype), cutlass.Float32, cutlass.Int32
+    lead = 2 if cfg.varlen else 3  # (total, h) or (b, s, h)
+    rows_lead = 1 if cfg.varlen else 2  # lse_log2 / dpsum: (h, total_pad) or (b, h, s_pad)
     d, dv = cfg.head_dim, cfg.head_dim_v
-    cu_q, cu_k = (vector(), vector()) if cfg.varlen else (None, None)
-    seqused_k = vector() if cfg.has_seqused_k else None
-    semaphore = (make_fake_tensor(cutlass.Int32, (sym(), sym(), sym(), 2), (sym(64), sym(64), 2, 1), assumed_align=4)
+    cu_q, cu_k = (_fake_vector(i32), _fake_vector(i32)) if cfg.varlen else (None, None)
+    seqused_k = _fake_vector(i32) if cfg.has_seqused_k else None
+    sym = cute.sym_int
+    semaphore = (make_fake_tensor(i32, (sym(), sym(), sym(), 2), (sym(64), sym(64), 2, 1), assumed_align=4)
                  if cfg.deterministic else None)
-    args = (tokens(dtype, d), tokens(dtype, d), tokens(dtype, dv), tokens(dtype, dv), rows(), rows(),
-            tokens(cutlass.Float32, d), tokens(dtype, d), tokens(dtype, dv), cu_q, cu_k, seqused_k, semaphore)
+    args = (_fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
+            _fake_tokens(dtype, lead, dv), _fake_rows(rows_lead, padded=True), _fake_rows(rows_lead, padded=True),
+            _fake_tokens(f32, lead, d), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
+            cu_q, cu_k, seqused_k, semaphore)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return _quiet_compile(kernel, *args,
                         cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
@@ -144,25 +148,15 @@ def compile_backward(cfg: BackwardConfig):
 def compile_backward_preprocess(cfg: PreprocessConfig):
     """Compile the backward's preprocessing kernel (no GPU needed; call convention in
     bwd_preprocess.py). Architecture-independent code, compiled for ``cfg.arch``."""
-    import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
 
     from .bwd_preprocess import BackwardPreprocess
 
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
-    sym = cute.sym_int
-
-    def rows():  # (b, h, s) float32, row-major
-        return make_fake_tensor(cutlass.Float32, (sym(), sym(), sym()), (sym(64), sym(64), 1), assumed_align=4)
-
-    def tokens():  # (b, s, h, dv), the head dim contiguous and 16-byte aligned
-        return make_fake_tensor(dtype, (sym(), sym(), sym(), cfg.head_dim_v),
-                                (sym(64, divisibility=8), sym(64, divisibility=8), sym(64, divisibility=8), 1),
-                                assumed_align=16)
-
+    dtype = _cutlass_dtype(cfg.dtype)
+    out, dout = (_fake_tokens(dtype, 3, cfg.head_dim_v) for _ in range(2))  # (b, s, h, dv)
+    lse, dpsum, lse_log2 = (_fake_rows(2, padded=False) for _ in range(3))  # (b, h, s), (b, h, s_pad)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _quiet_compile(BackwardPreprocess(cfg), tokens(), tokens(), rows(), rows(), rows(), stream,
+    return _quiet_compile(BackwardPreprocess(cfg), out, dout, lse, dpsum, lse_log2, stream,
                           options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
 
 
