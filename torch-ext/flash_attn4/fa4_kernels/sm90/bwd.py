@@ -331,15 +331,13 @@ class FlashAttentionBackwardSm90:
             # The next step's S^T and dP^T are issued before this step's dQ leaves (below).
             if num_steps > 0:
                 pipe_qdo.consumer_wait(state)
-                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
-                wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], zero_init=True)
+                self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, state.index)
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = blocks.at(step)
             stage = state.index
             if cutlass.const_expr(not self.cfg.prefetch_next):
                 pipe_qdo.consumer_wait(state)
-                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-                wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], zero_init=True)
+                self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
             warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
             self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
                                score_prescale, scale_log2)
@@ -373,8 +371,7 @@ class FlashAttentionBackwardSm90:
                 upcoming = advanced(state)
                 if step + 1 < num_steps:
                     pipe_qdo.consumer_wait(upcoming)
-                    wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, upcoming.index], zero_init=True)
-                    wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, upcoming.index], zero_init=True)
+                    self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, upcoming.index)
                     warpgroup.wait_group(2)  # dV, dK and dQ done; the next S^T and dP^T run on
                 else:
                     warpgroup.wait_group(0)
@@ -389,6 +386,14 @@ class FlashAttentionBackwardSm90:
         if (tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE == 0:  # the warps that issue the reduce-adds
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ must outlive its last reduce-add
         self.write_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, seqlen, n_block, head_kv, batch, softmax_scale)
+
+    @cute.jit
+    def issue_scores(self, tiled_mma_sdp: cute.TiledMma, acc_S: cute.Tensor, acc_dP: cute.Tensor,
+                     tSrK: cute.Tensor, tSrQ: cute.Tensor, tPrV: cute.Tensor, tPrdO: cute.Tensor, stage: Int32):
+        """S^T = K Q^T and dP^T = V dO^T of the query block in ``stage``, as two WGMMA groups (S^T
+        first, so that it can be waited for alone)."""
+        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+        wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], zero_init=True)
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
