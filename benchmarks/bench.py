@@ -266,9 +266,10 @@ def _variant_bwd(overrides: dict):
         fa = _import_ours()
         dispatch = importlib.import_module(fa.__name__ + ".dispatch")
         ops = importlib.import_module(fa.__name__ + ".ops")
+        validate = importlib.import_module(fa.__name__ + ".validate")
         out, lse = fa.flash_attn_func(x.q, x.k, x.v, causal=case.causal, return_lse=True)
         dout = torch.randn_like(out)
-        left, right = (-1, 0) if case.causal else (-1, -1)
+        causal, _, left, right = validate.canonical_mask(case.causal, -1, -1)
         deterministic = bool(overrides.get("deterministic", False))
         base = dispatch.backward_config(
             dispatch.arch_for_device(x.q.device, kernel="backward"), dispatch.dtype_name(x.q.dtype), x.q.shape[-1],
@@ -281,7 +282,7 @@ def _variant_bwd(overrides: dict):
             dispatch.backward_config = lambda *args, **kwargs: cfg
             try:
                 return ops.bwd(dout, x.q, x.k, x.v, out, lse, None, None, None, x.q.shape[-1] ** -0.5, 0.0,
-                               case.causal, left, right, x.q.shape[1], x.k.shape[1], deterministic)[0]
+                               causal, left, right, x.q.shape[1], x.k.shape[1], deterministic)[0]
             finally:
                 dispatch.backward_config = chosen
         return run

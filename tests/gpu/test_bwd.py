@@ -30,17 +30,13 @@ import pytest
 import torch
 
 from flash_attn4 import flash_attn_func, flash_attn_varlen_func, ops
+from tests.gpu.marks import VARLEN_BACKWARD_DISABLED
 from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
-# Varlen backward is disabled (ops.VARLEN_BACKWARD_DISABLED) until its kernel path, which hit an
-# "illegal instruction" on the H200, is fixed: these must raise; strict, so that enabling it fails them
-# until the marker goes.
-VARLEN_BACKWARD_DISABLED = pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                             reason="varlen backward disabled (illegal instruction on the H200)")
 
 
 @pytest.fixture(autouse=True)

@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 import flash_attn4  # noqa: E402
 from flash_attn4 import transformers_adapter as ta  # noqa: E402
+from tests.gpu.marks import VARLEN_BACKWARD_DISABLED  # noqa: E402
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -36,13 +37,6 @@ VOCAB = 256
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     return ta.register()
-
-
-# Varlen backward is disabled (ops.VARLEN_BACKWARD_DISABLED) until its kernel path, which hit an
-# "illegal instruction" on the H200, is fixed: these must raise; strict, so that enabling it fails them
-# until the marker goes.
-VARLEN_BACKWARD_DISABLED = pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                             reason="varlen backward disabled (illegal instruction on the H200)")
 
 
 def _llama_config(head_dim, **overrides):
