@@ -29,7 +29,7 @@ broken kernel, shows up next to its number.
 
 --mode bwd times the backward pass alone (the forward runs once outside timing; each timed call is
 torch.autograd.grad of q, k, v with retain_graph), FLOPs = 2.5 x forward. Ours runs only where its
-backward does (not varlen yet); otherwise its rows say n/a with the reason.
+backward does (head dims up to 128, d == dv); otherwise its rows say n/a with the reason.
 
 Writes bench-<mode>-<timestamp>.{csv,json,md,png} under --out (default benchmarks/results/, git-ignored;
 no PNG without matplotlib) and prints the markdown table with ratio columns (ours / each comparator).

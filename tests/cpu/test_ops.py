@@ -331,8 +331,11 @@ def torch_backward_kernel(cfg, calls):
                 k1 = k0 + int(seqused_k[b])
             if q1 == q0 or k1 == k0:
                 continue  # the kernel writes nothing there: the op's zeros stand
+            r0 = (q0 + 3 * b) // 4 * 4  # the packed row layout, written out independently of seqlen.py
+            assert r0 % 4 == 0 and r0 + q1 - q0 <= lse_log2.shape[-1]
+            rows = slice(r0, r0 + q1 - q0)
             dq_b, dk[k0:k1], dv[k0:k1] = one_sequence(q[q0:q1], k[k0:k1], v[k0:k1], dout[q0:q1],
-                                                      lse_log2[:, q0:q1], dpsum[:, q0:q1], softmax_scale, softcap,
+                                                      lse_log2[:, rows], dpsum[:, rows], softmax_scale, softcap,
                                                       window)
             dq_acc[q0:q1] += dq_b
 
@@ -379,19 +382,25 @@ def test_backward_plumbing_matches_reference_gradients(cpu_backward, causal, win
     assert not cfg.varlen and not cfg.deterministic
 
 
-def test_varlen_backward_is_a_clear_error_forward_still_works(cpu_backward):
+def test_varlen_backward_through_autograd(cpu_backward):
     qv, kv, vv, cu_q, cu_k = rand_varlen(3, 9, 4, 2, 64)
-    qv.requires_grad_()
+    for t in (qv, kv, vv):
+        t.requires_grad_()
     out = flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, causal=True)
-    with pytest.raises(NotImplementedError, match="backward: varlen inputs"):
-        out.float().sum().backward()
-    assert cpu_backward == []
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want = _reference_grads((qv.detach(), kv.detach(), vv.detach(), None), dout, causal=True,
+                            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    for got, ref in zip((qv.grad, kv.grad, vv.grad), want):
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    (cfg,) = cpu_backward
+    assert cfg.varlen and cfg.causal
 
 
 @pytest.mark.parametrize("with_seqused", [False, True])
 def test_varlen_bwd_op_plumbing(cpu_backward, with_seqused):
-    """The bwd op's varlen arguments (disabled behind autograd until the kernel's varlen path works on
-    the H200) still reach the kernel in its call convention, and give the reference gradients."""
+    """The bwd op's varlen arguments (seqused_k, deterministic, max_seqlen_k left to the op) reach
+    the kernel in its call convention, and give the reference gradients."""
     qv, kv, vv, cu_q, cu_k = rand_varlen(4, 9, 4, 2, 64)
     used = ((cu_k[1:] - cu_k[:-1]) * torch.rand(4)).to(torch.int32) if with_seqused else None
     out, lse = flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, seqused_k=used, causal=True, return_lse=True)
@@ -404,6 +413,24 @@ def test_varlen_bwd_op_plumbing(cpu_backward, with_seqused):
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
     (cfg,) = cpu_backward
     assert cfg.varlen and cfg.deterministic and cfg.has_seqused_k == with_seqused
+
+
+@pytest.mark.parametrize("lens", [[10, 20, 15, 16, 28], [0, 7, 0, 1, 64, 3], [5], [4, 4, 4]])
+def test_packed_rows_are_aligned_disjoint_and_in_order(lens):
+    """The backward's packed LSE/rowsum layout: every sequence starts on a 16-byte boundary, its rows
+    keep their order and values, sequences do not overlap, and everything else is 0."""
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    rows = torch.randn(3, sum(lens)) + 5  # never 0
+    packed = ops._packed_rows(rows, cu)
+    assert packed.shape[-1] % 4 == 0
+    taken = torch.zeros(packed.shape[-1], dtype=torch.bool)
+    for b, (q0, q1) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        start = (q0 + 3 * b) // 4 * 4
+        assert start % 4 == 0
+        torch.testing.assert_close(packed[:, start:start + q1 - q0], rows[:, q0:q1], rtol=0, atol=0)
+        assert not taken[start:start + q1 - q0].any(), f"sequence {b} overlaps an earlier one"
+        taken[start:start + q1 - q0] = True
+    assert (packed[:, ~taken] == 0).all()
 
 
 def test_backward_refuses_head_dims_and_lse_gradients_forward_still_works(cpu_backward):

@@ -30,7 +30,6 @@ import pytest
 import torch
 
 from flash_attn4 import flash_attn_func, flash_attn_varlen_func, ops
-from tests.gpu.marks import VARLEN_BACKWARD_DISABLED
 from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
 
 pytestmark = pytest.mark.gpu
@@ -353,7 +352,6 @@ def check_varlen(q, k, v, cu_q, cu_k, *, sink=None, max_seqlen_q=None, **kwargs)
     return got
 
 
-@VARLEN_BACKWARD_DISABLED
 @pytest.mark.parametrize("use_seqused_k", [False, True])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True])
@@ -375,14 +373,19 @@ def test_backward_varlen(causal, heads, use_seqused_k):
             assert (got["dk"][tail] == 0).all() and (got["dv"][tail] == 0).all(), f"sequence {i}: unused keys"
 
 
-@VARLEN_BACKWARD_DISABLED
+def test_backward_varlen_unaligned_offsets():
+    """Sequence starts that are not multiples of 4 tokens (the LSE rows' TMA once faulted on them)."""
+    lens = [10, 20, 15, 16, 28]
+    q, k, v, cu_q, cu_k = make_varlen(lens, [5, 9, 18, 10, 26], 4, 4, 128)
+    check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens))
+
+
 def test_backward_varlen_mqa_default_max_seqlen():
     lens_q, lens_k = random_lengths(5, 400)
     q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 1, 128)
     check_varlen(q, k, v, cu_q, cu_k, causal=True)  # max_seqlen_q computed by the function
 
 
-@VARLEN_BACKWARD_DISABLED
 def test_backward_varlen_learnable_sink_window():
     hq, hk, d = 8, 2, 64
     lens_q, lens_k = random_lengths(4, 300)
@@ -390,7 +393,6 @@ def test_backward_varlen_learnable_sink_window():
     check_varlen(q, k, v, cu_q, cu_k, sink=_sink(hq), max_seqlen_q=max(lens_q), window_size=(63, 0))
 
 
-@VARLEN_BACKWARD_DISABLED
 def test_backward_varlen_matches_batched():
     """Equal-length varlen and batched backward on the same data agree up to bf16 rounding."""
     b, s, hq, hk, d = 3, 190, 4, 2, 128
@@ -465,7 +467,8 @@ def test_preprocess_kernel_matches_torch(dv, varlen):
     lse_shape = (3, 333) if varlen else (2, 3, 301)
     lse = torch.randn(lse_shape, device=DEVICE) * 4
     lse[..., ::7] = -float("inf")
-    want = ops._backward_rows(dout, out, lse, varlen, use_kernel=False)
-    got = ops._backward_rows(dout, out, lse, varlen, use_kernel=True)
+    cu_q = torch.tensor([0, 101, 101, 230, 333], dtype=torch.int32, device=DEVICE) if varlen else None
+    want = ops._backward_rows(dout, out, lse, cu_q, use_kernel=False)
+    got = ops._backward_rows(dout, out, lse, cu_q, use_kernel=True)
     assert torch.equal(got[0], want[0]), "lse_log2"
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)

@@ -228,8 +228,6 @@ def test_torch_compile_fullgraph_backward_matches_eager():
         assert_close_fa_rule(got, want, refs[False][i], atol=atol, name=name)
 
 
-@pytest.mark.xfail(strict=True, reason="varlen backward disabled (illegal instruction on the H200); under "
-                   "torch.compile its NotImplementedError may arrive wrapped")
 def test_torch_compile_fullgraph_varlen_backward_matches_eager():
     torch._dynamo.reset()
     cu = torch.tensor([0, 100, 100, 400], dtype=torch.int32, device=DEVICE)

@@ -27,7 +27,6 @@ transformers = pytest.importorskip("transformers")
 
 import flash_attn4  # noqa: E402
 from flash_attn4 import transformers_adapter as ta  # noqa: E402
-from tests.gpu.marks import VARLEN_BACKWARD_DISABLED  # noqa: E402
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -222,7 +221,6 @@ def test_training_step_plain_batch(head_dim):
     _assert_training_step_close(ref32, ref16, ours, [(ids, ids, {})])
 
 
-@VARLEN_BACKWARD_DISABLED
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_training_step_left_padded_batch(head_dim):
     """attention_mask with left padding; labels -100 on padding and on the first real token of each row
@@ -236,7 +234,6 @@ def test_training_step_left_padded_batch(head_dim):
     _assert_training_step_close(ref32, ref16, ours, [(ids, labels, {"attention_mask": mask})])
 
 
-@VARLEN_BACKWARD_DISABLED
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_training_step_packed_sequences(head_dim):
     """Several sequences in one row with position_ids restarting at 0 (fa4 runs them as varlen); the

@@ -111,8 +111,8 @@ def flash_attn_varlen_func(
     or, while compiling or capturing a CUDA graph, bounded by total_q. ``max_seqlen_k`` likewise, but
     only the backward needs it (it sizes the grid), so when None the backward computes it. Returns
     ``out`` (total_q, hq, dv), or ``(out, lse)`` with lse float32 (hq, total_q). Other options as in
-    :func:`flash_attn_func`; ``seqused_q`` raises NotImplementedError, and so does the backward
-    through this function for now (forward only).
+    :func:`flash_attn_func`; ``seqused_q`` raises NotImplementedError. The backward has the
+    head-dim limits of :func:`flash_attn_func`'s.
     """
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q)
     validate.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)

@@ -162,10 +162,13 @@ def _rowsum_dout_out(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> tor
     return dpsum.t() if varlen else dpsum.transpose(1, 2)
 
 
-def _backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, varlen: bool,
-                   use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse_log2, dpsum) in row-padded float32 buffers of the LSE's layout: the forward's LSE in log2
-    units (+inf where a row saw no key, so P = 0) and rowsum(dout * out); padding rows hold 0."""
+def _backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   cu_seqlens_q: Optional[torch.Tensor], use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse_log2, dpsum) in the kernel's float32 row buffers (BackwardConfig's docstring): the
+    forward's LSE in log2 units (+inf where a row saw no key, so P = 0) and rowsum(dout * out);
+    padding rows hold 0. Batched: the LSE's layout with rows padded to a multiple of 4; packed: each
+    sequence's rows moved to their aligned start (_packed_rows)."""
+    varlen = cu_seqlens_q is not None
     rows = lse.shape[-1]
     shape = (*lse.shape[:-1], -(-rows // _ROW_ALIGN) * _ROW_ALIGN)
     if use_kernel:
@@ -176,12 +179,28 @@ def _backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, var
         batched = (lambda t: t.unsqueeze(0)) if varlen else (lambda t: t)  # packed = one long batch entry
         compile_cache.get_backward_preprocess_kernel(cfg)(
             batched(out), batched(dout), batched(lse), batched(dpsum), batched(lse_log2))
-        return lse_log2, dpsum
-    lse_log2 = torch.zeros(shape, dtype=torch.float32, device=lse.device)
-    lse_log2[..., :rows] = torch.where(torch.isinf(lse), float("inf"), lse * LOG2_E)
-    dpsum = torch.zeros_like(lse_log2)
-    dpsum[..., :rows] = _rowsum_dout_out(dout, out, varlen)
+    else:
+        lse_log2 = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+        lse_log2[..., :rows] = torch.where(torch.isinf(lse), float("inf"), lse * LOG2_E)
+        dpsum = torch.zeros_like(lse_log2)
+        dpsum[..., :rows] = _rowsum_dout_out(dout, out, varlen)
+    if varlen:
+        return _packed_rows(lse_log2[:, :rows], cu_seqlens_q), _packed_rows(dpsum[:, :rows], cu_seqlens_q)
     return lse_log2, dpsum
+
+
+def _packed_rows(rows: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """(hq, total_q) rows in token order -> the kernel's packed layout, sequence b from
+    packed_row_offset(cu_seqlens_q[b], b) on, zeros between. No device sync."""
+    from .fa4_kernels.seqlen import packed_row_offset
+
+    batch, total = cu_seqlens_q.shape[0] - 1, rows.shape[-1]
+    starts = cu_seqlens_q[:-1].long()
+    shift = packed_row_offset(starts, torch.arange(batch, device=rows.device)) - starts
+    index = torch.arange(total, device=rows.device) + torch.repeat_interleave(
+        shift, cu_seqlens_q[1:] - cu_seqlens_q[:-1], output_size=total)
+    packed = rows.new_zeros(rows.shape[0], packed_row_offset(total, batch))
+    return packed.index_copy_(1, index, rows)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("bwd"), mutates_args=())
@@ -221,7 +240,7 @@ def bwd(
         deterministic=deterministic)
     kernel = compile_cache.get_backward_kernel(cfg)
 
-    lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, varlen, PREPROCESS_KERNEL)
+    lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, cu_seqlens_q, PREPROCESS_KERNEL)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     semaphore = None
     if deterministic:
@@ -248,17 +267,8 @@ def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, so
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# The kernel's varlen path compiles but stopped the H200 with "illegal instruction" (2026-12-02, not
-# yet diagnosed); until it is fixed and tested, packed inputs get this error instead of a crash.
-VARLEN_BACKWARD_DISABLED = (
-    "varlen inputs (cu_seqlens; transformers padded or packed batches) are not supported yet; "
-    "train on unpadded (b, s, h, d) batches, or use another attention implementation for these")
-
-
-def _backward_limits(q: torch.Tensor, v: torch.Tensor, varlen: bool) -> str | None:
+def _backward_limits(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the backward cannot run for these inputs, or None."""
-    if varlen:
-        return VARLEN_BACKWARD_DISABLED
     d, dv = q.shape[-1], v.shape[-1]
     if d != dv or not 32 <= d <= 128 or d % 16 != 0:
         return (f"head dims {d}/{dv}: the backward needs head_dim == head_dim_v, a multiple of 16 in "
@@ -272,7 +282,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.set_materialize_grads(False)  # an unused lse gradient arrives as None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink)
-    ctx.limits = _backward_limits(q, v, cu_seqlens_q is not None)
+    ctx.limits = _backward_limits(q, v)
     ctx.options = (softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
 
 

@@ -113,8 +113,10 @@ class BackwardConfig(_KernelConfig):
     aligned): the forward's LSE times log2(e) (+inf for rows that saw no key) and rowsum(dout * out);
     dq_accum like q in float32, zeroed by the caller: the kernel adds dQ / softmax_scale into it;
     dk, dv like k, v in ``dtype``: written whole (dK and dV of a KV head summed over its query heads).
-    Varlen: the token axis is packed, q (total_q, hq, d) etc., lse_log2/dpsum (hq, total_q_pad);
-    cu_seqlens_q/k (batch + 1,) int32, seqused_k (batch,) int32 or None.
+    Varlen: the token axis is packed, q (total_q, hq, d) etc.; lse_log2/dpsum (hq, rows) with sequence
+    b's rows from seqlen.packed_row_offset(cu_seqlens_q[b], b) on (16-byte aligned starts; rows =
+    packed_row_offset(total_q, batch)); cu_seqlens_q/k (batch + 1,) int32, seqused_k (batch,) int32
+    or None.
     dq_semaphore (batch, hq, ceil(max_seqlen_q / tile_m), 2) int32 zeroed, when ``deterministic``
     (else None): orders the dQ reduce-adds so that repeated runs are bitwise identical.
     max_seqlen_k sizes the grid (the longest key sequence).

@@ -52,6 +52,16 @@ class SeqlenInfo:
         return self.seqlen_k - self.seqlen_q
 
 
+def packed_row_offset(token_offset, batch):
+    """Where batch entry ``batch``, whose tokens start at ``token_offset``, starts in the backward's
+    packed float32 row buffers (lse_log2, rowsum(dO * O)). A TMA load of a block of these rows needs
+    its first row 16-byte aligned (unaligned starts stopped the H200 with "illegal instruction"), so
+    every entry starts at a multiple of 4 rows, after at most 3 rows of padding per earlier entry;
+    ``packed_row_offset(total, batch_size)`` rows hold them all. Plain arithmetic, shared by the kernel
+    (DSL Int32) and the torch layer (ints and int64 tensors)."""
+    return (token_offset + 3 * batch) // 4 * 4
+
+
 @cute.jit
 def head_rows(t: cute.Tensor, offset: Int32, head: Int32, batch: Int32,
               varlen: cutlass.Constexpr[bool]) -> cute.Tensor:

@@ -23,9 +23,8 @@ which every KV tile contributes to, is reduced across CTAs.
 The caller computes LSE in log2 units and rowsum(dO * O) before, and dQ = dq_accum * softmax_scale
 after (ops.py). Call convention: BackwardConfig's docstring.
 
-Status (2026-12-02): batched inputs verified on the H200 (tests/gpu/test_bwd.py). The varlen path
-compiles but stopped the GPU with "illegal instruction" on its first run; ops.py refuses varlen
-backward until that is diagnosed.
+Varlen: the LSE / rowsum rows of each sequence start 16-byte aligned (seqlen.packed_row_offset), as
+the TMA that loads them requires.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..config import BackwardConfig
 from ..mask import AttentionMask
-from ..seqlen import SeqlenInfo, head_rows
+from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from .fragments import acc_as_a_operand, acc_rows_view
 from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
@@ -267,14 +266,17 @@ class FlashAttentionBackwardSm90:
         cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
+        rows_offset = seqlen.offset_q  # of this entry's LSE / rowsum rows
+        if cutlass.const_expr(varlen):
+            rows_offset = packed_row_offset(seqlen.offset_q, batch)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = blocks.at(step)
             tile, rows = (self.tile_m, self.hdim), (self.tile_m,)
             gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, varlen), tile, (m_block, 0))
             gdO = cute.local_tile(head_rows(mdO, seqlen.offset_q, head, batch, varlen), tile, (m_block, 0))
-            gLSE = cute.local_tile(head_rows(mLSE, seqlen.offset_q, head, batch, varlen), rows, (m_block,))
-            gdPsum = cute.local_tile(head_rows(mdPsum, seqlen.offset_q, head, batch, varlen), rows, (m_block,))
+            gLSE = cute.local_tile(head_rows(mLSE, rows_offset, head, batch, varlen), rows, (m_block,))
+            gdPsum = cute.local_tile(head_rows(mdPsum, rows_offset, head, batch, varlen), rows, (m_block,))
             pipe_qdo.producer_acquire(state)
             barrier = pipe_qdo.producer_get_barrier(state)
             for atom, smem, gmem, box_rank in ((tma_atom_Q, sQ, gQ, 2), (tma_atom_dO, sdO, gdO, 2),
