@@ -129,11 +129,11 @@ class BackwardConfig(_KernelConfig):
     tile_m: int = 64  # query rows per step
     tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup
     num_stages: int = 2
-    # Issue dV += P^T dO as soon as P is ready, so that it runs while dS is computed. Spills 3
-    # registers at d=128, none at d <= 96 (nvdisasm). Off until measured.
+    # Tuning switches, measured on the H200 (docs/perf.md, backward): off, as none of them helps.
+    # Issue dV += P^T dO as soon as P is ready, so that it runs while dS is computed: within noise.
     early_dv: bool = False
     # Issue the next query block's S^T and dP^T GEMMs before this block's dQ is reduced, so that the
-    # reduction overlaps them. Costs 2 x 32 accumulator registers across steps. Not yet measured.
+    # reduction overlaps them: 14-35% slower (2 x 32 more live accumulator registers).
     prefetch_next: bool = False
 
     def __post_init__(self):
