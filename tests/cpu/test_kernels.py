@@ -109,11 +109,17 @@ def test_less_common_shapes_compile(tmp_path, cfg):
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
+_SPLIT = dict(split_head_dim=True, tile_n=64)
+
+
 @pytest.mark.parametrize("cfg", [dict(head_dim=128, head_dim_v=128, causal=True), dict(head_dim=64, head_dim_v=64),
                                  dict(head_dim=96, head_dim_v=96, varlen=True, has_seqused_k=True, local=True,
-                                      has_softcap=True, deterministic=True)])
+                                      has_softcap=True, deterministic=True),
+                                 dict(head_dim=256, head_dim_v=256, num_stages=1, causal=True, **_SPLIT),
+                                 dict(head_dim=192, head_dim_v=128, varlen=True, has_softcap=True, **_SPLIT)])
 def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):
-    """The backward's GEMMs are WGMMAs and dQ leaves through TMA reduce-adds (no per-element atomics)."""
+    """The backward's GEMMs are WGMMAs and dQ leaves through TMA reduce-adds (no per-element atomics);
+    the split-head-dim layout, whose point is to fit the registers, does not spill."""
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / 'torch-ext')!r})
@@ -123,20 +129,42 @@ def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):
         compile_backward(BackwardConfig(arch=Arch.SM90, dtype="bfloat16", **{cfg!r}))
         print("compiled")
     """)
-    env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP="ptx")
+    env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP="ptx,cubin")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
     ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
     assert "wgmma.mma_async" in ptx and "cp.reduce.async.bulk.tensor" in ptx
     assert "red.relaxed.gpu.global.add.f32" not in ptx
+    if cfg.get("split_head_dim"):
+        nvdisasm = _nvdisasm()
+        if nvdisasm is None:
+            pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+        sass = subprocess.run([nvdisasm, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
+                              text=True).stdout
+        assert "HGMMA" in sass and "STL" not in sass and "LDL" not in sass, "register spills to local memory"
 
 
 def test_backward_refuses_what_it_does_not_do_yet():
     from flash_attn4.fa4_kernels.config import BackwardConfig
     from flash_attn4.fa4_kernels.sm90.bwd import FlashAttentionBackwardSm90
 
-    with pytest.raises(NotImplementedError, match="head_dim"):
+    with pytest.raises(NotImplementedError, match="head_dim"):  # d != dv needs the split layout
         FlashAttentionBackwardSm90(BackwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=192, head_dim_v=128))
+    with pytest.raises(NotImplementedError, match="multiples of 16"):
+        FlashAttentionBackwardSm90(BackwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=200, head_dim_v=200,
+                                                  split_head_dim=True, tile_n=64))
+
+
+def test_backward_config_rejects_mismatched_layouts():
+    from flash_attn4.fa4_kernels.config import BackwardConfig
+
+    base = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=192, head_dim_v=192)
+    with pytest.raises(ValueError, match="64 queries x 64 keys"):
+        BackwardConfig(**base, split_head_dim=True)  # tile_n stays 128
+    with pytest.raises(ValueError, match="64 queries x 128 keys"):
+        BackwardConfig(**dict(base, head_dim=128, head_dim_v=128), tile_n=64)
+    with pytest.raises(ValueError, match="unsplit"):
+        BackwardConfig(**base, split_head_dim=True, tile_n=64, early_dv=True)
 
 
 def test_head_dim_v_below_16_is_a_clear_error():

@@ -433,6 +433,26 @@ def test_packed_rows_are_aligned_disjoint_and_in_order(lens):
     assert (packed[:, ~taken] == 0).all()
 
 
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 256)])
+def test_split_head_dim_backward_behind_its_switch(cpu_backward, monkeypatch, d, dv):
+    """Head dims above 128 and d != dv raise until ops.SPLIT_HEAD_DIM_BACKWARD is on; then they reach
+    the split-head-dim kernel configuration and give the reference gradients."""
+    q, k, v = rand_qkv(1, 7, 9, 4, 2, d)
+    v = torch.randn(1, 9, 2, dv, dtype=q.dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match=f"head dims {d}/{dv}"):
+        flash_attn_func(q, k, v, causal=True).float().sum().backward()
+    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM_BACKWARD", True)
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want = _reference_grads((q.detach(), k.detach(), v.detach(), None), dout, causal=True)
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    (cfg,) = cpu_backward
+    assert cfg.split_head_dim and (cfg.head_dim, cfg.head_dim_v) == (d, dv)
+
+
 def test_backward_refuses_head_dims_and_lse_gradients_forward_still_works(cpu_backward):
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 72))
     out = flash_attn_func(q, k, v)  # the forward supports d=72

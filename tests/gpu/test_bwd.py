@@ -442,11 +442,52 @@ def test_deterministic_backward_is_bitwise_repeatable(causal, hq, hk):
     assert_grads_close(runs[0], ref, pt)
 
 
+# ---- the split-head-dim layout (head dims above 128, d != dv), behind ops.SPLIT_HEAD_DIM_BACKWARD ----
+
+
+@pytest.fixture
+def split_head_dim(monkeypatch):
+    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM_BACKWARD", True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dv,heads,sq,sk", [(192, 192, "mha", 300, 257), (256, 256, "gqa", 257, 300),
+                                              (192, 128, "gqa", 173, 190), (128, 64, "mqa", 300, 257),
+                                              (256, 256, "mha", 1000, 1000)])
+def test_split_head_dim_backward(split_head_dim, d, dv, heads, sq, sk, causal):
+    hq, hk = HEADS[heads]
+    check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, dv), causal=causal)
+
+
+def test_split_head_dim_backward_softcap_sink_window(split_head_dim):
+    hq, hk, d = 8, 2, 256
+    check_batched(rand(2, 200, hq, d), rand(2, 230, hk, d), rand(2, 230, hk, d), sink=_sink(hq),
+                  window_size=(100, 7), softcap=30.0)
+
+
+def test_split_head_dim_backward_varlen(split_head_dim):
+    hq, hk, d, dv = 6, 2, 192, 128
+    lens_q, lens_k = random_lengths(5, 300)
+    q, k, _, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, d)
+    v = rand(sum(lens_k), hk, dv)
+    check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), causal=True)
+
+
+def test_split_head_dim_deterministic_is_bitwise_repeatable(split_head_dim):
+    b, s, hq, hk, d = 1, 1024, 4, 2, 256
+    q, k, v, dout = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d), rand(b, s, hq, d)
+    runs = [run_ours(flash_attn_func, q, k, v, dout, deterministic=True)[1] for _ in range(3)]
+    for name in ("dq", "dk", "dv"):
+        for i in (1, 2):
+            assert torch.equal(runs[0][name], runs[i][name]), f"{name}: run {i} differs from run 0"
+
+
 # ---- what the backward does not support ----
 
 
 @pytest.mark.parametrize("d,dv", [(192, 192), (256, 256), (128, 64), (72, 72)])
 def test_unsupported_head_dims_raise_at_backward(d, dv):
+    """With SPLIT_HEAD_DIM_BACKWARD off (the default), and for head dims no layout supports."""
     q, k, v = (leaf(rand(1, 64, 2, n)) for n in (d, d, dv))
     try:
         out = flash_attn_func(q, k, v, causal=True)

@@ -14,7 +14,7 @@ import torch
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch
 from .fa4_kernels.config import BackwardConfig, ForwardConfig, PreprocessConfig
-from .fa4_kernels.tiles import forward_tiles
+from .fa4_kernels.tiles import backward_tiles, forward_tiles
 
 SUPPORTED_DEVICES = "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)"
 
@@ -83,10 +83,10 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
 @functools.lru_cache(maxsize=256)
 def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
                     has_softcap: bool, varlen: bool, has_seqused_k: bool, deterministic: bool) -> BackwardConfig:
-    """The BackwardConfig for a problem class (one tile shape so far: 64 queries x 128 keys)."""
+    """The BackwardConfig for a problem class (tiles: fa4_kernels/tiles.py)."""
     return BackwardConfig(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                           local=local, has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
-                          deterministic=deterministic)
+                          deterministic=deterministic, **backward_tiles(arch, head_dim, head_dim_v))
 
 
 @functools.lru_cache(maxsize=64)

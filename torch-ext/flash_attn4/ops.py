@@ -267,13 +267,22 @@ def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, so
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+# The backward's split-head-dim layout (head dims above 128, head_dim != head_dim_v; sm90/bwd.py)
+# compiles without spills but has not run on a GPU yet: until
+# tests/gpu/test_bwd.py::test_split_head_dim_backward has passed on the H200 those shapes keep
+# raising NotImplementedError.
+SPLIT_HEAD_DIM_BACKWARD = False
+
+
 def _backward_limits(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the backward cannot run for these inputs, or None."""
     d, dv = q.shape[-1], v.shape[-1]
-    if d != dv or not 32 <= d <= 128 or d % 16 != 0:
-        return (f"head dims {d}/{dv}: the backward needs head_dim == head_dim_v, a multiple of 16 in "
-                f"[32, 128] (the forward supports them)")
-    return None
+    if d == dv and 32 <= d <= 128 and d % 16 == 0:
+        return None
+    if SPLIT_HEAD_DIM_BACKWARD and all(32 <= x <= 256 and x % 16 == 0 for x in (d, dv)):
+        return None
+    return (f"head dims {d}/{dv}: the backward needs head_dim == head_dim_v, a multiple of 16 in "
+            f"[32, 128] (the forward supports them; larger and unequal head dims are not verified yet)")
 
 
 def _setup_context(ctx, inputs, output):

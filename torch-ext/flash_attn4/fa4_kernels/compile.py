@@ -17,7 +17,7 @@ import warnings
 
 from .arch import IMPLEMENTED, Arch
 from .config import BackwardConfig, ForwardConfig, PreprocessConfig
-from .tiles import forward_tiles
+from .tiles import backward_tiles, forward_tiles
 
 _IMPLEMENTATIONS = {}
 
@@ -164,9 +164,13 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig]:
     """Backward configurations CI compiles: the common head dims, and every feature switch once."""
     if arch is not Arch.SM90:
         return []
-    base = BackwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128)
-    return [base, base.replace(causal=True), base.replace(head_dim=64, head_dim_v=64),
-            base.replace(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
+    def cfg(d=128, dv=128, **flags):
+        return BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, **flags,
+                              **backward_tiles(arch, d, dv))
+
+    return [cfg(), cfg(causal=True), cfg(64, 64),
+            cfg(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
+            cfg(192, 192), cfg(256, 256, causal=True), cfg(192, 128, varlen=True, deterministic=True),
             PreprocessConfig(arch=arch, dtype="bfloat16", head_dim_v=128)]
 
 

@@ -127,8 +127,12 @@ class BackwardConfig(_KernelConfig):
     has_seqused_k: bool = False
     deterministic: bool = False
     tile_m: int = 64  # query rows per step
-    tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup
+    tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup, or 64 shared with split_head_dim
     num_stages: int = 2
+    # The layout for head dims above 128 and d != dv, whose dK/dV accumulators would not fit in a
+    # warpgroup's registers for 64 keys each: both consumer warpgroups work on one 64-key tile, each
+    # owning half of the head dim of dK, dV and dQ, with P^T and dS^T exchanged through shared memory.
+    split_head_dim: bool = False
     # Tuning switches, measured on the H200 (docs/perf.md, backward): off, as none of them helps.
     # Issue dV += P^T dO as soon as P is ready, so that it runs while dS is computed: within noise.
     early_dv: bool = False
@@ -142,6 +146,11 @@ class BackwardConfig(_KernelConfig):
             raise ValueError("has_seqused_k needs varlen")
         if self.prefetch_next and self.num_stages < 2:
             raise ValueError("prefetch_next holds two query blocks at once: it needs num_stages >= 2")
+        if self.tile_n != (64 if self.split_head_dim else 128) or self.tile_m != 64:
+            raise ValueError(f"sm90 backward tiles are 64 queries x {64 if self.split_head_dim else 128} keys "
+                             f"(split_head_dim={self.split_head_dim}), got {self.tile_m} x {self.tile_n}")
+        if self.split_head_dim and (self.early_dv or self.prefetch_next):
+            raise ValueError("early_dv and prefetch_next are switches of the unsplit layout")
 
 
 @dataclass(frozen=True)

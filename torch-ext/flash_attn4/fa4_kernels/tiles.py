@@ -6,6 +6,12 @@ Hopper forward, measured on the H200 (docs/perf.md has the A/B runs):
   Its 160-register budget fits S, P and O only up to 64 columns of O.
 - <= 128: 128 x 128.  <= 192: 128 x 96.  <= 256: 128 x 80 (Q and two K/V stages fill 224 KiB
   of shared memory; 80 beat 64 at d=256 causal and tied non-causal).
+
+Hopper backward (sm90/bwd.py): 64 queries x 128 keys, each consumer warpgroup owning 64 keys with
+dK and dV for the whole head dim in registers, while head_dim == head_dim_v <= 128. Beyond that (or
+for d != dv) those accumulators no longer fit: 64 x 64 with the head dim split between the
+warpgroups, two Q/dO stages up to d = 192 and one above (shared memory: 210 KiB at d = 192 with two,
+209 KiB at d = 256 with one).
 """
 
 from __future__ import annotations
@@ -26,3 +32,13 @@ def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loca
     if d <= 192:
         return dict(tile_m=128, tile_n=96, num_stages=2)
     return dict(tile_m=128, tile_n=80, num_stages=2)
+
+
+def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int) -> dict:
+    """BackwardConfig overrides (tile_n, num_stages, split_head_dim) for a problem class."""
+    if arch is not Arch.SM90:
+        raise NotImplementedError(f"no backward tiles for {arch.value} yet")
+    d = max(head_dim, head_dim_v)
+    if head_dim == head_dim_v and d <= 128:
+        return dict(tile_n=128, num_stages=2, split_head_dim=False)
+    return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)

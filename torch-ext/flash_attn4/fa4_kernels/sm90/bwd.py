@@ -20,6 +20,13 @@ which every KV tile contributes to, is reduced across CTAs.
                 KV-tile order, one semaphore per (query block, half); prefetch_next issues the
                 next block's S^T and dP^T first
 
+Head dims above 128, and d != dv (``split_head_dim``): 64 keys per CTA would need more accumulator
+registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer warpgroups work on
+one 64-key tile. Each computes S^T and dP^T for its half of the query block's rows, writes its half
+of P^T and dS^T to shared memory, and after a barrier computes, over all queries, its half of the
+head dim of dV, dK and dQ (A operands from shared memory). One Q/dO stage above d = 192 (shared
+memory). Compiled without spills; not yet run on a GPU (ops.py keeps it switched off).
+
 The caller computes LSE in log2 units and rowsum(dO * O) before, and dQ = dq_accum * softmax_scale
 after (ops.py). Call convention: BackwardConfig's docstring.
 
@@ -52,6 +59,7 @@ from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partit
 
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
+SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
 # Named barriers (0 is __syncthreads): the consumers' shared dS tile, then one per consumer
 # warpgroup for its dQ staging tile.
 DS_BARRIER = 1
@@ -60,16 +68,20 @@ DQ_BARRIER_FIRST = 2
 
 class FlashAttentionBackwardSm90:
     def __init__(self, cfg: BackwardConfig):
-        if cfg.tile_n != 64 * NUM_CONSUMER_WARPGROUPS or cfg.tile_m != 64:
-            raise ValueError("sm90 backward: tiles are 64 query rows x 128 keys")
-        if cfg.head_dim != cfg.head_dim_v or not 32 <= cfg.head_dim <= 128 or cfg.head_dim % 16 != 0:
+        d, dv = cfg.head_dim, cfg.head_dim_v
+        if cfg.split_head_dim:
+            if not all(32 <= x <= 256 and x % 16 == 0 for x in (d, dv)):
+                raise NotImplementedError(
+                    f"sm90 backward (split head dim): head dims are multiples of 16 in [32, 256]; got {d}/{dv}")
+        elif d != dv or not 32 <= d <= 128 or d % 16 != 0:
             raise NotImplementedError(
-                f"sm90 backward: head_dim == head_dim_v, a multiple of 16 in [32, 128]; got "
-                f"{cfg.head_dim}/{cfg.head_dim_v}")
+                f"sm90 backward: head_dim == head_dim_v, a multiple of 16 in [32, 128], or split_head_dim; "
+                f"got {d}/{dv}")
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
-        self.hdim = cfg.head_dim
+        self.hdim, self.hdim_v = d, dv
+        self.split = cfg.split_head_dim
         self.num_stages = cfg.num_stages
         self.num_threads = WARPGROUP_THREADS * (1 + NUM_CONSUMER_WARPGROUPS)
 
@@ -108,41 +120,54 @@ class FlashAttentionBackwardSm90:
             scale_log2 = softcap * LOG2_E
 
         K_major, MN_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        # S^T = K Q^T and dP^T = V dO^T: keys are the M mode, one 64-key atom per consumer warpgroup.
-        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_major, K_major, Float32,
-            atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.tile_m))
-        # dK += dS^T Q and dV += P^T dO: A from registers, B = Q / dO read N-major.
-        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_major, MN_major, Float32,
-            atom_layout_mnk=(NUM_CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.hdim),
-            a_source=warpgroup.OperandSource.RMEM)
+        wgs = NUM_CONSUMER_WARPGROUPS
+        d, dv = self.hdim, self.hdim_v
+        if cutlass.const_expr(not self.split):
+            # S^T = K Q^T and dP^T = V dO^T: keys are the M mode, one 64-key atom per consumer warpgroup.
+            tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, K_major, Float32,
+                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, self.tile_m))
+            # dK += dS^T Q and dV += P^T dO: A from registers, B = Q / dO read N-major.
+            tiled_mma_dk = tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, MN_major, Float32,
+                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+        else:
+            # One 64-key tile for both warpgroups: S^T and dP^T split by query halves; dK and dV by
+            # head-dim halves, A = dS^T / P^T from shared memory (all queries), B = Q / dO N-major.
+            tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, K_major, Float32,
+                atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, self.tile_m // wgs))
+            tiled_mma_dk, tiled_mma_dv = [sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_major, MN_major, Float32,
+                atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, dim // wgs)) for dim in (d, dv)]
         # dQ = dS K: the 64 query rows once, the head dim split between the two warpgroups; dS is
         # read from its (keys, queries) tile, M-major.
         tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN_major, MN_major, Float32,
-            atom_layout_mnk=(1, NUM_CONSUMER_WARPGROUPS, 1), tiler_mn=(64, self.hdim // NUM_CONSUMER_WARPGROUPS))
+            atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, d // wgs))
 
-        sQ_layout = smem_layout(self.dtype, self.tile_m, self.hdim, self.num_stages)
-        sdO_layout = smem_layout(self.dtype, self.tile_m, self.hdim, self.num_stages)
-        # K is also the B operand of the dQ GEMM, split over the head dim between the warpgroups.
-        sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim, split=NUM_CONSUMER_WARPGROUPS)
-        sV_layout = smem_layout(self.dtype, self.tile_n, self.hdim)
-        sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries), as computed
+        # Q and dO are B operands split between the warpgroups by head dim when split (dK, dV); K is
+        # always (the dQ GEMM): the swizzle atom must tile each half.
+        operand_split = wgs if self.split else 1
+        sQ_layout = smem_layout(self.dtype, self.tile_m, d, self.num_stages, split=operand_split)
+        sdO_layout = smem_layout(self.dtype, self.tile_m, dv, self.num_stages, split=operand_split)
+        sK_layout = smem_layout(self.dtype, self.tile_n, d, split=wgs)
+        sV_layout = smem_layout(self.dtype, self.tile_n, dv)
+        sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries), as computed; sP too
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))  # LSE and rowsum per stage
         # dQ staging: (query rows, d) fp32; the tile order keeps each warpgroup's half contiguous,
         # one TMA box of dq_half_layout.
-        dq_half = self.hdim // NUM_CONSUMER_WARPGROUPS
-        sdQ_layout = smem_layout(Float32, self.tile_m, self.hdim, split=NUM_CONSUMER_WARPGROUPS)
+        dq_half = d // wgs
+        sdQ_layout = smem_layout(Float32, self.tile_m, d, split=wgs)
         dq_half_layout = smem_layout(Float32, self.tile_m, dq_half)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim))
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, d))
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), (self.tile_m, self.hdim))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, (self.tile_n, self.hdim))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, (self.tile_n, self.hdim))
+            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), (self.tile_m, dv))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, (self.tile_n, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, (self.tile_n, dv))
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(
             tma_load, mLSE, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(
@@ -150,8 +175,11 @@ class FlashAttentionBackwardSm90:
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, dq_half_layout, (self.tile_m, dq_half))
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
-        self.tma_bytes_qdo = (2 * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.tma_bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+                              + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
                               + 2 * self.tile_m * 4)
+
+        sP_elements = cute.cosize(sdS_layout) if self.split else 0
 
         @cute.struct
         class SharedStorage:
@@ -165,7 +193,13 @@ class FlashAttentionBackwardSm90:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            # P^T goes through shared memory only when split (last: the other offsets stay put).
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_elements], 1024]
 
+        if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_BYTES_PER_BLOCK):
+            raise ValueError(f"sm90 backward: head dims {d}/{dv} with {self.num_stages} Q/dO stages need "
+                             f"{SharedStorage.size_in_bytes()} bytes of shared memory, above the "
+                             f"{SMEM_BYTES_PER_BLOCK} a block can have")
         self.shared_storage = SharedStorage
         num_n_blocks = (max_seqlen_k + self.tile_n - 1) // self.tile_n
         self.kernel(
@@ -174,7 +208,7 @@ class FlashAttentionBackwardSm90:
             mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
-            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
         ).launch(grid=(num_n_blocks, num_heads_kv, num_batch), block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
@@ -193,7 +227,8 @@ class FlashAttentionBackwardSm90:
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout, sdQ_layout: cute.ComposedLayout,
-               tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma):
+               tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
+               tiled_mma_dq: cute.TiledMma):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -207,6 +242,9 @@ class FlashAttentionBackwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sP = sdS  # unused unless split
+        if cutlass.const_expr(self.split):
+            sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sdPsum = storage.sdPsum.get_tensor(sRow_layout)
@@ -243,10 +281,11 @@ class FlashAttentionBackwardSm90:
                                  pipe_kv, pipe_qdo, seqlen, blocks, num_steps, n_block, head_kv, batch)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-                self.consume(tidx - WARPGROUP_THREADS, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
-                             pipe_kv, pipe_qdo, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                             tma_atom_dQ, mdQacc, mdK, mdV, mSemaphore, seqlen, mask, blocks, num_steps,
-                             n_block, head_kv, batch, softmax_scale, score_prescale, scale_log2)
+                consume = self.consume_split if cutlass.const_expr(self.split) else self.consume
+                consume(tidx - WARPGROUP_THREADS, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum,
+                        pipe_kv, pipe_qdo, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+                        tma_atom_dQ, mdQacc, mdK, mdV, mSemaphore, seqlen, mask, blocks, num_steps,
+                        n_block, head_kv, batch, softmax_scale, score_prescale, scale_log2)
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
@@ -258,7 +297,7 @@ class FlashAttentionBackwardSm90:
         gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen),
                              (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, varlen),
-                             (self.tile_n, self.hdim), (n_block, 0))
+                             (self.tile_n, self.hdim_v), (n_block, 0))
         tKsK, tKgK = tma_partition_tile(tma_atom_K, sK, gK)
         tVsV, tVgV = tma_partition_tile(tma_atom_V, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -272,9 +311,11 @@ class FlashAttentionBackwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = blocks.at(step)
-            tile, rows = (self.tile_m, self.hdim), (self.tile_m,)
-            gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, varlen), tile, (m_block, 0))
-            gdO = cute.local_tile(head_rows(mdO, seqlen.offset_q, head, batch, varlen), tile, (m_block, 0))
+            rows = (self.tile_m,)
+            gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, varlen), (self.tile_m, self.hdim),
+                                 (m_block, 0))
+            gdO = cute.local_tile(head_rows(mdO, seqlen.offset_q, head, batch, varlen), (self.tile_m, self.hdim_v),
+                                  (m_block, 0))
             gLSE = cute.local_tile(head_rows(mLSE, rows_offset, head, batch, varlen), rows, (m_block,))
             gdPsum = cute.local_tile(head_rows(mdPsum, rows_offset, head, batch, varlen), rows, (m_block,))
             pipe_qdo.producer_acquire(state)
@@ -288,47 +329,34 @@ class FlashAttentionBackwardSm90:
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo, tiled_mma_sdp,
-                tiled_mma_dkv, tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSemaphore,
+    def consume(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo, tiled_mma_sdp,
+                tiled_mma_dkv, tiled_mma_dv, tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSemaphore,
                 seqlen: SeqlenInfo, mask: AttentionMask, blocks: "QueryBlocks", num_steps: Int32,
                 n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
                 score_prescale: Float32, scale_log2: Float32):
+        """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (tiled_mma_dkv
+        serves dK and dV, as d == dv; sP and tiled_mma_dv are unused)."""
         wg_first = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
-        wg_sdp, thr_sdp = tiled_mma_sdp.get_slice(wg_first), tiled_mma_sdp.get_slice(tidx)
         wg_dkv, thr_dkv = tiled_mma_dkv.get_slice(wg_first), tiled_mma_dkv.get_slice(tidx)
-        wg_dq, thr_dq = tiled_mma_dq.get_slice(wg_first), tiled_mma_dq.get_slice(tidx)
-
-        # Operands. S^T = K Q^T, dP^T = V dO^T: A = K / V (keys x d), B = Q / dO (queries x d).
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (..., stage)
-        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        # dV += P^T dO, dK += dS^T Q: B = dO^T / Q^T (d x queries), N-major views.
+        tSrK, tSrQ, tPrV, tPrdO, tScS, acc_S, acc_dP = self.score_operands(tiled_mma_sdp, tidx, sK, sQ, sV, sdO)
+        tQrdS, tQrKt, acc_dq_shape, tdQsdQ = self.dq_operands(tiled_mma_dq, tidx, sdS, sK, sdQ)
+        # dV += P^T dO, dK += dS^T Q: A = P^T / dS^T from registers, B = dO^T / Q^T (d x queries),
+        # N-major views.
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
-        # dQ = dS K: A = dS (queries x keys) and B = K^T (d x keys), both as transposed views.
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdS)))
-        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-
-        acc_sdp_shape = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))
         acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.hdim)))
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.hdim)))
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
-        acc_dq_shape = thr_dq.partition_shape_C((self.tile_m, self.hdim))
-        tdQsdQ = thr_dq.partition_C(sdQ)
 
-        # (key, query) of each score element within the (tile_n, tile_m) block.
-        tScS = acc_rows_view(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
         tdSsdS = thr_sdp.partition_C(sdS)
-        rP = cute.make_rmem_tensor(acc_sdp_shape, self.dtype)
-        rdS = cute.make_rmem_tensor(acc_sdp_shape, self.dtype)
+        rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+        rdS = cute.make_rmem_tensor(acc_S.shape, self.dtype)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        acc_S = cute.make_rmem_tensor(acc_sdp_shape, Float32)
-        acc_dP = cute.make_rmem_tensor(acc_sdp_shape, Float32)
         if cutlass.const_expr(self.cfg.prefetch_next):
             # The next step's S^T and dP^T are issued before this step's dQ leaves (below).
             if num_steps > 0:
@@ -349,12 +377,7 @@ class FlashAttentionBackwardSm90:
                 warpgroup.wait_group(1)  # dP^T is in; dV keeps running under dS
             else:
                 warpgroup.wait_group(0)  # dP^T is in
-            dS_rows, dP_rows = acc_rows_view(acc_S), acc_rows_view(acc_dP)
-            for c in cutlass.range_constexpr(cute.size(dP_rows, mode=[1])):
-                dpsum = sdPsum[tScS[0, c][1], stage]
-                for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
-                    dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)  # dS^T without the scale
-            rdS.store(acc_dP.load().to(self.dtype))
+            self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum[None, stage])
             if cutlass.const_expr(not self.cfg.early_dv):
                 wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage],
                       zero_init=False)
@@ -384,10 +407,118 @@ class FlashAttentionBackwardSm90:
             self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
                            head, batch, m_block, n_block)
 
+        self.finish(tidx, pipe_kv, kv_state, thr_dkv, acc_dK, thr_dkv, acc_dV, mdK, mdV, seqlen, n_block,
+                    head_kv, batch, softmax_scale)
+
+    @cute.jit
+    def consume_split(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo,
+                      tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV,
+                      mSemaphore, seqlen: SeqlenInfo, mask: AttentionMask, blocks: "QueryBlocks",
+                      num_steps: Int32, n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
+                      score_prescale: Float32, scale_log2: Float32):
+        """The split layout (head dims above 128, d != dv): both warpgroups work on the CTA's 64 keys.
+        Each computes S^T and dP^T for half of the query block, writes its half of P^T and dS^T to
+        shared memory, and then, over all queries, its half of the head dim of dV, dK and dQ."""
+        wg_first = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
+        wg_dk, thr_dk = tiled_mma_dk.get_slice(wg_first), tiled_mma_dk.get_slice(tidx)
+        wg_dv, thr_dv = tiled_mma_dv.get_slice(wg_first), tiled_mma_dv.get_slice(tidx)
+        # S^T and dP^T: this warpgroup's half of the query rows (the tiled MMA splits N).
+        tSrK, tSrQ, tPrV, tPrdO, tScS, acc_S, acc_dP = self.score_operands(tiled_mma_sdp, tidx, sK, sQ, sV, sdO)
+        tQrdS, tQrKt, acc_dq_shape, tdQsdQ = self.dq_operands(tiled_mma_dq, tidx, sdS, sK, sdQ)
+        # dV += P^T dO, dK += dS^T Q: A = P^T / dS^T (keys x all queries) from shared memory, B =
+        # this warpgroup's head-dim half of dO^T / Q^T.
+        tVrP = wg_dv.make_fragment_A(wg_dv.partition_A(sP))
+        tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
+        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(sdS))
+        tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
+        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.hdim)))
+        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.hdim_v)))
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        tdSsdS, tPsP = thr_sdp.partition_C(sdS), thr_sdp.partition_C(sP)
+        rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+        rdS = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        all_consumers = NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS
+        for step in cutlass.range(num_steps, unroll=1):
+            head, m_block = blocks.at(step)
+            stage = state.index
+            pipe_qdo.consumer_wait(state)
+            self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
+            warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
+            self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
+                               score_prescale, scale_log2)
+            warpgroup.wait_group(0)  # dP^T is in
+            self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum[None, stage])
+
+            # The first barrier: the other warpgroup's GEMMs of the previous block have read sP and sdS.
+            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=all_consumers)
+            tPsP.store(rP.load())
+            tdSsdS.store(rdS.load())
+            cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
+            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=all_consumers)
+            wgmma(tiled_mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, stage], zero_init=False)
+            wgmma(tiled_mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, stage], zero_init=False)
+            acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
+            wgmma(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True)
+            warpgroup.wait_group(0)  # the stage, sP and sdS are free (for this warpgroup)
+            pipe_qdo.consumer_release(state)
+            state = advanced(state)
+            self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
+                           head, batch, m_block, n_block)
+
+        self.finish(tidx, pipe_kv, kv_state, thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, seqlen, n_block,
+                    head_kv, batch, softmax_scale)
+
+    # ---- pieces both consumer layouts use ----------------------------------------------------------
+    def score_operands(self, tiled_mma_sdp: cute.TiledMma, tidx, sK, sQ, sV, sdO):
+        """S^T = K Q^T and dP^T = V dO^T for this thread's warpgroup: the A (K, V) and B (Q, dO; last
+        mode the stage) fragments, the (key, query) coordinate of each accumulator element, and the
+        two fp32 accumulators."""
+        wg = tiled_mma_sdp.get_slice((tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS)
+        thr = tiled_mma_sdp.get_slice(tidx)
+        acc_shape = thr.partition_shape_C((self.tile_n, self.tile_m))
+        tScS = acc_rows_view(thr.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
+        return (wg.make_fragment_A(wg.partition_A(sK)), wg.make_fragment_B(wg.partition_B(sQ)),
+                wg.make_fragment_A(wg.partition_A(sV)), wg.make_fragment_B(wg.partition_B(sdO)), tScS,
+                cute.make_rmem_tensor(acc_shape, Float32), cute.make_rmem_tensor(acc_shape, Float32))
+
+    def dq_operands(self, tiled_mma_dq: cute.TiledMma, tidx, sdS, sK, sdQ):
+        """dQ = dS K, this warpgroup's half of the head dim: A = dS (queries x keys) and B = K^T, both
+        transposed views; the accumulator shape and this thread's part of the dQ staging tile."""
+        wg = tiled_mma_dq.get_slice((tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS)
+        thr = tiled_mma_dq.get_slice(tidx)
+        return (wg.make_fragment_A(wg.partition_A(transpose_view(sdS))),
+                wg.make_fragment_B(wg.partition_B(transpose_view(sK))),
+                thr.partition_shape_C((self.tile_m, self.hdim)), thr.partition_C(sdQ))
+
+    @cute.jit
+    def finish(self, tidx, pipe_kv, kv_state, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32, head_kv: Int32,
+               batch: Int32, softmax_scale: Float32):
+        """After the last query block: K/V released, the last dQ reduce-add out of shared memory, dK
+        and dV written."""
         pipe_kv.consumer_release(kv_state)
         if (tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE == 0:  # the warps that issue the reduce-adds
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ must outlive its last reduce-add
-        self.write_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, seqlen, n_block, head_kv, batch, softmax_scale)
+        self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, seqlen, n_block, head_kv, batch, softmax_scale)
+
+    @cute.jit
+    def score_gradients(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, rdS: cute.Tensor, tScS: cute.Tensor,
+                        sdPsum: cute.Tensor):
+        """dS^T = acc_S * (dP^T - rowsum) without the softmax scale (dK's epilogue applies it): into
+        acc_dP in fp32 and rdS in the input dtype."""
+        dS_rows, dP_rows = acc_rows_view(acc_S), acc_rows_view(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(dP_rows, mode=[1])):
+            dpsum = sdPsum[tScS[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
+                dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)
+        rdS.store(acc_dP.load().to(self.dtype))
 
     @cute.jit
     def issue_scores(self, tiled_mma_sdp: cute.TiledMma, acc_S: cute.Tensor, acc_dP: cute.Tensor,
@@ -472,22 +603,22 @@ class FlashAttentionBackwardSm90:
                 cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def write_dkv(self, thr_dkv, acc_dK: cute.Tensor, acc_dV: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-                  seqlen: SeqlenInfo, n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32):
+    def write_dkv(self, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor, mdK: cute.Tensor,
+                  mdV: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32, head_kv: Int32, batch: Int32,
+                  softmax_scale: Float32):
         """dK (times the softmax scale) and dV of the tile, in the input dtype, keys inside the sequence."""
         varlen = self.cfg.varlen
-        tile = (self.tile_n, self.hdim)
-        tdKgdK = thr_dkv.partition_C(cute.local_tile(head_rows(mdK, seqlen.offset_k, head_kv, batch, varlen),
-                                                     tile, (n_block, 0)))
-        tdVgdV = thr_dkv.partition_C(cute.local_tile(head_rows(mdV, seqlen.offset_k, head_kv, batch, varlen),
-                                                     tile, (n_block, 0)))
-        tcKV = thr_dkv.partition_C(cute.make_identity_tensor(tile))
         keys_left = seqlen.seqlen_k - n_block * self.tile_n
-        for acc, scale, gmem in ((acc_dK, softmax_scale, tdKgdK), (acc_dV, Float32(1.0), tdVgdV)):
+        for acc, thr, scale, mOut, dim in ((acc_dK, thr_dk, softmax_scale, mdK, self.hdim),
+                                           (acc_dV, thr_dv, Float32(1.0), mdV, self.hdim_v)):
+            tile = (self.tile_n, dim)
+            gmem = thr.partition_C(cute.local_tile(head_rows(mOut, seqlen.offset_k, head_kv, batch, varlen),
+                                                   tile, (n_block, 0)))
+            coords = thr.partition_C(cute.make_identity_tensor(tile))
             out = cute.make_rmem_tensor(acc.shape, self.dtype)
             out.store((acc.load() * scale).to(self.dtype))
             for i in cutlass.range_constexpr(cute.size(out)):
-                if tcKV[i][0] < keys_left:
+                if coords[i][0] < keys_left:
                     gmem[i] = out[i]
 
 
