@@ -173,7 +173,9 @@ def test_backward_bf16(d, sq, sk, causal, heads):
     check_batched(rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d), causal=causal)
 
 
-@pytest.mark.parametrize("variant", [{"early_dv": True}, {"num_stages": 3}, {"prefetch_next": True}])
+@pytest.mark.parametrize("variant", [{"early_dv": True}, {"num_stages": 3}, {"prefetch_next": True},
+                                     {"dq_before_dk": True}, {"double_ds": True},
+                                     {"dq_before_dk": True, "double_ds": True}])
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
 def test_backward_tuning_variants(monkeypatch, variant, d, causal):
     """BackwardConfig tuning switches that are off by default (bench --mode bwd --variant A/Bs their
@@ -184,6 +186,22 @@ def test_backward_tuning_variants(monkeypatch, variant, d, causal):
     monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(**variant))
     hq, hk = HEADS["gqa"]
     check_batched(rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d), causal=causal)
+
+
+def test_backward_tuning_variants_deterministic(monkeypatch):
+    """dq_before_dk moves the deterministic reduce-add (its semaphore wait) under the dK GEMM."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config",
+                        lambda *a, **k: chosen(*a, **k).replace(dq_before_dk=True, double_ds=True))
+    b, s, hq, hk, d = 1, 1024, 4, 2, 128
+    q, k, v, dout = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d), rand(b, s, hq, d)
+    runs = [run_ours(flash_attn_func, q, k, v, dout, causal=True, deterministic=True)[1] for _ in range(2)]
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(runs[0][name], runs[1][name]), name
+    assert_grads_close(runs[0], reference_grads(q, k, v, dout, upcast=True, causal=True),
+                       reference_grads(q, k, v, dout, upcast=False, causal=True))
 
 
 def test_backward_fp16():

@@ -133,12 +133,19 @@ class BackwardConfig(_KernelConfig):
     # warpgroup's registers for 64 keys each: both consumer warpgroups work on one 64-key tile, each
     # owning half of the head dim of dK, dV and dQ, with P^T and dS^T exchanged through shared memory.
     split_head_dim: bool = False
-    # Tuning switches, measured on the H200 (docs/perf.md, backward): off, as none of them helps.
+    # Tuning switches of the unsplit layout, off by default. early_dv and prefetch_next were measured
+    # on the H200 (docs/perf.md, backward) and do not help.
     # Issue dV += P^T dO as soon as P is ready, so that it runs while dS is computed: within noise.
     early_dv: bool = False
     # Issue the next query block's S^T and dP^T GEMMs before this block's dQ is reduced, so that the
     # reduction overlaps them: 14-35% slower (2 x 32 more live accumulator registers).
     prefetch_next: bool = False
+    # Issue dQ's GEMM before dK's, wait for dQ alone and stage + reduce-add it while dK's GEMM runs
+    # (instead of after all GEMMs, with the tensor pipe idle). Not yet measured.
+    dq_before_dk: bool = False
+    # Two dS buffers alternating by query block: the barrier before the dS store goes (one
+    # inter-warpgroup barrier per step instead of two), for 16 KiB more shared memory. Not yet measured.
+    double_ds: bool = False
 
     def __post_init__(self):
         self._check_common()
@@ -149,8 +156,10 @@ class BackwardConfig(_KernelConfig):
         if self.tile_n != (64 if self.split_head_dim else 128) or self.tile_m != 64:
             raise ValueError(f"sm90 backward tiles are 64 queries x {64 if self.split_head_dim else 128} keys "
                              f"(split_head_dim={self.split_head_dim}), got {self.tile_m} x {self.tile_n}")
-        if self.split_head_dim and (self.early_dv or self.prefetch_next):
-            raise ValueError("early_dv and prefetch_next are switches of the unsplit layout")
+        if self.split_head_dim and (self.early_dv or self.prefetch_next or self.dq_before_dk or self.double_ds):
+            raise ValueError("early_dv, prefetch_next, dq_before_dk and double_ds are switches of the unsplit layout")
+        if self.dq_before_dk and self.prefetch_next:
+            raise ValueError("dq_before_dk and prefetch_next both reorder the end of a step: pick one")
 
 
 @dataclass(frozen=True)

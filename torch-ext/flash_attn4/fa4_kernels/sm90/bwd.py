@@ -153,7 +153,8 @@ class FlashAttentionBackwardSm90:
         sdO_layout = smem_layout(self.dtype, self.tile_m, dv, self.num_stages, split=operand_split)
         sK_layout = smem_layout(self.dtype, self.tile_n, d, split=wgs)
         sV_layout = smem_layout(self.dtype, self.tile_n, dv)
-        sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries), as computed; sP too
+        # (keys, queries), as computed; sP too. double_ds: two buffers, alternating by query block.
+        sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m, 2 if self.cfg.double_ds else None)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))  # LSE and rowsum per stage
         # dQ staging: (query rows, d) fp32; the tile order keeps each warpgroup's half contiguous,
         # one TMA box of dq_half_layout.
@@ -381,18 +382,35 @@ class FlashAttentionBackwardSm90:
             if cutlass.const_expr(not self.cfg.early_dv):
                 wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage],
                       zero_init=False)
-            wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
-                  zero_init=False)
+            if cutlass.const_expr(not self.cfg.dq_before_dk):
+                wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
+                      zero_init=False)
 
-            # dQ needs every key of the tile: both warpgroups' dS go through shared memory. The
-            # first barrier keeps the previous block's dQ GEMM reads intact.
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
-            tdSsdS.store(rdS.load())
+            # dQ needs every key of the tile: both warpgroups' dS go through shared memory. With one
+            # buffer, the first barrier keeps the other warpgroup's previous dQ GEMM reads intact;
+            # with two (double_ds), that GEMM reads the other buffer, and it has finished with this
+            # one before the previous step's second barrier.
+            ds_store, ds_operand = tdSsdS, tQrdS
+            if cutlass.const_expr(self.cfg.double_ds):
+                ds_store, ds_operand = tdSsdS[None, None, None, step % 2], tQrdS[None, None, None, step % 2]
+            else:
+                cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
+            ds_store.store(rdS.load())
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True)
-            if cutlass.const_expr(self.cfg.prefetch_next):
+            wgmma(tiled_mma_dq, acc_dQ, ds_operand, tQrKt, zero_init=True)
+            if cutlass.const_expr(self.cfg.dq_before_dk):
+                # dK after dQ: dQ's shared-memory staging and reduce-add run while dK's GEMM does.
+                wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
+                      zero_init=False)
+                warpgroup.wait_group(1)  # dV and dQ done
+                self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
+                               head, batch, m_block, n_block)
+                warpgroup.wait_group(0)  # dK done: rdS and the stage are free
+                pipe_qdo.consumer_release(state)
+                state = advanced(state)
+            elif cutlass.const_expr(self.cfg.prefetch_next):
                 upcoming = advanced(state)
                 if step + 1 < num_steps:
                     pipe_qdo.consumer_wait(upcoming)
@@ -402,10 +420,11 @@ class FlashAttentionBackwardSm90:
                     warpgroup.wait_group(0)
             else:
                 warpgroup.wait_group(0)  # dV, dK and dQ GEMMs done: rP, rdS, the stage and sdS are free
-            pipe_qdo.consumer_release(state)
-            state = advanced(state)
-            self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
-                           head, batch, m_block, n_block)
+            if cutlass.const_expr(not self.cfg.dq_before_dk):
+                pipe_qdo.consumer_release(state)
+                state = advanced(state)
+                self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
+                               head, batch, m_block, n_block)
 
         self.finish(tidx, pipe_kv, kv_state, thr_dkv, acc_dK, thr_dkv, acc_dV, mdK, mdV, seqlen, n_block,
                     head_kv, batch, softmax_scale)
