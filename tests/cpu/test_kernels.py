@@ -116,7 +116,7 @@ _SPLIT = dict(split_head_dim=True, tile_n=64)
                                  dict(head_dim=96, head_dim_v=96, varlen=True, has_seqused_k=True, local=True,
                                       has_softcap=True, deterministic=True),
                                  dict(head_dim=128, head_dim_v=128, dq_before_dk=True, double_ds=True,
-                                      deterministic=True),
+                                      dq_writer_warp=True, deterministic=True),
                                  dict(head_dim=256, head_dim_v=256, num_stages=1, causal=True, **_SPLIT),
                                  dict(head_dim=192, head_dim_v=128, varlen=True, has_softcap=True, **_SPLIT)])
 def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):

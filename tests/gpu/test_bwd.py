@@ -174,8 +174,8 @@ def test_backward_bf16(d, sq, sk, causal, heads):
 
 
 @pytest.mark.parametrize("variant", [{"early_dv": True}, {"num_stages": 3}, {"prefetch_next": True},
-                                     {"dq_before_dk": True}, {"double_ds": True},
-                                     {"dq_before_dk": True, "double_ds": True}])
+                                     {"dq_before_dk": True}, {"double_ds": True}, {"dq_writer_warp": True},
+                                     {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True}])
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
 def test_backward_tuning_variants(monkeypatch, variant, d, causal):
     """BackwardConfig tuning switches that are off by default (bench --mode bwd --variant A/Bs their
@@ -189,12 +189,13 @@ def test_backward_tuning_variants(monkeypatch, variant, d, causal):
 
 
 def test_backward_tuning_variants_deterministic(monkeypatch):
-    """dq_before_dk moves the deterministic reduce-add (its semaphore wait) under the dK GEMM."""
+    """dq_before_dk moves the deterministic reduce-add (its semaphore wait) under the dK GEMM, and
+    dq_writer_warp into the writer warp."""
     from flash_attn4 import dispatch
 
     chosen = dispatch.backward_config
     monkeypatch.setattr(dispatch, "backward_config",
-                        lambda *a, **k: chosen(*a, **k).replace(dq_before_dk=True, double_ds=True))
+                        lambda *a, **k: chosen(*a, **k).replace(dq_before_dk=True, double_ds=True, dq_writer_warp=True))
     b, s, hq, hk, d = 1, 1024, 4, 2, 128
     q, k, v, dout = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d), rand(b, s, hq, d)
     runs = [run_ours(flash_attn_func, q, k, v, dout, causal=True, deterministic=True)[1] for _ in range(2)]
@@ -466,6 +467,15 @@ def test_deterministic_backward_is_bitwise_repeatable(causal, hq, hk):
 @pytest.fixture
 def split_head_dim(monkeypatch):
     monkeypatch.setattr(ops, "SPLIT_HEAD_DIM_BACKWARD", True)
+
+
+def test_split_head_dim_backward_with_writer_warp(split_head_dim, monkeypatch):
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(dq_writer_warp=True))
+    hq, hk = HEADS["gqa"]
+    check_batched(rand(2, 300, hq, 256), rand(2, 257, hk, 256), rand(2, 257, hk, 256), causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])

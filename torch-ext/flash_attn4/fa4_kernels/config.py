@@ -146,6 +146,9 @@ class BackwardConfig(_KernelConfig):
     # Two dS buffers alternating by query block: the barrier before the dS store goes (one
     # inter-warpgroup barrier per step instead of two), for 16 KiB more shared memory. Not yet measured.
     double_ds: bool = False
+    # The dQ reduce-adds issued by a warp of the producer warpgroup instead of the consumers, which
+    # only stage dQ in shared memory and signal it (named barriers). Not yet measured.
+    dq_writer_warp: bool = False
 
     def __post_init__(self):
         self._check_common()

@@ -64,6 +64,9 @@ SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 bloc
 # warpgroup for its dQ staging tile.
 DS_BARRIER = 1
 DQ_BARRIER_FIRST = 2
+# dq_writer_warp: per consumer warpgroup, "its dQ half is staged" and "the writer warp has read it".
+DQ_FULL_FIRST = DQ_BARRIER_FIRST + NUM_CONSUMER_WARPGROUPS
+DQ_EMPTY_FIRST = DQ_FULL_FIRST + NUM_CONSUMER_WARPGROUPS
 
 
 class FlashAttentionBackwardSm90:
@@ -276,6 +279,10 @@ class FlashAttentionBackwardSm90:
             warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
             if warpgroup_idx == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+                if cutlass.const_expr(self.cfg.dq_writer_warp):
+                    if warp_idx == 1:
+                        self.write_dq(tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, blocks, num_steps,
+                                      n_block, batch)
                 if warp_idx == 0:
                     self.produce(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
                                  tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
@@ -523,8 +530,9 @@ class FlashAttentionBackwardSm90:
         """After the last query block: K/V released, the last dQ reduce-add out of shared memory, dK
         and dV written."""
         pipe_kv.consumer_release(kv_state)
-        if (tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE == 0:  # the warps that issue the reduce-adds
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ must outlive its last reduce-add
+        if cutlass.const_expr(not self.cfg.dq_writer_warp):  # (else the writer warp keeps sdQ alive)
+            if (tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE == 0:  # the warps that issue the reduce-adds
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ must outlive its last reduce-add
         self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, seqlen, n_block, head_kv, batch, softmax_scale)
 
     @cute.jit
@@ -585,41 +593,81 @@ class FlashAttentionBackwardSm90:
                   seqlen: SeqlenInfo, mask: AttentionMask, head: Int32, batch: Int32, m_block: Int32,
                   n_block: Int32):
         """This KV tile's dQ (unscaled) added into the fp32 accumulator: each warpgroup stages its
-        half of the head dim in shared memory and its first warp issues a TMA reduce-add (TMA copies
-        are warp-collective: one lane is elected inside)."""
+        half of the head dim in shared memory, and a TMA reduce-add takes it from there: issued by
+        the warpgroup's first warp, or, with dq_writer_warp, by the producer warpgroup's second warp
+        (write_dq) while the warpgroup goes on."""
         half = tidx // WARPGROUP_THREADS
-        issuer = cute.arch.make_warp_uniform((tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE) == 0
-        barrier_id = DQ_BARRIER_FIRST + half
-        if issuer:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce-add has read sdQ
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
-        tdQsdQ.store(acc_dQ.load())
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
-        if issuer:
-            dq_half = self.hdim // NUM_CONSUMER_WARPGROUPS
-            gdQ = cute.local_tile(head_rows(mdQacc, seqlen.offset_q, head, batch, self.cfg.varlen),
-                                  (self.tile_m, dq_half), (m_block, half))
-            s_half = cute.local_tile(sdQ, (self.tile_m, dq_half), (0, half))
-            t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, s_half, gdQ)
-            if cutlass.const_expr(self.cfg.deterministic):
-                # Reduce-adds into one (query block, half) happen in KV-tile order: wait for the
-                # tiles before this one, add, and count this one once its add has landed.
-                lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block, half), mSemaphore.layout)
-                n_block_first, _ = mask.n_block_range(seqlen, m_block)
-                done = Int32(-1)
-                while done != n_block - n_block_first:
-                    done = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
-                cute.arch.fence_proxy("async.global")
-                cute.copy(tma_atom_dQ, t_smem, t_gmem)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0)
-                cute.arch.fence_proxy("async.global")
-                if cute.arch.lane_idx() == 0:
-                    cute.arch.red(lock, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
-            else:
-                cute.copy(tma_atom_dQ, t_smem, t_gmem)
-                cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.cfg.dq_writer_warp):
+            handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
+            # The writer warp has read this half's previous dQ out of shared memory.
+            cute.arch.barrier(barrier_id=DQ_EMPTY_FIRST + half, number_of_threads=handshake)
+            tdQsdQ.store(acc_dQ.load())
+            cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
+            cute.arch.barrier_arrive(barrier_id=DQ_FULL_FIRST + half, number_of_threads=handshake)
+        else:
+            issuer = cute.arch.make_warp_uniform((tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE) == 0
+            barrier_id = DQ_BARRIER_FIRST + half
+            if issuer:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce-add has read sdQ
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
+            tdQsdQ.store(acc_dQ.load())
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
+            if issuer:
+                self.add_dq(half, tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, head, batch, m_block, n_block)
+
+    @cute.jit
+    def write_dq(self, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
+                 mSemaphore: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask,
+                 blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, batch: Int32):
+        """The dQ writer warp (dq_writer_warp): per query block, as each consumer warpgroup's half of
+        dQ lands in shared memory (DQ_FULL), one TMA reduce-add of it; the half's buffer is handed
+        back (DQ_EMPTY) once the TMA has read it. Both buffers start free. The warp returns only once
+        every reduce-add has read shared memory, which keeps the CTA (and sdQ) alive until then."""
+        handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
+        if num_steps > 0:  # arrivals match the consumers' waits one for one
+            for half in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + half, number_of_threads=handshake)
+        for step in cutlass.range(num_steps, unroll=1):
+            head, m_block = blocks.at(step)
+            for half in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
+                cute.arch.barrier(barrier_id=DQ_FULL_FIRST + half, number_of_threads=handshake)
+                self.add_dq(half, tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, head, batch, m_block, n_block)
+            for half in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
+                # Bulk groups complete in order: this half's reduce-add has read its buffer.
+                cute.arch.cp_async_bulk_wait_group(NUM_CONSUMER_WARPGROUPS - 1 - half, read=True)
+                if step + 1 < num_steps:  # no consumer waits after the last block
+                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + half, number_of_threads=handshake)
+
+    @cute.jit
+    def add_dq(self, half, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
+               mSemaphore: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask, head: Int32,
+               batch: Int32, m_block: Int32, n_block: Int32):
+        """One TMA reduce-add of the staged dQ half ``half`` into dq_accum, issued by the calling warp
+        (TMA copies are warp-collective: one lane is elected inside) and committed as a bulk group."""
+        dq_half = self.hdim // NUM_CONSUMER_WARPGROUPS
+        gdQ = cute.local_tile(head_rows(mdQacc, seqlen.offset_q, head, batch, self.cfg.varlen),
+                              (self.tile_m, dq_half), (m_block, half))
+        s_half = cute.local_tile(sdQ, (self.tile_m, dq_half), (0, half))
+        t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, s_half, gdQ)
+        if cutlass.const_expr(self.cfg.deterministic):
+            # Reduce-adds into one (query block, half) happen in KV-tile order: wait for the
+            # tiles before this one, add, and count this one once its add has landed.
+            lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block, half), mSemaphore.layout)
+            n_block_first, _ = mask.n_block_range(seqlen, m_block)
+            done = Int32(-1)
+            while done != n_block - n_block_first:
+                done = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
+            cute.arch.fence_proxy("async.global")
+            cute.copy(tma_atom_dQ, t_smem, t_gmem)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0)
+            cute.arch.fence_proxy("async.global")
+            if cute.arch.lane_idx() == 0:
+                cute.arch.red(lock, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+        else:
+            cute.copy(tma_atom_dQ, t_smem, t_gmem)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def write_dkv(self, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor, mdK: cute.Tensor,
