@@ -637,3 +637,33 @@ def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch,
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert len(calls) == 1 and calls[0].head_dim_v == 64 and calls[0].dtype == "bfloat16"
+
+
+def torch_postprocess_kernel(cfg, calls):
+    """A stand-in for compile_backward_postprocess(cfg): its call convention (fa4_kernels/bwd_postprocess.py)."""
+
+    def run(dq_accum, dq, softmax_scale):
+        calls.append(cfg)
+        assert dq_accum.dim() == dq.dim() == 1 and dq_accum.numel() == dq.numel() and dq.numel() % 8 == 0
+        assert dq_accum.dtype == torch.float32 and dq.dtype == {"bfloat16": torch.bfloat16,
+                                                                "float16": torch.float16}[cfg.dtype]
+        dq.copy_(dq_accum * softmax_scale)
+
+    return run
+
+
+def test_backward_with_the_postprocess_kernel_plumbing(cpu_backward, monkeypatch):
+    """With ops.POSTPROCESS_KERNEL, dQ comes from the kernel in its convention and does not change."""
+    calls = []
+    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, calls))
+    q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
+    want = ops.bwd(dout, q, k, v, out, lse, *args)
+    monkeypatch.setattr(ops, "POSTPROCESS_KERNEL", True)
+    got = ops.bwd(dout, q, k, v, out, lse, *args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len(calls) == 1 and calls[0].dtype == "bfloat16"
+

@@ -558,3 +558,15 @@ def test_preprocess_kernel_matches_torch(dv, varlen):
     got = ops._backward_rows(dout, out, lse, cu_q, use_kernel=True)
     assert torch.equal(got[0], want[0]), "lse_log2"
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_postprocess_kernel_matches_torch(dtype):
+    """fa4_kernels/bwd_postprocess.py against the torch path it replaces, bitwise: the same float32
+    product, rounded to nearest even."""
+    dq_accum = torch.randn(3, 333, 5, 72, device=DEVICE) * 50
+    want = ops._dq_from_accum(dq_accum, 0.0883883, dtype, use_kernel=False)
+    got = ops._dq_from_accum(dq_accum, 0.0883883, dtype, use_kernel=True)
+    assert got.dtype == dtype and got.shape == dq_accum.shape
+    assert torch.equal(got, want)
+

@@ -263,6 +263,18 @@ def get_backward_preprocess_kernel(cfg):
     return get_kernel("bwd_pre", cfg, _compile_backward_preprocess)
 
 
+def _compile_backward_postprocess(cfg):
+    from .fa4_kernels.compile import compile_backward_postprocess
+
+    return compile_backward_postprocess(cfg)
+
+
+def get_backward_postprocess_kernel(cfg):
+    """The compiled postprocessing kernel of the backward (dQ from its accumulator) for a
+    PostprocessConfig."""
+    return get_kernel("bwd_post", cfg, _compile_backward_postprocess)
+
+
 def get_backward_kernel(cfg):
     """The compiled backward kernel for a BackwardConfig (call convention: its docstring)."""
     return get_kernel("bwd", cfg, _compile_backward)

@@ -151,9 +151,12 @@ LOG2_E = 1.4426950408889634
 _ROW_ALIGN = 4  # float32 rows of the LSE / rowsum buffers: TMA needs 16-byte strides
 
 
-# The preprocessing as one kernel (fa4_kernels/bwd_preprocess.py) instead of torch ops: compiled in
-# CI, switched on once tests/gpu/test_bwd.py::test_preprocess_kernel_matches_torch has passed on the H200.
+# The pre- and postprocessing as kernels (fa4_kernels/bwd_preprocess.py, bwd_postprocess.py) instead
+# of torch ops: compiled in CI. The preprocessing kernel matched the torch path on the H200
+# (tests/gpu/test_bwd.py::test_preprocess_kernel_matches_torch); the postprocessing kernel has not run
+# on a GPU yet. Both stay off until a benchmark shows them paying.
 PREPROCESS_KERNEL = False
+POSTPROCESS_KERNEL = False
 
 
 def _rowsum_dout_out(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -187,6 +190,16 @@ def _backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     if varlen:
         return _packed_rows(lse_log2[:, :rows], cu_seqlens_q), _packed_rows(dpsum[:, :rows], cu_seqlens_q)
     return lse_log2, dpsum
+
+
+def _dq_from_accum(dq_accum: torch.Tensor, softmax_scale: float, dtype: torch.dtype, use_kernel: bool) -> torch.Tensor:
+    """dQ = dq_accum * softmax_scale in the input dtype."""
+    if not use_kernel:
+        return (dq_accum * softmax_scale).to(dtype)
+    dq = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
+    cfg = dispatch.postprocess_config(dispatch.arch_for_device(dq.device, kernel="backward"), dispatch.dtype_name(dtype))
+    compile_cache.get_backward_postprocess_kernel(cfg)(dq_accum.view(-1), dq.view(-1), float(softmax_scale))
+    return dq
 
 
 def _packed_rows(rows: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
@@ -240,7 +253,6 @@ def bwd(
         deterministic=deterministic)
     kernel = compile_cache.get_backward_kernel(cfg)
 
-    lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, cu_seqlens_q, PREPROCESS_KERNEL)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     semaphore = None
     if deterministic:
@@ -255,10 +267,12 @@ def bwd(
         max_seqlen_k = k.shape[1]
     if seqused_k is not None:
         seqused_k = seqused_k.contiguous()
-    with _device_guard(q.device):
+    with _device_guard(q.device):  # the kernels launch on the current device's stream
+        lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, cu_seqlens_q, PREPROCESS_KERNEL)
         kernel(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, semaphore,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_k))
-    return (dq_accum * softmax_scale).to(q.dtype), dk, dv
+        dq = _dq_from_accum(dq_accum, softmax_scale, q.dtype, POSTPROCESS_KERNEL)
+    return dq, dk, dv
 
 
 @bwd.register_fake

@@ -16,7 +16,7 @@ import time
 import warnings
 
 from .arch import IMPLEMENTED, Arch
-from .config import BackwardConfig, ForwardConfig, PreprocessConfig
+from .config import BackwardConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
 from .tiles import backward_tiles, forward_tiles
 
 _IMPLEMENTATIONS = {}
@@ -160,7 +160,23 @@ def compile_backward_preprocess(cfg: PreprocessConfig):
                           options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
 
 
-def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig]:
+def compile_backward_postprocess(cfg: PostprocessConfig):
+    """Compile the backward's postprocessing kernel (no GPU needed; call convention in
+    bwd_postprocess.py): dQ from its float32 accumulator."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from .bwd_postprocess import BackwardPostprocess
+
+    accum = make_fake_tensor(cutlass.Float32, (cute.sym_int(divisibility=8),), (1,), assumed_align=16)
+    out = make_fake_tensor(_cutlass_dtype(cfg.dtype), (cute.sym_int(divisibility=8),), (1,), assumed_align=16)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _quiet_compile(BackwardPostprocess(cfg), accum, out, cutlass.Float32(1.0), stream,
+                          options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
+
+
+def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | PostprocessConfig]:
     """Backward configurations CI compiles: the common head dims, and every feature switch once."""
     if arch is not Arch.SM90:
         return []
@@ -171,7 +187,7 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig]:
     return [cfg(), cfg(causal=True), cfg(64, 64),
             cfg(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
             cfg(192, 192), cfg(256, 256, causal=True), cfg(192, 128, varlen=True, deterministic=True),
-            PreprocessConfig(arch=arch, dtype="bfloat16", head_dim_v=128)]
+            PreprocessConfig(arch=arch, dtype="bfloat16", head_dim_v=128), PostprocessConfig(arch=arch, dtype="bfloat16")]
 
 
 def kernel_set(arch: Arch) -> list[ForwardConfig]:
@@ -190,12 +206,14 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
 
 
 _COMPILERS = {ForwardConfig: compile_forward, BackwardConfig: compile_backward,
-              PreprocessConfig: compile_backward_preprocess}
+              PreprocessConfig: compile_backward_preprocess, PostprocessConfig: compile_backward_postprocess}
 
 
 def _describe(cfg) -> str:
     if isinstance(cfg, PreprocessConfig):
         return f"bwd preprocess {cfg.dtype} dv={cfg.head_dim_v}"
+    if isinstance(cfg, PostprocessConfig):
+        return f"bwd postprocess {cfg.dtype}"
     if isinstance(cfg, BackwardConfig):
         return (f"bwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} "
                 f"causal={cfg.causal} local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} "

@@ -179,3 +179,13 @@ class PreprocessConfig(_Config):
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.head_dim_v not in HEAD_DIMS:
             raise ValueError(f"head_dim_v must be a multiple of 8 in [8, 256], got {self.head_dim_v}")
+
+
+@dataclass(frozen=True)
+class PostprocessConfig(_Config):
+    """The backward's postprocessing kernel (fa4_kernels/bwd_postprocess.py, call convention there):
+    dQ's scale and conversion depend only on the dtype."""
+
+    arch: Arch
+    dtype: str
+
