@@ -166,7 +166,7 @@ def test_backward_config_rejects_mismatched_layouts():
     with pytest.raises(ValueError, match="64 queries x 128 keys"):
         BackwardConfig(**dict(base, head_dim=128, head_dim_v=128), tile_n=64)
     with pytest.raises(ValueError, match="unsplit"):
-        BackwardConfig(**base, split_head_dim=True, tile_n=64, early_dv=True)
+        BackwardConfig(**base, split_head_dim=True, tile_n=64, double_ds=True)
 
 
 def test_head_dim_v_below_16_is_a_clear_error():

@@ -173,8 +173,7 @@ def test_backward_bf16(d, sq, sk, causal, heads):
     check_batched(rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d), causal=causal)
 
 
-@pytest.mark.parametrize("variant", [{"early_dv": True}, {"num_stages": 3}, {"prefetch_next": True},
-                                     {"dq_before_dk": True}, {"double_ds": True}, {"dq_writer_warp": True},
+@pytest.mark.parametrize("variant", [{"num_stages": 3}, {"dq_before_dk": True}, {"double_ds": True}, {"dq_writer_warp": True},
                                      {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True}])
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
 def test_backward_tuning_variants(monkeypatch, variant, d, causal):

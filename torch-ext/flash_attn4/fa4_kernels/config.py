@@ -133,13 +133,9 @@ class BackwardConfig(_KernelConfig):
     # warpgroup's registers for 64 keys each: both consumer warpgroups work on one 64-key tile, each
     # owning half of the head dim of dK, dV and dQ, with P^T and dS^T exchanged through shared memory.
     split_head_dim: bool = False
-    # Tuning switches of the unsplit layout, off by default. early_dv and prefetch_next were measured
-    # on the H200 (docs/perf.md, backward) and do not help.
-    # Issue dV += P^T dO as soon as P is ready, so that it runs while dS is computed: within noise.
-    early_dv: bool = False
-    # Issue the next query block's S^T and dP^T GEMMs before this block's dQ is reduced, so that the
-    # reduction overlaps them: 14-35% slower (2 x 32 more live accumulator registers).
-    prefetch_next: bool = False
+    # Schedule switches, off until an A/B on the H200 shows them paying (docs/perf.md, backward,
+    # also for the two that were measured and removed); dq_before_dk and double_ds are for the
+    # unsplit layout only.
     # Issue dQ's GEMM before dK's, wait for dQ alone and stage + reduce-add it while dK's GEMM runs
     # (instead of after all GEMMs, with the tensor pipe idle). Not yet measured.
     dq_before_dk: bool = False
@@ -154,15 +150,11 @@ class BackwardConfig(_KernelConfig):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
-        if self.prefetch_next and self.num_stages < 2:
-            raise ValueError("prefetch_next holds two query blocks at once: it needs num_stages >= 2")
         if self.tile_n != (64 if self.split_head_dim else 128) or self.tile_m != 64:
             raise ValueError(f"sm90 backward tiles are 64 queries x {64 if self.split_head_dim else 128} keys "
                              f"(split_head_dim={self.split_head_dim}), got {self.tile_m} x {self.tile_n}")
-        if self.split_head_dim and (self.early_dv or self.prefetch_next or self.dq_before_dk or self.double_ds):
-            raise ValueError("early_dv, prefetch_next, dq_before_dk and double_ds are switches of the unsplit layout")
-        if self.dq_before_dk and self.prefetch_next:
-            raise ValueError("dq_before_dk and prefetch_next both reorder the end of a step: pick one")
+        if self.split_head_dim and (self.dq_before_dk or self.double_ds):
+            raise ValueError("dq_before_dk and double_ds are switches of the unsplit layout")
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,16 @@ which every KV tile contributes to, is reduced across CTAs.
         S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
         P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0
         dS^T = P^T * (dP^T - rowsum_i)            softcap: times 1 - tanh^2
-        dV  += P^T dO_i                           P from registers (early_dv: issued before dS^T)
+        dV  += P^T dO_i                           P from registers
         dK  += dS^T Q_i                           dS from registers
         dQ_i = dS K                               both warpgroups' dS through shared memory, each
                                                   warpgroup computing half of the head dim
         dQ_i -> shared memory -> TMA reduce-add into the fp32 dq_accum; in deterministic mode in
-                KV-tile order, one semaphore per (query block, half); prefetch_next issues the
-                next block's S^T and dP^T first
+                KV-tile order, one semaphore per (query block, half)
+
+Schedule switches (BackwardConfig, off until measured): dq_before_dk, double_ds, dq_writer_warp.
+Tried, measured on the H200 and removed (docs/perf.md): issuing dV before dS (no effect) and the
+next block's S^T/dP^T before this block's dQ (14-35% slower).
 
 Head dims above 128, and d != dv (``split_head_dim``): 64 keys per CTA would need more accumulator
 registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer warpgroups work on
@@ -365,30 +368,17 @@ class FlashAttentionBackwardSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if cutlass.const_expr(self.cfg.prefetch_next):
-            # The next step's S^T and dP^T are issued before this step's dQ leaves (below).
-            if num_steps > 0:
-                pipe_qdo.consumer_wait(state)
-                self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, state.index)
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = blocks.at(step)
             stage = state.index
-            if cutlass.const_expr(not self.cfg.prefetch_next):
-                pipe_qdo.consumer_wait(state)
-                self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
+            pipe_qdo.consumer_wait(state)
+            self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
             warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
             self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
                                score_prescale, scale_log2)
-            if cutlass.const_expr(self.cfg.early_dv):
-                wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage],
-                      zero_init=False)
-                warpgroup.wait_group(1)  # dP^T is in; dV keeps running under dS
-            else:
-                warpgroup.wait_group(0)  # dP^T is in
+            warpgroup.wait_group(0)  # dP^T is in
             self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum[None, stage])
-            if cutlass.const_expr(not self.cfg.early_dv):
-                wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage],
-                      zero_init=False)
+            wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage], zero_init=False)
             if cutlass.const_expr(not self.cfg.dq_before_dk):
                 wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
                       zero_init=False)
@@ -417,17 +407,8 @@ class FlashAttentionBackwardSm90:
                 warpgroup.wait_group(0)  # dK done: rdS and the stage are free
                 pipe_qdo.consumer_release(state)
                 state = advanced(state)
-            elif cutlass.const_expr(self.cfg.prefetch_next):
-                upcoming = advanced(state)
-                if step + 1 < num_steps:
-                    pipe_qdo.consumer_wait(upcoming)
-                    self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, upcoming.index)
-                    warpgroup.wait_group(2)  # dV, dK and dQ done; the next S^T and dP^T run on
-                else:
-                    warpgroup.wait_group(0)
             else:
                 warpgroup.wait_group(0)  # dV, dK and dQ GEMMs done: rP, rdS, the stage and sdS are free
-            if cutlass.const_expr(not self.cfg.dq_before_dk):
                 pipe_qdo.consumer_release(state)
                 state = advanced(state)
                 self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
