@@ -7,6 +7,8 @@ which every KV tile contributes to, is reduced across CTAs.
 
     warp 0          producer   K_j and V_j once; then per (query head, query block i) Q_i, dO_i,
                                LSE_i and rowsum_i into a ``num_stages``-deep ring (TMA)
+    warp 1          dQ writer  only with dq_writer_warp: the dQ reduce-adds (below), which the
+                               consumers otherwise issue themselves
     warpgroups 1,2  consumers  64 keys each, in the transposed orientation (keys are the
                                accumulator rows), per query block of tile_m = 64 rows:
         S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
@@ -64,7 +66,7 @@ NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
 # Named barriers (0 is __syncthreads): the consumers' shared dS tile, then one per consumer
-# warpgroup for its dQ staging tile.
+# warpgroup for its dQ staging tile (when the consumers issue the reduce-adds themselves).
 DS_BARRIER = 1
 DQ_BARRIER_FIRST = 2
 # dq_writer_warp: per consumer warpgroup, "its dQ half is staged" and "the writer warp has read it".
