@@ -187,6 +187,19 @@ def test_backward_tuning_variants(monkeypatch, variant, d, causal):
     check_batched(rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d), causal=causal)
 
 
+@pytest.mark.parametrize("variant", [{}, {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True}])
+@pytest.mark.parametrize("causal,heads,sq,sk", [(False, "gqa", 300, 257), (True, "mha", 1000, 1000),
+                                                (True, "mqa", 113, 203)])
+def test_backward_128_query_blocks_d64(monkeypatch, variant, causal, heads, sq, sk):
+    """tile_m = 128 at d = 64 (flash-attn-4's d=64 tile; a switch until measured)."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(tile_m=128, **variant))
+    hq, hk = HEADS[heads]
+    check_batched(rand(2, sq, hq, 64), rand(2, sk, hk, 64), rand(2, sk, hk, 64), causal=causal)
+
+
 def test_backward_tuning_variants_deterministic(monkeypatch):
     """dq_before_dk moves the deterministic reduce-add (its semaphore wait) under the dK GEMM, and
     dq_writer_warp into the writer warp."""

@@ -126,7 +126,7 @@ class BackwardConfig(_KernelConfig):
     varlen: bool = False
     has_seqused_k: bool = False
     deterministic: bool = False
-    tile_m: int = 64  # query rows per step
+    tile_m: int = 64  # query rows per step (128 allowed up to d = 64: a switch until measured)
     tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup, or 64 shared with split_head_dim
     num_stages: int = 2
     # The layout for head dims above 128 and d != dv, whose dK/dV accumulators would not fit in a
@@ -150,9 +150,14 @@ class BackwardConfig(_KernelConfig):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
-        if self.tile_n != (64 if self.split_head_dim else 128) or self.tile_m != 64:
-            raise ValueError(f"sm90 backward tiles are 64 queries x {64 if self.split_head_dim else 128} keys "
-                             f"(split_head_dim={self.split_head_dim}), got {self.tile_m} x {self.tile_n}")
+        # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
+        # only up to d = 64.
+        tile_ms = (64, 128) if not self.split_head_dim and max(self.head_dim, self.head_dim_v) <= 64 else (64,)
+        if self.tile_n != (64 if self.split_head_dim else 128) or self.tile_m not in tile_ms:
+            raise ValueError(f"sm90 backward tiles are {' or '.join(map(str, tile_ms))} queries x "
+                             f"{64 if self.split_head_dim else 128} keys here (split_head_dim="
+                             f"{self.split_head_dim}, head dims {self.head_dim}/{self.head_dim_v}), "
+                             f"got {self.tile_m} x {self.tile_n}")
         if self.split_head_dim and (self.dq_before_dk or self.double_ds):
             raise ValueError("dq_before_dk and double_ds are switches of the unsplit layout")
 
