@@ -117,7 +117,8 @@ _SPLIT = dict(split_head_dim=True, tile_n=64)
                                       has_softcap=True, deterministic=True),
                                  dict(head_dim=128, head_dim_v=128, dq_before_dk=True, double_ds=True,
                                       dq_writer_warp=True, deterministic=True),
-                                 dict(head_dim=64, head_dim_v=64, tile_m=128, causal=True, dq_before_dk=True),
+                                 dict(head_dim=64, head_dim_v=64, tile_m=128, causal=True, dq_before_dk=True,
+                                      stmatrix_ds=True),
                                  dict(head_dim=256, head_dim_v=256, num_stages=1, causal=True, **_SPLIT),
                                  dict(head_dim=192, head_dim_v=128, varlen=True, has_softcap=True, **_SPLIT)])
 def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):

@@ -173,8 +173,10 @@ def test_backward_bf16(d, sq, sk, causal, heads):
     check_batched(rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d), causal=causal)
 
 
-@pytest.mark.parametrize("variant", [{"num_stages": 3}, {"dq_before_dk": True}, {"double_ds": True}, {"dq_writer_warp": True},
-                                     {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True}])
+@pytest.mark.parametrize("variant", [{"num_stages": 3}, {"dq_before_dk": True}, {"double_ds": True},
+                                     {"dq_writer_warp": True}, {"stmatrix_ds": True},
+                                     {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True,
+                                      "stmatrix_ds": True}])
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
 def test_backward_tuning_variants(monkeypatch, variant, d, causal):
     """BackwardConfig tuning switches that are off by default (bench --mode bwd --variant A/Bs their
@@ -187,7 +189,9 @@ def test_backward_tuning_variants(monkeypatch, variant, d, causal):
     check_batched(rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d), causal=causal)
 
 
-@pytest.mark.parametrize("variant", [{}, {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True}])
+@pytest.mark.parametrize("variant", [{}, {"stmatrix_ds": True},
+                                     {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True,
+                                      "stmatrix_ds": True}])
 @pytest.mark.parametrize("causal,heads,sq,sk", [(False, "gqa", 300, 257), (True, "mha", 1000, 1000),
                                                 (True, "mqa", 113, 203)])
 def test_backward_128_query_blocks_d64(monkeypatch, variant, causal, heads, sq, sk):
@@ -207,7 +211,8 @@ def test_backward_tuning_variants_deterministic(monkeypatch):
 
     chosen = dispatch.backward_config
     monkeypatch.setattr(dispatch, "backward_config",
-                        lambda *a, **k: chosen(*a, **k).replace(dq_before_dk=True, double_ds=True, dq_writer_warp=True))
+                        lambda *a, **k: chosen(*a, **k).replace(dq_before_dk=True, double_ds=True, dq_writer_warp=True,
+                                                                stmatrix_ds=True))
     b, s, hq, hk, d = 1, 1024, 4, 2, 128
     q, k, v, dout = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d), rand(b, s, hq, d)
     runs = [run_ours(flash_attn_func, q, k, v, dout, causal=True, deterministic=True)[1] for _ in range(2)]

@@ -134,8 +134,8 @@ class BackwardConfig(_KernelConfig):
     # owning half of the head dim of dK, dV and dQ, with P^T and dS^T exchanged through shared memory.
     split_head_dim: bool = False
     # Schedule switches, off until an A/B on the H200 shows them paying (docs/perf.md, backward,
-    # also for the two that were measured and removed); dq_before_dk and double_ds are for the
-    # unsplit layout only.
+    # also for the two that were measured and removed); dq_before_dk, double_ds and
+    # stmatrix_ds are for the unsplit layout only.
     # Issue dQ's GEMM before dK's, wait for dQ alone and stage + reduce-add it while dK's GEMM runs
     # (instead of after all GEMMs, with the tensor pipe idle). Not yet measured.
     dq_before_dk: bool = False
@@ -145,6 +145,9 @@ class BackwardConfig(_KernelConfig):
     # The dQ reduce-adds issued by a warp of the producer warpgroup instead of the consumers, which
     # only stage dQ in shared memory and signal it (named barriers). Not yet measured.
     dq_writer_warp: bool = False
+    # dS into shared memory with stmatrix (four 8x8 matrices per instruction) instead of 32-bit
+    # stores, shortening the stretch between the two dS barriers. Not yet measured.
+    stmatrix_ds: bool = False
 
     def __post_init__(self):
         self._check_common()
@@ -158,8 +161,8 @@ class BackwardConfig(_KernelConfig):
                              f"{64 if self.split_head_dim else 128} keys here (split_head_dim="
                              f"{self.split_head_dim}, head dims {self.head_dim}/{self.head_dim_v}), "
                              f"got {self.tile_m} x {self.tile_n}")
-        if self.split_head_dim and (self.dq_before_dk or self.double_ds):
-            raise ValueError("dq_before_dk and double_ds are switches of the unsplit layout")
+        if self.split_head_dim and (self.dq_before_dk or self.double_ds or self.stmatrix_ds):
+            raise ValueError("dq_before_dk, double_ds and stmatrix_ds are switches of the unsplit layout")
 
 
 @dataclass(frozen=True)

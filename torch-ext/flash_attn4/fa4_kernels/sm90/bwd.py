@@ -366,6 +366,14 @@ class FlashAttentionBackwardSm90:
         tdSsdS = thr_sdp.partition_C(sdS)
         rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
         rdS = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+        if cutlass.const_expr(self.cfg.stmatrix_ds):
+            # dS leaves the registers as 8x8 matrices (stmatrix.x4): 4 stores per 64 values.
+            store = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+                tiled_mma_sdp)
+            thr_store = store.get_slice(tidx)
+            tdSsdS = thr_store.partition_D(sdS)
+            tdSrdS = thr_store.retile(rdS)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -394,7 +402,10 @@ class FlashAttentionBackwardSm90:
                 ds_store, ds_operand = tdSsdS[None, None, None, step % 2], tQrdS[None, None, None, step % 2]
             else:
                 cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
-            ds_store.store(rdS.load())
+            if cutlass.const_expr(self.cfg.stmatrix_ds):
+                cute.copy(store, tdSrdS, ds_store)
+            else:
+                ds_store.store(rdS.load())
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
