@@ -101,6 +101,20 @@ def test_sm90_forward_uses_wgmma_tma_and_does_not_spill(tmp_path):
     assert "STL" not in sass and "LDL" not in sass, "register spills to local memory"
 
 
+def test_sm90_forward_tma_store_o_uses_stmatrix_and_a_tma_store(tmp_path):
+    proc = _compile_in_subprocess(tmp_path, dict(head_dim=128, head_dim_v=128, causal=True, tma_store_o=True),
+                                  keep="ptx,cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
+    assert "stmatrix" in ptx and "cp.async.bulk.tensor.4d.global.shared" in ptx
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    sass = subprocess.run([nvdisasm, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
+                          text=True).stdout
+    assert "STL" not in sass and "LDL" not in sass, "register spills to local memory"
+
+
 @pytest.mark.parametrize("cfg", [dict(head_dim=32, head_dim_v=32, tile_m=192),
                                  dict(head_dim=80, head_dim_v=80),
                                  dict(head_dim=192, head_dim_v=128, tile_n=96, local=True, varlen=True)])
@@ -191,6 +205,8 @@ def test_config_rejects_what_no_kernel_can_do():
         ForwardConfig(**dict(base, causal=True, local=True))
     with pytest.raises(ValueError, match="exp2_emulated_eighths"):
         ForwardConfig(**dict(base, exp2_emulated_eighths=9))
+    with pytest.raises(ValueError, match="tma_store_o is for batched inputs"):
+        ForwardConfig(**dict(base, tma_store_o=True, varlen=True))
 
 
 def test_compile_key_covers_every_field_and_no_sizes():

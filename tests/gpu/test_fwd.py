@@ -98,6 +98,35 @@ def test_batched_bf16(seed, d, sq, sk, causal, heads):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000), (1, 257)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
+def test_tma_store_o_switch(seed, monkeypatch, d, dv, sq, sk, causal):
+    """ForwardConfig.tma_store_o (O through shared memory and a TMA store; a switch until measured):
+    partial tiles clip at the sequence end and nothing is left unwritten (outputs start as NaN)."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(tma_store_o=True))
+    hq, hk = HEADS["gqa"]
+    q, k, v = rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, dv)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal=causal)
+
+
+def test_tma_store_o_switch_with_softcap_sink_window(seed, monkeypatch):
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(tma_store_o=True))
+    hq, hk, d = 8, 2, 64
+    q, k, v = rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d)
+    sink = torch.randn(hq, device=DEVICE, dtype=torch.float32)
+    out, lse = flash_attn_func(q, k, v, window_size=(100, 7), softcap=20.0, learnable_sink=sink, return_lse=True)
+    # approximate tanh moves scores by up to softcap * 5e-4 (test_softcap)
+    check(out, lse, q, k, v, window_size=(100, 7), softcap=20.0, learnable_sink=sink, lse_atol=20.0 * 1e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000), (1, 257)])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_batched_fp16(seed, d, sq, sk, causal):
     hq, hk = HEADS["gqa"]

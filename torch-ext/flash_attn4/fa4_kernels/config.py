@@ -92,11 +92,17 @@ class ForwardConfig(_KernelConfig):
     # How many of every 8 softmax exponentials run as a polynomial on the FMA pipe (0 = all MUFU).
     # Off by default: it measured slower on Hopper at d=64..256 (docs/perf.md).
     exp2_emulated_eighths: int = 0
+    # O leaves through shared memory (stmatrix) and one TMA store per consumer warpgroup instead of
+    # 32-bit global stores from the accumulator layout. Batched inputs only (a TMA box would write
+    # past a packed sequence's end). Not yet measured.
+    tma_store_o: bool = False
 
     def __post_init__(self):
         self._check_common()
         if not 0 <= self.exp2_emulated_eighths <= 8:
             raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {self.exp2_emulated_eighths}")
+        if self.tma_store_o and self.varlen:
+            raise ValueError("tma_store_o is for batched inputs: a TMA box would write past a packed sequence")
 
 
 @dataclass(frozen=True)

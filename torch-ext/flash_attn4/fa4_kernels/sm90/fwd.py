@@ -52,8 +52,11 @@ from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partit
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
 # split over 128 producer threads and 128 threads per consumer warpgroup.
 REGISTERS = {2: (24, 240), 3: (32, 160)}
-# Named barrier 0 is __syncthreads; 1, 2 (and 3) gate the consumer warpgroups' GEMM turns.
+# Named barrier 0 is __syncthreads; 1, 2 (and 3) gate the consumer warpgroups' GEMM turns; with
+# tma_store_o, 4, 5 (and 6) hold each warpgroup's TMA store until its O tile is in shared memory.
 PINGPONG_BARRIER = 1
+EPILOGUE_BARRIER = 4
+SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
 
 
 class FlashAttentionForwardSm90:
@@ -132,6 +135,18 @@ class FlashAttentionForwardSm90:
             tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdim_v), 1)
+        # tma_store_o: one (64, dv) slab per consumer warpgroup, each its own TMA box, and a
+        # one-warpgroup view of the P @ V MMA for the stmatrix copy out of its accumulator.
+        sO_layout = smem_layout(self.dtype, 64, self.hdim_v, self.num_consumer_wg)
+        tma_atom_O, tma_O, tiled_mma_o = None, mO, None
+        if cutlass.const_expr(cfg.tma_store_o):
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, self.hdim_v))
+            tiled_mma_o = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+                Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.hdim_v),
+                a_source=warpgroup.OperandSource.RMEM)
+        sO_elements = cute.cosize(sO_layout) if cfg.tma_store_o else 0
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
@@ -144,7 +159,12 @@ class FlashAttentionForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_elements], 1024]  # last: offsets stay
 
+        if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_BYTES_PER_BLOCK):
+            raise ValueError(f"sm90 forward: {SharedStorage.size_in_bytes()} bytes of shared memory for head "
+                             f"dims {self.hdim}/{self.hdim_v} (tma_store_o={cfg.tma_store_o}), above the "
+                             f"{SMEM_BYTES_PER_BLOCK} a block can have")
         self.shared_storage = SharedStorage
 
         # Softcap squashes the scaled scores with tanh before the softmax, whose own scale is then
@@ -164,9 +184,9 @@ class FlashAttentionForwardSm90:
                                          longest_first=(cfg.causal or cfg.local) and not cfg.varlen)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
+            tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
             score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
-            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, scheduler,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scheduler,
         ).launch(grid=scheduler.grid(), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -178,14 +198,14 @@ class FlashAttentionForwardSm90:
         tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor,
         tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
         tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor,
+        tma_atom_O: Optional[cute.CopyAtom], mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
         score_prescale: Float32, scale_log2: Float32,
         window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        scheduler: TileScheduler,
+        sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        tiled_mma_o: Optional[cute.TiledMma], scheduler: TileScheduler,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -197,6 +217,9 @@ class FlashAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = None
+        if cutlass.const_expr(self.cfg.tma_store_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         # One TMA-issuing warp produces; every consumer warp releases a stage once (lane 0 arrives).
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -232,8 +255,8 @@ class FlashAttentionForwardSm90:
                                  head // qhead_per_kvhead, n_block_min, n_block_max)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(tidx - WARPGROUP_THREADS, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                             tiled_mma_qk, tiled_mma_pv, mO, mLSE, mSink, seqlen, mask,
+                self.consume(tidx - WARPGROUP_THREADS, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v,
+                             tiled_mma_qk, tiled_mma_pv, tiled_mma_o, tma_atom_O, mO, mLSE, mSink, seqlen, mask,
                              m_block, head, batch, n_block_min, n_block_max,
                              score_prescale, scale_log2)
 
@@ -270,8 +293,8 @@ class FlashAttentionForwardSm90:
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx, sQ, sK, sV, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-                mO, mLSE, mSink, seqlen: SeqlenInfo, mask: AttentionMask, m_block, head, batch,
+    def consume(self, tidx, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tiled_mma_o,
+                tma_atom_O, mO, mLSE, mSink, seqlen: SeqlenInfo, mask: AttentionMask, m_block, head, batch,
                 n_block_min, n_block_max, score_prescale, scale_log2):
         cfg = self.cfg
         warpgroup_first_thread = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
@@ -344,6 +367,8 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(cfg.has_sink):
             sink = Float32(mSink[head])
         out_scale, lse = softmax.finalize(sink)
+        if cutlass.const_expr(cfg.tma_store_o):
+            self.store_o_by_tma(tidx, tiled_mma_o, tma_atom_O, sO, acc_O, out_scale, mO, m_block, head, batch)
         self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen, m_block, head, batch)
 
     @cute.jit
@@ -437,18 +462,49 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,
                  m_block, head, batch):
-        """Normalise O, write the rows that lie inside the sequence, and their LSE."""
-        gO = cute.local_tile(head_rows(mO, seqlen.offset_q, head, batch, self.cfg.varlen),
-                             (self.tile_m, self.hdim_v), (m_block, 0))
-        tOgO = acc_rows_view(thr_mma_pv.partition_C(gO))
+        """Normalise O, write the rows that lie inside the sequence (unless store_o_by_tma did), and
+        their LSE."""
         tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         o_rows = acc_rows_view(acc_O)
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
         gLSE = head_rows(mLSE, seqlen.offset_q, head, batch, self.cfg.varlen)
+        tOgO = None
+        if cutlass.const_expr(not self.cfg.tma_store_o):
+            gO = cute.local_tile(head_rows(mO, seqlen.offset_q, head, batch, self.cfg.varlen),
+                                 (self.tile_m, self.hdim_v), (m_block, 0))
+            tOgO = acc_rows_view(thr_mma_pv.partition_C(gO))
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
             row = tOcO[r, 0][0]
             if row < rows_left:
-                for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                    tOgO[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
+                if cutlass.const_expr(not self.cfg.tma_store_o):
+                    for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                        tOgO[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
                 if tidx % THREADS_PER_ROW == 0:
                     gLSE[m_block * self.tile_m + row] = lse[r]
+
+    @cute.jit
+    def store_o_by_tma(self, tidx, tiled_mma_o, tma_atom_O, sO, acc_O, out_scale, mO, m_block, head, batch):
+        """tma_store_o: this warpgroup's 64 normalised rows of O into its shared-memory slab with
+        stmatrix, then one TMA store, which clips the rows past the sequence (batched inputs). The
+        issuing warp waits until the TMA has read the slab, so the CTA outlives it."""
+        wg = tidx // WARPGROUP_THREADS
+        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+        o_rows, ro_rows = acc_rows_view(acc_O), acc_rows_view(rO)
+        for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
+                ro_rows[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
+        slab = sO[None, None, wg]
+        store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_o)
+        thr_store = store.get_slice(tidx % WARPGROUP_THREADS)
+        cute.copy(store, thr_store.retile(rO), thr_store.partition_D(slab))
+        cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WARPGROUP_THREADS)
+        if cute.arch.make_warp_uniform((tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE) == 0:
+            gO = cute.local_tile(head_rows(mO, Int32(0), head, batch, False), (64, self.hdim_v),
+                                 (m_block * self.num_consumer_wg + wg, 0))
+            t_smem, t_gmem = tma_partition_tile(tma_atom_O, slab, gO)
+            cute.copy(tma_atom_O, t_smem, t_gmem)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
