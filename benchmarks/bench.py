@@ -270,21 +270,33 @@ def _variant_bwd(overrides: dict):
         out, lse = fa.flash_attn_func(x.q, x.k, x.v, causal=case.causal, return_lse=True)
         dout = torch.randn_like(out)
         causal, _, left, right = validate.canonical_mask(case.causal, -1, -1)
-        deterministic = bool(overrides.get("deterministic", False))
+        # "ops.NAME=value" overrides a module-level switch of ops.py (e.g. PREPROCESS_KERNEL) instead
+        # of a BackwardConfig field.
+        switches = {k[len("ops."):]: v for k, v in overrides.items() if k.startswith("ops.")}
+        fields = {k: v for k, v in overrides.items() if not k.startswith("ops.")}
+        unknown = [name for name in switches if not hasattr(ops, name)]
+        if unknown:
+            raise ValueError(f"ops.py has no switch {unknown}")
+        deterministic = bool(fields.get("deterministic", False))
         base = dispatch.backward_config(
             dispatch.arch_for_device(x.q.device, kernel="backward"), dispatch.dtype_name(x.q.dtype), x.q.shape[-1],
             x.v.shape[-1], causal=case.causal, local=False, has_softcap=False, varlen=False, has_seqused_k=False,
             deterministic=deterministic)
-        cfg = base.replace(**overrides)
+        cfg = base.replace(**fields)
         chosen = dispatch.backward_config
+        saved = {name: getattr(ops, name) for name in switches}
 
         def run():
             dispatch.backward_config = lambda *args, **kwargs: cfg
+            for name, value in switches.items():
+                setattr(ops, name, value)
             try:
                 return ops.bwd(dout, x.q, x.k, x.v, out, lse, None, None, None, x.q.shape[-1] ** -0.5, 0.0,
                                causal, left, right, x.q.shape[1], x.k.shape[1], deterministic)[0]
             finally:
                 dispatch.backward_config = chosen
+                for name, value in saved.items():
+                    setattr(ops, name, value)
         return run
     return prepare
 
@@ -670,7 +682,8 @@ def parse_args(argv=None):
     p.add_argument("--variant", action="append", type=_parse_variant, default=[],
                    help="A/B our kernel with ForwardConfig overrides, e.g. "
                         "--variant cr:rescale_threshold=8.0 --variant nopp:pingpong=false (repeatable); with "
-                        "--mode bwd, BackwardConfig overrides, e.g. --variant st3:num_stages=3")
+                        "--mode bwd, BackwardConfig overrides, e.g. --variant st3:num_stages=3, and ops.py "
+                        "switches, e.g. --variant pre:ops.PREPROCESS_KERNEL=true")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing implementations")
     args = p.parse_args(argv)

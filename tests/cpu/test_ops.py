@@ -599,6 +599,21 @@ def test_bench_backward_variant_compiles_the_overridden_config_and_matches_ours(
     assert dispatch.backward_config.__name__ == "backward_config", "the dispatch choice must be restored"
 
 
+def test_bench_backward_variant_sets_ops_switches_only_while_it_runs(cpu_backward, monkeypatch):
+    from benchmarks import bench
+
+    calls = []
+    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, calls))
+    case = bench.Case(group="grid", batch=2, hq=4, hk=2, seqlen=9, head_dim=64, causal=True)
+    x = bench.Inputs(*rand_qkv(2, 9, 9, 4, 2, 64))
+    run = bench._variant_bwd({"ops.POSTPROCESS_KERNEL": True})(case, x)
+    assert ops.POSTPROCESS_KERNEL is False
+    run()
+    assert len(calls) == 1 and ops.POSTPROCESS_KERNEL is False, "switch used during the call, restored after"
+    with pytest.raises(ValueError, match="no switch"):
+        bench._variant_bwd({"ops.NO_SUCH_SWITCH": True})(case, x)
+
+
 def torch_preprocess_kernel(cfg, calls):
     """A stand-in for compile_backward_preprocess(cfg): its call convention (fa4_kernels/bwd_preprocess.py)."""
 
