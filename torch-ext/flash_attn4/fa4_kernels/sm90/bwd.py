@@ -381,13 +381,9 @@ class FlashAttentionBackwardSm90:
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = blocks.at(step)
             stage = state.index
-            pipe_qdo.consumer_wait(state)
-            self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
-            warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
-            self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
-                               score_prescale, scale_log2)
-            warpgroup.wait_group(0)  # dP^T is in
-            self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum[None, stage])
+            self.scores_and_gradients(pipe_qdo, state, tiled_mma_sdp, acc_S, acc_dP, rP, rdS, tSrK, tSrQ, tPrV,
+                                      tPrdO, tScS, sLSE, sdPsum, seqlen, mask, m_block, n_block,
+                                      score_prescale, scale_log2)
             wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage], zero_init=False)
             if cutlass.const_expr(not self.cfg.dq_before_dk):
                 wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
@@ -468,13 +464,9 @@ class FlashAttentionBackwardSm90:
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = blocks.at(step)
             stage = state.index
-            pipe_qdo.consumer_wait(state)
-            self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
-            warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
-            self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
-                               score_prescale, scale_log2)
-            warpgroup.wait_group(0)  # dP^T is in
-            self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum[None, stage])
+            self.scores_and_gradients(pipe_qdo, state, tiled_mma_sdp, acc_S, acc_dP, rP, rdS, tSrK, tSrQ, tPrV,
+                                      tPrdO, tScS, sLSE, sdPsum, seqlen, mask, m_block, n_block,
+                                      score_prescale, scale_log2)
 
             # The first barrier: the other warpgroup's GEMMs of the previous block have read sP and sdS.
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=all_consumers)
@@ -528,6 +520,23 @@ class FlashAttentionBackwardSm90:
             if (tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE == 0:  # the warps that issue the reduce-adds
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ must outlive its last reduce-add
         self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, seqlen, n_block, head_kv, batch, softmax_scale)
+
+    @cute.jit
+    def scores_and_gradients(self, pipe_qdo, state, tiled_mma_sdp: cute.TiledMma, acc_S: cute.Tensor,
+                             acc_dP: cute.Tensor, rP: cute.Tensor, rdS: cute.Tensor, tSrK: cute.Tensor,
+                             tSrQ: cute.Tensor, tPrV: cute.Tensor, tPrdO: cute.Tensor, tScS: cute.Tensor,
+                             sLSE: cute.Tensor, sdPsum: cute.Tensor, seqlen: SeqlenInfo, mask: AttentionMask,
+                             m_block: Int32, n_block: Int32, score_prescale: Float32, scale_log2: Float32):
+        """The first half of a step, the same in both layouts: once the query block's stage has
+        landed, S^T and dP^T, then P^T (rP, and acc_S) while dP^T still runs, then dS^T (rdS)."""
+        stage = state.index
+        pipe_qdo.consumer_wait(state)
+        self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
+        warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
+        self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
+                           score_prescale, scale_log2)
+        warpgroup.wait_group(0)  # dP^T is in
+        self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum[None, stage])
 
     @cute.jit
     def score_gradients(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, rdS: cute.Tensor, tScS: cute.Tensor,
