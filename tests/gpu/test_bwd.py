@@ -24,18 +24,16 @@ NotImplementedError mentioning "backward" when .backward() runs, after a forward
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from flash_attn4 import flash_attn_func, flash_attn_varlen_func, ops
+from tests.gpu.helpers import DEVICE, HEADS, rand, random_lengths, seed_from_urandom
 from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = "cuda"
-HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 
 
 @pytest.fixture(autouse=True)
@@ -46,14 +44,9 @@ def poison_forward_outputs(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def seed():
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    print(f"seed={s}")
-    return s
+    return seed_from_urandom()
 
 
-def rand(*shape, dtype=torch.bfloat16, scale=1.0):
-    return (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale).to(dtype)
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -372,16 +365,6 @@ def make_varlen(lens_q, lens_k, hq, hk, d, dtype=torch.bfloat16):
     k = rand(sum(lens_k), hk, d, dtype=dtype)
     v = rand(sum(lens_k), hk, d, dtype=dtype)
     return q, k, v, cu_q, cu_k
-
-
-def random_lengths(batch, max_len):
-    """Random lengths in [1, max_len], then one empty sequence and one whose queries have no keys."""
-    lens_q = torch.randint(1, max_len + 1, (batch,)).tolist()
-    lens_k = torch.randint(1, max_len + 1, (batch,)).tolist()
-    zero = int(torch.randint(0, batch, ()))
-    lens_q[zero] = lens_k[zero] = 0
-    lens_k[(zero + 1) % batch] = 0
-    return lens_q, lens_k
 
 
 def check_varlen(q, k, v, cu_q, cu_k, *, sink=None, max_seqlen_q=None, **kwargs):

@@ -12,18 +12,16 @@ NotImplementedError message until the kernel supports them; any other failure is
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from flash_attn4 import compile_cache, flash_attn_func, flash_attn_varlen_func, ops
+from tests.gpu.helpers import DEVICE, HEADS, rand, random_lengths, seed_from_urandom
 from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = "cuda"
-HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 
 
 @pytest.fixture(autouse=True)
@@ -33,10 +31,7 @@ def poison_outputs(monkeypatch):
 
 @pytest.fixture
 def seed():
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    print(f"seed={s}")
-    return s
+    return seed_from_urandom()
 
 
 def optional_feature(feature, fn):
@@ -45,10 +40,6 @@ def optional_feature(feature, fn):
         return fn()
     except NotImplementedError as e:
         pytest.xfail(f"{feature} not supported by the kernel yet: {e}")
-
-
-def rand(*shape, dtype=torch.bfloat16, scale=1.0):
-    return (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale).to(dtype)
 
 
 def check(out, lse, q, k, v, *, atol=None, lse_atol=2e-3, **ref_kwargs):
@@ -237,16 +228,6 @@ def make_varlen(lens_q, lens_k, hq, hk, d, dtype=torch.bfloat16):
     k = rand(int(cu_k[-1]), hk, d, dtype=dtype)
     v = rand(int(cu_k[-1]), hk, d, dtype=dtype)
     return q, k, v, cu_q, cu_k
-
-
-def random_lengths(batch, max_len):
-    lens_q = torch.randint(1, max_len + 1, (batch,)).tolist()
-    lens_k = torch.randint(1, max_len + 1, (batch,)).tolist()
-    zero = int(torch.randint(0, batch, ()))
-    lens_q[zero] = lens_k[zero] = 0          # an empty sequence
-    other = (zero + 1) % batch
-    lens_k[other] = 0                        # queries with no keys at all: fully masked rows
-    return lens_q, lens_k
 
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])

@@ -3,28 +3,20 @@ graphs, streams, autograd without a switch, max_seqlen given as a 0-d tensor."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from flash_attn4 import compile_cache, flash_attn_func, flash_attn_varlen_func, ops
+from tests.gpu.helpers import DEVICE, rand, seed_from_urandom
 from tests.reference import attention_ref, assert_close_fa_rule
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = "cuda"
-
 
 @pytest.fixture(autouse=True)
 def fresh_seed():
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    print(f"seed={s}")
-
-
-def rand(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, device=DEVICE, dtype=dtype)
+    seed_from_urandom()
 
 
 def qkv(b=2, sq=257, sk=301, hq=8, hk=2, d=128):
