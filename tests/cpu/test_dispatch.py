@@ -67,15 +67,16 @@ def test_backward_dispatch_hopper_yes_blackwell_clear_error():
         dispatch.arch_for_capability((10, 0), "NVIDIA B200", kernel="backward")
 
 
-@pytest.mark.parametrize("d,dv,split,tile_n,stages", [(64, 64, False, 128, 2), (128, 128, False, 128, 2),
-                                                       (128, 64, True, 64, 2), (192, 192, True, 64, 2),
-                                                       (192, 128, True, 64, 2), (256, 256, True, 64, 1)])
-def test_backward_tiles_per_head_dims(d, dv, split, tile_n, stages):
-    """The head dims whose dK/dV accumulators fit a warpgroup per 64 keys keep the unsplit layout; the
-    rest split the head dim, with one Q/dO stage above 192 (shared memory)."""
+@pytest.mark.parametrize("d,dv,split,tile_m,tile_n,stages", [
+    (64, 64, False, 128, 128, 2), (96, 96, False, 64, 128, 2), (128, 128, False, 64, 128, 2),
+    (128, 64, True, 64, 64, 2), (192, 192, True, 64, 64, 2), (192, 128, True, 64, 64, 2), (256, 256, True, 64, 64, 1)])
+def test_backward_tiles_per_head_dims(d, dv, split, tile_m, tile_n, stages):
+    """The head dims whose dK/dV accumulators fit a warpgroup per 64 keys keep the unsplit layout
+    (128-query blocks up to d = 64); the rest split the head dim, with one Q/dO stage above 192
+    (shared memory)."""
     cfg = dispatch.backward_config(Arch.SM90, "bfloat16", d, dv, causal=False, local=False, has_softcap=False,
                                    varlen=False, has_seqused_k=False, deterministic=False)
-    assert (cfg.split_head_dim, cfg.tile_n, cfg.num_stages, cfg.tile_m) == (split, tile_n, stages, 64)
+    assert (cfg.split_head_dim, cfg.tile_m, cfg.tile_n, cfg.num_stages) == (split, tile_m, tile_n, stages)
 
 
 def test_device_info_is_cached_per_index(monkeypatch):

@@ -129,10 +129,8 @@ _SPLIT = dict(split_head_dim=True, tile_n=64)
 @pytest.mark.parametrize("cfg", [dict(head_dim=128, head_dim_v=128, causal=True), dict(head_dim=64, head_dim_v=64),
                                  dict(head_dim=96, head_dim_v=96, varlen=True, has_seqused_k=True, local=True,
                                       has_softcap=True, deterministic=True),
-                                 dict(head_dim=128, head_dim_v=128, dq_before_dk=True, double_ds=True,
-                                      dq_writer_warp=True, deterministic=True),
-                                 dict(head_dim=64, head_dim_v=64, tile_m=128, causal=True, dq_before_dk=True,
-                                      stmatrix_ds=True),
+                                 dict(head_dim=128, head_dim_v=128, deterministic=True),
+                                 dict(head_dim=64, head_dim_v=64, tile_m=128, causal=True),
                                  dict(head_dim=256, head_dim_v=256, num_stages=1, causal=True, **_SPLIT),
                                  dict(head_dim=192, head_dim_v=128, varlen=True, has_softcap=True, **_SPLIT)])
 def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):
@@ -181,8 +179,6 @@ def test_backward_config_rejects_mismatched_layouts():
         BackwardConfig(**base, split_head_dim=True)  # tile_n stays 128
     with pytest.raises(ValueError, match="64 queries x 128 keys"):
         BackwardConfig(**dict(base, head_dim=128, head_dim_v=128), tile_n=64)
-    with pytest.raises(ValueError, match="unsplit"):
-        BackwardConfig(**base, split_head_dim=True, tile_n=64, double_ds=True)
     with pytest.raises(ValueError, match="64 queries x 128 keys"):  # 128-query blocks only up to d = 64
         BackwardConfig(**dict(base, head_dim=96, head_dim_v=96), tile_m=128)
     assert BackwardConfig(**dict(base, head_dim=64, head_dim_v=64), tile_m=128).tile_m == 128

@@ -344,9 +344,12 @@ def torch_backward_kernel(cfg, calls):
 
 @pytest.fixture
 def cpu_backward(cpu_kernel, monkeypatch):
-    """cpu_kernel plus the backward stand-in; returns the BackwardConfigs it was called with."""
+    """cpu_kernel plus the backward stand-ins (main, pre- and postprocessing kernels); returns the
+    BackwardConfigs the main one was called with."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg: torch_backward_kernel(cfg, calls))
+    monkeypatch.setattr(compile_cache, "_compile_backward_preprocess", lambda cfg: torch_preprocess_kernel(cfg, []))
+    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, []))
     return calls
 
 
@@ -434,15 +437,12 @@ def test_packed_rows_are_aligned_disjoint_and_in_order(lens):
 
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (256, 256)])
-def test_split_head_dim_backward_behind_its_switch(cpu_backward, monkeypatch, d, dv):
-    """Head dims above 128 and d != dv raise until ops.SPLIT_HEAD_DIM_BACKWARD is on; then they reach
-    the split-head-dim kernel configuration and give the reference gradients."""
+def test_split_head_dim_backward(cpu_backward, d, dv):
+    """Head dims above 128 and d != dv reach the split-head-dim kernel configuration and give the
+    reference gradients."""
     q, k, v = rand_qkv(1, 7, 9, 4, 2, d)
     v = torch.randn(1, 9, 2, dv, dtype=q.dtype)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with pytest.raises(NotImplementedError, match=f"head dims {d}/{dv}"):
-        flash_attn_func(q, k, v, causal=True).float().sum().backward()
-    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM_BACKWARD", True)
     out = flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)
     out.backward(dout)
@@ -606,10 +606,10 @@ def test_bench_backward_variant_sets_ops_switches_only_while_it_runs(cpu_backwar
     monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, calls))
     case = bench.Case(group="grid", batch=2, hq=4, hk=2, seqlen=9, head_dim=64, causal=True)
     x = bench.Inputs(*rand_qkv(2, 9, 9, 4, 2, 64))
-    run = bench._variant_bwd({"ops.POSTPROCESS_KERNEL": True})(case, x)
-    assert ops.POSTPROCESS_KERNEL is False
+    run = bench._variant_bwd({"ops.POSTPROCESS_KERNEL": False})(case, x)
+    assert ops.POSTPROCESS_KERNEL is True
     run()
-    assert len(calls) == 1 and ops.POSTPROCESS_KERNEL is False, "switch used during the call, restored after"
+    assert calls == [] and ops.POSTPROCESS_KERNEL is True, "switch used during the call, restored after"
     with pytest.raises(ValueError, match="no switch"):
         bench._variant_bwd({"ops.NO_SUCH_SWITCH": True})(case, x)
 
@@ -633,7 +633,7 @@ def torch_preprocess_kernel(cfg, calls):
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch, varlen):
-    """With ops.PREPROCESS_KERNEL the rows reach the kernel in its convention (packed inputs as one
+    """With ops.PREPROCESS_KERNEL (the default) the rows reach the kernel in its convention (packed inputs as one
     batch entry) and the gradients do not change."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward_preprocess", lambda cfg: torch_preprocess_kernel(cfg, calls))
@@ -646,7 +646,9 @@ def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch,
         out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
         args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
     dout = torch.randn_like(out)
+    monkeypatch.setattr(ops, "PREPROCESS_KERNEL", False)
     want = ops.bwd(dout, q, k, v, out, lse, *args)
+    assert not calls
     monkeypatch.setattr(ops, "PREPROCESS_KERNEL", True)
     got = ops.bwd(dout, q, k, v, out, lse, *args)
     for g, w in zip(got, want):
@@ -668,14 +670,16 @@ def torch_postprocess_kernel(cfg, calls):
 
 
 def test_backward_with_the_postprocess_kernel_plumbing(cpu_backward, monkeypatch):
-    """With ops.POSTPROCESS_KERNEL, dQ comes from the kernel in its convention and does not change."""
+    """With ops.POSTPROCESS_KERNEL (the default), dQ comes from the kernel in its convention and does not change."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, calls))
     q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     dout = torch.randn_like(out)
     args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
+    monkeypatch.setattr(ops, "POSTPROCESS_KERNEL", False)
     want = ops.bwd(dout, q, k, v, out, lse, *args)
+    assert not calls
     monkeypatch.setattr(ops, "POSTPROCESS_KERNEL", True)
     got = ops.bwd(dout, q, k, v, out, lse, *args)
     for g, w in zip(got, want):

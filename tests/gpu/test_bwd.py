@@ -166,53 +166,20 @@ def test_backward_bf16(d, sq, sk, causal, heads):
     check_batched(rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, d), causal=causal)
 
 
-@pytest.mark.parametrize("variant", [{"num_stages": 3}, {"dq_before_dk": True}, {"double_ds": True},
-                                     {"dq_writer_warp": True}, {"stmatrix_ds": True},
-                                     {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True,
-                                      "stmatrix_ds": True}])
-@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
-def test_backward_tuning_variants(monkeypatch, variant, d, causal):
-    """BackwardConfig tuning switches that are off by default (bench --mode bwd --variant A/Bs their
-    speed) must give the same gradients."""
+@pytest.mark.parametrize("variant,d,causal,heads,sq,sk", [
+    ({"num_stages": 3, "tile_m": 64}, 64, False, "gqa", 300, 257), ({"num_stages": 3}, 128, True, "gqa", 300, 257),
+    ({"tile_m": 64}, 64, False, "gqa", 300, 257), ({"tile_m": 64}, 64, True, "mha", 1000, 1000),
+    ({"tile_m": 64}, 64, True, "mqa", 113, 203)])
+def test_backward_tuning_variants(monkeypatch, variant, d, causal, heads, sq, sk):
+    """BackwardConfig choices other than the tiles' (bench --mode bwd --variant A/Bs their speed)
+    must give the same gradients: 3 Q/dO stages (with 64-query blocks: 128 leave no shared memory for
+    a third), 64-query blocks at d = 64."""
     from flash_attn4 import dispatch
 
     chosen = dispatch.backward_config
     monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(**variant))
-    hq, hk = HEADS["gqa"]
-    check_batched(rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d), causal=causal)
-
-
-@pytest.mark.parametrize("variant", [{}, {"stmatrix_ds": True},
-                                     {"dq_before_dk": True, "double_ds": True, "dq_writer_warp": True,
-                                      "stmatrix_ds": True}])
-@pytest.mark.parametrize("causal,heads,sq,sk", [(False, "gqa", 300, 257), (True, "mha", 1000, 1000),
-                                                (True, "mqa", 113, 203)])
-def test_backward_128_query_blocks_d64(monkeypatch, variant, causal, heads, sq, sk):
-    """tile_m = 128 at d = 64 (flash-attn-4's d=64 tile; a switch until measured)."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(tile_m=128, **variant))
     hq, hk = HEADS[heads]
-    check_batched(rand(2, sq, hq, 64), rand(2, sk, hk, 64), rand(2, sk, hk, 64), causal=causal)
-
-
-def test_backward_tuning_variants_deterministic(monkeypatch):
-    """dq_before_dk moves the deterministic reduce-add (its semaphore wait) under the dK GEMM, and
-    dq_writer_warp into the writer warp."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config",
-                        lambda *a, **k: chosen(*a, **k).replace(dq_before_dk=True, double_ds=True, dq_writer_warp=True,
-                                                                stmatrix_ds=True))
-    b, s, hq, hk, d = 1, 1024, 4, 2, 128
-    q, k, v, dout = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d), rand(b, s, hq, d)
-    runs = [run_ours(flash_attn_func, q, k, v, dout, causal=True, deterministic=True)[1] for _ in range(2)]
-    for name in ("dq", "dk", "dv"):
-        assert torch.equal(runs[0][name], runs[1][name]), name
-    assert_grads_close(runs[0], reference_grads(q, k, v, dout, upcast=True, causal=True),
-                       reference_grads(q, k, v, dout, upcast=False, causal=True))
+    check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), causal=causal)
 
 
 def test_backward_fp16():
@@ -461,39 +428,25 @@ def test_deterministic_backward_is_bitwise_repeatable(causal, hq, hk):
     assert_grads_close(runs[0], ref, pt)
 
 
-# ---- the split-head-dim layout (head dims above 128, d != dv), behind ops.SPLIT_HEAD_DIM_BACKWARD ----
-
-
-@pytest.fixture
-def split_head_dim(monkeypatch):
-    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM_BACKWARD", True)
-
-
-def test_split_head_dim_backward_with_writer_warp(split_head_dim, monkeypatch):
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(dq_writer_warp=True))
-    hq, hk = HEADS["gqa"]
-    check_batched(rand(2, 300, hq, 256), rand(2, 257, hk, 256), rand(2, 257, hk, 256), causal=True)
+# ---- the split-head-dim layout (head dims above 128, d != dv) ----
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,dv,heads,sq,sk", [(192, 192, "mha", 300, 257), (256, 256, "gqa", 257, 300),
                                               (192, 128, "gqa", 173, 190), (128, 64, "mqa", 300, 257),
                                               (256, 256, "mha", 1000, 1000)])
-def test_split_head_dim_backward(split_head_dim, d, dv, heads, sq, sk, causal):
+def test_split_head_dim_backward(d, dv, heads, sq, sk, causal):
     hq, hk = HEADS[heads]
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, dv), causal=causal)
 
 
-def test_split_head_dim_backward_softcap_sink_window(split_head_dim):
+def test_split_head_dim_backward_softcap_sink_window():
     hq, hk, d = 8, 2, 256
     check_batched(rand(2, 200, hq, d), rand(2, 230, hk, d), rand(2, 230, hk, d), sink=_sink(hq),
                   window_size=(100, 7), softcap=30.0)
 
 
-def test_split_head_dim_backward_varlen(split_head_dim):
+def test_split_head_dim_backward_varlen():
     hq, hk, d, dv = 6, 2, 192, 128
     lens_q, lens_k = random_lengths(5, 300)
     q, k, _, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, d)
@@ -501,7 +454,7 @@ def test_split_head_dim_backward_varlen(split_head_dim):
     check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), causal=True)
 
 
-def test_split_head_dim_deterministic_is_bitwise_repeatable(split_head_dim):
+def test_split_head_dim_deterministic_is_bitwise_repeatable():
     b, s, hq, hk, d = 1, 1024, 4, 2, 256
     q, k, v, dout = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d), rand(b, s, hq, d)
     runs = [run_ours(flash_attn_func, q, k, v, dout, deterministic=True)[1] for _ in range(3)]
@@ -513,9 +466,9 @@ def test_split_head_dim_deterministic_is_bitwise_repeatable(split_head_dim):
 # ---- what the backward does not support ----
 
 
-@pytest.mark.parametrize("d,dv", [(192, 192), (256, 256), (128, 64), (72, 72)])
+@pytest.mark.parametrize("d,dv", [(72, 72), (200, 200), (128, 72)])
 def test_unsupported_head_dims_raise_at_backward(d, dv):
-    """With SPLIT_HEAD_DIM_BACKWARD off (the default), and for head dims no layout supports."""
+    """Head dims the forward takes but no backward layout does (multiples of 8, not of 16)."""
     q, k, v = (leaf(rand(1, 64, 2, n)) for n in (d, d, dv))
     try:
         out = flash_attn_func(q, k, v, causal=True)
@@ -540,7 +493,7 @@ def test_gradient_through_lse_raises():
         (out.float() * lse.T[..., None]).sum().backward()
 
 
-# ---- the preprocessing kernel (ops.PREPROCESS_KERNEL switches the backward to it) ----
+# ---- the pre- and postprocessing kernels against the torch paths they replace ----
 
 
 @pytest.mark.parametrize("dv", [64, 96, 128, 256])

@@ -132,28 +132,13 @@ class BackwardConfig(_KernelConfig):
     varlen: bool = False
     has_seqused_k: bool = False
     deterministic: bool = False
-    tile_m: int = 64  # query rows per step (128 allowed up to d = 64: a switch until measured)
+    tile_m: int = 64  # query rows per step; 128 (the tiles' choice) up to d = 64 unsplit
     tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup, or 64 shared with split_head_dim
     num_stages: int = 2
     # The layout for head dims above 128 and d != dv, whose dK/dV accumulators would not fit in a
     # warpgroup's registers for 64 keys each: both consumer warpgroups work on one 64-key tile, each
     # owning half of the head dim of dK, dV and dQ, with P^T and dS^T exchanged through shared memory.
     split_head_dim: bool = False
-    # Schedule switches, off until an A/B on the H200 shows them paying (docs/perf.md, backward,
-    # also for the two that were measured and removed); dq_before_dk, double_ds and
-    # stmatrix_ds are for the unsplit layout only.
-    # Issue dQ's GEMM before dK's, wait for dQ alone and stage + reduce-add it while dK's GEMM runs
-    # (instead of after all GEMMs, with the tensor pipe idle). Not yet measured.
-    dq_before_dk: bool = False
-    # Two dS buffers alternating by query block: the barrier before the dS store goes (one
-    # inter-warpgroup barrier per step instead of two), for 16 KiB more shared memory. Not yet measured.
-    double_ds: bool = False
-    # The dQ reduce-adds issued by a warp of the producer warpgroup instead of the consumers, which
-    # only stage dQ in shared memory and signal it (named barriers). Not yet measured.
-    dq_writer_warp: bool = False
-    # dS into shared memory with stmatrix (four 8x8 matrices per instruction) instead of 32-bit
-    # stores, shortening the stretch between the two dS barriers. Not yet measured.
-    stmatrix_ds: bool = False
 
     def __post_init__(self):
         self._check_common()
@@ -167,8 +152,6 @@ class BackwardConfig(_KernelConfig):
                              f"{64 if self.split_head_dim else 128} keys here (split_head_dim="
                              f"{self.split_head_dim}, head dims {self.head_dim}/{self.head_dim_v}), "
                              f"got {self.tile_m} x {self.tile_n}")
-        if self.split_head_dim and (self.dq_before_dk or self.double_ds or self.stmatrix_ds):
-            raise ValueError("dq_before_dk, double_ds and stmatrix_ds are switches of the unsplit layout")
 
 
 @dataclass(frozen=True)

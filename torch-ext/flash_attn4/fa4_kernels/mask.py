@@ -82,6 +82,14 @@ class AttentionMask:
         return n_min
 
     @cute.jit
+    def block_is_full(self, seqlen: SeqlenInfo, m_block: Int32, n_block: Int32):
+        """Whether every query row of the tile lies inside the sequence and sees every key of KV
+        block ``n_block`` (a kernel may then skip the element-wise mask)."""
+        rows_inside = (m_block + 1) * self.tile_m <= seqlen.seqlen_q
+        return (rows_inside and n_block < self.n_block_max_full(seqlen, m_block)
+                and n_block >= self.n_block_min_full(seqlen, m_block))
+
+    @cute.jit
     def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
         """[m_block_min, m_block_max) of query blocks with at least one row that sees a key of KV
         block ``n_block`` (the backward pass walks query blocks for a fixed KV block)."""

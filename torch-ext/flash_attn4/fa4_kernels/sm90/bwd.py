@@ -7,23 +7,25 @@ which every KV tile contributes to, is reduced across CTAs.
 
     warp 0          producer   K_j and V_j once; then per (query head, query block i) Q_i, dO_i,
                                LSE_i and rowsum_i into a ``num_stages``-deep ring (TMA)
-    warp 1          dQ writer  only with dq_writer_warp: the dQ reduce-adds (below), which the
-                               consumers otherwise issue themselves
+    warp 1          dQ writer  per query block, one TMA reduce-add per consumer warpgroup's half of
+                               dQ into the fp32 dq_accum, as the halves land in shared memory; in
+                               deterministic mode in KV-tile order (a semaphore per block and half)
     warpgroups 1,2  consumers  64 keys each, in the transposed orientation (keys are the
-                               accumulator rows), per query block of tile_m = 64 rows:
+                               accumulator rows), per query block of tile_m rows (64; 128 at d <= 64):
         S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
-        P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0
+        P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0 (only blocks on a mask edge)
         dS^T = P^T * (dP^T - rowsum_i)            softcap: times 1 - tanh^2
-        dV  += P^T dO_i                           P from registers
+        dV  += P^T dO_i                           P from registers, issued before the barrier
+        dS^T -> shared memory (stmatrix), one barrier: the dQ GEMM needs both warpgroups' keys
+        dQ_i = dS K                               each warpgroup half of the head dim; issued
+                                                  before dK's so that its staging runs under dK
         dK  += dS^T Q_i                           dS from registers
-        dQ_i = dS K                               both warpgroups' dS through shared memory, each
-                                                  warpgroup computing half of the head dim
-        dQ_i -> shared memory -> TMA reduce-add into the fp32 dq_accum; in deterministic mode in
-                KV-tile order, one semaphore per (query block, half)
+        dQ_i -> shared memory -> the writer warp
 
-Schedule switches (BackwardConfig, off until measured): dq_before_dk, double_ds, dq_writer_warp.
-Tried, measured on the H200 and removed (docs/perf.md): issuing dV before dS (no effect) and the
-next block's S^T/dP^T before this block's dQ (14-35% slower).
+dS alternates between two shared-memory buffers by query block, so one barrier per step suffices:
+the other warpgroup's dQ GEMM of block i-1 reads the other buffer. Measured on the H200 and kept:
+each of these (docs/perf.md, backward). Tried, measured and removed: issuing dV before dS (no
+effect) and the next block's S^T/dP^T before this block's dQ (14-35% slower).
 
 Head dims above 128, and d != dv (``split_head_dim``): 64 keys per CTA would need more accumulator
 registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer warpgroups work on
@@ -65,12 +67,10 @@ from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partit
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
-# Named barriers (0 is __syncthreads): the consumers' shared dS tile, then one per consumer
-# warpgroup for its dQ staging tile (when the consumers issue the reduce-adds themselves).
+# Named barriers (0 is __syncthreads): the consumers' shared dS tile; then, per consumer
+# warpgroup, "its dQ half is staged" and "the writer warp has read it".
 DS_BARRIER = 1
-DQ_BARRIER_FIRST = 2
-# dq_writer_warp: per consumer warpgroup, "its dQ half is staged" and "the writer warp has read it".
-DQ_FULL_FIRST = DQ_BARRIER_FIRST + NUM_CONSUMER_WARPGROUPS
+DQ_FULL_FIRST = 2
 DQ_EMPTY_FIRST = DQ_FULL_FIRST + NUM_CONSUMER_WARPGROUPS
 
 
@@ -161,8 +161,8 @@ class FlashAttentionBackwardSm90:
         sdO_layout = smem_layout(self.dtype, self.tile_m, dv, self.num_stages, split=operand_split)
         sK_layout = smem_layout(self.dtype, self.tile_n, d, split=wgs)
         sV_layout = smem_layout(self.dtype, self.tile_n, dv)
-        # (keys, queries), as computed; sP too. double_ds: two buffers, alternating by query block.
-        sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m, 2 if self.cfg.double_ds else None)
+        # (keys, queries), as computed; sP too. Unsplit: two buffers, alternating by query block.
+        sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m, None if self.split else 2)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))  # LSE and rowsum per stage
         # dQ staging: (query rows, d) fp32; the tile order keeps each warpgroup's half contiguous,
         # one TMA box of dq_half_layout.
@@ -284,10 +284,9 @@ class FlashAttentionBackwardSm90:
             warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
             if warpgroup_idx == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-                if cutlass.const_expr(self.cfg.dq_writer_warp):
-                    if warp_idx == 1:
-                        self.write_dq(tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, blocks, num_steps,
-                                      n_block, batch)
+                if warp_idx == 1:
+                    self.write_dq(tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, blocks, num_steps,
+                                  n_block, batch)
                 if warp_idx == 0:
                     self.produce(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
                                  tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
@@ -297,8 +296,8 @@ class FlashAttentionBackwardSm90:
                 consume = self.consume_split if cutlass.const_expr(self.split) else self.consume
                 consume(tidx - WARPGROUP_THREADS, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum,
                         pipe_kv, pipe_qdo, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-                        tma_atom_dQ, mdQacc, mdK, mdV, mSemaphore, seqlen, mask, blocks, num_steps,
-                        n_block, head_kv, batch, softmax_scale, score_prescale, scale_log2)
+                        mdK, mdV, seqlen, mask, blocks, num_steps, n_block, head_kv, batch, softmax_scale,
+                        score_prescale, scale_log2)
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
@@ -343,9 +342,8 @@ class FlashAttentionBackwardSm90:
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
     def consume(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo, tiled_mma_sdp,
-                tiled_mma_dkv, tiled_mma_dv, tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSemaphore,
-                seqlen: SeqlenInfo, mask: AttentionMask, blocks: "QueryBlocks", num_steps: Int32,
-                n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
+                tiled_mma_dkv, tiled_mma_dv, tiled_mma_dq, mdK, mdV, seqlen: SeqlenInfo, mask: AttentionMask,
+                blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
                 score_prescale: Float32, scale_log2: Float32):
         """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (tiled_mma_dkv
         serves dK and dV, as d == dv; sP and tiled_mma_dv are unused)."""
@@ -362,75 +360,49 @@ class FlashAttentionBackwardSm90:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        tdSsdS = thr_sdp.partition_C(sdS)
         rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
         rdS = cute.make_rmem_tensor(acc_S.shape, self.dtype)
-        if cutlass.const_expr(self.cfg.stmatrix_ds):
-            # dS leaves the registers as 8x8 matrices (stmatrix.x4): 4 stores per 64 values.
-            store = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-                tiled_mma_sdp)
-            thr_store = store.get_slice(tidx)
-            tdSsdS = thr_store.partition_D(sdS)
-            tdSrdS = thr_store.retile(rdS)
+        # dS leaves the registers as 8x8 matrices (stmatrix.x4): 4 stores per 64 values.
+        store_ds = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_sdp).get_slice(tidx)
+        tdSsdS, tdSrdS = store_ds.partition_D(sdS), store_ds.retile(rdS)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for step in cutlass.range(num_steps, unroll=1):
-            head, m_block = blocks.at(step)
+            _, m_block = blocks.at(step)
             stage = state.index
             self.scores_and_gradients(pipe_qdo, state, tiled_mma_sdp, acc_S, acc_dP, rP, rdS, tSrK, tSrQ, tPrV,
                                       tPrdO, tScS, sLSE, sdPsum, seqlen, mask, m_block, n_block,
                                       score_prescale, scale_log2)
             wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage], zero_init=False)
-            if cutlass.const_expr(not self.cfg.dq_before_dk):
-                wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
-                      zero_init=False)
 
-            # dQ needs every key of the tile: both warpgroups' dS go through shared memory. With one
-            # buffer, the first barrier keeps the other warpgroup's previous dQ GEMM reads intact;
-            # with two (double_ds), that GEMM reads the other buffer, and it has finished with this
-            # one before the previous step's second barrier.
-            ds_store, ds_operand = tdSsdS, tQrdS
-            if cutlass.const_expr(self.cfg.double_ds):
-                ds_store, ds_operand = tdSsdS[None, None, None, step % 2], tQrdS[None, None, None, step % 2]
-            else:
-                cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
-            if cutlass.const_expr(self.cfg.stmatrix_ds):
-                cute.copy(store, tdSrdS, ds_store)
-            else:
-                ds_store.store(rdS.load())
+            # dQ needs every key of the tile: both warpgroups' dS go through shared memory, into
+            # this block's buffer of two. The other warpgroup's dQ GEMM of the previous block read
+            # the other buffer, and it had finished with this one before the previous step's barrier.
+            buffer = step % 2
+            cute.copy(store_ds, tdSrdS, tdSsdS[None, None, None, buffer])
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, ds_operand, tQrKt, zero_init=True)
-            if cutlass.const_expr(self.cfg.dq_before_dk):
-                # dK after dQ: dQ's shared-memory staging and reduce-add run while dK's GEMM does.
-                wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage],
-                      zero_init=False)
-                warpgroup.wait_group(1)  # dV and dQ done
-                self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
-                               head, batch, m_block, n_block)
-                warpgroup.wait_group(0)  # dK done: rdS and the stage are free
-                pipe_qdo.consumer_release(state)
-                state = advanced(state)
-            else:
-                warpgroup.wait_group(0)  # dV, dK and dQ GEMMs done: rP, rdS, the stage and sdS are free
-                pipe_qdo.consumer_release(state)
-                state = advanced(state)
-                self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
-                               head, batch, m_block, n_block)
+            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buffer], tQrKt, zero_init=True)
+            # dK after dQ: dQ's staging for the writer warp runs while dK's GEMM does.
+            wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage], zero_init=False)
+            warpgroup.wait_group(1)  # dV and dQ done
+            self.stage_dq(tidx, acc_dQ, tdQsdQ)
+            warpgroup.wait_group(0)  # dK done: rdS and the stage are free
+            pipe_qdo.consumer_release(state)
+            state = advanced(state)
 
         self.finish(tidx, pipe_kv, kv_state, thr_dkv, acc_dK, thr_dkv, acc_dV, mdK, mdV, seqlen, n_block,
                     head_kv, batch, softmax_scale)
 
     @cute.jit
     def consume_split(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo,
-                      tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV,
-                      mSemaphore, seqlen: SeqlenInfo, mask: AttentionMask, blocks: "QueryBlocks",
-                      num_steps: Int32, n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
+                      tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, mdK, mdV, seqlen: SeqlenInfo,
+                      mask: AttentionMask, blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
                       score_prescale: Float32, scale_log2: Float32):
         """The split layout (head dims above 128, d != dv): both warpgroups work on the CTA's 64 keys.
         Each computes S^T and dP^T for half of the query block, writes its half of P^T and dS^T to
@@ -462,7 +434,7 @@ class FlashAttentionBackwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         all_consumers = NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS
         for step in cutlass.range(num_steps, unroll=1):
-            head, m_block = blocks.at(step)
+            _, m_block = blocks.at(step)
             stage = state.index
             self.scores_and_gradients(pipe_qdo, state, tiled_mma_sdp, acc_S, acc_dP, rP, rdS, tSrK, tSrQ, tPrV,
                                       tPrdO, tScS, sLSE, sdPsum, seqlen, mask, m_block, n_block,
@@ -481,8 +453,7 @@ class FlashAttentionBackwardSm90:
             warpgroup.wait_group(0)  # the stage, sP and sdS are free (for this warpgroup)
             pipe_qdo.consumer_release(state)
             state = advanced(state)
-            self.reduce_dq(tidx, acc_dQ, tdQsdQ, sdQ, tma_atom_dQ, mdQacc, mSemaphore, seqlen, mask,
-                           head, batch, m_block, n_block)
+            self.stage_dq(tidx, acc_dQ, tdQsdQ)
 
         self.finish(tidx, pipe_kv, kv_state, thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, seqlen, n_block,
                     head_kv, batch, softmax_scale)
@@ -513,12 +484,9 @@ class FlashAttentionBackwardSm90:
     def finish(self, tidx, pipe_kv, kv_state, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32, head_kv: Int32,
                batch: Int32, softmax_scale: Float32):
-        """After the last query block: K/V released, the last dQ reduce-add out of shared memory, dK
-        and dV written."""
+        """After the last query block: K/V released, dK and dV written (the writer warp keeps the
+        CTA, and so sdQ, alive until its last reduce-add has read it)."""
         pipe_kv.consumer_release(kv_state)
-        if cutlass.const_expr(not self.cfg.dq_writer_warp):  # (else the writer warp keeps sdQ alive)
-            if (tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE == 0:  # the warps that issue the reduce-adds
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ must outlive its last reduce-add
         self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, seqlen, n_block, head_kv, batch, softmax_scale)
 
     @cute.jit
@@ -533,8 +501,13 @@ class FlashAttentionBackwardSm90:
         pipe_qdo.consumer_wait(state)
         self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
         warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
-        self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
-                           score_prescale, scale_log2)
+        # Most blocks need no element-wise mask: only those on a mask edge or the sequence's end pay.
+        if mask.block_is_full(seqlen, m_block, n_block):
+            self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
+                               score_prescale, scale_log2, masked=False)
+        else:
+            self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
+                               score_prescale, scale_log2, masked=True)
         warpgroup.wait_group(0)  # dP^T is in
         self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum[None, stage])
 
@@ -561,18 +534,19 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
                       seqlen: SeqlenInfo, mask: AttentionMask, m_block: Int32, n_block: Int32,
-                      score_prescale: Float32, scale_log2: Float32):
-        """P^T from S^T, with masked entries and rows past the sequence 0. rP gets P in the input
-        dtype (the dV GEMM operand); acc_S keeps, in fp32, what dS^T = acc_S * (dP^T - rowsum)
-        needs: P, or P * (1 - tanh^2) under softcap."""
+                      score_prescale: Float32, scale_log2: Float32, masked: cutlass.Constexpr[bool]):
+        """P^T from S^T; with ``masked``, entries the mask hides and rows past the sequence 0. rP gets
+        P in the input dtype (the dV GEMM operand); acc_S keeps, in fp32, what dS^T = acc_S * (dP^T -
+        rowsum) needs: P, or P * (1 - tanh^2) under softcap."""
         s_rows = acc_rows_view(acc_S)
         p_rows = acc_rows_view(rP)
         for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
             query = tScS[0, c][1]
-            row = m_block * self.tile_m + query
-            lo, hi = mask.key_bounds(seqlen, row, n_block)
-            if row >= seqlen.seqlen_q:
-                hi = lo  # no key
+            if cutlass.const_expr(masked):
+                row = m_block * self.tile_m + query
+                lo, hi = mask.key_bounds(seqlen, row, n_block)
+                if row >= seqlen.seqlen_q:
+                    hi = lo  # no key
             lse = sLSE[query]
             for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
                 key = tScS[r, 0][0]
@@ -580,8 +554,9 @@ class FlashAttentionBackwardSm90:
                 if cutlass.const_expr(self.cfg.has_softcap):
                     score = cute.math.tanh(score * score_prescale, fastmath=True)
                 p = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
-                if key >= hi or key < lo:
-                    p = Float32(0.0)
+                if cutlass.const_expr(masked):
+                    if key >= hi or key < lo:
+                        p = Float32(0.0)
                 if cutlass.const_expr(self.cfg.has_softcap):
                     p_rows[r, c] = p.to(self.dtype)
                     s_rows[r, c] = p * (Float32(1.0) - score * score)
@@ -591,39 +566,21 @@ class FlashAttentionBackwardSm90:
             rP.store(acc_S.load().to(self.dtype))
 
     @cute.jit
-    def reduce_dq(self, tidx, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, sdQ: cute.Tensor,
-                  tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor, mSemaphore: Optional[cute.Tensor],
-                  seqlen: SeqlenInfo, mask: AttentionMask, head: Int32, batch: Int32, m_block: Int32,
-                  n_block: Int32):
-        """This KV tile's dQ (unscaled) added into the fp32 accumulator: each warpgroup stages its
-        half of the head dim in shared memory, and a TMA reduce-add takes it from there: issued by
-        the warpgroup's first warp, or, with dq_writer_warp, by the producer warpgroup's second warp
-        (write_dq) while the warpgroup goes on."""
+    def stage_dq(self, tidx, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor):
+        """This warpgroup's half of the KV tile's dQ (unscaled) into its shared-memory buffer, once
+        the writer warp has read the previous one, and signalled to the writer warp (write_dq)."""
         half = tidx // WARPGROUP_THREADS
-        if cutlass.const_expr(self.cfg.dq_writer_warp):
-            handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
-            # The writer warp has read this half's previous dQ out of shared memory.
-            cute.arch.barrier(barrier_id=DQ_EMPTY_FIRST + half, number_of_threads=handshake)
-            tdQsdQ.store(acc_dQ.load())
-            cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
-            cute.arch.barrier_arrive(barrier_id=DQ_FULL_FIRST + half, number_of_threads=handshake)
-        else:
-            issuer = cute.arch.make_warp_uniform((tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE) == 0
-            barrier_id = DQ_BARRIER_FIRST + half
-            if issuer:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce-add has read sdQ
-            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
-            tdQsdQ.store(acc_dQ.load())
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
-            if issuer:
-                self.add_dq(half, tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, head, batch, m_block, n_block)
+        handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
+        cute.arch.barrier(barrier_id=DQ_EMPTY_FIRST + half, number_of_threads=handshake)
+        tdQsdQ.store(acc_dQ.load())
+        cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_FIRST + half, number_of_threads=handshake)
 
     @cute.jit
     def write_dq(self, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
                  mSemaphore: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask,
                  blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, batch: Int32):
-        """The dQ writer warp (dq_writer_warp): per query block, as each consumer warpgroup's half of
+        """The dQ writer warp: per query block, as each consumer warpgroup's half of
         dQ lands in shared memory (DQ_FULL), one TMA reduce-add of it; the half's buffer is handed
         back (DQ_EMPTY) once the TMA has read it. Both buffers start free. The warp returns only once
         every reduce-add has read shared memory, which keeps the CTA (and sdQ) alive until then."""
