@@ -683,7 +683,7 @@ def parse_args(argv=None):
                    help="A/B our kernel with ForwardConfig overrides, e.g. "
                         "--variant cr:rescale_threshold=8.0 --variant nopp:pingpong=false (repeatable); with "
                         "--mode bwd, BackwardConfig overrides, e.g. --variant st3:num_stages=3, and ops.py "
-                        "switches, e.g. --variant pre:ops.PREPROCESS_KERNEL=true")
+                        "switches, e.g. --variant torchpre:ops.PREPROCESS_KERNEL=false")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing implementations")
     args = p.parse_args(argv)

@@ -329,8 +329,11 @@ def torch_backward_kernel(cfg, calls):
             q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
             if seqused_k is not None:
                 k1 = k0 + int(seqused_k[b])
-            if q1 == q0 or k1 == k0:
-                continue  # the kernel writes nothing there: the op's zeros stand
+            if k1 == k0:
+                continue  # no key to write (past seqused_k the op's zeros stand)
+            if q1 == q0:  # keys that no query sees: the kernel writes zero gradients
+                dk[k0:k1], dv[k0:k1] = 0, 0
+                continue
             r0 = (q0 + 3 * b) // 4 * 4  # the packed row layout, written out independently of seqlen.py
             assert r0 % 4 == 0 and r0 + q1 - q0 <= lse_log2.shape[-1]
             rows = slice(r0, r0 + q1 - q0)

@@ -35,8 +35,9 @@ import torch
 from . import compile_cache, dispatch, settings, validate
 from ._ops import add_op_namespace_prefix
 
-# Test hook: when True the op fills out with NaN and lse with +inf right after allocating them, so a
-# test can tell "the kernel wrote every element" from "torch.empty happened to hold the right bytes".
+# Test hook: when True the ops fill out with NaN and lse with +inf (forward), dk and dv with NaN
+# (backward) right after allocating them, so a test can tell "the kernel wrote every element" from
+# "torch.empty happened to hold the right bytes".
 # The tests set it with monkeypatch; nothing else should.
 _poison_outputs_for_tests = False
 
@@ -235,15 +236,20 @@ def bwd(
     max_seqlen_k: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of ``fwd`` (kernel call convention: BackwardConfig's docstring). The small
-    elementwise steps around the kernel (LSE in log2 units, rowsum(dout * out), the fp32 dQ
-    accumulator and its conversion) run in torch."""
+    """dq, dk, dv of ``fwd`` (kernel call convention: BackwardConfig's docstring): the
+    preprocessing kernel (LSE in log2 units, rowsum(dout * out)), the main kernel (dk, dv, and dQ
+    into a zeroed fp32 accumulator), the postprocessing kernel (dq in the input dtype)."""
     varlen = cu_seqlens_q is not None
-    # dK / dV start at zero: keys no query sees (past seqused_k, outside every window) get no write.
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    # The kernel writes dK / dV of every key of every sequence (zeros where no query sees the key),
+    # except keys past seqused_k, which must read 0.
+    alloc = torch.zeros if seqused_k is not None else torch.empty
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    if _poison_outputs_for_tests and seqused_k is None:  # what the kernel leaves unwritten shows up
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
     if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), dk, dv
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
     q, k, v, dout = (validate.kernel_layout(t) for t in (q, k, v, dout))
     cfg = dispatch.backward_config(
         dispatch.arch_for_device(q.device, kernel="backward"), dispatch.dtype_name(q.dtype), q.shape[-1],

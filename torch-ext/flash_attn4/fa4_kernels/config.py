@@ -94,7 +94,7 @@ class ForwardConfig(_KernelConfig):
     exp2_emulated_eighths: int = 0
     # O leaves through shared memory (stmatrix) and one TMA store per consumer warpgroup instead of
     # 32-bit global stores from the accumulator layout. Batched inputs only (a TMA box would write
-    # past a packed sequence's end). Not yet measured.
+    # past a packed sequence's end). dispatch turns it on where it measured faster (docs/perf.md).
     tma_store_o: bool = False
 
     def __post_init__(self):

@@ -7,9 +7,9 @@ which every KV tile contributes to, is reduced across CTAs.
 
     warp 0          producer   K_j and V_j once; then per (query head, query block i) Q_i, dO_i,
                                LSE_i and rowsum_i into a ``num_stages``-deep ring (TMA)
-    warp 1          dQ writer  per query block, one TMA reduce-add per consumer warpgroup's half of
-                               dQ into the fp32 dq_accum, as the halves land in shared memory; in
-                               deterministic mode in KV-tile order (a semaphore per block and half)
+    warp 1          dQ writer  per query block, one TMA reduce-add per consumer warpgroup's part of
+                               dQ into the fp32 dq_accum, as the parts land in shared memory; in
+                               deterministic mode in KV-tile order (a semaphore per block and part)
     warpgroups 1,2  consumers  64 keys each, in the transposed orientation (keys are the
                                accumulator rows), per query block of tile_m rows (64; 128 at d <= 64):
         S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
@@ -17,8 +17,9 @@ which every KV tile contributes to, is reduced across CTAs.
         dS^T = P^T * (dP^T - rowsum_i)            softcap: times 1 - tanh^2
         dV  += P^T dO_i                           P from registers, issued before the barrier
         dS^T -> shared memory (stmatrix), one barrier: the dQ GEMM needs both warpgroups' keys
-        dQ_i = dS K                               each warpgroup half of the head dim; issued
-                                                  before dK's so that its staging runs under dK
+        dQ_i = dS K                               each warpgroup its 64 rows (tile_m 128) or half
+                                                  of the head dim; issued before dK's GEMM so
+                                                  that its staging runs under dK
         dK  += dS^T Q_i                           dS from registers
         dQ_i -> shared memory -> the writer warp
 
@@ -32,7 +33,7 @@ registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer
 one 64-key tile. Each computes S^T and dP^T for its half of the query block's rows, writes its half
 of P^T and dS^T to shared memory, and after a barrier computes, over all queries, its half of the
 head dim of dV, dK and dQ (A operands from shared memory). One Q/dO stage above d = 192 (shared
-memory). Compiled without spills; not yet run on a GPU (ops.py keeps it switched off).
+memory).
 
 The caller computes LSE in log2 units and rowsum(dO * O) before, and dQ = dq_accum * softmax_scale
 after (ops.py). Call convention: BackwardConfig's docstring.
@@ -68,7 +69,7 @@ NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
 # Named barriers (0 is __syncthreads): the consumers' shared dS tile; then, per consumer
-# warpgroup, "its dQ half is staged" and "the writer warp has read it".
+# warpgroup, "its dQ part is staged" and "the writer warp has read it".
 DS_BARRIER = 1
 DQ_FULL_FIRST = 2
 DQ_EMPTY_FIRST = DQ_FULL_FIRST + NUM_CONSUMER_WARPGROUPS
@@ -92,6 +93,12 @@ class FlashAttentionBackwardSm90:
         self.split = cfg.split_head_dim
         self.num_stages = cfg.num_stages
         self.num_threads = WARPGROUP_THREADS * (1 + NUM_CONSUMER_WARPGROUPS)
+        # dQ_i = dS K comes in two parts, one per consumer warpgroup, staged and reduce-added
+        # separately: with 128-query blocks each warpgroup's 64 rows (a GEMM as wide as the head dim,
+        # reading only its own half of dS), else its half of the head dim.
+        self.dq_parts_m = self.tile_m // 64
+        self.dq_parts_n = NUM_CONSUMER_WARPGROUPS // self.dq_parts_m
+        self.dq_part = (self.tile_m // self.dq_parts_m, d // self.dq_parts_n)  # (rows, cols) of a part
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -148,11 +155,10 @@ class FlashAttentionBackwardSm90:
             tiled_mma_dk, tiled_mma_dv = [sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, MN_major, Float32,
                 atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, dim // wgs)) for dim in (d, dv)]
-        # dQ = dS K: the 64 query rows once, the head dim split between the two warpgroups; dS is
-        # read from its (keys, queries) tile, M-major.
+        # dQ = dS K, one part per warpgroup (__init__); dS is read from its (keys, queries) tile, M-major.
         tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN_major, MN_major, Float32,
-            atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, d // wgs))
+            atom_layout_mnk=(self.dq_parts_m, self.dq_parts_n, 1), tiler_mn=(64, self.dq_part[1]))
 
         # Q and dO are B operands split between the warpgroups by head dim when split (dK, dV); K is
         # always (the dQ GEMM): the swizzle atom must tile each half.
@@ -164,11 +170,8 @@ class FlashAttentionBackwardSm90:
         # (keys, queries), as computed; sP too. Unsplit: two buffers, alternating by query block.
         sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m, None if self.split else 2)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))  # LSE and rowsum per stage
-        # dQ staging: (query rows, d) fp32; the tile order keeps each warpgroup's half contiguous,
-        # one TMA box of dq_half_layout.
-        dq_half = d // wgs
-        sdQ_layout = smem_layout(Float32, self.tile_m, d, split=wgs)
-        dq_half_layout = smem_layout(Float32, self.tile_m, dq_half)
+        # dQ staging, fp32: one buffer per part (the last mode), each one TMA box.
+        sdQ_layout = smem_layout(Float32, *self.dq_part, wgs)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
@@ -182,7 +185,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(
             tma_load, mdPsum, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, dq_half_layout, (self.tile_m, dq_half))
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), self.dq_part)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
         self.tma_bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
                               + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
@@ -254,7 +257,7 @@ class FlashAttentionBackwardSm90:
         sP = sdS  # unused unless split
         if cutlass.const_expr(self.split):
             sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (rows, cols, part)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sdPsum = storage.sdPsum.get_tensor(sRow_layout)
 
@@ -343,8 +346,8 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def consume(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo, tiled_mma_sdp,
                 tiled_mma_dkv, tiled_mma_dv, tiled_mma_dq, mdK, mdV, seqlen: SeqlenInfo, mask: AttentionMask,
-                blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
-                score_prescale: Float32, scale_log2: Float32):
+                blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, head_kv: Int32, batch: Int32,
+                softmax_scale: Float32, score_prescale: Float32, scale_log2: Float32):
         """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (tiled_mma_dkv
         serves dK and dV, as d == dv; sP and tiled_mma_dv are unused)."""
         wg_first = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
@@ -402,8 +405,9 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def consume_split(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo,
                       tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, mdK, mdV, seqlen: SeqlenInfo,
-                      mask: AttentionMask, blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, head_kv: Int32, batch: Int32, softmax_scale: Float32,
-                      score_prescale: Float32, scale_log2: Float32):
+                      mask: AttentionMask, blocks: "QueryBlocks", num_steps: Int32, n_block: Int32,
+                      head_kv: Int32, batch: Int32, softmax_scale: Float32, score_prescale: Float32,
+                      scale_log2: Float32):
         """The split layout (head dims above 128, d != dv): both warpgroups work on the CTA's 64 keys.
         Each computes S^T and dP^T for half of the query block, writes its half of P^T and dS^T to
         shared memory, and then, over all queries, its half of the head dim of dV, dK and dQ."""
@@ -472,13 +476,20 @@ class FlashAttentionBackwardSm90:
                 cute.make_rmem_tensor(acc_shape, Float32), cute.make_rmem_tensor(acc_shape, Float32))
 
     def dq_operands(self, tiled_mma_dq: cute.TiledMma, tidx, sdS, sK, sdQ):
-        """dQ = dS K, this warpgroup's half of the head dim: A = dS (queries x keys) and B = K^T, both
-        transposed views; the accumulator shape and this thread's part of the dQ staging tile."""
+        """dQ = dS K, this warpgroup's part: A = dS (queries x keys) and B = K^T, both transposed
+        views; the accumulator shape and this thread's elements of the dQ staging buffers."""
         wg = tiled_mma_dq.get_slice((tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS)
         thr = tiled_mma_dq.get_slice(tidx)
+        # The staging buffers seen as one (tile_m, d) block: the part index extends the rows or the
+        # columns.
+        if cutlass.const_expr(self.dq_parts_m > 1):
+            rows_by_part = cute.make_tensor(sdQ.iterator, cute.select(sdQ.layout, mode=[0, 2, 1]))
+            sdQ_block = cute.group_modes(rows_by_part, 0, 2)
+        else:
+            sdQ_block = cute.group_modes(sdQ, 1, 3)
         return (wg.make_fragment_A(wg.partition_A(transpose_view(sdS))),
                 wg.make_fragment_B(wg.partition_B(transpose_view(sK))),
-                thr.partition_shape_C((self.tile_m, self.hdim)), thr.partition_C(sdQ))
+                thr.partition_shape_C((self.tile_m, self.hdim)), thr.partition_C(sdQ_block))
 
     @cute.jit
     def finish(self, tidx, pipe_kv, kv_state, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor,
@@ -500,25 +511,42 @@ class FlashAttentionBackwardSm90:
         stage = state.index
         pipe_qdo.consumer_wait(state)
         self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
+        # LSE and rowsum into registers under the GEMMs where registers allow: 128-query blocks
+        # would spill, and read them from shared memory as each column needs them.
+        sLSE, sdPsum = sLSE[None, stage], sdPsum[None, stage]
+        rLSE = rdPsum = None
+        if cutlass.const_expr(self.tile_m == 64):
+            rLSE = self.per_query(tScS, sLSE)
         warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
         # Most blocks need no element-wise mask: only those on a mask edge or the sequence's end pay.
         if mask.block_is_full(seqlen, m_block, n_block):
-            self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
-                               score_prescale, scale_log2, masked=False)
+            self.probabilities(acc_S, rP, tScS, sLSE, rLSE, seqlen, mask, m_block, n_block, score_prescale,
+                               scale_log2, masked=False)
         else:
-            self.probabilities(acc_S, rP, tScS, sLSE[None, stage], seqlen, mask, m_block, n_block,
-                               score_prescale, scale_log2, masked=True)
+            self.probabilities(acc_S, rP, tScS, sLSE, rLSE, seqlen, mask, m_block, n_block, score_prescale,
+                               scale_log2, masked=True)
+        if cutlass.const_expr(self.tile_m == 64):
+            rdPsum = self.per_query(tScS, sdPsum)
         warpgroup.wait_group(0)  # dP^T is in
-        self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum[None, stage])
+        self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum, rdPsum)
+
+    @cute.jit
+    def per_query(self, tScS: cute.Tensor, sRow: cute.Tensor) -> cute.Tensor:
+        """A per-query row (LSE or rowsum, in shared memory) at this thread's score columns, in
+        registers."""
+        values = cute.make_rmem_tensor((cute.size(tScS, mode=[1]),), Float32)
+        for c in cutlass.range_constexpr(cute.size(tScS, mode=[1])):
+            values[c] = sRow[tScS[0, c][1]]
+        return values
 
     @cute.jit
     def score_gradients(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, rdS: cute.Tensor, tScS: cute.Tensor,
-                        sdPsum: cute.Tensor):
+                        sdPsum: cute.Tensor, rdPsum: Optional[cute.Tensor]):
         """dS^T = acc_S * (dP^T - rowsum) without the softmax scale (dK's epilogue applies it): into
         acc_dP in fp32 and rdS in the input dtype."""
         dS_rows, dP_rows = acc_rows_view(acc_S), acc_rows_view(acc_dP)
         for c in cutlass.range_constexpr(cute.size(dP_rows, mode=[1])):
-            dpsum = sdPsum[tScS[0, c][1]]
+            dpsum = rdPsum[c] if cutlass.const_expr(rdPsum is not None) else sdPsum[tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
                 dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)
         rdS.store(acc_dP.load().to(self.dtype))
@@ -533,11 +561,13 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
-                      seqlen: SeqlenInfo, mask: AttentionMask, m_block: Int32, n_block: Int32,
-                      score_prescale: Float32, scale_log2: Float32, masked: cutlass.Constexpr[bool]):
-        """P^T from S^T; with ``masked``, entries the mask hides and rows past the sequence 0. rP gets
-        P in the input dtype (the dV GEMM operand); acc_S keeps, in fp32, what dS^T = acc_S * (dP^T -
-        rowsum) needs: P, or P * (1 - tanh^2) under softcap."""
+                      rLSE: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask, m_block: Int32,
+                      n_block: Int32, score_prescale: Float32, scale_log2: Float32,
+                      masked: cutlass.Constexpr[bool]):
+        """P^T from S^T (the LSE from rLSE, if given, else from sLSE); with ``masked``, entries the
+        mask hides and rows past the sequence 0. rP gets P in the input dtype (the dV GEMM operand);
+        acc_S keeps, in fp32, what dS^T = acc_S * (dP^T - rowsum) needs: P, or P * (1 - tanh^2)
+        under softcap."""
         s_rows = acc_rows_view(acc_S)
         p_rows = acc_rows_view(rP)
         for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
@@ -547,7 +577,7 @@ class FlashAttentionBackwardSm90:
                 lo, hi = mask.key_bounds(seqlen, row, n_block)
                 if row >= seqlen.seqlen_q:
                     hi = lo  # no key
-            lse = sLSE[query]
+            lse = rLSE[c] if cutlass.const_expr(rLSE is not None) else sLSE[query]
             for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
                 key = tScS[r, 0][0]
                 score = s_rows[r, c]
@@ -567,53 +597,51 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def stage_dq(self, tidx, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor):
-        """This warpgroup's half of the KV tile's dQ (unscaled) into its shared-memory buffer, once
+        """This warpgroup's part of the KV tile's dQ (unscaled) into its shared-memory buffer, once
         the writer warp has read the previous one, and signalled to the writer warp (write_dq)."""
-        half = tidx // WARPGROUP_THREADS
+        part = tidx // WARPGROUP_THREADS
         handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
-        cute.arch.barrier(barrier_id=DQ_EMPTY_FIRST + half, number_of_threads=handshake)
+        cute.arch.barrier(barrier_id=DQ_EMPTY_FIRST + part, number_of_threads=handshake)
         tdQsdQ.store(acc_dQ.load())
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL_FIRST + half, number_of_threads=handshake)
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_FIRST + part, number_of_threads=handshake)
 
     @cute.jit
     def write_dq(self, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
                  mSemaphore: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask,
                  blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, batch: Int32):
-        """The dQ writer warp: per query block, as each consumer warpgroup's half of
-        dQ lands in shared memory (DQ_FULL), one TMA reduce-add of it; the half's buffer is handed
-        back (DQ_EMPTY) once the TMA has read it. Both buffers start free. The warp returns only once
+        """The dQ writer warp: per query block, as each consumer warpgroup's part of dQ lands in
+        shared memory (DQ_FULL), one TMA reduce-add of it; the part's buffer is handed back
+        (DQ_EMPTY) once the TMA has read it. Both buffers start free. The warp returns only once
         every reduce-add has read shared memory, which keeps the CTA (and sdQ) alive until then."""
         handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
         if num_steps > 0:  # arrivals match the consumers' waits one for one
-            for half in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + half, number_of_threads=handshake)
+            for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + part, number_of_threads=handshake)
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = blocks.at(step)
-            for half in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
-                cute.arch.barrier(barrier_id=DQ_FULL_FIRST + half, number_of_threads=handshake)
-                self.add_dq(half, tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, head, batch, m_block, n_block)
-            for half in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
-                # Bulk groups complete in order: this half's reduce-add has read its buffer.
-                cute.arch.cp_async_bulk_wait_group(NUM_CONSUMER_WARPGROUPS - 1 - half, read=True)
+            for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
+                cute.arch.barrier(barrier_id=DQ_FULL_FIRST + part, number_of_threads=handshake)
+                self.add_dq(part, tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, head, batch, m_block, n_block)
+            for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
+                # Bulk groups complete in order: this part's reduce-add has read its buffer.
+                cute.arch.cp_async_bulk_wait_group(NUM_CONSUMER_WARPGROUPS - 1 - part, read=True)
                 if step + 1 < num_steps:  # no consumer waits after the last block
-                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + half, number_of_threads=handshake)
+                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + part, number_of_threads=handshake)
 
     @cute.jit
-    def add_dq(self, half, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
+    def add_dq(self, part, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
                mSemaphore: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask, head: Int32,
                batch: Int32, m_block: Int32, n_block: Int32):
-        """One TMA reduce-add of the staged dQ half ``half`` into dq_accum, issued by the calling warp
+        """One TMA reduce-add of the staged dQ part ``part`` into dq_accum, issued by the calling warp
         (TMA copies are warp-collective: one lane is elected inside) and committed as a bulk group."""
-        dq_half = self.hdim // NUM_CONSUMER_WARPGROUPS
-        gdQ = cute.local_tile(head_rows(mdQacc, seqlen.offset_q, head, batch, self.cfg.varlen),
-                              (self.tile_m, dq_half), (m_block, half))
-        s_half = cute.local_tile(sdQ, (self.tile_m, dq_half), (0, half))
-        t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, s_half, gdQ)
+        tile = (m_block * self.dq_parts_m + part // self.dq_parts_n, part % self.dq_parts_n)
+        gdQ = cute.local_tile(head_rows(mdQacc, seqlen.offset_q, head, batch, self.cfg.varlen), self.dq_part, tile)
+        t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, sdQ[None, None, part], gdQ)
         if cutlass.const_expr(self.cfg.deterministic):
-            # Reduce-adds into one (query block, half) happen in KV-tile order: wait for the
+            # Reduce-adds into one (query block, part) happen in KV-tile order: wait for the
             # tiles before this one, add, and count this one once its add has landed.
-            lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block, half), mSemaphore.layout)
+            lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block, part), mSemaphore.layout)
             n_block_first, _ = mask.n_block_range(seqlen, m_block)
             done = Int32(-1)
             while done != n_block - n_block_first:
