@@ -249,17 +249,18 @@ class FlashAttentionBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sP = sdS  # unused unless split
         if cutlass.const_expr(self.split):
             sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (rows, cols, part)
-        sLSE = storage.sLSE.get_tensor(sRow_layout)
-        sdPsum = storage.sdPsum.get_tensor(sRow_layout)
+        smem = SharedTiles(
+            q=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            do=storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
+            k=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            v=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
+            p=sP, ds=sdS,
+            dq=storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),
+            lse=storage.sLSE.get_tensor(sRow_layout), dpsum=storage.sdPsum.get_tensor(sRow_layout))
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(
@@ -282,39 +283,35 @@ class FlashAttentionBackwardSm90:
             m_block_min, m_block_max = mask.m_block_range(seqlen, n_block)
             blocks = QueryBlocks(head_kv * qhead_per_kvhead, m_block_min,
                                  cutlass.max(m_block_max - m_block_min, 0))
-            num_steps = blocks.per_head * qhead_per_kvhead
+            work = TileWork(seqlen, mask, blocks, blocks.per_head * qhead_per_kvhead, n_block, head_kv, batch)
 
             warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
             if warpgroup_idx == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
                 if warp_idx == 1:
-                    self.write_dq(tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, blocks, num_steps,
-                                  n_block, batch)
+                    self.write_dq(tma_atom_dQ, smem.dq, mdQacc, mSemaphore, work)
                 if warp_idx == 0:
                     self.produce(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
-                                 tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
-                                 pipe_kv, pipe_qdo, seqlen, blocks, num_steps, n_block, head_kv, batch)
+                                 tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, smem, pipe_kv, pipe_qdo, work)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
                 consume = self.consume_split if cutlass.const_expr(self.split) else self.consume
-                consume(tidx - WARPGROUP_THREADS, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum,
-                        pipe_kv, pipe_qdo, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-                        mdK, mdV, seqlen, mask, blocks, num_steps, n_block, head_kv, batch, softmax_scale,
-                        score_prescale, scale_log2)
+                consume(tidx - WARPGROUP_THREADS, smem, Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq),
+                        pipe_kv, pipe_qdo, mdK, mdV, work, Scales(softmax_scale, score_prescale, scale_log2))
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
-                tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
-                pipe_kv, pipe_qdo, seqlen: SeqlenInfo, blocks: "QueryBlocks", num_steps: Int32,
-                n_block: Int32, head_kv: Int32, batch: Int32):
+                tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, smem: "SharedTiles", pipe_kv, pipe_qdo,
+                work: "TileWork"):
         varlen = self.cfg.varlen
+        seqlen, n_block, head_kv, batch = work.seqlen, work.n_block, work.head_kv, work.batch
         gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen),
                              (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, varlen),
                              (self.tile_n, self.hdim_v), (n_block, 0))
-        tKsK, tKgK = tma_partition_tile(tma_atom_K, sK, gK)
-        tVsV, tVgV = tma_partition_tile(tma_atom_V, sV, gV)
+        tKsK, tKgK = tma_partition_tile(tma_atom_K, smem.k, gK)
+        tVsV, tVgV = tma_partition_tile(tma_atom_V, smem.v, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
@@ -324,8 +321,8 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(varlen):
             rows_offset = packed_row_offset(seqlen.offset_q, batch)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for step in cutlass.range(num_steps, unroll=1):
-            head, m_block = blocks.at(step)
+        for step in cutlass.range(work.num_steps, unroll=1):
+            head, m_block = work.blocks.at(step)
             rows = (self.tile_m,)
             gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, varlen), (self.tile_m, self.hdim),
                                  (m_block, 0))
@@ -335,51 +332,48 @@ class FlashAttentionBackwardSm90:
             gdPsum = cute.local_tile(head_rows(mdPsum, rows_offset, head, batch, varlen), rows, (m_block,))
             pipe_qdo.producer_acquire(state)
             barrier = pipe_qdo.producer_get_barrier(state)
-            for atom, smem, gmem, box_rank in ((tma_atom_Q, sQ, gQ, 2), (tma_atom_dO, sdO, gdO, 2),
-                                               (tma_atom_LSE, sLSE, gLSE, 1),
-                                               (tma_atom_dPsum, sdPsum, gdPsum, 1)):
-                t_smem, t_gmem = tma_partition_tile(atom, smem, gmem, box_rank)
+            for atom, tile, gmem, box_rank in ((tma_atom_Q, smem.q, gQ, 2), (tma_atom_dO, smem.do, gdO, 2),
+                                               (tma_atom_LSE, smem.lse, gLSE, 1),
+                                               (tma_atom_dPsum, smem.dpsum, gdPsum, 1)):
+                t_smem, t_gmem = tma_partition_tile(atom, tile, gmem, box_rank)
                 cute.copy(atom, t_gmem, t_smem[None, state.index], tma_bar_ptr=barrier)
             state = advanced(state)
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo, tiled_mma_sdp,
-                tiled_mma_dkv, tiled_mma_dv, tiled_mma_dq, mdK, mdV, seqlen: SeqlenInfo, mask: AttentionMask,
-                blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, head_kv: Int32, batch: Int32,
-                softmax_scale: Float32, score_prescale: Float32, scale_log2: Float32):
-        """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (tiled_mma_dkv
-        serves dK and dV, as d == dv; sP and tiled_mma_dv are unused)."""
+    def consume(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, mdK: cute.Tensor,
+                mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
+        """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (mmas.dk serves dK
+        and dV, as d == dv; smem.p and mmas.dv are unused)."""
+        tiled_mma_dkv = mmas.dk
         wg_first = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
         wg_dkv, thr_dkv = tiled_mma_dkv.get_slice(wg_first), tiled_mma_dkv.get_slice(tidx)
-        tSrK, tSrQ, tPrV, tPrdO, tScS, acc_S, acc_dP = self.score_operands(tiled_mma_sdp, tidx, sK, sQ, sV, sdO)
-        tQrdS, tQrKt, acc_dq_shape, tdQsdQ = self.dq_operands(tiled_mma_dq, tidx, sdS, sK, sdQ)
+        scores = self.score_operands(mmas.sdp, tidx, smem)
+        tQrdS, tQrKt, acc_dq_shape, tdQsdQ = self.dq_operands(mmas.dq, tidx, smem)
         # dV += P^T dO, dK += dS^T Q: A = P^T / dS^T from registers, B = dO^T / Q^T (d x queries),
         # N-major views.
-        tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
-        tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(smem.do)))
+        tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(smem.q)))
         acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.hdim)))
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.hdim)))
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
-        rdS = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+        rP = cute.make_rmem_tensor(scores.acc_s.shape, self.dtype)
+        rdS = cute.make_rmem_tensor(scores.acc_s.shape, self.dtype)
         # dS leaves the registers as 8x8 matrices (stmatrix.x4): 4 stores per 64 values.
         store_ds = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_sdp).get_slice(tidx)
-        tdSsdS, tdSrdS = store_ds.partition_D(sdS), store_ds.retile(rdS)
+            mmas.sdp).get_slice(tidx)
+        tdSsdS, tdSrdS = store_ds.partition_D(smem.ds), store_ds.retile(rdS)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for step in cutlass.range(num_steps, unroll=1):
-            _, m_block = blocks.at(step)
+        for step in cutlass.range(work.num_steps, unroll=1):
+            _, m_block = work.blocks.at(step)
             stage = state.index
-            self.scores_and_gradients(pipe_qdo, state, tiled_mma_sdp, acc_S, acc_dP, rP, rdS, tSrK, tSrQ, tPrV,
-                                      tPrdO, tScS, sLSE, sdPsum, seqlen, mask, m_block, n_block,
-                                      score_prescale, scale_log2)
+            self.scores_and_gradients(pipe_qdo, state, mmas.sdp, scores, rP, rdS, smem, work, m_block, scales)
             wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage], zero_init=False)
 
             # dQ needs every key of the tile: both warpgroups' dS go through shared memory, into
@@ -390,7 +384,7 @@ class FlashAttentionBackwardSm90:
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buffer], tQrKt, zero_init=True)
+            wgmma(mmas.dq, acc_dQ, tQrdS[None, None, None, buffer], tQrKt, zero_init=True)
             # dK after dQ: dQ's staging for the writer warp runs while dK's GEMM does.
             wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage], zero_init=False)
             warpgroup.wait_group(1)  # dV and dQ done
@@ -399,50 +393,44 @@ class FlashAttentionBackwardSm90:
             pipe_qdo.consumer_release(state)
             state = advanced(state)
 
-        self.finish(tidx, pipe_kv, kv_state, thr_dkv, acc_dK, thr_dkv, acc_dV, mdK, mdV, seqlen, n_block,
-                    head_kv, batch, softmax_scale)
+        self.finish(pipe_kv, kv_state, thr_dkv, acc_dK, thr_dkv, acc_dV, mdK, mdV, work, scales)
 
     @cute.jit
-    def consume_split(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sdPsum, pipe_kv, pipe_qdo,
-                      tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, mdK, mdV, seqlen: SeqlenInfo,
-                      mask: AttentionMask, blocks: "QueryBlocks", num_steps: Int32, n_block: Int32,
-                      head_kv: Int32, batch: Int32, softmax_scale: Float32, score_prescale: Float32,
-                      scale_log2: Float32):
+    def consume_split(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, mdK: cute.Tensor,
+                      mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
         """The split layout (head dims above 128, d != dv): both warpgroups work on the CTA's 64 keys.
         Each computes S^T and dP^T for half of the query block, writes its half of P^T and dS^T to
         shared memory, and then, over all queries, its half of the head dim of dV, dK and dQ."""
         wg_first = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
-        wg_dk, thr_dk = tiled_mma_dk.get_slice(wg_first), tiled_mma_dk.get_slice(tidx)
-        wg_dv, thr_dv = tiled_mma_dv.get_slice(wg_first), tiled_mma_dv.get_slice(tidx)
+        wg_dk, thr_dk = mmas.dk.get_slice(wg_first), mmas.dk.get_slice(tidx)
+        wg_dv, thr_dv = mmas.dv.get_slice(wg_first), mmas.dv.get_slice(tidx)
         # S^T and dP^T: this warpgroup's half of the query rows (the tiled MMA splits N).
-        tSrK, tSrQ, tPrV, tPrdO, tScS, acc_S, acc_dP = self.score_operands(tiled_mma_sdp, tidx, sK, sQ, sV, sdO)
-        tQrdS, tQrKt, acc_dq_shape, tdQsdQ = self.dq_operands(tiled_mma_dq, tidx, sdS, sK, sdQ)
+        scores = self.score_operands(mmas.sdp, tidx, smem)
+        tQrdS, tQrKt, acc_dq_shape, tdQsdQ = self.dq_operands(mmas.dq, tidx, smem)
         # dV += P^T dO, dK += dS^T Q: A = P^T / dS^T (keys x all queries) from shared memory, B =
         # this warpgroup's head-dim half of dO^T / Q^T.
-        tVrP = wg_dv.make_fragment_A(wg_dv.partition_A(sP))
-        tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
-        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(sdS))
-        tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
+        tVrP = wg_dv.make_fragment_A(wg_dv.partition_A(smem.p))
+        tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(smem.do)))
+        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(smem.ds))
+        tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(smem.q)))
         acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.hdim)))
         acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.hdim_v)))
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        tdSsdS, tPsP = thr_sdp.partition_C(sdS), thr_sdp.partition_C(sP)
-        rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
-        rdS = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+        thr_sdp = mmas.sdp.get_slice(tidx)
+        tdSsdS, tPsP = thr_sdp.partition_C(smem.ds), thr_sdp.partition_C(smem.p)
+        rP = cute.make_rmem_tensor(scores.acc_s.shape, self.dtype)
+        rdS = cute.make_rmem_tensor(scores.acc_s.shape, self.dtype)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         all_consumers = NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS
-        for step in cutlass.range(num_steps, unroll=1):
-            _, m_block = blocks.at(step)
+        for step in cutlass.range(work.num_steps, unroll=1):
+            _, m_block = work.blocks.at(step)
             stage = state.index
-            self.scores_and_gradients(pipe_qdo, state, tiled_mma_sdp, acc_S, acc_dP, rP, rdS, tSrK, tSrQ, tPrV,
-                                      tPrdO, tScS, sLSE, sdPsum, seqlen, mask, m_block, n_block,
-                                      score_prescale, scale_log2)
+            self.scores_and_gradients(pipe_qdo, state, mmas.sdp, scores, rP, rdS, smem, work, m_block, scales)
 
             # The first barrier: the other warpgroup's GEMMs of the previous block have read sP and sdS.
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=all_consumers)
@@ -450,32 +438,31 @@ class FlashAttentionBackwardSm90:
             tdSsdS.store(rdS.load())
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=all_consumers)
-            wgmma(tiled_mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, stage], zero_init=False)
-            wgmma(tiled_mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, stage], zero_init=False)
+            wgmma(mmas.dv, acc_dV, tVrP, tVrdOt[None, None, None, stage], zero_init=False)
+            wgmma(mmas.dk, acc_dK, tKrdS, tKrQt[None, None, None, stage], zero_init=False)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True)
+            wgmma(mmas.dq, acc_dQ, tQrdS, tQrKt, zero_init=True)
             warpgroup.wait_group(0)  # the stage, sP and sdS are free (for this warpgroup)
             pipe_qdo.consumer_release(state)
             state = advanced(state)
             self.stage_dq(tidx, acc_dQ, tdQsdQ)
 
-        self.finish(tidx, pipe_kv, kv_state, thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, seqlen, n_block,
-                    head_kv, batch, softmax_scale)
+        self.finish(pipe_kv, kv_state, thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, work, scales)
 
     # ---- pieces both consumer layouts use ----------------------------------------------------------
-    def score_operands(self, tiled_mma_sdp: cute.TiledMma, tidx, sK, sQ, sV, sdO):
-        """S^T = K Q^T and dP^T = V dO^T for this thread's warpgroup: the A (K, V) and B (Q, dO; last
-        mode the stage) fragments, the (key, query) coordinate of each accumulator element, and the
-        two fp32 accumulators."""
+    def score_operands(self, tiled_mma_sdp: cute.TiledMma, tidx, smem: "SharedTiles") -> "ScoreOperands":
+        """S^T = K Q^T and dP^T = V dO^T for this thread's warpgroup."""
         wg = tiled_mma_sdp.get_slice((tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS)
         thr = tiled_mma_sdp.get_slice(tidx)
         acc_shape = thr.partition_shape_C((self.tile_n, self.tile_m))
         tScS = acc_rows_view(thr.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
-        return (wg.make_fragment_A(wg.partition_A(sK)), wg.make_fragment_B(wg.partition_B(sQ)),
-                wg.make_fragment_A(wg.partition_A(sV)), wg.make_fragment_B(wg.partition_B(sdO)), tScS,
-                cute.make_rmem_tensor(acc_shape, Float32), cute.make_rmem_tensor(acc_shape, Float32))
+        return ScoreOperands(
+            k=wg.make_fragment_A(wg.partition_A(smem.k)), q=wg.make_fragment_B(wg.partition_B(smem.q)),
+            v=wg.make_fragment_A(wg.partition_A(smem.v)), do=wg.make_fragment_B(wg.partition_B(smem.do)),
+            coords=tScS, acc_s=cute.make_rmem_tensor(acc_shape, Float32),
+            acc_dp=cute.make_rmem_tensor(acc_shape, Float32))
 
-    def dq_operands(self, tiled_mma_dq: cute.TiledMma, tidx, sdS, sK, sdQ):
+    def dq_operands(self, tiled_mma_dq: cute.TiledMma, tidx, smem: "SharedTiles"):
         """dQ = dS K, this warpgroup's part: A = dS (queries x keys) and B = K^T, both transposed
         views; the accumulator shape and this thread's elements of the dQ staging buffers."""
         wg = tiled_mma_dq.get_slice((tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS)
@@ -483,52 +470,47 @@ class FlashAttentionBackwardSm90:
         # The staging buffers seen as one (tile_m, d) block: the part index extends the rows or the
         # columns.
         if cutlass.const_expr(self.dq_parts_m > 1):
-            rows_by_part = cute.make_tensor(sdQ.iterator, cute.select(sdQ.layout, mode=[0, 2, 1]))
+            rows_by_part = cute.make_tensor(smem.dq.iterator, cute.select(smem.dq.layout, mode=[0, 2, 1]))
             sdQ_block = cute.group_modes(rows_by_part, 0, 2)
         else:
-            sdQ_block = cute.group_modes(sdQ, 1, 3)
-        return (wg.make_fragment_A(wg.partition_A(transpose_view(sdS))),
-                wg.make_fragment_B(wg.partition_B(transpose_view(sK))),
+            sdQ_block = cute.group_modes(smem.dq, 1, 3)
+        return (wg.make_fragment_A(wg.partition_A(transpose_view(smem.ds))),
+                wg.make_fragment_B(wg.partition_B(transpose_view(smem.k))),
                 thr.partition_shape_C((self.tile_m, self.hdim)), thr.partition_C(sdQ_block))
 
     @cute.jit
-    def finish(self, tidx, pipe_kv, kv_state, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor,
-               mdK: cute.Tensor, mdV: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32, head_kv: Int32,
-               batch: Int32, softmax_scale: Float32):
+    def finish(self, pipe_kv, kv_state, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
         """After the last query block: K/V released, dK and dV written (the writer warp keeps the
         CTA, and so sdQ, alive until its last reduce-add has read it)."""
         pipe_kv.consumer_release(kv_state)
-        self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, seqlen, n_block, head_kv, batch, softmax_scale)
+        self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, work, scales.softmax)
 
     @cute.jit
-    def scores_and_gradients(self, pipe_qdo, state, tiled_mma_sdp: cute.TiledMma, acc_S: cute.Tensor,
-                             acc_dP: cute.Tensor, rP: cute.Tensor, rdS: cute.Tensor, tSrK: cute.Tensor,
-                             tSrQ: cute.Tensor, tPrV: cute.Tensor, tPrdO: cute.Tensor, tScS: cute.Tensor,
-                             sLSE: cute.Tensor, sdPsum: cute.Tensor, seqlen: SeqlenInfo, mask: AttentionMask,
-                             m_block: Int32, n_block: Int32, score_prescale: Float32, scale_log2: Float32):
+    def scores_and_gradients(self, pipe_qdo, state, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands",
+                             rP: cute.Tensor, rdS: cute.Tensor, smem: "SharedTiles", work: "TileWork",
+                             m_block: Int32, scales: "Scales"):
         """The first half of a step, the same in both layouts: once the query block's stage has
-        landed, S^T and dP^T, then P^T (rP, and acc_S) while dP^T still runs, then dS^T (rdS)."""
+        landed, S^T and dP^T, then P^T (rP, and scores.acc_s) while dP^T still runs, then dS^T (rdS)."""
         stage = state.index
         pipe_qdo.consumer_wait(state)
-        self.issue_scores(tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, stage)
+        self.issue_scores(tiled_mma_sdp, scores, stage)
         # LSE and rowsum into registers under the GEMMs where registers allow: 128-query blocks
         # would spill, and read them from shared memory as each column needs them.
-        sLSE, sdPsum = sLSE[None, stage], sdPsum[None, stage]
+        sLSE, sdPsum = smem.lse[None, stage], smem.dpsum[None, stage]
         rLSE = rdPsum = None
         if cutlass.const_expr(self.tile_m == 64):
-            rLSE = self.per_query(tScS, sLSE)
+            rLSE = self.per_query(scores.coords, sLSE)
         warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
         # Most blocks need no element-wise mask: only those on a mask edge or the sequence's end pay.
-        if mask.block_is_full(seqlen, m_block, n_block):
-            self.probabilities(acc_S, rP, tScS, sLSE, rLSE, seqlen, mask, m_block, n_block, score_prescale,
-                               scale_log2, masked=False)
+        if work.mask.block_is_full(work.seqlen, m_block, work.n_block):
+            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, masked=False)
         else:
-            self.probabilities(acc_S, rP, tScS, sLSE, rLSE, seqlen, mask, m_block, n_block, score_prescale,
-                               scale_log2, masked=True)
+            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, masked=True)
         if cutlass.const_expr(self.tile_m == 64):
-            rdPsum = self.per_query(tScS, sdPsum)
+            rdPsum = self.per_query(scores.coords, sdPsum)
         warpgroup.wait_group(0)  # dP^T is in
-        self.score_gradients(acc_S, acc_dP, rdS, tScS, sdPsum, rdPsum)
+        self.score_gradients(scores, rdS, sdPsum, rdPsum)
 
     @cute.jit
     def per_query(self, tScS: cute.Tensor, sRow: cute.Tensor) -> cute.Tensor:
@@ -540,41 +522,41 @@ class FlashAttentionBackwardSm90:
         return values
 
     @cute.jit
-    def score_gradients(self, acc_S: cute.Tensor, acc_dP: cute.Tensor, rdS: cute.Tensor, tScS: cute.Tensor,
-                        sdPsum: cute.Tensor, rdPsum: Optional[cute.Tensor]):
-        """dS^T = acc_S * (dP^T - rowsum) without the softmax scale (dK's epilogue applies it): into
-        acc_dP in fp32 and rdS in the input dtype."""
-        dS_rows, dP_rows = acc_rows_view(acc_S), acc_rows_view(acc_dP)
+    def score_gradients(self, scores: "ScoreOperands", rdS: cute.Tensor, sdPsum: cute.Tensor,
+                        rdPsum: Optional[cute.Tensor]):
+        """dS^T = acc_s * (dP^T - rowsum) without the softmax scale (dK's epilogue applies it): into
+        acc_dp in fp32 and rdS in the input dtype (the rowsum from rdPsum, if given, else sdPsum)."""
+        tScS = scores.coords
+        dS_rows, dP_rows = acc_rows_view(scores.acc_s), acc_rows_view(scores.acc_dp)
         for c in cutlass.range_constexpr(cute.size(dP_rows, mode=[1])):
             dpsum = rdPsum[c] if cutlass.const_expr(rdPsum is not None) else sdPsum[tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
                 dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)
-        rdS.store(acc_dP.load().to(self.dtype))
+        rdS.store(scores.acc_dp.load().to(self.dtype))
 
     @cute.jit
-    def issue_scores(self, tiled_mma_sdp: cute.TiledMma, acc_S: cute.Tensor, acc_dP: cute.Tensor,
-                     tSrK: cute.Tensor, tSrQ: cute.Tensor, tPrV: cute.Tensor, tPrdO: cute.Tensor, stage: Int32):
+    def issue_scores(self, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands", stage: Int32):
         """S^T = K Q^T and dP^T = V dO^T of the query block in ``stage``, as two WGMMA groups (S^T
         first, so that it can be waited for alone)."""
-        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-        wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], zero_init=True)
+        wgmma(tiled_mma_sdp, scores.acc_s, scores.k, scores.q[None, None, None, stage], zero_init=True)
+        wgmma(tiled_mma_sdp, scores.acc_dp, scores.v, scores.do[None, None, None, stage], zero_init=True)
 
     @cute.jit
-    def probabilities(self, acc_S: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor, sLSE: cute.Tensor,
-                      rLSE: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask, m_block: Int32,
-                      n_block: Int32, score_prescale: Float32, scale_log2: Float32,
+    def probabilities(self, scores: "ScoreOperands", rP: cute.Tensor, sLSE: cute.Tensor,
+                      rLSE: Optional[cute.Tensor], work: "TileWork", m_block: Int32, scales: "Scales",
                       masked: cutlass.Constexpr[bool]):
         """P^T from S^T (the LSE from rLSE, if given, else from sLSE); with ``masked``, entries the
         mask hides and rows past the sequence 0. rP gets P in the input dtype (the dV GEMM operand);
-        acc_S keeps, in fp32, what dS^T = acc_S * (dP^T - rowsum) needs: P, or P * (1 - tanh^2)
-        under softcap."""
-        s_rows = acc_rows_view(acc_S)
+        scores.acc_s keeps, in fp32, what dS^T = acc_s * (dP^T - rowsum) needs: P, or P * (1 -
+        tanh^2) under softcap."""
+        tScS, seqlen = scores.coords, work.seqlen
+        s_rows = acc_rows_view(scores.acc_s)
         p_rows = acc_rows_view(rP)
         for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
             query = tScS[0, c][1]
             if cutlass.const_expr(masked):
                 row = m_block * self.tile_m + query
-                lo, hi = mask.key_bounds(seqlen, row, n_block)
+                lo, hi = work.mask.key_bounds(seqlen, row, work.n_block)
                 if row >= seqlen.seqlen_q:
                     hi = lo  # no key
             lse = rLSE[c] if cutlass.const_expr(rLSE is not None) else sLSE[query]
@@ -582,8 +564,8 @@ class FlashAttentionBackwardSm90:
                 key = tScS[r, 0][0]
                 score = s_rows[r, c]
                 if cutlass.const_expr(self.cfg.has_softcap):
-                    score = cute.math.tanh(score * score_prescale, fastmath=True)
-                p = cute.math.exp2(score * scale_log2 - lse, fastmath=True)
+                    score = cute.math.tanh(score * scales.score, fastmath=True)
+                p = cute.math.exp2(score * scales.log2 - lse, fastmath=True)
                 if cutlass.const_expr(masked):
                     if key >= hi or key < lo:
                         p = Float32(0.0)
@@ -593,7 +575,7 @@ class FlashAttentionBackwardSm90:
                 else:
                     s_rows[r, c] = p
         if cutlass.const_expr(not self.cfg.has_softcap):
-            rP.store(acc_S.load().to(self.dtype))
+            rP.store(scores.acc_s.load().to(self.dtype))
 
     @cute.jit
     def stage_dq(self, tidx, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor):
@@ -608,21 +590,21 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def write_dq(self, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
-                 mSemaphore: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask,
-                 blocks: "QueryBlocks", num_steps: Int32, n_block: Int32, batch: Int32):
+                 mSemaphore: Optional[cute.Tensor], work: "TileWork"):
         """The dQ writer warp: per query block, as each consumer warpgroup's part of dQ lands in
         shared memory (DQ_FULL), one TMA reduce-add of it; the part's buffer is handed back
         (DQ_EMPTY) once the TMA has read it. Both buffers start free. The warp returns only once
         every reduce-add has read shared memory, which keeps the CTA (and sdQ) alive until then."""
         handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
+        num_steps = work.num_steps
         if num_steps > 0:  # arrivals match the consumers' waits one for one
             for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + part, number_of_threads=handshake)
         for step in cutlass.range(num_steps, unroll=1):
-            head, m_block = blocks.at(step)
+            head, m_block = work.blocks.at(step)
             for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
                 cute.arch.barrier(barrier_id=DQ_FULL_FIRST + part, number_of_threads=handshake)
-                self.add_dq(part, tma_atom_dQ, sdQ, mdQacc, mSemaphore, seqlen, mask, head, batch, m_block, n_block)
+                self.add_dq(part, tma_atom_dQ, sdQ, mdQacc, mSemaphore, work, head, m_block)
             for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
                 # Bulk groups complete in order: this part's reduce-add has read its buffer.
                 cute.arch.cp_async_bulk_wait_group(NUM_CONSUMER_WARPGROUPS - 1 - part, read=True)
@@ -631,20 +613,21 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def add_dq(self, part, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
-               mSemaphore: Optional[cute.Tensor], seqlen: SeqlenInfo, mask: AttentionMask, head: Int32,
-               batch: Int32, m_block: Int32, n_block: Int32):
+               mSemaphore: Optional[cute.Tensor], work: "TileWork", head: Int32, m_block: Int32):
         """One TMA reduce-add of the staged dQ part ``part`` into dq_accum, issued by the calling warp
         (TMA copies are warp-collective: one lane is elected inside) and committed as a bulk group."""
+        batch = work.batch
         tile = (m_block * self.dq_parts_m + part // self.dq_parts_n, part % self.dq_parts_n)
-        gdQ = cute.local_tile(head_rows(mdQacc, seqlen.offset_q, head, batch, self.cfg.varlen), self.dq_part, tile)
+        gdQ = cute.local_tile(head_rows(mdQacc, work.seqlen.offset_q, head, batch, self.cfg.varlen), self.dq_part,
+                              tile)
         t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, sdQ[None, None, part], gdQ)
         if cutlass.const_expr(self.cfg.deterministic):
             # Reduce-adds into one (query block, part) happen in KV-tile order: wait for the
             # tiles before this one, add, and count this one once its add has landed.
             lock = mSemaphore.iterator + cute.crd2idx((batch, head, m_block, part), mSemaphore.layout)
-            n_block_first, _ = mask.n_block_range(seqlen, m_block)
+            n_block_first, _ = work.mask.n_block_range(work.seqlen, m_block)
             done = Int32(-1)
-            while done != n_block - n_block_first:
+            while done != work.n_block - n_block_first:
                 done = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
             cute.arch.fence_proxy("async.global")
             cute.copy(tma_atom_dQ, t_smem, t_gmem)
@@ -659,15 +642,15 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def write_dkv(self, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor, mdK: cute.Tensor,
-                  mdV: cute.Tensor, seqlen: SeqlenInfo, n_block: Int32, head_kv: Int32, batch: Int32,
-                  softmax_scale: Float32):
+                  mdV: cute.Tensor, work: "TileWork", softmax_scale: Float32):
         """dK (times the softmax scale) and dV of the tile, in the input dtype, keys inside the sequence."""
         varlen = self.cfg.varlen
+        seqlen, n_block = work.seqlen, work.n_block
         keys_left = seqlen.seqlen_k - n_block * self.tile_n
         for acc, thr, scale, mOut, dim in ((acc_dK, thr_dk, softmax_scale, mdK, self.hdim),
                                            (acc_dV, thr_dv, Float32(1.0), mdV, self.hdim_v)):
             tile = (self.tile_n, dim)
-            gmem = thr.partition_C(cute.local_tile(head_rows(mOut, seqlen.offset_k, head_kv, batch, varlen),
+            gmem = thr.partition_C(cute.local_tile(head_rows(mOut, seqlen.offset_k, work.head_kv, work.batch, varlen),
                                                    tile, (n_block, 0)))
             coords = thr.partition_C(cute.make_identity_tensor(tile))
             out = cute.make_rmem_tensor(acc.shape, self.dtype)
@@ -675,6 +658,70 @@ class FlashAttentionBackwardSm90:
             for i in cutlass.range_constexpr(cute.size(out)):
                 if coords[i][0] < keys_left:
                     gmem[i] = out[i]
+
+
+@dataclass(frozen=True)
+class SharedTiles:
+    """The CTA's shared-memory tensors: Q, dO, LSE and rowsum with a trailing stage mode; dS with
+    two buffers (unsplit layout); dQ staging with one buffer per consumer warpgroup's part."""
+
+    q: cute.Tensor
+    do: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    p: cute.Tensor  # P^T (split layout only; otherwise an alias of ds)
+    ds: cute.Tensor
+    dq: cute.Tensor
+    lse: cute.Tensor
+    dpsum: cute.Tensor
+
+
+@dataclass(frozen=True)
+class Mmas:
+    """The tiled WGMMAs: S^T and dP^T (sdp), dK, dV (the same as dk when unsplit) and dQ."""
+
+    sdp: cute.TiledMma
+    dk: cute.TiledMma
+    dv: cute.TiledMma
+    dq: cute.TiledMma
+
+
+@dataclass(frozen=True)
+class Scales:
+    """softmax: dK's scale; score: applied before softcap's tanh (the softmax scale, or it over
+    the cap); log2: turns a score into the exponent of P (with log2(e))."""
+
+    softmax: Float32
+    score: Float32
+    log2: Float32
+
+
+@dataclass(frozen=True)
+class ScoreOperands:
+    """S^T = K Q^T and dP^T = V dO^T for one thread: the A (K, V) and B (Q, dO; last mode the stage)
+    fragments, the (key, query) coordinate of each accumulator element, the two fp32 accumulators."""
+
+    k: cute.Tensor
+    q: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    coords: cute.Tensor
+    acc_s: cute.Tensor
+    acc_dp: cute.Tensor
+
+
+@dataclass(frozen=True)
+class TileWork:
+    """What one CTA does: KV tile ``n_block`` of KV head ``head_kv`` in batch entry ``batch``, over
+    ``num_steps`` (query head, query block) steps."""
+
+    seqlen: SeqlenInfo
+    mask: AttentionMask
+    blocks: "QueryBlocks"
+    num_steps: Int32
+    n_block: Int32
+    head_kv: Int32
+    batch: Int32
 
 
 @dataclass(frozen=True)
