@@ -131,6 +131,7 @@ _SPLIT = dict(split_head_dim=True, tile_n=64)
                                       has_softcap=True, deterministic=True),
                                  dict(head_dim=128, head_dim_v=128, deterministic=True),
                                  dict(head_dim=64, head_dim_v=64, tile_m=128, causal=True),
+                                 dict(head_dim=128, head_dim_v=128, tile_m=80, deterministic=True),
                                  dict(head_dim=256, head_dim_v=256, num_stages=1, causal=True, **_SPLIT),
                                  dict(head_dim=192, head_dim_v=128, varlen=True, has_softcap=True, **_SPLIT)])
 def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):
@@ -177,11 +178,16 @@ def test_backward_config_rejects_mismatched_layouts():
     base = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=192, head_dim_v=192)
     with pytest.raises(ValueError, match="64 queries x 64 keys"):
         BackwardConfig(**base, split_head_dim=True)  # tile_n stays 128
-    with pytest.raises(ValueError, match="64 queries x 128 keys"):
+    with pytest.raises(ValueError, match="64 or 80 queries x 128 keys"):
         BackwardConfig(**dict(base, head_dim=128, head_dim_v=128), tile_n=64)
     with pytest.raises(ValueError, match="64 queries x 128 keys"):  # 128-query blocks only up to d = 64
         BackwardConfig(**dict(base, head_dim=96, head_dim_v=96), tile_m=128)
     assert BackwardConfig(**dict(base, head_dim=64, head_dim_v=64), tile_m=128).tile_m == 128
+    with pytest.raises(ValueError, match="64 queries x 128 keys"):  # 80-query blocks only at d = 128
+        BackwardConfig(**dict(base, head_dim=96, head_dim_v=96), tile_m=80)
+    with pytest.raises(ValueError, match="64 or 128 queries"):
+        BackwardConfig(**dict(base, head_dim=64, head_dim_v=64), tile_m=80)
+    assert BackwardConfig(**dict(base, head_dim=128, head_dim_v=128), tile_m=80).tile_m == 80
 
 
 def test_head_dim_v_below_16_is_a_clear_error():

@@ -132,7 +132,7 @@ class BackwardConfig(_KernelConfig):
     varlen: bool = False
     has_seqused_k: bool = False
     deterministic: bool = False
-    tile_m: int = 64  # query rows per step; 128 (the tiles' choice) up to d = 64 unsplit
+    tile_m: int = 64  # query rows per step; 128 (the tiles' choice) up to d = 64, 80 at d = 128 (unsplit)
     tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup, or 64 shared with split_head_dim
     num_stages: int = 2
     # The layout for head dims above 128 and d != dv, whose dK/dV accumulators would not fit in a
@@ -145,8 +145,12 @@ class BackwardConfig(_KernelConfig):
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
         # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
-        # only up to d = 64.
-        tile_ms = (64, 128) if not self.split_head_dim and max(self.head_dim, self.head_dim_v) <= 64 else (64,)
+        # only up to d = 64; 80-query blocks compute dQ transposed (dQ^T = K^T dS^T, M = the head
+        # dim), which needs 64 of it per consumer warpgroup: d = 128.
+        tile_ms = (64,)
+        if not self.split_head_dim:
+            d = max(self.head_dim, self.head_dim_v)
+            tile_ms = (64, 128) if d <= 64 else (64, 80) if d == 128 else (64,)
         if self.tile_n != (64 if self.split_head_dim else 128) or self.tile_m not in tile_ms:
             raise ValueError(f"sm90 backward tiles are {' or '.join(map(str, tile_ms))} queries x "
                              f"{64 if self.split_head_dim else 128} keys here (split_head_dim="

@@ -18,8 +18,9 @@ which every KV tile contributes to, is reduced across CTAs.
         dV  += P^T dO_i                           P from registers, issued before the barrier
         dS^T -> shared memory (stmatrix), one barrier: the dQ GEMM needs both warpgroups' keys
         dQ_i = dS K                               each warpgroup its 64 rows (tile_m 128) or half
-                                                  of the head dim; issued before dK's GEMM so
-                                                  that its staging runs under dK
+                                                  of the head dim (as dQ^T = K^T dS^T at tile_m
+                                                  80); issued before dK's GEMM so that its
+                                                  staging runs under dK
         dK  += dS^T Q_i                           dS from registers
         dQ_i -> shared memory -> the writer warp
 
@@ -95,8 +96,10 @@ class FlashAttentionBackwardSm90:
         self.num_threads = WARPGROUP_THREADS * (1 + NUM_CONSUMER_WARPGROUPS)
         # dQ_i = dS K comes in two parts, one per consumer warpgroup, staged and reduce-added
         # separately: with 128-query blocks each warpgroup's 64 rows (a GEMM as wide as the head dim,
-        # reading only its own half of dS), else its half of the head dim.
-        self.dq_parts_m = self.tile_m // 64
+        # reading only its own half of dS), else its half of the head dim. A WGMMA's M is 64 rows, so
+        # query blocks that are no multiple of 64 (80) compute dQ^T = K^T dS^T, the head dim as M.
+        self.dq_transposed = self.tile_m % 64 != 0
+        self.dq_parts_m = 1 if self.dq_transposed else self.tile_m // 64
         self.dq_parts_n = NUM_CONSUMER_WARPGROUPS // self.dq_parts_m
         self.dq_part = (self.tile_m // self.dq_parts_m, d // self.dq_parts_n)  # (rows, cols) of a part
 
@@ -155,10 +158,16 @@ class FlashAttentionBackwardSm90:
             tiled_mma_dk, tiled_mma_dv = [sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, MN_major, Float32,
                 atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, dim // wgs)) for dim in (d, dv)]
-        # dQ = dS K, one part per warpgroup (__init__); dS is read from its (keys, queries) tile, M-major.
-        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN_major, MN_major, Float32,
-            atom_layout_mnk=(self.dq_parts_m, self.dq_parts_n, 1), tiler_mn=(64, self.dq_part[1]))
+        # dQ = dS K, one part per warpgroup (__init__); dS is read from its (keys, queries) tile, M-major
+        # (N-major as the B operand of dQ^T).
+        if cutlass.const_expr(self.dq_transposed):
+            tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_major, MN_major, Float32,
+                atom_layout_mnk=(self.dq_parts_n, 1, 1), tiler_mn=(64, self.tile_m))
+        else:
+            tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_major, MN_major, Float32,
+                atom_layout_mnk=(self.dq_parts_m, self.dq_parts_n, 1), tiler_mn=(64, self.dq_part[1]))
 
         # Q and dO are B operands split between the warpgroups by head dim when split (dK, dV); K is
         # always (the dQ GEMM): the swizzle atom must tile each half.
@@ -384,7 +393,7 @@ class FlashAttentionBackwardSm90:
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
-            wgmma(mmas.dq, acc_dQ, tQrdS[None, None, None, buffer], tQrKt, zero_init=True)
+            self.dq_gemm(mmas.dq, acc_dQ, tQrdS[None, None, None, buffer], tQrKt)
             # dK after dQ: dQ's staging for the writer warp runs while dK's GEMM does.
             wgmma(tiled_mma_dkv, acc_dK, acc_as_a_operand(rdS), tKrQt[None, None, None, stage], zero_init=False)
             warpgroup.wait_group(1)  # dV and dQ done
@@ -441,7 +450,7 @@ class FlashAttentionBackwardSm90:
             wgmma(mmas.dv, acc_dV, tVrP, tVrdOt[None, None, None, stage], zero_init=False)
             wgmma(mmas.dk, acc_dK, tKrdS, tKrQt[None, None, None, stage], zero_init=False)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
-            wgmma(mmas.dq, acc_dQ, tQrdS, tQrKt, zero_init=True)
+            self.dq_gemm(mmas.dq, acc_dQ, tQrdS, tQrKt)
             warpgroup.wait_group(0)  # the stage, sP and sdS are free (for this warpgroup)
             pipe_qdo.consumer_release(state)
             state = advanced(state)
@@ -463,20 +472,34 @@ class FlashAttentionBackwardSm90:
             acc_dp=cute.make_rmem_tensor(acc_shape, Float32))
 
     def dq_operands(self, tiled_mma_dq: cute.TiledMma, tidx, smem: "SharedTiles"):
-        """dQ = dS K, this warpgroup's part: A = dS (queries x keys) and B = K^T, both transposed
-        views; the accumulator shape and this thread's elements of the dQ staging buffers."""
+        """dQ = dS K, this warpgroup's part: the dS (queries x keys) and K^T (d x keys) fragments,
+        both transposed views of their tiles, the accumulator shape and this thread's elements of the
+        dQ staging buffers. With dq_transposed, dQ^T = K^T dS^T: K^T is the A operand and dS the B."""
         wg = tiled_mma_dq.get_slice((tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS)
         thr = tiled_mma_dq.get_slice(tidx)
-        # The staging buffers seen as one (tile_m, d) block: the part index extends the rows or the
-        # columns.
+        ds, kt = transpose_view(smem.ds), transpose_view(smem.k)
+        # The staging buffers (rows, cols, part) seen as one (tile_m, d) block: the part index
+        # extends the rows or the columns; (d, tile_m) for dQ^T.
+        if cutlass.const_expr(self.dq_transposed):
+            cols_by_part = cute.make_tensor(smem.dq.iterator, cute.select(smem.dq.layout, mode=[1, 2, 0]))
+            return (wg.make_fragment_B(wg.partition_B(ds)), wg.make_fragment_A(wg.partition_A(kt)),
+                    thr.partition_shape_C((self.hdim, self.tile_m)),
+                    thr.partition_C(cute.group_modes(cols_by_part, 0, 2)))
         if cutlass.const_expr(self.dq_parts_m > 1):
             rows_by_part = cute.make_tensor(smem.dq.iterator, cute.select(smem.dq.layout, mode=[0, 2, 1]))
             sdQ_block = cute.group_modes(rows_by_part, 0, 2)
         else:
             sdQ_block = cute.group_modes(smem.dq, 1, 3)
-        return (wg.make_fragment_A(wg.partition_A(transpose_view(smem.ds))),
-                wg.make_fragment_B(wg.partition_B(transpose_view(smem.k))),
+        return (wg.make_fragment_A(wg.partition_A(ds)), wg.make_fragment_B(wg.partition_B(kt)),
                 thr.partition_shape_C((self.tile_m, self.hdim)), thr.partition_C(sdQ_block))
+
+    @cute.jit
+    def dq_gemm(self, tiled_mma_dq: cute.TiledMma, acc_dQ: cute.Tensor, ds: cute.Tensor, kt: cute.Tensor):
+        """acc_dQ = dS K, or dQ^T = K^T dS^T (dq_transposed), issued as one WGMMA group."""
+        if cutlass.const_expr(self.dq_transposed):
+            wgmma(tiled_mma_dq, acc_dQ, kt, ds, zero_init=True)
+        else:
+            wgmma(tiled_mma_dq, acc_dQ, ds, kt, zero_init=True)
 
     @cute.jit
     def finish(self, pipe_kv, kv_state, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor,
