@@ -217,3 +217,35 @@ def test_compile_key_covers_every_field_and_no_sizes():
     for change in (dict(causal=True), dict(pingpong=False), dict(tile_n=96), dict(exp2_emulated_eighths=2)):
         assert a.replace(**change).key() != a.key(), change
     assert not any(word in " ".join(a.key()) for word in ("seqlen", "batch", "num_heads"))
+
+
+def _sass_report():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_report", ROOT / "scripts" / "sass_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sass_report_normalises_addresses_labels_and_parameter_offsets():
+    report = _sass_report()
+    a = "        /*0040*/                   LDC R1, c[0x0][0x28] ;\n.L_x_12:\n        /*0050*/  @P0 BRA `(.L_x_12) ;\n"
+    b = "        /*0810*/                   LDC R1, c[0x0][0x3a8] ;\n.L_x_7:\n        /*0820*/  @P0 BRA `(.L_x_7) ;\n"
+    assert report.normalised(a) == report.normalised(b) == "LDC R1, c[] ;\nL:\n@P0 BRA `(L) ;\n"
+    assert report.normalised(a) != report.normalised(a.replace("R1", "R2"))
+    counts = report.summary("  /*0000*/ HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;\n"
+                            "  /*0010*/ @!P1 STL [R1], R6 ;\n  /*0020*/ MUFU.EX2 R3, R3 ;\n")
+    assert (counts["HGMMA"], counts["STL (spill stores)"], counts["MUFU.EX2"], counts["instructions"]) == (1, 1, 1, 3)
+
+
+@pytest.mark.parametrize("spec", ["d=128", "d=128,causal=true", "d=64,causal=true"])
+def test_default_backward_kernels_do_not_spill(spec):
+    """The unsplit layouts the dispatch picks (64-query blocks at d=128, 128-query blocks at d=64)
+    keep every value in registers: a spill in the step loop costs a local-memory round trip per step."""
+    if _nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    report = _sass_report()
+    counts = report.summary(report.compile_sass("bwd", "sm_90a", spec))
+    assert counts["HGMMA"] > 0
+    assert counts["STL (spill stores)"] == counts["LDL (spill loads)"] == 0, counts
