@@ -117,7 +117,9 @@ def test_sm90_forward_tma_store_o_uses_stmatrix_and_a_tma_store(tmp_path):
 
 @pytest.mark.parametrize("cfg", [dict(head_dim=32, head_dim_v=32, tile_m=192),
                                  dict(head_dim=80, head_dim_v=80),
-                                 dict(head_dim=192, head_dim_v=128, tile_n=96, local=True, varlen=True)])
+                                 dict(head_dim=192, head_dim_v=128, tile_n=96, local=True, varlen=True),
+                                 dict(head_dim=128, head_dim_v=128, causal=True, tma_store_o=True, persistent_ctas=132),
+                                 dict(head_dim=64, head_dim_v=64, tile_m=192, varlen=True, persistent_ctas=132)])
 def test_less_common_shapes_compile(tmp_path, cfg):
     proc = _compile_in_subprocess(tmp_path, cfg)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
@@ -209,6 +211,8 @@ def test_config_rejects_what_no_kernel_can_do():
         ForwardConfig(**dict(base, exp2_emulated_eighths=9))
     with pytest.raises(ValueError, match="tma_store_o is for batched inputs"):
         ForwardConfig(**dict(base, tma_store_o=True, varlen=True))
+    with pytest.raises(ValueError, match="persistent_ctas"):
+        ForwardConfig(**dict(base, persistent_ctas=-1))
 
 
 def test_compile_key_covers_every_field_and_no_sizes():

@@ -116,6 +116,45 @@ def test_tma_store_o_switch_with_softcap_sink_window(seed, monkeypatch):
     check(out, lse, q, k, v, window_size=(100, 7), softcap=20.0, learnable_sink=sink, lse_atol=20.0 * 1e-3)
 
 
+@pytest.fixture
+def persistent(monkeypatch):
+    """ForwardConfig.persistent_ctas (a switch until measured) for the duration of a test: 5 CTAs,
+    so that every CTA walks many tiles and the pipelines' states carry over between them."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(persistent_ctas=5))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000), (1, 257), (203, 113)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)])
+def test_persistent_grid(seed, persistent, d, dv, sq, sk, causal):
+    hq, hk = HEADS["gqa"]
+    q, k, v = rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, dv)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal=causal)
+
+
+def test_persistent_grid_with_softcap_sink_window(seed, persistent):
+    hq, hk, d = 8, 2, 128
+    q, k, v = rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d)
+    sink = torch.randn(hq, device=DEVICE, dtype=torch.float32)
+    out, lse = flash_attn_func(q, k, v, window_size=(100, 7), softcap=20.0, learnable_sink=sink, return_lse=True)
+    check(out, lse, q, k, v, window_size=(100, 7), softcap=20.0, learnable_sink=sink, lse_atol=20.0 * 1e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_grid_varlen(seed, persistent, causal):
+    """Tiles past a short sequence's end are skipped by the producer and the consumers alike."""
+    hq, hk = HEADS["mqa"]
+    lens_q, lens_k = random_lengths(6, 300)
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, 128)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                                      causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000), (1, 257)])
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -96,11 +96,17 @@ class ForwardConfig(_KernelConfig):
     # 32-bit global stores from the accumulator layout. Batched inputs only (a TMA box would write
     # past a packed sequence's end). dispatch turns it on where it measured faster (docs/perf.md).
     tma_store_o: bool = False
+    # 0: one CTA per output tile. N > 0: a persistent grid of at most N CTAs (the SM count), each
+    # walking tiles first, first + grid, ... in the scheduler's order, so that the launch, barrier
+    # set-up and pipeline fill are paid once per SM instead of once per tile. Not yet measured.
+    persistent_ctas: int = 0
 
     def __post_init__(self):
         self._check_common()
         if not 0 <= self.exp2_emulated_eighths <= 8:
             raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {self.exp2_emulated_eighths}")
+        if self.persistent_ctas < 0:
+            raise ValueError(f"persistent_ctas must be >= 0 (0: one CTA per tile), got {self.persistent_ctas}")
         if self.tma_store_o and self.varlen:
             raise ValueError("tma_store_o is for batched inputs: a TMA box would write past a packed sequence")
 

@@ -1,6 +1,7 @@
-"""Tile schedulers: which (m_block, head, batch) tile a CTA works on.
+"""Tile schedulers: which (m_block, head, batch) tiles a CTA works on.
 
-One CTA per output tile. Without masks every tile costs the same, and the launch order
+One CTA per output tile, or (``num_ctas``) a persistent grid whose CTAs stride through the same
+order. Without masks every tile costs the same, and the launch order
 (m_block fastest, then head, then batch) keeps the CTAs of one wave on few heads, whose K and V
 then stay in L2 for all their query tiles.
 
@@ -29,35 +30,53 @@ class TileScheduler:
     num_head_batch: Int32  # heads * batch
     group_heads: Int32  # (head, batch) pairs per L2 group; used only when longest_first
     longest_first: cutlass.Constexpr[bool]
+    # 0: one CTA per tile. N > 0: at most N persistent CTAs; CTA i takes tiles i, i + grid, ... of
+    # the same order (a static stride: with longest-first order the expensive tiles still go first).
+    num_ctas: cutlass.Constexpr[int] = 0
 
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, kv_bytes_per_head: Int32,
-               longest_first: bool) -> "TileScheduler":
+               longest_first: bool, num_ctas: int = 0) -> "TileScheduler":
         """Host side. kv_bytes_per_head: K and V bytes one (head, batch) pair reads."""
         num_head_batch = num_heads * num_batch
         group = Int32(1)
         if cutlass.const_expr(longest_first):
             group = cutlass.max(cutlass.min(L2_BUDGET_BYTES // cutlass.max(kv_bytes_per_head, 1), num_head_batch), 1)
-        return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, longest_first)
+        return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, longest_first, num_ctas)
+
+    def num_tiles(self):
+        return self.num_m_blocks * self.num_head_batch
 
     def grid(self):
+        if cutlass.const_expr(self.num_ctas > 0):
+            return (cutlass.min(self.num_tiles(), Int32(self.num_ctas)), 1, 1)
         if cutlass.const_expr(self.longest_first):
-            return (self.num_m_blocks * self.num_head_batch, 1, 1)
+            return (self.num_tiles(), 1, 1)
         return (self.num_m_blocks, self.num_heads, self.num_head_batch // self.num_heads)
 
     @cute.jit
     def tile(self):
-        """Device side: (m_block, head, batch) of this CTA."""
+        """Device side, one CTA per tile: (m_block, head, batch) of this CTA."""
         bx, by, bz = cute.arch.block_idx()
         m_block, head, batch = bx, by, bz
         if cutlass.const_expr(self.longest_first):
+            m_block, head, batch = self.tile_at(bx)
+        return m_block, head, batch
+
+    @cute.jit
+    def tile_at(self, index: Int32):
+        """(m_block, head, batch) of the tile at ``index`` of the launch order."""
+        if cutlass.const_expr(self.longest_first):
             group_tiles = self.group_heads * self.num_m_blocks
-            group = bx // group_tiles
-            rank = bx - group * group_tiles
+            group = index // group_tiles
+            rank = index - group * group_tiles
             heads_here = cutlass.min(self.group_heads, self.num_head_batch - group * self.group_heads)
             m_rev = rank // heads_here
             head_batch = group * self.group_heads + (rank - m_rev * heads_here)
             m_block = self.num_m_blocks - 1 - m_rev
-            batch = head_batch // self.num_heads
-            head = head_batch - batch * self.num_heads
+        else:
+            head_batch = index // self.num_m_blocks
+            m_block = index - head_batch * self.num_m_blocks
+        batch = head_batch // self.num_heads
+        head = head_batch - batch * self.num_heads
         return m_block, head, batch

@@ -1,7 +1,8 @@
 """FlashAttention forward for Hopper (sm_90a).
 
 One CTA computes one (tile_m x head_dim_v) output tile of one head, with 64 query rows per consumer
-warpgroup (tile_m = 128: two consumers; 192: three):
+warpgroup (tile_m = 128: two consumers; 192: three); or, with ``persistent_ctas``, a grid of at most
+that many CTAs each computes a strided series of tiles, its pipelines running on from one to the next:
 
     warpgroup 0    producer   one warp issues TMA loads: Q once, then K_j and V_j for every KV
                               block j into a ``num_stages``-deep ring of shared-memory buffers
@@ -181,7 +182,8 @@ class FlashAttentionForwardSm90:
         # plain order).
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
-                                         longest_first=(cfg.causal or cfg.local) and not cfg.varlen)
+                                         longest_first=(cfg.causal or cfg.local) and not cfg.varlen,
+                                         num_ctas=cfg.persistent_ctas)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
@@ -238,33 +240,80 @@ class FlashAttentionForwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        m_block, head, batch = scheduler.tile()
+        tile_args = (mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        if cutlass.const_expr(self.cfg.persistent_ctas > 0):
+            # Persistent: CTA i works on tiles i, i + grid, ... of the scheduler's order; the
+            # pipelines' states (and the ping-pong turn) carry over from one tile to the next.
+            first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+            if warpgroup_idx == 0:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                    for tile_index in cutlass.range(first, scheduler.num_tiles(), stride, unroll=1):
+                        m_block, head, batch = scheduler.tile_at(tile_index)
+                        seqlen, mask, n_block_min, n_block_max = self.tile_work(m_block, batch, *tile_args)
+                        if m_block * self.tile_m < seqlen.seqlen_q:
+                            q_state, kv_state = self.produce(
+                                tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, pipe_q, pipe_k,
+                                pipe_v, q_state, kv_state, seqlen, m_block, head, batch,
+                                head // qhead_per_kvhead, n_block_min, n_block_max)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.gemm_turn_init(warpgroup_idx - 1)
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+                for tile_index in cutlass.range(first, scheduler.num_tiles(), stride, unroll=1):
+                    m_block, head, batch = scheduler.tile_at(tile_index)
+                    seqlen, mask, n_block_min, n_block_max = self.tile_work(m_block, batch, *tile_args)
+                    if m_block * self.tile_m < seqlen.seqlen_q:
+                        q_state, kv_state = self.consume(
+                            tidx - WARPGROUP_THREADS, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, q_state, kv_state,
+                            tiled_mma_qk, tiled_mma_pv, tiled_mma_o, tma_atom_O, mO, mLSE, mSink, seqlen, mask,
+                            m_block, head, batch, n_block_min, n_block_max, score_prescale, scale_log2,
+                            first_tile=False)
+        else:
+            m_block, head, batch = scheduler.tile()
+            seqlen, mask, n_block_min, n_block_max = self.tile_work(m_block, batch, *tile_args)
+            if m_block * self.tile_m < seqlen.seqlen_q:
+                if warpgroup_idx == 0:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if warp_idx == 0:
+                        self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                                     pipe_q, pipe_k, pipe_v,
+                                     pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                                     pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                                  self.num_stages),
+                                     seqlen, m_block, head, batch, head // qhead_per_kvhead, n_block_min,
+                                     n_block_max)
+                else:
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
+                    self.consume(tidx - WARPGROUP_THREADS, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v,
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
+                                 tiled_mma_qk, tiled_mma_pv, tiled_mma_o, tma_atom_O, mO, mLSE, mSink, seqlen,
+                                 mask, m_block, head, batch, n_block_min, n_block_max,
+                                 score_prescale, scale_log2, first_tile=True)
+
+    @cute.jit
+    def tile_work(self, m_block: Int32, batch: Int32, mQ: cute.Tensor, mK: cute.Tensor,
+                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                  mSeqUsedK: Optional[cute.Tensor], window_left: Int32, window_right: Int32):
+        """The sequence lengths, the mask and the KV blocks [n_block_min, n_block_max) of a tile."""
         seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         mask = AttentionMask(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
                              window_left, window_right)
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
-        tile_in_sequence = m_block * self.tile_m < seqlen.seqlen_q
-
-        if tile_in_sequence:
-            warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-            if warpgroup_idx == 0:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                                 pipe_q, pipe_k, pipe_v, seqlen, m_block, head, batch,
-                                 head // qhead_per_kvhead, n_block_min, n_block_max)
-            else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(tidx - WARPGROUP_THREADS, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v,
-                             tiled_mma_qk, tiled_mma_pv, tiled_mma_o, tma_atom_O, mO, mLSE, mSink, seqlen, mask,
-                             m_block, head, batch, n_block_min, n_block_max,
-                             score_prescale, scale_log2)
+        return seqlen, mask, n_block_min, n_block_max
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                pipe_q, pipe_k, pipe_v, seqlen: SeqlenInfo, m_block, head, batch, head_kv,
+                pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen: SeqlenInfo, m_block, head, batch, head_kv,
                 n_block_min, n_block_max):
+        """Q of the tile, then K_j and V_j from the last visible KV block to the first. Returns the
+        pipeline states after them."""
         gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, self.cfg.varlen),
                              (self.tile_m, self.hdim), (m_block, 0))
         gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
@@ -276,11 +325,10 @@ class FlashAttentionForwardSm90:
         tVsV, tVgV = tma_partition_tile(tma_atom_V, sV, gV)
 
         # Q is loaded even when no KV block is visible, so that consumers never special-case it.
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state = advanced(q_state)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for i in cutlass.range(n_block_max - n_block_min, unroll=1):
             n_block = n_block_max - 1 - i
             pipe_k.producer_acquire(kv_state)
@@ -289,13 +337,18 @@ class FlashAttentionForwardSm90:
             pipe_v.producer_acquire(kv_state)
             cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
+            kv_state = advanced(kv_state)
+        return q_state, kv_state
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tiled_mma_o,
-                tma_atom_O, mO, mLSE, mSink, seqlen: SeqlenInfo, mask: AttentionMask, m_block, head, batch,
-                n_block_min, n_block_max, score_prescale, scale_log2):
+    def consume(self, tidx, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, q_state, kv, tiled_mma_qk, tiled_mma_pv,
+                tiled_mma_o, tma_atom_O, mO, mLSE, mSink, seqlen: SeqlenInfo, mask: AttentionMask, m_block,
+                head, batch, n_block_min, n_block_max, score_prescale, scale_log2,
+                first_tile: cutlass.Constexpr[bool]):
+        """One output tile: the main loop over its KV blocks, then the epilogue. Returns the pipeline
+        states after it (Q is released only by persistent CTAs, which load the next tile's Q). The
+        ping-pong turn starts with the first tile; persistent CTAs start it before their loop."""
         cfg = self.cfg
         warpgroup_first_thread = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_first_thread)
@@ -323,10 +376,9 @@ class FlashAttentionForwardSm90:
                        mask=mask, tScS=tScS, seqlen=seqlen, m_block=m_block,
                        score_prescale=score_prescale, row_scale=row_scale)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        self.gemm_turn_init(wg)
+        if cutlass.const_expr(first_tile):
+            self.gemm_turn_init(wg)
         if n_block_max > n_block_min:
             # Prologue: S and P of the last block (always checked against the masks); its P @ V
             # joins the next block's S = Q K^T.
@@ -362,6 +414,9 @@ class FlashAttentionForwardSm90:
                    zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
+        if cutlass.const_expr(cfg.persistent_ctas > 0):
+            pipe_q.consumer_release(q_state)  # every S = Q K^T of the tile has completed
+        q_state = advanced(q_state)
 
         sink = None
         if cutlass.const_expr(cfg.has_sink):
@@ -370,6 +425,7 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(cfg.tma_store_o):
             self.store_o_by_tma(tidx, tiled_mma_o, tma_atom_O, sO, acc_O, out_scale, mO, m_block, head, batch)
         self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen, m_block, head, batch)
+        return q_state, kv
 
     @cute.jit
     def mainloop_step(self, kv, n_block: Int32, masked: cutlass.Constexpr[bool], wg, tSrQ, tSrK, tOrVt,
@@ -488,6 +544,9 @@ class FlashAttentionForwardSm90:
         stmatrix, then one TMA store, which clips the rows past the sequence (batched inputs). The
         issuing warp waits until the TMA has read the slab, so the CTA outlives it."""
         wg = tidx // WARPGROUP_THREADS
+        if cutlass.const_expr(self.cfg.persistent_ctas > 0):
+            # The slab's previous TMA store has read it (its issuing warp waited for that).
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WARPGROUP_THREADS)
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         o_rows, ro_rows = acc_rows_view(acc_O), acc_rows_view(rO)
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
