@@ -28,6 +28,7 @@ The producer gives registers up (setmaxnreg) so that the consumers can hold S, P
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
@@ -216,12 +217,12 @@ class FlashAttentionForwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = None
         if cutlass.const_expr(self.cfg.tma_store_o):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        smem = SharedTiles(q=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+                           k=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+                           v=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner), o=sO)
 
         # One TMA-issuing warp produces; every consumer warp releases a stage once (lane 0 arrives).
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -240,7 +241,11 @@ class FlashAttentionForwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        tile_args = (mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
+        pipes = Pipelines(q=pipe_q, k=pipe_k, v=pipe_v)
+        mmas = Mmas(qk=tiled_mma_qk, pv=tiled_mma_pv, o=tiled_mma_o)
+        outputs = Outputs(o=mO, lse=mLSE, sink=mSink, tma_atom_o=tma_atom_O)
+        loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV)
+        tile_args = (qhead_per_kvhead, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
             # Persistent: CTA i works on tiles i, i + grid, ... of the scheduler's order; the
@@ -252,68 +257,59 @@ class FlashAttentionForwardSm90:
                     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
                     for tile_index in cutlass.range(first, scheduler.num_tiles(), stride, unroll=1):
-                        m_block, head, batch = scheduler.tile_at(tile_index)
-                        seqlen, mask, n_block_min, n_block_max = self.tile_work(m_block, batch, *tile_args)
-                        if m_block * self.tile_m < seqlen.seqlen_q:
-                            q_state, kv_state = self.produce(
-                                tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, pipe_q, pipe_k,
-                                pipe_v, q_state, kv_state, seqlen, m_block, head, batch,
-                                head // qhead_per_kvhead, n_block_min, n_block_max)
+                        tile = self.tile_work(*scheduler.tile_at(tile_index), *tile_args)
+                        if tile.in_sequence():
+                            q_state, kv_state = self.produce(*loads, smem, pipes, tile, q_state, kv_state)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.gemm_turn_init(warpgroup_idx - 1)
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
                 for tile_index in cutlass.range(first, scheduler.num_tiles(), stride, unroll=1):
-                    m_block, head, batch = scheduler.tile_at(tile_index)
-                    seqlen, mask, n_block_min, n_block_max = self.tile_work(m_block, batch, *tile_args)
-                    if m_block * self.tile_m < seqlen.seqlen_q:
-                        q_state, kv_state = self.consume(
-                            tidx - WARPGROUP_THREADS, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, q_state, kv_state,
-                            tiled_mma_qk, tiled_mma_pv, tiled_mma_o, tma_atom_O, mO, mLSE, mSink, seqlen, mask,
-                            m_block, head, batch, n_block_min, n_block_max, score_prescale, scale_log2,
-                            first_tile=False)
+                    tile = self.tile_work(*scheduler.tile_at(tile_index), *tile_args)
+                    if tile.in_sequence():
+                        q_state, kv_state = self.consume(tidx - WARPGROUP_THREADS, smem, pipes, mmas, outputs, tile,
+                                                         q_state, kv_state, score_prescale, scale_log2,
+                                                         first_tile=False)
         else:
-            m_block, head, batch = scheduler.tile()
-            seqlen, mask, n_block_min, n_block_max = self.tile_work(m_block, batch, *tile_args)
-            if m_block * self.tile_m < seqlen.seqlen_q:
+            tile = self.tile_work(*scheduler.tile(), *tile_args)
+            if tile.in_sequence():
                 if warpgroup_idx == 0:
                     cute.arch.setmaxregister_decrease(self.producer_regs)
                     if warp_idx == 0:
-                        self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                                     pipe_q, pipe_k, pipe_v,
+                        self.produce(*loads, smem, pipes, tile,
                                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                                  self.num_stages),
-                                     seqlen, m_block, head, batch, head // qhead_per_kvhead, n_block_min,
-                                     n_block_max)
+                                                                  self.num_stages))
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
-                    self.consume(tidx - WARPGROUP_THREADS, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v,
+                    self.consume(tidx - WARPGROUP_THREADS, smem, pipes, mmas, outputs, tile,
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
-                                 tiled_mma_qk, tiled_mma_pv, tiled_mma_o, tma_atom_O, mO, mLSE, mSink, seqlen,
-                                 mask, m_block, head, batch, n_block_min, n_block_max,
                                  score_prescale, scale_log2, first_tile=True)
 
     @cute.jit
-    def tile_work(self, m_block: Int32, batch: Int32, mQ: cute.Tensor, mK: cute.Tensor,
-                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                  mSeqUsedK: Optional[cute.Tensor], window_left: Int32, window_right: Int32):
-        """The sequence lengths, the mask and the KV blocks [n_block_min, n_block_max) of a tile."""
+    def tile_work(self, m_block: Int32, head: Int32, batch: Int32, qhead_per_kvhead: Int32, mQ: cute.Tensor,
+                  mK: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                  mSeqUsedK: Optional[cute.Tensor], window_left: Int32, window_right: Int32) -> "OutputTile":
+        """An output tile with its sequence lengths, mask and visible KV blocks."""
         seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         mask = AttentionMask(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
                              window_left, window_right)
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
-        return seqlen, mask, n_block_min, n_block_max
+        return OutputTile(self.tile_m, seqlen, mask, m_block, head, batch, head // qhead_per_kvhead,
+                          n_block_min, n_block_max)
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
-    def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen: SeqlenInfo, m_block, head, batch, head_kv,
-                n_block_min, n_block_max):
+    def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, smem: "SharedTiles", pipes: "Pipelines",
+                tile: "OutputTile", q_state, kv_state):
         """Q of the tile, then K_j and V_j from the last visible KV block to the first. Returns the
         pipeline states after them."""
+        seqlen, m_block, head, batch, head_kv = tile.seqlen, tile.m_block, tile.head, tile.batch, tile.head_kv
+        n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
+        sQ, sK, sV = smem.q, smem.k, smem.v
+        pipe_q, pipe_k, pipe_v = pipes.q, pipes.k, pipes.v
         gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, self.cfg.varlen),
                              (self.tile_m, self.hdim), (m_block, 0))
         gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
@@ -342,14 +338,18 @@ class FlashAttentionForwardSm90:
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, q_state, kv, tiled_mma_qk, tiled_mma_pv,
-                tiled_mma_o, tma_atom_O, mO, mLSE, mSink, seqlen: SeqlenInfo, mask: AttentionMask, m_block,
-                head, batch, n_block_min, n_block_max, score_prescale, scale_log2,
+    def consume(self, tidx, smem: "SharedTiles", pipes: "Pipelines", mmas: "Mmas", outputs: "Outputs",
+                tile: "OutputTile", q_state, kv, score_prescale: Float32, scale_log2: Float32,
                 first_tile: cutlass.Constexpr[bool]):
         """One output tile: the main loop over its KV blocks, then the epilogue. Returns the pipeline
         states after it (Q is released only by persistent CTAs, which load the next tile's Q). The
         ping-pong turn starts with the first tile; persistent CTAs start it before their loop."""
         cfg = self.cfg
+        seqlen, mask, m_block, head, batch = tile.seqlen, tile.mask, tile.m_block, tile.head, tile.batch
+        n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
+        sQ, sK, sV = smem.q, smem.k, smem.v
+        pipe_q, pipe_k, pipe_v = pipes.q, pipes.k, pipes.v
+        tiled_mma_qk, tiled_mma_pv = mmas.qk, mmas.pv
         warpgroup_first_thread = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_first_thread)
         wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_first_thread)
@@ -420,11 +420,12 @@ class FlashAttentionForwardSm90:
 
         sink = None
         if cutlass.const_expr(cfg.has_sink):
-            sink = Float32(mSink[head])
+            sink = Float32(outputs.sink[head])
         out_scale, lse = softmax.finalize(sink)
         if cutlass.const_expr(cfg.tma_store_o):
-            self.store_o_by_tma(tidx, tiled_mma_o, tma_atom_O, sO, acc_O, out_scale, mO, m_block, head, batch)
-        self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen, m_block, head, batch)
+            self.store_o_by_tma(tidx, mmas.o, outputs.tma_atom_o, smem.o, acc_O, out_scale, outputs.o, m_block, head,
+                                batch)
+        self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, outputs.o, outputs.lse, seqlen, m_block, head, batch)
         return q_state, kv
 
     @cute.jit
@@ -567,3 +568,59 @@ class FlashAttentionForwardSm90:
             cute.copy(tma_atom_O, t_smem, t_gmem)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@dataclass(frozen=True)
+class SharedTiles:
+    """The CTA's shared-memory tiles: Q; K and V with a trailing stage mode; O's per-warpgroup
+    slabs (tma_store_o only, else None)."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    o: Optional[cute.Tensor]
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    q: pipeline.PipelineTmaAsync
+    k: pipeline.PipelineTmaAsync
+    v: pipeline.PipelineTmaAsync
+
+
+@dataclass(frozen=True)
+class Mmas:
+    """S = Q K^T (qk), O += P V (pv), and one warpgroup's view of pv for stmatrix (o, tma_store_o)."""
+
+    qk: cute.TiledMma
+    pv: cute.TiledMma
+    o: Optional[cute.TiledMma]
+
+
+@dataclass(frozen=True)
+class Outputs:
+    o: cute.Tensor
+    lse: cute.Tensor
+    sink: Optional[cute.Tensor]  # learnable sink logits per query head (has_sink)
+    tma_atom_o: Optional[cute.CopyAtom]  # tma_store_o
+
+
+@dataclass(frozen=True)
+class OutputTile:
+    """One (tile_m x head_dim_v) output tile: query block ``m_block`` of query head ``head`` (reading
+    KV head ``head_kv``) in batch entry ``batch``, and the KV blocks [n_block_min, n_block_max) its
+    rows see."""
+
+    tile_m: cutlass.Constexpr[int]
+    seqlen: SeqlenInfo
+    mask: AttentionMask
+    m_block: Int32
+    head: Int32
+    batch: Int32
+    head_kv: Int32
+    n_block_min: Int32
+    n_block_max: Int32
+
+    def in_sequence(self):
+        """Whether the tile holds a query row (varlen grids are sized for the longest sequence)."""
+        return self.m_block * self.tile_m < self.seqlen.seqlen_q
