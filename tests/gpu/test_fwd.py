@@ -91,8 +91,9 @@ def test_batched_bf16(seed, d, sq, sk, causal, heads):
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000), (1, 257)])
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
 def test_tma_store_o_switch(seed, monkeypatch, d, dv, sq, sk, causal):
-    """ForwardConfig.tma_store_o (O through shared memory and a TMA store; a switch until measured):
-    partial tiles clip at the sequence end and nothing is left unwritten (outputs start as NaN)."""
+    """ForwardConfig.tma_store_o (O through shared memory and a TMA store; dispatch turns it on at
+    64 < d <= 128), forced on here for every head dim it fits: partial tiles clip at the sequence end
+    and nothing is left unwritten (outputs start as NaN)."""
     from flash_attn4 import dispatch
 
     chosen = dispatch.forward_config
