@@ -403,6 +403,17 @@ def test_backward_varlen_learnable_sink_window():
     check_varlen(q, k, v, cu_q, cu_k, sink=_sink(hq), max_seqlen_q=max(lens_q), window_size=(63, 0))
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_varlen_keys_without_queries(d):
+    """A sequence with keys but no queries: its dK and dV are exactly 0, written by the kernel (the
+    op does not zero them; the outputs start as NaN here). The split layout at d=256."""
+    lens_q, lens_k = [70, 0, 133], [90, 150, 61]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, d)
+    got = check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), causal=True)
+    keys = slice(lens_k[0], lens_k[0] + lens_k[1])
+    assert (got["dk"][keys] == 0).all() and (got["dv"][keys] == 0).all()
+
+
 def test_backward_varlen_matches_batched():
     """Equal-length varlen and batched backward on the same data agree up to bf16 rounding."""
     b, s, hq, hk, d = 3, 190, 4, 2, 128
