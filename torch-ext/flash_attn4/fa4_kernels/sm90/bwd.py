@@ -11,7 +11,7 @@ which every KV tile contributes to, is reduced across CTAs.
                                dQ into the fp32 dq_accum, as the parts land in shared memory; in
                                deterministic mode in KV-tile order (a semaphore per block and part)
     warpgroups 1,2  consumers  64 keys each, in the transposed orientation (keys are the
-                               accumulator rows), per query block of tile_m rows (64; 128 at d <= 64):
+                               accumulator rows), per query block of tile_m rows (64; 128 at d <= 64; 80 at d = 128 by choice):
         S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
         P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0 (only blocks on a mask edge)
         dS^T = P^T * (dP^T - rowsum_i)            softcap: times 1 - tanh^2
@@ -36,8 +36,9 @@ of P^T and dS^T to shared memory, and after a barrier computes, over all queries
 head dim of dV, dK and dQ (A operands from shared memory). One Q/dO stage above d = 192 (shared
 memory).
 
-The caller computes LSE in log2 units and rowsum(dO * O) before, and dQ = dq_accum * softmax_scale
-after (ops.py). Call convention: BackwardConfig's docstring.
+ops.py runs the preprocessing kernel before (LSE in log2 units, rowsum(dO * O); bwd_preprocess.py)
+and the postprocessing kernel after (dQ = dq_accum * softmax_scale; bwd_postprocess.py). Call
+convention: BackwardConfig's docstring.
 
 Varlen: the LSE / rowsum rows of each sequence start 16-byte aligned (seqlen.packed_row_offset), as
 the TMA that loads them requires.
