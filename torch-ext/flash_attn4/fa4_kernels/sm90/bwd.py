@@ -11,7 +11,8 @@ which every KV tile contributes to, is reduced across CTAs.
                                dQ into the fp32 dq_accum, as the parts land in shared memory; in
                                deterministic mode in KV-tile order (a semaphore per block and part)
     warpgroups 1,2  consumers  64 keys each, in the transposed orientation (keys are the
-                               accumulator rows), per query block of tile_m rows (64; 128 at d <= 64; 80 at d = 128 by choice):
+                               accumulator rows), per query block of tile_m rows (64; 128 at
+                               d <= 64; 80 at d = 128 where chosen):
         S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
         P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0 (only blocks on a mask edge)
         dS^T = P^T * (dP^T - rowsum_i)            softcap: times 1 - tanh^2
