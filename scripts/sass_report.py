@@ -57,7 +57,8 @@ else:
 """
 
 
-def nvdisasm() -> str:
+def find_nvdisasm() -> str | None:
+    """nvdisasm from the nvidia-cuda-nvdisasm wheel, else from PATH; None if neither has it."""
     try:
         import nvidia.cu13  # the nvidia-cuda-nvdisasm wheel
 
@@ -66,10 +67,7 @@ def nvdisasm() -> str:
             return str(path)
     except ImportError:
         pass
-    found = shutil.which("nvdisasm")
-    if found is None:
-        sys.exit("sass_report: nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    return found
+    return shutil.which("nvdisasm")
 
 
 def compile_sass(kind: str, arch: str, spec: str) -> str:
@@ -82,7 +80,10 @@ def compile_sass(kind: str, arch: str, spec: str) -> str:
         cubins = glob.glob(os.path.join(dump, "*.cubin"))
         if len(cubins) != 1:
             raise RuntimeError(f"{kind} {spec}: expected one cubin, found {len(cubins)}")
-        return subprocess.run([nvdisasm(), "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
+        nvdisasm = find_nvdisasm()
+        if nvdisasm is None:
+            sys.exit("sass_report: nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+        return subprocess.run([nvdisasm, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
 
 
 def normalised(sass: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -71,16 +70,18 @@ def _compile_in_subprocess(tmp_path: Path, cfg_kwargs: dict, keep: str = "") -> 
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
 
 
-def _nvdisasm() -> str | None:
-    try:
-        import nvidia.cu13  # the nvidia-cuda-nvdisasm wheel
+def _sass_report():
+    """scripts/sass_report.py as a module (it imports only the standard library at the top)."""
+    import importlib.util
 
-        path = Path(list(nvidia.cu13.__path__)[0]) / "bin" / "nvdisasm"
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    return shutil.which("nvdisasm")
+    spec = importlib.util.spec_from_file_location("sass_report", ROOT / "scripts" / "sass_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _nvdisasm() -> str | None:
+    return _sass_report().find_nvdisasm()
 
 
 def test_sm90_forward_uses_wgmma_tma_and_does_not_spill(tmp_path):
@@ -221,15 +222,6 @@ def test_compile_key_covers_every_field_and_no_sizes():
     for change in (dict(causal=True), dict(pingpong=False), dict(tile_n=96), dict(exp2_emulated_eighths=2)):
         assert a.replace(**change).key() != a.key(), change
     assert not any(word in " ".join(a.key()) for word in ("seqlen", "batch", "num_heads"))
-
-
-def _sass_report():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sass_report", ROOT / "scripts" / "sass_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_sass_report_normalises_addresses_labels_and_parameter_offsets():
