@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from .config import PostprocessConfig
+from .dtypes import CUTLASS_DTYPES
 
 THREADS = 256
 VECTOR = 8  # elements per thread: one 16-byte store of 16-bit values
@@ -25,7 +26,7 @@ VECTOR = 8  # elements per thread: one 16-byte store of 16-bit values
 class BackwardPostprocess:
     def __init__(self, cfg: PostprocessConfig):
         self.cfg = cfg
-        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
 
     @cute.jit
     def __call__(self, mAccum: cute.Tensor, mOut: cute.Tensor, scale: Float32, stream: cuda.CUstream):

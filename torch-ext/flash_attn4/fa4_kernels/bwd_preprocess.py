@@ -20,6 +20,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .config import PreprocessConfig
+from .dtypes import CUTLASS_DTYPES
 from .softmax import LOG2_E
 
 THREADS = 128
@@ -29,7 +30,7 @@ VECTOR = 8  # 16-bit elements per 16-byte load
 class BackwardPreprocess:
     def __init__(self, cfg: PreprocessConfig):
         self.cfg = cfg
-        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[cfg.dtype]
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
         vectors = cfg.head_dim_v // VECTOR
         # The threads of a row split its vectors evenly; a power of two that divides 32.
         self.threads_per_row = max(t for t in (1, 2, 4, 8, 16, 32) if vectors % t == 0)

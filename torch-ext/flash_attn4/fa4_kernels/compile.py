@@ -33,9 +33,9 @@ def _forward_class(arch: Arch):
 
 
 def _cutlass_dtype(name: str):
-    import cutlass
+    from .dtypes import CUTLASS_DTYPES  # imports the DSL: only when compiling
 
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+    return CUTLASS_DTYPES[name]
 
 
 def _fake_tokens(dtype, lead: int, dim: int):

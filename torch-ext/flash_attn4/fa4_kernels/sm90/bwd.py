@@ -61,11 +61,12 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..config import BackwardConfig
+from ..dtypes import CUTLASS_DTYPES
 from ..mask import AttentionMask
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from .fragments import acc_as_a_operand, acc_rows_view
-from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
+from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
                     wgmma)
 
 NUM_CONSUMER_WARPGROUPS = 2
@@ -90,7 +91,7 @@ class FlashAttentionBackwardSm90:
                 f"sm90 backward: head_dim == head_dim_v, a multiple of 16 in [32, 128], or split_head_dim; "
                 f"got {d}/{dv}")
         self.cfg = cfg
-        self.dtype = DTYPES[cfg.dtype]
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.hdim, self.hdim_v = d, dv
         self.split = cfg.split_head_dim

@@ -43,12 +43,13 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..config import ForwardConfig
+from ..dtypes import CUTLASS_DTYPES
 from ..mask import AttentionMask
 from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
-from .wgmma import (DTYPES, WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
+from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
                     wgmma)
 
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
@@ -71,7 +72,7 @@ class FlashAttentionForwardSm90:
         if cfg.tile_n % 16 != 0:
             raise ValueError(f"sm90 forward: tile_n must be a multiple of 16, got {cfg.tile_n}")
         self.cfg = cfg
-        self.dtype = DTYPES[cfg.dtype]
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
         self.num_stages = cfg.num_stages

@@ -10,7 +10,6 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 WARPGROUP_THREADS = 128
 
 
