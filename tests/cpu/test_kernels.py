@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import subprocess
@@ -70,6 +71,7 @@ def _compile_in_subprocess(tmp_path: Path, cfg_kwargs: dict, keep: str = "") -> 
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
 
 
+@functools.cache
 def _sass_report():
     """scripts/sass_report.py as a module (it imports only the standard library at the top)."""
     import importlib.util
@@ -214,6 +216,16 @@ def test_config_rejects_what_no_kernel_can_do():
         ForwardConfig(**dict(base, tma_store_o=True, varlen=True))
     with pytest.raises(ValueError, match="persistent_ctas"):
         ForwardConfig(**dict(base, persistent_ctas=-1))
+
+
+def test_pre_and_postprocess_configs_reject_other_dtypes():
+    from flash_attn4.fa4_kernels.config import PostprocessConfig, PreprocessConfig
+
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        PreprocessConfig(arch=Arch.SM90, dtype="float32", head_dim_v=128)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        PostprocessConfig(arch=Arch.SM90, dtype="float32")
+    assert PostprocessConfig(arch=Arch.SM90, dtype="float16").dtype == "float16"
 
 
 def test_compile_key_covers_every_field_and_no_sizes():

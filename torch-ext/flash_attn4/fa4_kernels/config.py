@@ -30,6 +30,10 @@ class _Config:
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
+    def _check_dtype(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
 
 @dataclass(frozen=True)
 class _KernelConfig(_Config):
@@ -44,8 +48,7 @@ class _KernelConfig(_Config):
     local: bool = False
 
     def _check_common(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self._check_dtype()
         for name in ("head_dim", "head_dim_v"):
             if getattr(self, name) not in HEAD_DIMS:
                 raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
@@ -174,8 +177,7 @@ class PreprocessConfig(_Config):
     head_dim_v: int
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self._check_dtype()
         if self.head_dim_v not in HEAD_DIMS:
             raise ValueError(f"head_dim_v must be a multiple of 8 in [8, 256], got {self.head_dim_v}")
 
@@ -187,4 +189,7 @@ class PostprocessConfig(_Config):
 
     arch: Arch
     dtype: str
+
+    def __post_init__(self):
+        self._check_dtype()
 
