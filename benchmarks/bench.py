@@ -214,13 +214,11 @@ def _ours_fwd(case: Case, x: Inputs):
 def _parse_variant(text: str) -> tuple[str, dict]:
     """'NAME:field=value,field=value' -> (NAME, overrides of fa4_kernels' ForwardConfig, or of its
     BackwardConfig with --mode bwd)."""
+    import importlib
+
     name, _, spec = text.partition(":")
-    overrides = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        field_name, _, value = item.partition("=")
-        overrides[field_name] = {"true": True, "false": False}.get(value.lower(), None)
-        if overrides[field_name] is None:
-            overrides[field_name] = float(value) if "." in value else int(value)
+    config = importlib.import_module(_import_ours().__name__ + ".fa4_kernels.config")
+    overrides = config.parse_overrides(spec)
     if not name or not overrides:
         raise argparse.ArgumentTypeError(f"--variant wants NAME:field=value[,field=value], got {text!r}")
     return name, overrides

@@ -35,14 +35,10 @@ sys.path.insert(0, sys.argv[4])
 from flash_attn4 import dispatch
 from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels import compile as kc
+from flash_attn4.fa4_kernels.config import parse_overrides
 
 kind, arch, spec = sys.argv[1:4]
-fields = {}
-for item in filter(None, spec.split(",")):
-    name, _, value = item.partition("=")
-    fields[name] = {"true": True, "false": False}.get(value.lower(), None)
-    if fields[name] is None:
-        fields[name] = float(value) if "." in value else int(value)
+fields = parse_overrides(spec)
 d = fields.pop("d")
 dv = fields.pop("dv", d)
 flags = {k: fields.pop(k, False) for k in ("causal", "local", "has_softcap", "varlen", "has_seqused_k")}

@@ -586,6 +586,19 @@ def test_fa_rule_helper():
 # ---- the benchmark's kernel variants (benchmarks/bench.py --variant), through the stand-ins ----
 
 
+def test_bench_variant_specs_parse_to_config_overrides():
+    import argparse
+
+    from benchmarks import bench
+
+    assert bench._parse_variant("m80:tile_m=80,causal=true,rescale_threshold=8.0,ops.PREPROCESS_KERNEL=False") == (
+        "m80", {"tile_m": 80, "causal": True, "rescale_threshold": 8.0, "ops.PREPROCESS_KERNEL": False})
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME:field=value"):
+        bench._parse_variant("m80:")
+    with pytest.raises(ValueError):
+        bench._parse_variant("m80:tile_m=eighty")
+
+
 def test_bench_backward_variant_compiles_the_overridden_config_and_matches_ours(cpu_backward):
     from benchmarks import bench
 

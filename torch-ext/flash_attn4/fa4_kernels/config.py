@@ -17,6 +17,17 @@ DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = tuple(range(8, 257, 8))
 
 
+def parse_overrides(text: str) -> dict:
+    """'field=value,field=value' -> {field: value} for Config.replace: true/false, a float when the
+    value has a '.', else an int (tuning runs and tools name configuration changes this way)."""
+    overrides = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = item.partition("=")
+        parsed = {"true": True, "false": False}.get(value.lower())
+        overrides[name] = parsed if parsed is not None else float(value) if "." in value else int(value)
+    return overrides
+
+
 @dataclass(frozen=True)
 class _Config:
     """What every configuration has: the compile key and copies with changes."""
@@ -192,4 +203,3 @@ class PostprocessConfig(_Config):
 
     def __post_init__(self):
         self._check_dtype()
-
