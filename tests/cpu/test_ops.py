@@ -647,10 +647,20 @@ def torch_preprocess_kernel(cfg, calls):
     return run
 
 
+def _bwd_without_and_with(monkeypatch, switch: str, calls: list, *args):
+    """ops.bwd(*args) with the ops.py kernel switch off (the stand-in kernel must not be called),
+    then on: (without, with)."""
+    monkeypatch.setattr(ops, switch, False)
+    without = ops.bwd(*args)
+    assert not calls
+    monkeypatch.setattr(ops, switch, True)
+    return without, ops.bwd(*args)
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch, varlen):
-    """With ops.PREPROCESS_KERNEL (the default) the rows reach the kernel in its convention (packed inputs as one
-    batch entry) and the gradients do not change."""
+    """With ops.PREPROCESS_KERNEL (the default) the rows reach the kernel in its convention (packed
+    inputs as one batch entry) and the gradients do not change."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward_preprocess", lambda cfg: torch_preprocess_kernel(cfg, calls))
     if varlen:
@@ -662,11 +672,7 @@ def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch,
         out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
         args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
     dout = torch.randn_like(out)
-    monkeypatch.setattr(ops, "PREPROCESS_KERNEL", False)
-    want = ops.bwd(dout, q, k, v, out, lse, *args)
-    assert not calls
-    monkeypatch.setattr(ops, "PREPROCESS_KERNEL", True)
-    got = ops.bwd(dout, q, k, v, out, lse, *args)
+    want, got = _bwd_without_and_with(monkeypatch, "PREPROCESS_KERNEL", calls, dout, q, k, v, out, lse, *args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert len(calls) == 1 and calls[0].head_dim_v == 64 and calls[0].dtype == "bfloat16"
@@ -686,18 +692,15 @@ def torch_postprocess_kernel(cfg, calls):
 
 
 def test_backward_with_the_postprocess_kernel_plumbing(cpu_backward, monkeypatch):
-    """With ops.POSTPROCESS_KERNEL (the default), dQ comes from the kernel in its convention and does not change."""
+    """With ops.POSTPROCESS_KERNEL (the default), dQ comes from the kernel in its convention and does
+    not change."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, calls))
     q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     dout = torch.randn_like(out)
     args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
-    monkeypatch.setattr(ops, "POSTPROCESS_KERNEL", False)
-    want = ops.bwd(dout, q, k, v, out, lse, *args)
-    assert not calls
-    monkeypatch.setattr(ops, "POSTPROCESS_KERNEL", True)
-    got = ops.bwd(dout, q, k, v, out, lse, *args)
+    want, got = _bwd_without_and_with(monkeypatch, "POSTPROCESS_KERNEL", calls, dout, q, k, v, out, lse, *args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     assert len(calls) == 1 and calls[0].dtype == "bfloat16"
