@@ -214,6 +214,8 @@ def test_config_rejects_what_no_kernel_can_do():
         ForwardConfig(**dict(base, exp2_emulated_eighths=9))
     with pytest.raises(ValueError, match="tma_store_o is for batched inputs"):
         ForwardConfig(**dict(base, tma_store_o=True, varlen=True))
+    with pytest.raises(ValueError, match="multiple of 16, got 72"):
+        ForwardConfig(**dict(base, head_dim=72, head_dim_v=72, tma_store_o=True))
     with pytest.raises(ValueError, match="persistent_ctas"):
         ForwardConfig(**dict(base, persistent_ctas=-1))
 

@@ -74,8 +74,9 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
                    has_softcap: bool, varlen: bool, has_seqused_k: bool, has_sink: bool) -> ForwardConfig:
     """The ForwardConfig for a problem class. Cached: the same arguments give the same object."""
     # O through shared memory and one TMA store per warpgroup: 1.04-1.09x at 1k tokens and even from
-    # 4k up at d = 128 on the H200; at d = 64 it lost 4-5% at 16k (docs/perf.md). Batched only.
-    tma_store_o = not varlen and 64 < max(head_dim, head_dim_v) <= 128
+    # 4k up at d = 128 on the H200; at d = 64 it lost 4-5% at 16k (docs/perf.md). Batched only, and
+    # stmatrix stores 16 columns at a time.
+    tma_store_o = not varlen and head_dim_v % 16 == 0 and 64 < max(head_dim, head_dim_v) <= 128
     return ForwardConfig(
         arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,

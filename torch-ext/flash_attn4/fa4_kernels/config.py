@@ -123,6 +123,9 @@ class ForwardConfig(_KernelConfig):
             raise ValueError(f"persistent_ctas must be >= 0 (0: one CTA per tile), got {self.persistent_ctas}")
         if self.tma_store_o and self.varlen:
             raise ValueError("tma_store_o is for batched inputs: a TMA box would write past a packed sequence")
+        if self.tma_store_o and self.head_dim_v % 16:
+            raise ValueError(f"tma_store_o writes O to shared memory in 16-column stmatrix tiles: head_dim_v "
+                             f"must be a multiple of 16, got {self.head_dim_v}")
 
 
 @dataclass(frozen=True)

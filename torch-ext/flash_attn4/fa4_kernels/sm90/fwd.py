@@ -49,7 +49,7 @@ from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
-from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
+from .wgmma import (WARPGROUP_THREADS, advanced, mma_k_multiple, smem_layout, tma_partition_tile, transpose_view,
                     wgmma)
 
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
@@ -75,6 +75,10 @@ class FlashAttentionForwardSm90:
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
+        # A WGMMA reduces 16 bf16/fp16 columns at a time, so Q, K and V tiles are 16-column multiples
+        # wide: TMA fills the columns past the head dim with zeros (they add nothing to Q K^T and make
+        # O columns that are never stored).
+        self.hdim_tile, self.hdim_v_tile = mma_k_multiple(self.hdim), mma_k_multiple(self.hdim_v)
         self.num_stages = cfg.num_stages
         self.num_consumer_wg = cfg.tile_m // 64
         self.producer_regs, self.consumer_regs = REGISTERS[self.num_consumer_wg]
@@ -124,30 +128,30 @@ class FlashAttentionForwardSm90:
         # P comes from registers; V^T is read N-major straight from V's row-major tile.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, self.hdim_v),
+            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, self.hdim_v_tile),
             a_source=warpgroup.OperandSource.RMEM,
         )
 
-        sQ_layout = smem_layout(self.dtype, self.tile_m, self.hdim)
-        sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim, self.num_stages)
-        sV_layout = smem_layout(self.dtype, self.tile_n, self.hdim_v, self.num_stages)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.hdim_tile)
+        sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim_tile, self.num_stages)
+        sV_layout = smem_layout(self.dtype, self.tile_n, self.hdim_v_tile, self.num_stages)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.hdim))
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.hdim_tile))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1)
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim_tile), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdim_v), 1)
+            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdim_v_tile), 1)
         # tma_store_o: one (64, dv) slab per consumer warpgroup, each its own TMA box, and a
         # one-warpgroup view of the P @ V MMA for the stmatrix copy out of its accumulator.
-        sO_layout = smem_layout(self.dtype, 64, self.hdim_v, self.num_consumer_wg)
+        sO_layout = smem_layout(self.dtype, 64, self.hdim_v_tile, self.num_consumer_wg)
         tma_atom_O, tma_O, tiled_mma_o = None, mO, None
         if cutlass.const_expr(cfg.tma_store_o):
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, self.hdim_v))
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, self.hdim_v_tile))
             tiled_mma_o = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.hdim_v),
+                Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.hdim_v_tile),
                 a_source=warpgroup.OperandSource.RMEM)
         sO_elements = cute.cosize(sO_layout) if cfg.tma_store_o else 0
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
@@ -312,11 +316,11 @@ class FlashAttentionForwardSm90:
         sQ, sK, sV = smem.q, smem.k, smem.v
         pipe_q, pipe_k, pipe_v = pipes.q, pipes.k, pipes.v
         gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, self.cfg.varlen),
-                             (self.tile_m, self.hdim), (m_block, 0))
+                             (self.tile_m, self.hdim_tile), (m_block, 0))
         gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
-                             (self.tile_n, self.hdim), (None, 0))  # (tile_n, d, n_blocks)
+                             (self.tile_n, self.hdim_tile), (None, 0))  # (tile_n, d, n_blocks)
         gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
-                             (self.tile_n, self.hdim_v), (None, 0))
+                             (self.tile_n, self.hdim_v_tile), (None, 0))
         tQsQ, tQgQ = tma_partition_tile(tma_atom_Q, sQ, gQ)
         tKsK, tKgK = tma_partition_tile(tma_atom_K, sK, gK)
         tVsV, tVgV = tma_partition_tile(tma_atom_V, sV, gV)
@@ -361,7 +365,7 @@ class FlashAttentionForwardSm90:
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stage)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
         acc_S_shape = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
-        acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.hdim_v)))
+        acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.hdim_v_tile)))
         acc_O.fill(0.0)
 
         # Score coordinates within a (tile_m, tile_n) block, for masking.
@@ -522,21 +526,24 @@ class FlashAttentionForwardSm90:
                  m_block, head, batch):
         """Normalise O, write the rows that lie inside the sequence (unless store_o_by_tma did), and
         their LSE."""
-        tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v_tile))))
         o_rows = acc_rows_view(acc_O)
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
         gLSE = head_rows(mLSE, seqlen.offset_q, head, batch, self.cfg.varlen)
         tOgO = None
         if cutlass.const_expr(not self.cfg.tma_store_o):
             gO = cute.local_tile(head_rows(mO, seqlen.offset_q, head, batch, self.cfg.varlen),
-                                 (self.tile_m, self.hdim_v), (m_block, 0))
+                                 (self.tile_m, self.hdim_v_tile), (m_block, 0))
             tOgO = acc_rows_view(thr_mma_pv.partition_C(gO))
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
             row = tOcO[r, 0][0]
             if row < rows_left:
                 if cutlass.const_expr(not self.cfg.tma_store_o):
                     for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                        tOgO[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
+                        if cutlass.const_expr(self.hdim_v_tile == self.hdim_v):
+                            tOgO[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
+                        elif tOcO[r, c][1] < self.hdim_v:  # not a zero-padding column
+                            tOgO[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
                 if tidx % THREADS_PER_ROW == 0:
                     gLSE[m_block * self.tile_m + row] = lse[r]
 
@@ -563,7 +570,7 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WARPGROUP_THREADS)
         if cute.arch.make_warp_uniform((tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE) == 0:
-            gO = cute.local_tile(head_rows(mO, Int32(0), head, batch, False), (64, self.hdim_v),
+            gO = cute.local_tile(head_rows(mO, Int32(0), head, batch, False), (64, self.hdim_v_tile),
                                  (m_block * self.num_consumer_wg + wg, 0))
             t_smem, t_gmem = tma_partition_tile(tma_atom_O, slab, gO)
             cute.copy(tma_atom_O, t_smem, t_gmem)

@@ -13,6 +13,11 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 WARPGROUP_THREADS = 128
 
 
+def mma_k_multiple(cols: int) -> int:
+    """cols rounded up to the 16 columns one 16-bit WGMMA reduces at a time."""
+    return -(-cols // 16) * 16
+
+
 def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None, *, split: int = 1):
     """K-major (row-major) shared-memory layout with the widest swizzle the row allows, as WGMMA
     and TMA expect; staged buffers stack along a third mode. ``split`` > 1: the columns are also used
