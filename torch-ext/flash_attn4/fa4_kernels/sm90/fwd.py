@@ -419,6 +419,7 @@ class FlashAttentionForwardSm90:
                    zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
+            kv = advanced(kv)  # a persistent CTA's next tile starts at the stage after this one
         if cutlass.const_expr(cfg.persistent_ctas > 0):
             pipe_q.consumer_release(q_state)  # every S = Q K^T of the tile has completed
         q_state = advanced(q_state)
