@@ -181,7 +181,9 @@ class FlashAttentionBackwardSm90:
         sV_layout = smem_layout(self.dtype, self.tile_n, dv)
         # (keys, queries), as computed; sP too. Unsplit: two buffers, alternating by query block.
         sdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m, None if self.split else 2)
-        sRow_layout = cute.make_layout((self.tile_m, self.num_stages))  # LSE and rowsum per stage
+        # LSE and rowsum per stage. A TMA destination must be 128-byte aligned, so each stage starts
+        # on a multiple of 32 floats (80-query blocks took a misaligned-address fault on the H200).
+        sRow_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, -(-self.tile_m // 32) * 32))
         # dQ staging, fp32: one buffer per part (the last mode), each one TMA box.
         sdQ_layout = smem_layout(Float32, *self.dq_part, wgs)
 
