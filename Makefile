@@ -23,14 +23,18 @@ build:
 compile:
 	$(PYTHON) -m fa4_kernels.compile --arch $(ARCH)
 
+# Test processes (pytest-xdist): kernel compiles are most of both suites' time and run in parallel.
+TEST_WORKERS ?= 2
+GPU_TEST_WORKERS ?= 4
+
 # CPU tests. pytest exits 5 when it collected no test: that is a failure here, said out loud.
 test:
-	$(PYTHON) -m pytest tests -m "not gpu" -q; rc=$$?; \
+	$(PYTHON) -m pytest tests -m "not gpu" -q -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 # GPU tests: need an sm90/sm100 GPU, skipped otherwise.
 test-gpu:
-	$(PYTHON) -m pytest tests -m gpu -q
+	$(PYTHON) -m pytest tests -m gpu -q -n $(GPU_TEST_WORKERS)
 
 demo:
 	$(PYTHON) scripts/demo.py
