@@ -103,7 +103,7 @@ def test_head_dims_multiple_of_8_not_16(seed, d, causal):
 @pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 128)])
 def test_tma_store_o_switch(seed, monkeypatch, d, dv, sq, sk, causal):
     """ForwardConfig.tma_store_o (O through shared memory and a TMA store; dispatch turns it on at
-    64 < d <= 128), forced on here for every head dim it fits: partial tiles clip at the sequence end
+    64 < d <= 128 with dv a multiple of 16), forced on here for every head dim it fits: partial tiles clip at the sequence end
     and nothing is left unwritten (outputs start as NaN)."""
     from flash_attn4 import dispatch
 
