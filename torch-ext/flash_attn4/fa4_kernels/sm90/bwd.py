@@ -67,7 +67,7 @@ from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from .fragments import acc_as_a_operand, acc_rows_view
 from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
-                    wgmma)
+                    warpgroup_slice_thread, wgmma)
 
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
@@ -360,7 +360,7 @@ class FlashAttentionBackwardSm90:
         """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (mmas.dk serves dK
         and dV, as d == dv; smem.p and mmas.dv are unused)."""
         tiled_mma_dkv = mmas.dk
-        wg_first = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
+        wg_first = warpgroup_slice_thread(tidx)
         wg_dkv, thr_dkv = tiled_mma_dkv.get_slice(wg_first), tiled_mma_dkv.get_slice(tidx)
         scores = self.score_operands(mmas.sdp, tidx, smem)
         tQrdS, tQrKt, acc_dq_shape, tdQsdQ = self.dq_operands(mmas.dq, tidx, smem)
@@ -415,7 +415,7 @@ class FlashAttentionBackwardSm90:
         """The split layout (head dims above 128, d != dv): both warpgroups work on the CTA's 64 keys.
         Each computes S^T and dP^T for half of the query block, writes its half of P^T and dS^T to
         shared memory, and then, over all queries, its half of the head dim of dV, dK and dQ."""
-        wg_first = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
+        wg_first = warpgroup_slice_thread(tidx)
         wg_dk, thr_dk = mmas.dk.get_slice(wg_first), mmas.dk.get_slice(tidx)
         wg_dv, thr_dv = mmas.dv.get_slice(wg_first), mmas.dv.get_slice(tidx)
         # S^T and dP^T: this warpgroup's half of the query rows (the tiled MMA splits N).
@@ -466,7 +466,7 @@ class FlashAttentionBackwardSm90:
     # ---- pieces both consumer layouts use ----------------------------------------------------------
     def score_operands(self, tiled_mma_sdp: cute.TiledMma, tidx, smem: "SharedTiles") -> "ScoreOperands":
         """S^T = K Q^T and dP^T = V dO^T for this thread's warpgroup."""
-        wg = tiled_mma_sdp.get_slice((tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS)
+        wg = tiled_mma_sdp.get_slice(warpgroup_slice_thread(tidx))
         thr = tiled_mma_sdp.get_slice(tidx)
         acc_shape = thr.partition_shape_C((self.tile_n, self.tile_m))
         tScS = acc_rows_view(thr.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
@@ -480,7 +480,7 @@ class FlashAttentionBackwardSm90:
         """dQ = dS K, this warpgroup's part: the dS (queries x keys) and K^T (d x keys) fragments,
         both transposed views of their tiles, the accumulator shape and this thread's elements of the
         dQ staging buffers. With dq_transposed, dQ^T = K^T dS^T: K^T is the A operand and dS the B."""
-        wg = tiled_mma_dq.get_slice((tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS)
+        wg = tiled_mma_dq.get_slice(warpgroup_slice_thread(tidx))
         thr = tiled_mma_dq.get_slice(tidx)
         ds, kt = transpose_view(smem.ds), transpose_view(smem.k)
         # The staging buffers (rows, cols, part) seen as one (tile_m, d) block: the part index

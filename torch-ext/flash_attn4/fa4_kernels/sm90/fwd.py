@@ -49,8 +49,8 @@ from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
-from .wgmma import (WARPGROUP_THREADS, advanced, mma_k_multiple, smem_layout, tma_partition_tile, transpose_view,
-                    wgmma)
+from .wgmma import (WARPGROUP_THREADS, advanced, mma_k_multiple, smem_layout, tma_partition_tile,
+                    transpose_view, warpgroup_slice_thread, wgmma)
 
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
 # split over 128 producer threads and 128 threads per consumer warpgroup.
@@ -355,7 +355,7 @@ class FlashAttentionForwardSm90:
         sQ, sK, sV = smem.q, smem.k, smem.v
         pipe_q, pipe_k, pipe_v = pipes.q, pipes.k, pipes.v
         tiled_mma_qk, tiled_mma_pv = mmas.qk, mmas.pv
-        warpgroup_first_thread = (tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
+        warpgroup_first_thread = warpgroup_slice_thread(tidx)
         wg_mma_qk = tiled_mma_qk.get_slice(warpgroup_first_thread)
         wg_mma_pv = tiled_mma_pv.get_slice(warpgroup_first_thread)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
