@@ -67,7 +67,7 @@ from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from .fragments import acc_as_a_operand, acc_rows_view
 from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
-                    warpgroup_slice_thread, wgmma)
+                    warpgroup_index, warpgroup_slice_thread, wgmma)
 
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
@@ -299,7 +299,7 @@ class FlashAttentionBackwardSm90:
                                  cutlass.max(m_block_max - m_block_min, 0))
             work = TileWork(seqlen, mask, blocks, blocks.per_head * qhead_per_kvhead, n_block, head_kv, batch)
 
-            warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+            warpgroup_idx = warpgroup_index(tidx)
             if warpgroup_idx == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
                 if warp_idx == 1:
@@ -609,7 +609,7 @@ class FlashAttentionBackwardSm90:
     def stage_dq(self, tidx, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor):
         """This warpgroup's part of the KV tile's dQ (unscaled) into its shared-memory buffer, once
         the writer warp has read the previous one, and signalled to the writer warp (write_dq)."""
-        part = tidx // WARPGROUP_THREADS
+        part = warpgroup_index(tidx)
         handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
         cute.arch.barrier(barrier_id=DQ_EMPTY_FIRST + part, number_of_threads=handshake)
         tdQsdQ.store(acc_dQ.load())

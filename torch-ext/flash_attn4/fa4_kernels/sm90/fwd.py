@@ -50,7 +50,7 @@ from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
 from .wgmma import (WARPGROUP_THREADS, advanced, mma_k_multiple, smem_layout, tma_partition_tile,
-                    transpose_view, warpgroup_slice_thread, wgmma)
+                    transpose_view, warpgroup_index, warpgroup_slice_thread, wgmma)
 
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
 # split over 128 producer threads and 128 threads per consumer warpgroup.
@@ -251,7 +251,7 @@ class FlashAttentionForwardSm90:
         outputs = Outputs(o=mO, lse=mLSE, sink=mSink, tma_atom_o=tma_atom_O)
         loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV)
         tile_args = (qhead_per_kvhead, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
-        warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        warpgroup_idx = warpgroup_index(tidx)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
             # Persistent: CTA i works on tiles i, i + grid, ... of the scheduler's order; the
             # pipelines' states (and the ping-pong turn) carry over from one tile to the next.
@@ -372,7 +372,7 @@ class FlashAttentionForwardSm90:
         tScS = acc_rows_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
         softmax = OnlineSoftmax.create(scale_log2, cute.size(tScS, mode=[0]), THREADS_PER_ROW)
 
-        wg = tidx // WARPGROUP_THREADS
+        wg = warpgroup_index(tidx)
         row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
         rP = cute.make_rmem_tensor(acc_S_shape, self.dtype)  # P of the previous block, A of P@V
         step = partial(self.mainloop_step, wg=wg, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, rP=rP,
@@ -553,7 +553,7 @@ class FlashAttentionForwardSm90:
         """tma_store_o: this warpgroup's 64 normalised rows of O into its shared-memory slab with
         stmatrix, then one TMA store, which clips the rows past the sequence (batched inputs). The
         issuing warp waits until the TMA has read the slab, so the CTA outlives it."""
-        wg = tidx // WARPGROUP_THREADS
+        wg = warpgroup_index(tidx)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
             # The slab's previous TMA store has read it (its issuing warp waited for that).
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WARPGROUP_THREADS)

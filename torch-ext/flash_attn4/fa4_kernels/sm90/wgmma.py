@@ -14,12 +14,19 @@ WARPGROUP_THREADS = 128
 
 
 @cute.jit
+def warpgroup_index(tidx):
+    """``tidx``'s warpgroup, marked warp-uniform (ptxas cannot prove tidx // 128 is), so that what
+    is derived from it lives in uniform registers: WGMMA shared-memory descriptors, buffer offsets,
+    barrier ids. A per-thread warpgroup index made ptxas build every descriptor in ordinary
+    registers and move it over (R2UR) before each WGMMA: about 200 integer instructions per
+    backward step at d = 128."""
+    return cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+
+
+@cute.jit
 def warpgroup_slice_thread(tidx):
-    """The first thread of ``tidx``'s warpgroup, the index a WGMMA's get_slice takes, marked
-    warp-uniform: the shared-memory descriptors derived from it then live in uniform registers.
-    A per-thread value made ptxas build every descriptor in ordinary registers and move it over
-    (R2UR) before each WGMMA: about 200 integer instructions per backward step at d = 128."""
-    return cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS) * WARPGROUP_THREADS
+    """The first thread of ``tidx``'s warpgroup (warp-uniform): the index a WGMMA's get_slice takes."""
+    return warpgroup_index(tidx) * WARPGROUP_THREADS
 
 
 def mma_k_multiple(cols: int) -> int:
