@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -102,6 +103,10 @@ def test_sm90_forward_uses_wgmma_tma_and_does_not_spill(tmp_path):
     assert "HGMMA" in sass
     assert "MUFU.EX2" in sass
     assert "STL" not in sass and "LDL" not in sass, "register spills to local memory"
+    # The causal mask is one select per score of a masked block (two such blocks' worth of code, 64
+    # scores per thread each): a branch per score once compiled to over a thousand FSEL (mask.py).
+    fsel = len(re.findall(r"\bFSEL\b", sass))
+    assert 0 < fsel < 400, f"{fsel} FSEL in the causal forward"
 
 
 def test_sm90_forward_tma_store_o_uses_stmatrix_and_a_tma_store(tmp_path):
@@ -249,13 +254,17 @@ def test_sass_report_normalises_addresses_labels_and_parameter_offsets():
     assert (counts["HGMMA"], counts["STL (spill stores)"], counts["MUFU.EX2"], counts["instructions"]) == (1, 1, 1, 3)
 
 
-@pytest.mark.parametrize("spec", ["d=128", "d=128,causal=true", "d=64,causal=true"])
-def test_default_backward_kernels_do_not_spill(spec):
-    """The unsplit layouts the dispatch picks (64-query blocks at d=128, 128-query blocks at d=64)
-    keep every value in registers: a spill in the step loop costs a local-memory round trip per step."""
+@pytest.mark.parametrize("spec,max_spills", [
+    ("d=64", 0), ("d=64,causal=true", 0), ("d=128,tile_m=64", 0), ("d=128,causal=true,tile_m=64", 0),
+    ("d=128", 4), ("d=128,causal=true", 24)])
+def test_backward_kernel_spills_stay_bounded(spec, max_spills):
+    """The unsplit layouts keep every value in registers with 128-query blocks at d = 64 and 64-query
+    blocks at d = 128: a spill in the step loop costs a local-memory round trip per step. The 80-query
+    blocks the tiles pick at d = 128 spill a few registers (measured faster all the same, tiles.py):
+    a bound, so that a change that spills more shows up here before it does on the GPU."""
     if _nvdisasm() is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
     report = _sass_report()
     counts = report.summary(report.compile_sass("bwd", "sm_90a", spec))
     assert counts["HGMMA"] > 0
-    assert counts["STL (spill stores)"] == counts["LDL (spill loads)"] == 0, counts
+    assert counts["STL (spill stores)"] <= max_spills and counts["LDL (spill loads)"] <= max_spills, counts

@@ -133,10 +133,15 @@ class AttentionMask:
     @cute.jit
     def apply(self, s_rows: cute.Tensor, coord_rows: cute.Tensor, seqlen: SeqlenInfo,
               m_block: Int32, n_block: Int32):
-        """Set every score that row i may not see to -inf, in place."""
+        """Set every score that row i may not see to -inf, in place: one compare (two with a left
+        window) and one select per score. A branch per score instead makes the compiler re-select
+        every earlier score of the fragment at each join, quadratic in the fragment size (sm_90a SASS
+        of the d=128 causal forward: 1072 FSEL with a branch per score, 134 with selects)."""
         for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
             lo, hi = self.key_bounds(seqlen, coord_rows[r, 0][0] + m_block * self.tile_m, n_block)
             for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
                 col = coord_rows[0, c][1]
-                if col >= hi or col < lo:
-                    s_rows[r, c] = -Float32.inf
+                keep = col < hi
+                if cutlass.const_expr(self.local):  # without a left window lo <= 0 <= col
+                    keep = keep & (col >= lo)
+                s_rows[r, c] = Float32(cutlass.select_(keep, s_rows[r, c], -Float32.inf))
