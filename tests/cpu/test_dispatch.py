@@ -68,15 +68,26 @@ def test_backward_dispatch_hopper_yes_blackwell_clear_error():
 
 
 @pytest.mark.parametrize("d,dv,split,tile_m,tile_n,stages", [
-    (64, 64, False, 128, 128, 2), (96, 96, False, 64, 128, 2), (128, 128, False, 64, 128, 2),
+    (64, 64, False, 128, 128, 2), (96, 96, False, 64, 128, 2), (128, 128, False, 80, 128, 2),
     (128, 64, True, 64, 64, 2), (192, 192, True, 64, 64, 2), (192, 128, True, 64, 64, 2), (256, 256, True, 64, 64, 1)])
-def test_backward_tiles_per_head_dims(d, dv, split, tile_m, tile_n, stages):
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_tiles_per_head_dims(d, dv, split, tile_m, tile_n, stages, causal):
     """The head dims whose dK/dV accumulators fit a warpgroup per 64 keys keep the unsplit layout
-    (128-query blocks up to d = 64); the rest split the head dim, with one Q/dO stage above 192
-    (shared memory)."""
-    cfg = dispatch.backward_config(Arch.SM90, "bfloat16", d, dv, causal=False, local=False, has_softcap=False,
+    (128-query blocks up to d = 64, 80 at d = 128); the rest split the head dim, with one Q/dO stage
+    above 192 (shared memory)."""
+    cfg = dispatch.backward_config(Arch.SM90, "bfloat16", d, dv, causal=causal, local=False, has_softcap=False,
                                    varlen=False, has_seqused_k=False, deterministic=False)
     assert (cfg.split_head_dim, cfg.tile_m, cfg.tile_n, cfg.num_stages) == (split, tile_m, tile_n, stages)
+
+
+@pytest.mark.parametrize("flag", ["local", "has_softcap"])
+def test_backward_d128_keeps_64_query_blocks_with_local_or_softcap(flag):
+    """80-query blocks spill far more under softcap (40) or a local window (9) and were not measured
+    there: those keep 64."""
+    flags = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False,
+                 deterministic=False)
+    flags[flag] = True
+    assert dispatch.backward_config(Arch.SM90, "bfloat16", 128, 128, **flags).tile_m == 64
 
 
 def test_device_info_is_cached_per_index(monkeypatch):

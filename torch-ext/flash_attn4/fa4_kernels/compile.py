@@ -182,7 +182,7 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
         return []
     def cfg(d=128, dv=128, **flags):
         return BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, **flags,
-                              **backward_tiles(arch, d, dv))
+                              **backward_tiles(arch, d, dv, flags.get("local", False), flags.get("has_softcap", False)))
 
     return [cfg(), cfg(causal=True), cfg(64, 64),
             cfg(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),

@@ -8,7 +8,10 @@ Hopper forward, measured on the H200 (docs/perf.md has the A/B runs):
   of shared memory; 80 beat 64 at d=256 causal and tied non-causal).
 
 Hopper backward (sm90/bwd.py): 64 queries x 128 keys, each consumer warpgroup owning 64 keys with
-dK and dV for the whole head dim in registers, while head_dim == head_dim_v <= 128. Beyond that (or
+dK and dV for the whole head dim in registers, while head_dim == head_dim_v <= 128; 128 queries at
+d <= 64, 80 at d = 128 without softcap or a local window (H200: 1.01-1.04x non-causal, 1.06-1.08x
+causal over 64, although the causal kernel spills 17 registers; softcap spills 40 and local 9, not
+measured, so they keep 64). Beyond that (or
 for d != dv) those accumulators no longer fit: 64 x 64 with the head dim split between the
 warpgroups, two Q/dO stages up to d = 192 and one above (shared memory: 210 KiB at d = 192 with two,
 209 KiB at d = 256 with one).
@@ -34,13 +37,15 @@ def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loca
     return dict(tile_m=128, tile_n=80, num_stages=2)
 
 
-def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int) -> dict:
+def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, local: bool, has_softcap: bool) -> dict:
     """BackwardConfig overrides (tile_m, tile_n, num_stages, split_head_dim) for a problem class."""
     if arch is not Arch.SM90:
         raise NotImplementedError(f"no backward tiles for {arch.value} yet")
     d = max(head_dim, head_dim_v)
     if head_dim == head_dim_v and d <= 128:
-        # 128-query blocks halve the per-step overheads; S^T and dP^T then take 64 fp32 registers
-        # each per thread, which fits beside dK and dV up to d = 64 (H200: 1.10-1.16x at d = 64).
-        return dict(tile_m=128 if d <= 64 else 64, tile_n=128, num_stages=2, split_head_dim=False)
+        # Longer query blocks spread the per-step overheads (barriers, LSE/rowsum loads, the dQ
+        # reduce) over more rows; S^T and dP^T grow with them: 128 rows fit beside dK and dV up to
+        # d = 64 (H200: 1.10-1.16x over 64 rows), 80 at d = 128.
+        tile_m = 128 if d <= 64 else 80 if d == 128 and not (local or has_softcap) else 64
+        return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False)
     return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
