@@ -456,12 +456,25 @@ def test_split_head_dim_backward(cpu_backward, d, dv):
     assert cfg.split_head_dim and (cfg.head_dim, cfg.head_dim_v) == (d, dv)
 
 
-def test_backward_refuses_head_dims_and_lse_gradients_forward_still_works(cpu_backward):
-    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 72))
-    out = flash_attn_func(q, k, v)  # the forward supports d=72
-    assert out.requires_grad
-    with pytest.raises(NotImplementedError, match="backward: head dims 72/72"):
-        out.float().sum().backward()
+@pytest.mark.parametrize("d,dv,kernel_dims", [(72, 72, (80, 80)), (128, 72, (128, 80)), (24, 24, (32, 32))])
+def test_backward_pads_head_dims_the_kernel_does_not_take(cpu_backward, d, dv, kernel_dims):
+    """Head dims that are not multiples of 16 (or below 32) reach the kernel zero-padded and come back
+    with the reference gradients, in the inputs' shapes."""
+    q, k, v = rand_qkv(1, 7, 9, 4, 2, d)
+    v = torch.randn(1, 9, 2, dv, dtype=q.dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want = _reference_grads((q.detach(), k.detach(), v.detach(), None), dout, causal=True)
+    for got, ref, x in zip((q.grad, k.grad, v.grad), want, (q, k, v)):
+        assert got.shape == x.shape
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    (cfg,) = cpu_backward
+    assert (cfg.head_dim, cfg.head_dim_v) == kernel_dims
+
+
+def test_backward_refuses_lse_gradients_forward_still_works(cpu_backward):
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
     out, lse = flash_attn_func(q, k, v, return_lse=True)
     with pytest.raises(NotImplementedError, match="lse"):

@@ -62,8 +62,9 @@ def flash_attn_func(
     > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores; ``learnable_sink`` (hq,) adds one
     logit per head to the softmax denominator (gpt-oss). ``deterministic=True`` makes the backward
     bitwise repeatable (dQ is reduced across KV tiles in a fixed order; a little slower); the forward
-    always is. Differentiable w.r.t. q, k, v and learnable_sink when head_dim == head_dim_v is a
-    multiple of 16 in [32, 128] (other head dims: forward only). Returns ``out`` (b, sq, hq, dv), or ``(out, lse)`` with ``return_lse=True``
+    always is. Differentiable w.r.t. q, k, v and learnable_sink (head dims that are not multiples of 16
+    run the backward zero-padded to one). Returns ``out`` (b, sq, hq, dv), or ``(out, lse)`` with
+    ``return_lse=True``
     (lse float32 (b, hq, sq)). ``dropout_p`` > 0, ``alibi_slopes`` and ``return_attn_probs`` raise
     NotImplementedError.
     """

@@ -289,10 +289,20 @@ def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, so
 def _backward_limits(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the backward cannot run for these inputs, or None."""
     d, dv = q.shape[-1], v.shape[-1]
-    if all(32 <= x <= 256 and x % 16 == 0 for x in (d, dv)):
+    if all(8 <= x <= 256 and x % 8 == 0 for x in (d, dv)):
         return None
-    return (f"head dims {d}/{dv}: the backward needs head_dim and head_dim_v to be multiples of 16 in "
-            f"[32, 256] (the forward also takes other multiples of 8)")
+    return f"head dims {d}/{dv}: the backward needs head_dim and head_dim_v to be multiples of 8 in [8, 256]"
+
+
+def _kernel_head_dim(x: int) -> int:
+    """The head dim the backward kernel runs at: a multiple of 16 (a WGMMA's reduction step, and
+    its 16-column tiles of dQ, dK, dV), at least 32."""
+    return max(32, -(-x // 16) * 16)
+
+
+def _padded_head_dims(tensors, width: int):
+    """The tensors with their last dim zero-padded to ``width`` (those already that wide as they are)."""
+    return [t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors]
 
 
 def _setup_context(ctx, inputs, output):
@@ -323,8 +333,15 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         return (None,) * 15
     softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic = ctx.options
-    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap,
-                     causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
+    # Head dims that are multiples of 8 but not of 16 (or below 32) run zero-padded: zero columns of
+    # Q and K add nothing to Q K^T, zero columns of V, O and dO nothing to dO V^T or rowsum(dO * O),
+    # and the padded gradient columns are dropped. The price is the copies and the padded work.
+    d, dv = q.shape[-1], v.shape[-1]
+    qp, kp = _padded_head_dims((q, k), _kernel_head_dim(d))
+    vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), _kernel_head_dim(dv))
+    dq, dk, dv_ = bwd(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
+                      softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
+    dq, dk, dv = dq[..., :d], dk[..., :d], dv_[..., :dv]
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[6]:
         dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None)
