@@ -128,6 +128,28 @@ def test_tma_store_o_switch_with_softcap_sink_window(seed, monkeypatch):
     check(out, lse, q, k, v, window_size=(100, 7), softcap=20.0, learnable_sink=sink, lse_atol=20.0 * 1e-3)
 
 
+SCHEDULE_SWITCHES = [dict(rescale_o_before_pv=True), dict(rescale_threshold=8.0), dict(exp2_emulated_eighths=3),
+                     dict(pingpong=False), dict(rescale_o_before_pv=True, rescale_threshold=8.0)]
+
+
+@pytest.mark.parametrize("switch", SCHEDULE_SWITCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_schedule_switches(seed, monkeypatch, switch, d, causal):
+    """ForwardConfig's schedule switches that the bench A/Bs (off by default where they did not pay)
+    must give the same results: O rescaled before P V, conditional rescaling, FMA-pipe exp2,
+    no ping-pong. 1000 x 1000 spans many KV blocks, so that rescales happen and the
+    conditional one also skips some."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(**switch))
+    hq, hk = HEADS["gqa"]
+    q, k, v = rand(2, 1000, hq, d), rand(2, 1000, hk, d), rand(2, 1000, hk, d)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal=causal)
+
+
 @pytest.fixture
 def persistent(monkeypatch):
     """ForwardConfig.persistent_ctas (a switch until measured) for the duration of a test: 5 CTAs,

@@ -77,10 +77,14 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
     # 4k up at d = 128 on the H200; at d = 64 it lost 4-5% at 16k (docs/perf.md). Batched only, and
     # stmatrix stores 16 columns at a time.
     tma_store_o = not varlen and head_dim_v % 16 == 0 and 64 < max(head_dim, head_dim_v) <= 128
+    # O rescaled under the next Q K^T rather than after P V: with 128 or more multiplies per thread
+    # (head_dim_v > 128). At d = 256 1.00-1.02x, never slower, in one H200 run (docs/perf.md).
+    rescale_o_before_pv = head_dim_v > 128
     return ForwardConfig(
         arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
-        tma_store_o=tma_store_o, **choose_tiles(arch, head_dim, head_dim_v, causal, local),
+        tma_store_o=tma_store_o, rescale_o_before_pv=rescale_o_before_pv,
+        **choose_tiles(arch, head_dim, head_dim_v, causal, local),
     )
 
 

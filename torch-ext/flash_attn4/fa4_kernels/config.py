@@ -114,6 +114,10 @@ class ForwardConfig(_KernelConfig):
     # walking tiles first, first + grid, ... in the scheduler's order, so that the launch, barrier
     # set-up and pipeline fill are paid once per SM instead of once per tile. Not yet measured.
     persistent_ctas: int = 0
+    # Where O *= row_scale runs: False, after the step's P @ V has retired (then the next GEMMs wait
+    # for the multiplies); True, in the next step between issuing S = Q K^T and O += P V, under the
+    # QK^T GEMM. Worth it where O is wide (d_v = 256: 128 multiplies per thread).
+    rescale_o_before_pv: bool = False
 
     def __post_init__(self):
         self._check_common()

@@ -415,6 +415,8 @@ class FlashAttentionForwardSm90:
 
             # Epilogue of the loop: P @ V of the first block.
             pipe_v.consumer_wait(kv)
+            if cutlass.const_expr(cfg.rescale_o_before_pv):
+                self.rescale_rows(acc_O, row_scale)
             wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv.index],
                    zero_init=False)
             warpgroup.wait_group(0)
@@ -448,6 +450,8 @@ class FlashAttentionForwardSm90:
         pipe_k.consumer_wait(kv)
         self.gemm_turn_wait(wg)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+        if cutlass.const_expr(self.cfg.rescale_o_before_pv):
+            self.rescale_rows(acc_O, row_scale)  # the previous block's factors, under Q K_j^T
         pipe_v.consumer_wait(kv_prev)
         wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv_prev.index],
                zero_init=False)
@@ -458,7 +462,8 @@ class FlashAttentionForwardSm90:
                              row_scale, masked=masked)
         warpgroup.wait_group(0)  # rP is an operand of the running GEMM until here
         pipe_v.consumer_release(kv_prev)
-        self.rescale_rows(acc_O, row_scale)
+        if cutlass.const_expr(not self.cfg.rescale_o_before_pv):
+            self.rescale_rows(acc_O, row_scale)
         rP.store(acc_S.load().to(self.dtype))
         return kv
 
