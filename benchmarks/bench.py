@@ -640,8 +640,14 @@ def environment() -> dict:
         except Exception:
             env[mod] = None
     try:
-        env["git"] = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip() or None
+        # "-dirty" when tracked files differ from the commit (a device copy of a working tree is
+        # at the commit its .git was copied at, plus everything changed since).
+        git = ["git", "-C", str(REPO_ROOT)]
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        env["git"] = (head + ("-dirty" if dirty else "")) or None
     except Exception:
         env["git"] = None
     return env
