@@ -123,6 +123,25 @@ def test_sm90_forward_tma_store_o_uses_stmatrix_and_a_tma_store(tmp_path):
     assert "STL" not in sass and "LDL" not in sass, "register spills to local memory"
 
 
+def test_sm90_forward_tma_store_o_stages_o_in_q_where_it_does_not_fit_beside(tmp_path):
+    """At d = 256 Q, two K/V stages and O's slabs exceed shared memory: O is staged in Q's buffer
+    behind a barrier of all consumer threads (named barrier 7, 256 threads); a persistent CTA, which
+    needs Q's buffer for its next tile, is refused with a clear error."""
+    proc = _compile_in_subprocess(tmp_path, dict(head_dim=256, head_dim_v=256, tile_n=80, causal=True,
+                                                 tma_store_o=True), keep="cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nvdisasm = _nvdisasm()
+    if nvdisasm is not None:
+        sass = subprocess.run([nvdisasm, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
+                              text=True).stdout
+        assert "STSM" in sass and "UTMASTG" in sass
+        assert re.search(r"BAR\.SYNC\S* 0x7, 0x100", sass), "no barrier of the consumers before O overwrites Q"
+        assert "STL" not in sass and "LDL" not in sass, "register spills to local memory"
+    proc = _compile_in_subprocess(tmp_path, dict(head_dim=256, head_dim_v=256, tile_n=80, tma_store_o=True,
+                                                 persistent_ctas=132))
+    assert proc.returncode != 0 and "persistent CTA needs" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("cfg", [dict(head_dim=32, head_dim_v=32, tile_m=192),
                                  dict(head_dim=80, head_dim_v=80),
                                  dict(head_dim=192, head_dim_v=128, tile_n=96, local=True, varlen=True),

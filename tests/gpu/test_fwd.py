@@ -100,11 +100,12 @@ def test_head_dims_multiple_of_8_not_16(seed, d, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000), (1, 257)])
-@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 128)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)])
 def test_tma_store_o_switch(seed, monkeypatch, d, dv, sq, sk, causal):
     """ForwardConfig.tma_store_o (O through shared memory and a TMA store; dispatch turns it on at
-    64 < d <= 128 with dv a multiple of 16), forced on here for every head dim it fits: partial tiles clip at the sequence end
-    and nothing is left unwritten (outputs start as NaN)."""
+    64 < d <= 128 with dv a multiple of 16), forced on here for every head dim: partial tiles clip at
+    the sequence end and nothing is left unwritten (outputs start as NaN). At 192/192 and 256/256 O
+    is staged in Q's buffer, all consumer warpgroups past their GEMMs first."""
     from flash_attn4 import dispatch
 
     chosen = dispatch.forward_config

@@ -108,7 +108,9 @@ class ForwardConfig(_KernelConfig):
     exp2_emulated_eighths: int = 0
     # O leaves through shared memory (stmatrix) and one TMA store per consumer warpgroup instead of
     # 32-bit global stores from the accumulator layout. Batched inputs only (a TMA box would write
-    # past a packed sequence's end). dispatch turns it on where it measured faster (docs/perf.md).
+    # past a packed sequence's end). Where the slabs do not fit beside Q, K and V (d = 192, 256) they
+    # reuse Q's buffer, which persistent CTAs cannot lend. dispatch turns it on where it measured
+    # faster (docs/perf.md).
     tma_store_o: bool = False
     # 0: one CTA per output tile. N > 0: a persistent grid of at most N CTAs (the SM count), each
     # walking tiles first, first + grid, ... in the scheduler's order, so that the launch, barrier

@@ -56,9 +56,11 @@ from .wgmma import (WARPGROUP_THREADS, advanced, mma_k_multiple, smem_layout, tm
 # split over 128 producer threads and 128 threads per consumer warpgroup.
 REGISTERS = {2: (24, 240), 3: (32, 160)}
 # Named barrier 0 is __syncthreads; 1, 2 (and 3) gate the consumer warpgroups' GEMM turns; with
-# tma_store_o, 4, 5 (and 6) hold each warpgroup's TMA store until its O tile is in shared memory.
+# tma_store_o, 4, 5 (and 6) hold each warpgroup's TMA store until its O tile is in shared memory,
+# and 7 gathers the consumers before O overwrites Q where it is staged in Q's buffer.
 PINGPONG_BARRIER = 1
 EPILOGUE_BARRIER = 4
+Q_FREE_BARRIER = 7  # tma_store_o with O staged in Q's buffer: every consumer warpgroup is past its GEMMs
 SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
 
 
@@ -153,7 +155,20 @@ class FlashAttentionForwardSm90:
                 self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
                 Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.hdim_v_tile),
                 a_source=warpgroup.OperandSource.RMEM)
-        sO_elements = cute.cosize(sO_layout) if cfg.tma_store_o else 0
+        # The slabs get shared memory of their own where it fits beside Q, K and V (d <= 192); else
+        # they reuse Q's buffer, dead once every consumer warpgroup's last Q K^T has retired
+        # (store_o_by_tma waits for that). A persistent CTA loads its next Q under the epilogue, so
+        # it cannot lend Q's buffer.
+        element_bytes = self.dtype.width // 8
+        tile_bytes = sum(cute.cosize(x) for x in (sQ_layout, sK_layout, sV_layout, sO_layout)) * element_bytes
+        self.o_in_q = cfg.tma_store_o and tile_bytes + 4 * 1024 > SMEM_BYTES_PER_BLOCK  # 4 KiB: barriers, alignment
+        if cutlass.const_expr(self.o_in_q and cfg.persistent_ctas > 0):
+            raise ValueError(f"sm90 forward: tma_store_o at head dims {self.hdim}/{self.hdim_v} stages O in Q's "
+                             f"shared memory, which a persistent CTA needs for its next tile's Q")
+        if cutlass.const_expr(self.o_in_q and cute.cosize(sO_layout) > cute.cosize(sQ_layout)):
+            raise ValueError(f"sm90 forward: tma_store_o: O's slabs ({self.hdim_v_tile} columns) do not fit in Q's "
+                             f"buffer ({self.hdim_tile} columns) nor beside it")
+        sO_elements = cute.cosize(sO_layout) if cfg.tma_store_o and not self.o_in_q else 0
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
@@ -224,7 +239,8 @@ class FlashAttentionForwardSm90:
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sO = None
         if cutlass.const_expr(self.cfg.tma_store_o):
-            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+            o_buffer = storage.sQ if self.o_in_q else storage.sO
+            sO = o_buffer.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         smem = SharedTiles(q=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
                            k=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
                            v=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner), o=sO)
@@ -562,6 +578,10 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
             # The slab's previous TMA store has read it (its issuing warp waited for that).
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WARPGROUP_THREADS)
+        if cutlass.const_expr(self.o_in_q):
+            # The slabs overlay all of Q, not each warpgroup's own rows: every consumer warpgroup's
+            # GEMMs must have retired (each waited for them before its epilogue) before any writes.
+            cute.arch.barrier(barrier_id=Q_FREE_BARRIER, number_of_threads=self.num_consumer_wg * WARPGROUP_THREADS)
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         o_rows, ro_rows = acc_rows_view(acc_O), acc_rows_view(rO)
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
