@@ -439,27 +439,9 @@ def test_packed_rows_are_aligned_disjoint_and_in_order(lens):
     assert (packed[:, ~taken] == 0).all()
 
 
-@pytest.mark.parametrize("d,dv", [(192, 128), (256, 256)])
-def test_split_head_dim_backward(cpu_backward, d, dv):
-    """Head dims above 128 and d != dv reach the split-head-dim kernel configuration and give the
-    reference gradients."""
-    q, k, v = rand_qkv(1, 7, 9, 4, 2, d)
-    v = torch.randn(1, 9, 2, dv, dtype=q.dtype)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = flash_attn_func(q, k, v, causal=True)
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    want = _reference_grads((q.detach(), k.detach(), v.detach(), None), dout, causal=True)
-    for got, ref in zip((q.grad, k.grad, v.grad), want):
-        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
-    (cfg,) = cpu_backward
-    assert cfg.split_head_dim and (cfg.head_dim, cfg.head_dim_v) == (d, dv)
-
-
-@pytest.mark.parametrize("d,dv,kernel_dims", [(72, 72, (80, 80)), (128, 72, (128, 80)), (24, 24, (32, 32))])
-def test_backward_pads_head_dims_the_kernel_does_not_take(cpu_backward, d, dv, kernel_dims):
-    """Head dims that are not multiples of 16 (or below 32) reach the kernel zero-padded and come back
-    with the reference gradients, in the inputs' shapes."""
+def _check_causal_backward_at_head_dims(cpu_backward, d: int, dv: int):
+    """Gradients of a small causal problem at head dims d/dv against the reference, in the inputs'
+    shapes; returns the one BackwardConfig the (emulated) kernel ran."""
     q, k, v = rand_qkv(1, 7, 9, 4, 2, d)
     v = torch.randn(1, 9, 2, dv, dtype=q.dtype)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -471,6 +453,22 @@ def test_backward_pads_head_dims_the_kernel_does_not_take(cpu_backward, d, dv, k
         assert got.shape == x.shape
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
     (cfg,) = cpu_backward
+    return cfg
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 256)])
+def test_split_head_dim_backward(cpu_backward, d, dv):
+    """Head dims above 128 and d != dv reach the split-head-dim kernel configuration and give the
+    reference gradients."""
+    cfg = _check_causal_backward_at_head_dims(cpu_backward, d, dv)
+    assert cfg.split_head_dim and (cfg.head_dim, cfg.head_dim_v) == (d, dv)
+
+
+@pytest.mark.parametrize("d,dv,kernel_dims", [(72, 72, (80, 80)), (128, 72, (128, 80)), (24, 24, (32, 32))])
+def test_backward_pads_head_dims_the_kernel_does_not_take(cpu_backward, d, dv, kernel_dims):
+    """Head dims that are not multiples of 16 (or below 32) reach the kernel zero-padded and come back
+    with the reference gradients, in the inputs' shapes."""
+    cfg = _check_causal_backward_at_head_dims(cpu_backward, d, dv)
     assert (cfg.head_dim, cfg.head_dim_v) == kernel_dims
 
 
