@@ -151,6 +151,20 @@ def test_schedule_switches(seed, monkeypatch, switch, d, causal):
     check(out, lse, q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("b,hq,hk", [(1, 4, 2), (2, 5, 1)])
+def test_small_group_first_order(seed, monkeypatch, b, hq, hk):
+    """ForwardConfig.small_group_first (a switch until measured): at d = 256 and 8k keys a (head,
+    batch) pair reads 8 MiB of K and V, so the longest-first order groups 3 pairs per L2 budget, and
+    4 or 10 pairs leave a partial group of 1 that goes first. Every tile must be computed once."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(small_group_first=True))
+    q, k, v = rand(b, 8192, hq, 256), rand(b, 8192, hk, 256), rand(b, 8192, hk, 256)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    check(out, lse, q, k, v, causal=True)
+
+
 @pytest.fixture
 def persistent(monkeypatch):
     """ForwardConfig.persistent_ctas (a switch until measured) for the duration of a test: 5 CTAs,
