@@ -185,6 +185,27 @@ def test_backward_tuning_variants(monkeypatch, variant, d, causal, heads, sq, sk
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), causal=causal)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d,heads,sq", [(128, "gqa", 1000), (64, "mha", 1000), (256, "mqa", 300), (128, "mha", 8192)])
+def test_backward_longest_first_order(monkeypatch, d, heads, sq, deterministic):
+    """BackwardConfig.longest_first (a switch until measured): KV tiles in longest-first order within
+    L2 groups of heads, the partial group first. Every KV tile must still be computed once (dK/dV
+    start as NaN), and the deterministic mode's dQ ordering must not deadlock. At 8k, d=128, MHA,
+    a (KV head, batch) pair streams 4 MiB of Q and dO: groups of 6 of the 8 pairs, the partial group
+    of 2 first."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(longest_first=True))
+    hq, hk = HEADS[heads]
+    q, k, v = rand(2, sq, hq, d), rand(2, sq, hk, d), rand(2, sq, hk, d)
+    dout = rand(2, sq, hq, d)
+    _, got = run_ours(flash_attn_func, q, k, v, dout, causal=True, deterministic=deterministic)
+    ref = reference_grads(q, k, v, dout, upcast=True, causal=True)
+    pt = reference_grads(q, k, v, dout, upcast=False, causal=True)
+    assert_grads_close(got, ref, pt)
+
+
 def test_backward_fp16():
     hq, hk = HEADS["gqa"]
     dt = torch.float16

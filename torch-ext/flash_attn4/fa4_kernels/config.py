@@ -171,6 +171,10 @@ class BackwardConfig(_KernelConfig):
     # warpgroup's registers for 64 keys each: both consumer warpgroups work on one 64-key tile, each
     # owning half of the head dim of dK, dV and dQ, with P^T and dS^T exchanged through shared memory.
     split_head_dim: bool = False
+    # Causal/local, batched: KV tiles in longest-first order within L2 groups of heads (the first KV
+    # blocks see the most queries), the partial group first, instead of the launch order (KV block
+    # fastest, head by head), whose last heads' longest tiles start late. A switch until measured.
+    longest_first: bool = False
 
     def __post_init__(self):
         self._check_common()

@@ -1,4 +1,5 @@
-"""Tile schedulers: which (m_block, head, batch) tiles a CTA works on.
+"""Tile schedulers: which (m_block, head, batch) tiles a CTA works on (the backward's tiles are KV
+blocks: n_block in the place of m_block).
 
 One CTA per output tile, or (``num_ctas``) a persistent grid whose CTAs stride through the same
 order. Without masks every tile costs the same, and the launch order
@@ -42,11 +43,16 @@ class TileScheduler:
     # the same order (a static stride: with longest-first order the expensive tiles still go first).
     num_ctas: cutlass.Constexpr[int] = 0
     small_group_first: cutlass.Constexpr[bool] = False
+    # Which end of a head's blocks costs most under a causal mask: the last query block (forward,
+    # tiles of queries) or the first KV block (backward, tiles of keys).
+    longest_block_last: cutlass.Constexpr[bool] = True
 
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, kv_bytes_per_head: Int32,
-               longest_first: bool, num_ctas: int = 0, small_group_first: bool = False) -> "TileScheduler":
-        """Host side. kv_bytes_per_head: K and V bytes one (head, batch) pair reads."""
+               longest_first: bool, num_ctas: int = 0, small_group_first: bool = False,
+               longest_block_last: bool = True) -> "TileScheduler":
+        """Host side. kv_bytes_per_head: the bytes one (head, batch) pair streams through L2 (K and V
+        for the forward; Q and dO of its query heads for the backward)."""
         num_head_batch = num_heads * num_batch
         group = Int32(1)
         if cutlass.const_expr(longest_first):
@@ -55,7 +61,7 @@ class TileScheduler:
         if cutlass.const_expr(small_group_first):
             first = num_head_batch - (num_head_batch - 1) // group * group  # 1..group
         return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, first, longest_first, num_ctas,
-                             small_group_first)
+                             small_group_first, longest_block_last)
 
     def num_tiles(self):
         return self.num_m_blocks * self.num_head_batch
@@ -81,9 +87,11 @@ class TileScheduler:
         """(m_block, head, batch) of the tile at ``index`` of the launch order."""
         if cutlass.const_expr(self.longest_first):
             group_start, heads_here, rank = self.group_of(index)
-            m_rev = rank // heads_here
+            m_rev = rank // heads_here  # 0 for the longest blocks
             head_batch = group_start + (rank - m_rev * heads_here)
-            m_block = self.num_m_blocks - 1 - m_rev
+            m_block = m_rev
+            if cutlass.const_expr(self.longest_block_last):
+                m_block = self.num_m_blocks - 1 - m_rev
         else:
             head_batch = index // self.num_m_blocks
             m_block = index - head_batch * self.num_m_blocks

@@ -63,6 +63,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..config import BackwardConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..mask import AttentionMask
+from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from .fragments import acc_as_a_operand, acc_rows_view
@@ -228,14 +229,20 @@ class FlashAttentionBackwardSm90:
                              f"{SMEM_BYTES_PER_BLOCK} a block can have")
         self.shared_storage = SharedStorage
         num_n_blocks = (max_seqlen_k + self.tile_n - 1) // self.tile_n
+        # A KV tile streams Q and dO of every query head sharing its KV head.
+        qdo_bytes_per_head = mQ.shape[0] * (d + dv) * (self.dtype.width // 8) * qhead_per_kvhead
+        scheduler = TileScheduler.create(
+            num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
+            longest_first=cfg.longest_first and (cfg.causal or cfg.local) and not cfg.varlen,
+            small_group_first=True, longest_block_last=False)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ,
             mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
-            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-        ).launch(grid=(num_n_blocks, num_heads_kv, num_batch), block=[self.num_threads, 1, 1],
+            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, scheduler,
+        ).launch(grid=scheduler.grid(), block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -254,7 +261,7 @@ class FlashAttentionBackwardSm90:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout, sdQ_layout: cute.ComposedLayout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
-               tiled_mma_dq: cute.TiledMma):
+               tiled_mma_dq: cute.TiledMma, scheduler: TileScheduler):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -288,7 +295,7 @@ class FlashAttentionBackwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        n_block, head_kv, batch = cute.arch.block_idx()
+        n_block, head_kv, batch = scheduler.tile()
         seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         # Varlen grids are sized for the longest key sequence; shorter ones leave CTAs idle.
         if n_block * self.tile_n < seqlen.seqlen_k:
