@@ -336,12 +336,12 @@ def _backward(ctx, grad_out, grad_lse):
     # Head dims that are multiples of 8 but not of 16 (or below 32) run zero-padded: zero columns of
     # Q and K add nothing to Q K^T, zero columns of V, O and dO nothing to dO V^T or rowsum(dO * O),
     # and the padded gradient columns are dropped. The price is the copies and the padded work.
-    d, dv = q.shape[-1], v.shape[-1]
-    qp, kp = _padded_head_dims((q, k), _kernel_head_dim(d))
-    vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), _kernel_head_dim(dv))
-    dq, dk, dv_ = bwd(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
-                      softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
-    dq, dk, dv = dq[..., :d], dk[..., :d], dv_[..., :dv]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    qp, kp = _padded_head_dims((q, k), _kernel_head_dim(head_dim))
+    vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), _kernel_head_dim(head_dim_v))
+    dq, dk, dv = bwd(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
+                     softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
+    dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[6]:
         dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None)
