@@ -75,7 +75,8 @@ def reference_grads(q, k, v, dout, *, sink=None, upcast, **ref_kwargs):
         tensors["dsink"] = leaf(sink.float())
     out, _ = attention_ref(tensors["dq"], tensors["dk"], tensors["dv"], learnable_sink=tensors.get("dsink"),
                            upcast=upcast, **ref_kwargs)
-    out.backward(dout)
+    if out.requires_grad:  # else no query saw a key (random varlen lengths): every gradient is 0
+        out.backward(dout)
     return {name: (t.grad if t.grad is not None else torch.zeros_like(t)) for name, t in tensors.items()}
 
 
