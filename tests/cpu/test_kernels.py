@@ -287,3 +287,21 @@ def test_backward_kernel_spills_stay_bounded(spec, max_spills):
     counts = report.summary(report.compile_sass("bwd", "sm_90a", spec))
     assert counts["HGMMA"] > 0
     assert counts["STL (spill stores)"] <= max_spills and counts["LDL (spill loads)"] <= max_spills, counts
+
+
+def test_schedule_model_orders_groups_like_the_scheduler():
+    """scripts/schedule_model.py (the tail model behind small_group_first and the backward's
+    longest_first) splits heads into L2 groups as TileScheduler.create does and orders each group
+    longest-first."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("schedule_model", ROOT / "scripts" / "schedule_model.py")
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    four_mib = 4 * 1024 * 1024  # d=256, 4k: K and V of one head
+    assert model.group_sizes(32, four_mib, small_first=False) == [6, 6, 6, 6, 6, 2]
+    assert model.group_sizes(32, four_mib, small_first=True) == [2, 6, 6, 6, 6, 6]
+    assert model.group_sizes(12, four_mib, small_first=True) == [6, 6]  # no remainder: nothing moves
+    assert model.grouped_order([1, 3, 2], [2, 1]) == [3, 3, 2, 2, 1, 1, 3, 2, 1]
+    assert model.busy_share([5, 1, 1, 1, 1, 1], sms=2) == 1.0  # longest first: no tail
+    assert model.busy_share([1, 1, 1, 1, 5], sms=2) == 9 / 2 / 7  # longest last: one SM runs on

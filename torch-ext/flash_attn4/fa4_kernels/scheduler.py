@@ -15,9 +15,10 @@ about half of Hopper's 50 MB L2, and the longest-first order runs within each gr
 Where the heads do not divide into whole groups, the partial group can go last (the plain split) or
 first (``small_group_first``). Last, its few long tiles start when every other tile has been handed
 out and run on while most SMs idle; first, the final group is a whole one, whose many short tiles
-fill the tail. A model of the tail (greedy dispatch to 132 SMs, tile cost = its KV blocks + 1; d=256
-causal, 128 x 80 tiles, 32 heads, 4k: groups of 6 heads, the last of 2) puts the SMs' busy share at
-0.87 with the partial group last and 0.97 with it first (d=128 4k-16k: 0.96 -> 1.00).
+fill the tail. A model of the tail (scripts/schedule_model.py: greedy dispatch to 132 SMs, tile
+cost = its KV blocks + 1; d=256 causal, 128 x 80 tiles, 32 heads, 4k: groups of 6 heads, the last
+of 2) puts the SMs' busy share at 0.87 with the partial group last and 0.97 with it first (d=128
+4k-16k: 0.96 -> 1.00).
 """
 
 from __future__ import annotations
