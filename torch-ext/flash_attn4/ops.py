@@ -286,14 +286,6 @@ def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, so
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _backward_limits(q: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the backward cannot run for these inputs, or None."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if all(8 <= x <= 256 and x % 8 == 0 for x in (d, dv)):
-        return None
-    return f"head dims {d}/{dv}: the backward needs head_dim and head_dim_v to be multiples of 8 in [8, 256]"
-
-
 def _kernel_head_dim(x: int) -> int:
     """The head dim the backward kernel runs at: a multiple of 16 (a WGMMA's reduction step, and
     its 16-column tiles of dQ, dK, dV), at least 32."""
@@ -311,7 +303,6 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.set_materialize_grads(False)  # an unused lse gradient arrives as None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink)
-    ctx.limits = _backward_limits(q, v)
     ctx.options = (softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
 
 
@@ -325,8 +316,6 @@ def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool) -> torch.Tensor
 
 
 def _backward(ctx, grad_out, grad_lse):
-    if ctx.limits is not None:
-        raise NotImplementedError(f"flash-attn4 backward: {ctx.limits}")
     if grad_lse is not None:
         raise NotImplementedError("flash-attn4 backward: gradients through the returned lse are not supported")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = ctx.saved_tensors
