@@ -12,7 +12,7 @@ total cost over the SM count, divided by the time the last SM finishes (1.0: no 
 
 Orders, as fa4_kernels/scheduler.py builds them: the launch order (backward default), and the
 longest-first order within L2 groups of heads (24 MB of K/V, or Q/dO, per group) with the partial
-group last (forward default) or first (ForwardConfig.small_group_first, BackwardConfig.longest_first).
+group last (the forward until 2026-12-03) or first (the forward now, and BackwardConfig.longest_first).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sms", type=int, default=132, help="SM count (H100 SXM / H200: 132)")
     args = p.parse_args()
-    print("| case | default order | partial group first / longest-first |\n|---|---:|---:|")
+    print("| case | fwd: partial group last; bwd: launch order | longest-first, partial group first |"
+          "\n|---|---:|---:|")
     for name, default, alternative in (*forward_rows(args.sms), *backward_rows(args.sms)):
         print(f"| {name} | {default:.3f} | {alternative:.3f} |")
 

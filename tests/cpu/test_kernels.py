@@ -290,8 +290,8 @@ def test_backward_kernel_spills_stay_bounded(spec, max_spills):
 
 
 def test_schedule_model_orders_groups_like_the_scheduler():
-    """scripts/schedule_model.py (the tail model behind small_group_first and the backward's
-    longest_first) splits heads into L2 groups as TileScheduler.create does and orders each group
+    """scripts/schedule_model.py (the tail model behind the partial-group-first order and the
+    backward's longest_first) splits heads into L2 groups as TileScheduler.create does and orders each group
     longest-first."""
     import importlib.util
 

@@ -120,9 +120,6 @@ class ForwardConfig(_KernelConfig):
     # for the multiplies); True, in the next step between issuing S = Q K^T and O += P V, under the
     # QK^T GEMM. Worth it where O is wide (d_v = 256: 128 multiplies per thread).
     rescale_o_before_pv: bool = False
-    # Longest-first order (causal, local): the partial L2 group of heads first instead of last, so
-    # that the last group to run is a whole one (scheduler.py has the model of the tail).
-    small_group_first: bool = False
 
     def __post_init__(self):
         self._check_common()

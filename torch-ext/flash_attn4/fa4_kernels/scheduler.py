@@ -12,13 +12,14 @@ and the cheap ones fill the tail. Doing that over all heads at once would spread
 working set over every head and thrash L2, so heads are taken in groups whose K and V fit in
 about half of Hopper's 50 MB L2, and the longest-first order runs within each group.
 
-Where the heads do not divide into whole groups, the partial group can go last (the plain split) or
-first (``small_group_first``). Last, its few long tiles start when every other tile has been handed
-out and run on while most SMs idle; first, the final group is a whole one, whose many short tiles
-fill the tail. A model of the tail (scripts/schedule_model.py: greedy dispatch to 132 SMs, tile
-cost = its KV blocks + 1; d=256 causal, 128 x 80 tiles, 32 heads, 4k: groups of 6 heads, the last
-of 2) puts the SMs' busy share at 0.87 with the partial group last and 0.97 with it first (d=128
-4k-16k: 0.96 -> 1.00).
+Where the heads do not divide into whole groups, the partial group goes first. Last, its few long
+tiles would start when every other tile has been handed out and run on while most SMs idle; first,
+the final group is a whole one, whose many short tiles fill the tail. A model of the tail
+(scripts/schedule_model.py: greedy dispatch to 132 SMs, tile cost = its KV blocks + 1; d=256
+causal, 128 x 80 tiles, 32 heads, 4k: groups of 6 heads, the last of 2) puts the SMs' busy share at
+0.87 with the partial group last and 0.97 with it first (d=128 4k-16k: 0.96 -> 1.00); on the H200
+the forward gained 11-13% at d=256 causal 4k and 8k, 2-4% at d=128 causal 8k and 16k
+(docs/perf.md, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -38,31 +39,27 @@ class TileScheduler:
     num_heads: Int32
     num_head_batch: Int32  # heads * batch
     group_heads: Int32  # (head, batch) pairs per L2 group; used only when longest_first
-    first_group_heads: Int32  # (head, batch) pairs of the first group (small_group_first)
+    first_group_heads: Int32  # (head, batch) pairs of the first group: the remainder of the split
     longest_first: cutlass.Constexpr[bool]
     # 0: one CTA per tile. N > 0: at most N persistent CTAs; CTA i takes tiles i, i + grid, ... of
     # the same order (a static stride: with longest-first order the expensive tiles still go first).
     num_ctas: cutlass.Constexpr[int] = 0
-    small_group_first: cutlass.Constexpr[bool] = False
     # Which end of a head's blocks costs most under a causal mask: the last query block (forward,
     # tiles of queries) or the first KV block (backward, tiles of keys).
     longest_block_last: cutlass.Constexpr[bool] = True
 
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, kv_bytes_per_head: Int32,
-               longest_first: bool, num_ctas: int = 0, small_group_first: bool = False,
-               longest_block_last: bool = True) -> "TileScheduler":
+               longest_first: bool, num_ctas: int = 0, longest_block_last: bool = True) -> "TileScheduler":
         """Host side. kv_bytes_per_head: the bytes one (head, batch) pair streams through L2 (K and V
         for the forward; Q and dO of its query heads for the backward)."""
         num_head_batch = num_heads * num_batch
         group = Int32(1)
         if cutlass.const_expr(longest_first):
             group = cutlass.max(cutlass.min(L2_BUDGET_BYTES // cutlass.max(kv_bytes_per_head, 1), num_head_batch), 1)
-        first = group
-        if cutlass.const_expr(small_group_first):
-            first = num_head_batch - (num_head_batch - 1) // group * group  # 1..group
+        first = num_head_batch - (num_head_batch - 1) // group * group  # 1..group
         return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, first, longest_first, num_ctas,
-                             small_group_first, longest_block_last)
+                             longest_block_last)
 
     def num_tiles(self):
         return self.num_m_blocks * self.num_head_batch
@@ -104,22 +101,15 @@ class TileScheduler:
     def group_of(self, index: Int32):
         """Longest-first order: the L2 group of tile ``index`` as its first (head, batch) pair and
         its number of pairs, and the tile's rank within the group."""
+        # The remainder of the split first (first_group_heads pairs), then whole groups.
         group_tiles = self.group_heads * self.num_m_blocks
-        if cutlass.const_expr(not self.small_group_first):
-            # Whole groups, then the remainder of the split.
-            group = index // group_tiles
-            group_start = group * self.group_heads
-            heads_here = cutlass.min(self.group_heads, self.num_head_batch - group_start)
-            rank = index - group * group_tiles
-        else:
-            # The remainder of the split first (first_group_heads pairs), then whole groups.
-            first_tiles = self.first_group_heads * self.num_m_blocks
-            group_start = Int32(0)
-            heads_here = self.first_group_heads
-            rank = index
-            if index >= first_tiles:
-                later = (index - first_tiles) // group_tiles
-                rank = index - first_tiles - later * group_tiles
-                group_start = self.first_group_heads + later * self.group_heads
-                heads_here = self.group_heads
+        first_tiles = self.first_group_heads * self.num_m_blocks
+        group_start = Int32(0)
+        heads_here = self.first_group_heads
+        rank = index
+        if index >= first_tiles:
+            later = (index - first_tiles) // group_tiles
+            rank = index - first_tiles - later * group_tiles
+            group_start = self.first_group_heads + later * self.group_heads
+            heads_here = self.group_heads
         return group_start, heads_here, rank

@@ -204,7 +204,7 @@ class FlashAttentionForwardSm90:
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
                                          longest_first=(cfg.causal or cfg.local) and not cfg.varlen,
-                                         num_ctas=cfg.persistent_ctas, small_group_first=cfg.small_group_first)
+                                         num_ctas=cfg.persistent_ctas)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
