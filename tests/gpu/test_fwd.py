@@ -101,26 +101,30 @@ def test_head_dims_multiple_of_8_not_16(seed, d, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000), (1, 257)])
 @pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)])
-def test_tma_store_o_switch(seed, monkeypatch, d, dv, sq, sk, causal):
-    """ForwardConfig.tma_store_o (O through shared memory and a TMA store; dispatch turns it on at
-    64 < d <= 128 with dv a multiple of 16), forced on here for every head dim: partial tiles clip at
-    the sequence end and nothing is left unwritten (outputs start as NaN). At 192/192 and 256/256 O
-    is staged in Q's buffer, all consumer warpgroups past their GEMMs first."""
+@pytest.mark.parametrize("tma_store_o", [False, True])
+def test_tma_store_o_switch(seed, monkeypatch, d, dv, sq, sk, causal, tma_store_o):
+    """Both epilogues of every head dim (dispatch stores O by TMA for batched inputs with dv a
+    multiple of 16; registers to global memory otherwise): partial tiles clip at the sequence end and
+    nothing is left unwritten (outputs start as NaN). At 192/192 and 256/256 the TMA path stages O
+    in Q's buffer, all consumer warpgroups past their GEMMs first."""
     from flash_attn4 import dispatch
 
     chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(tma_store_o=True))
+    monkeypatch.setattr(dispatch, "forward_config",
+                        lambda *a, **k: chosen(*a, **k).replace(tma_store_o=tma_store_o))
     hq, hk = HEADS["gqa"]
     q, k, v = rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, dv)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     check(out, lse, q, k, v, causal=causal)
 
 
-def test_tma_store_o_switch_with_softcap_sink_window(seed, monkeypatch):
+@pytest.mark.parametrize("tma_store_o", [False, True])
+def test_tma_store_o_switch_with_softcap_sink_window(seed, monkeypatch, tma_store_o):
     from flash_attn4 import dispatch
 
     chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(tma_store_o=True))
+    monkeypatch.setattr(dispatch, "forward_config",
+                        lambda *a, **k: chosen(*a, **k).replace(tma_store_o=tma_store_o))
     hq, hk, d = 8, 2, 64
     q, k, v = rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d)
     sink = torch.randn(hq, device=DEVICE, dtype=torch.float32)
@@ -152,14 +156,10 @@ def test_schedule_switches(seed, monkeypatch, switch, d, causal):
 
 
 @pytest.mark.parametrize("b,hq,hk", [(1, 4, 2), (2, 5, 1)])
-def test_small_group_first_order(seed, monkeypatch, b, hq, hk):
-    """ForwardConfig.small_group_first (a switch until measured): at d = 256 and 8k keys a (head,
-    batch) pair reads 8 MiB of K and V, so the longest-first order groups 3 pairs per L2 budget, and
-    4 or 10 pairs leave a partial group of 1 that goes first. Every tile must be computed once."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(small_group_first=True))
+def test_partial_group_first_order(seed, b, hq, hk):
+    """The longest-first order's partial L2 group of heads goes first: at d = 256 and 8k keys a
+    (head, batch) pair reads 8 MiB of K and V, so the order groups 3 pairs per L2 budget, and 4 or
+    10 pairs leave a partial group of 1. Every tile must be computed once."""
     q, k, v = rand(b, 8192, hq, 256), rand(b, 8192, hk, 256), rand(b, 8192, hk, 256)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     check(out, lse, q, k, v, causal=True)
@@ -168,11 +168,18 @@ def test_small_group_first_order(seed, monkeypatch, b, hq, hk):
 @pytest.fixture
 def persistent(monkeypatch):
     """ForwardConfig.persistent_ctas (a switch until measured) for the duration of a test: 5 CTAs,
-    so that every CTA walks many tiles and the pipelines' states carry over between them."""
+    so that every CTA walks many tiles and the pipelines' states carry over between them. Above
+    d = 192 O goes out from registers: the TMA epilogue would stage it in Q's buffer, which a
+    persistent CTA needs for its next tile (the kernel refuses the pair)."""
     from flash_attn4 import dispatch
 
-    chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(persistent_ctas=5))
+    def chosen(*args, **kwargs):
+        cfg = dispatch_forward_config(*args, **kwargs)
+        tma_store_o = cfg.tma_store_o and max(cfg.head_dim, cfg.head_dim_v) <= 192
+        return cfg.replace(persistent_ctas=5, tma_store_o=tma_store_o)
+
+    dispatch_forward_config = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", chosen)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -73,10 +73,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
                    has_softcap: bool, varlen: bool, has_seqused_k: bool, has_sink: bool) -> ForwardConfig:
     """The ForwardConfig for a problem class. Cached: the same arguments give the same object."""
-    # O through shared memory and one TMA store per warpgroup: 1.04-1.09x at 1k tokens and even from
-    # 4k up at d = 128 on the H200; at d = 64 it lost 4-5% at 16k (docs/perf.md). Batched only, and
-    # stmatrix stores 16 columns at a time.
-    tma_store_o = not varlen and head_dim_v % 16 == 0 and 64 < max(head_dim, head_dim_v) <= 128
+    # O through shared memory and one TMA store per warpgroup (at d > 128 in Q's buffer): in one H200
+    # run at every head dim 1.00-1.10x (1.09-1.11x at d = 256, 1k tokens), never below 0.98x
+    # (docs/perf.md, 2026-12-03). Batched only, and stmatrix stores 16 columns at a time.
+    tma_store_o = not varlen and head_dim_v % 16 == 0
     # O rescaled under the next Q K^T rather than after P V: with 128 or more multiplies per thread
     # (head_dim_v > 128). At d = 256 1.00-1.02x, never slower, in one H200 run (docs/perf.md).
     rescale_o_before_pv = head_dim_v > 128
