@@ -142,12 +142,16 @@ def test_choose_tiles_large_head_dims_shrink_tile_n(d, dv):
     assert dispatch.choose_tiles(Arch.SM90, 256, 256, False, False)["tile_n"] <= tiles["tile_n"]
 
 
-def test_choose_tiles_matches_kernel_set_of_the_compiler():
-    """The torch layer must ask for the configurations CI compiles (fa4_kernels.compile.kernel_set)."""
+def test_kernel_set_of_the_compiler_is_what_dispatch_builds():
+    """CI compiles (fa4_kernels.compile.kernel_set) exactly the configurations the torch layer asks
+    for: tiles, epilogue and rescale placement included."""
     compile_mod = pytest.importorskip("flash_attn4.fa4_kernels.compile")
-    for cfg in compile_mod.kernel_set(Arch.SM90):
-        tiles = dispatch.choose_tiles(cfg.arch, cfg.head_dim, cfg.head_dim_v, cfg.causal, cfg.local)
-        assert (cfg.tile_m, cfg.tile_n, cfg.num_stages) == (tiles["tile_m"], tiles["tile_n"], tiles["num_stages"]), cfg
+    configs = compile_mod.kernel_set(Arch.SM90)
+    assert any(cfg.tma_store_o for cfg in configs) and any(cfg.rescale_o_before_pv for cfg in configs)
+    for cfg in configs:
+        flags = dict(causal=cfg.causal, local=cfg.local, has_softcap=cfg.has_softcap, varlen=cfg.varlen,
+                     has_seqused_k=cfg.has_seqused_k, has_sink=cfg.has_sink)
+        assert dispatch.forward_config(cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, **flags) == cfg
 
 
 def test_forward_config_fields_and_cache():

@@ -14,7 +14,7 @@ import torch
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch
 from .fa4_kernels.config import BackwardConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
-from .fa4_kernels.tiles import backward_tiles, forward_tiles
+from .fa4_kernels.tiles import backward_tiles, forward_schedule, forward_tiles
 
 SUPPORTED_DEVICES = "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)"
 
@@ -73,17 +73,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
                    has_softcap: bool, varlen: bool, has_seqused_k: bool, has_sink: bool) -> ForwardConfig:
     """The ForwardConfig for a problem class. Cached: the same arguments give the same object."""
-    # O through shared memory and one TMA store per warpgroup (at d > 128 in Q's buffer): in one H200
-    # run at every head dim 1.00-1.10x (1.09-1.11x at d = 256, 1k tokens), never below 0.98x
-    # (docs/perf.md, 2026-12-03). Batched only, and stmatrix stores 16 columns at a time.
-    tma_store_o = not varlen and head_dim_v % 16 == 0
-    # O rescaled under the next Q K^T rather than after P V: with 128 or more multiplies per thread
-    # (head_dim_v > 128). At d = 256 1.00-1.02x, never slower, in one H200 run (docs/perf.md).
-    rescale_o_before_pv = head_dim_v > 128
     return ForwardConfig(
         arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
-        tma_store_o=tma_store_o, rescale_o_before_pv=rescale_o_before_pv,
+        **forward_schedule(arch, head_dim, head_dim_v, varlen),
         **choose_tiles(arch, head_dim, head_dim_v, causal, local),
     )
 

@@ -17,7 +17,7 @@ import warnings
 
 from .arch import IMPLEMENTED, Arch
 from .config import BackwardConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
-from .tiles import backward_tiles, forward_tiles
+from .tiles import backward_tiles, forward_schedule, forward_tiles
 
 _IMPLEMENTATIONS = {}
 
@@ -198,7 +198,8 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
 
     def cfg(d=128, dv=128, causal=False, local=False, **flags):
         return ForwardConfig(arch=arch, dtype=flags.pop("dtype", "bfloat16"), head_dim=d, head_dim_v=dv,
-                             causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local))
+                             causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
+                             **forward_schedule(arch, d, dv, flags.get("varlen", False)))
 
     return [cfg(), cfg(causal=True), cfg(dtype="float16"), cfg(varlen=True, has_seqused_k=True),
             cfg(local=True), cfg(has_softcap=True, has_sink=True),

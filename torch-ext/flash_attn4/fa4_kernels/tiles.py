@@ -1,4 +1,6 @@
-"""Tile shapes per problem class: a pure function of head dims and mask kind, never of sizes.
+"""Tile shapes and schedule choices per problem class: a pure function of head dims, mask kind and
+layout, never of sizes. dispatch builds its configurations from here and CI compiles the same ones
+(fa4_kernels.compile.kernel_set).
 
 Hopper forward, measured on the H200 (docs/perf.md has the A/B runs):
 - max(d, dv) <= 64: three consumer warpgroups (192 x 128 tiles). At d=64 the exponentials take as
@@ -35,6 +37,23 @@ def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loca
     if d <= 192:
         return dict(tile_m=128, tile_n=96, num_stages=2)
     return dict(tile_m=128, tile_n=80, num_stages=2)
+
+
+def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool) -> dict:
+    """ForwardConfig overrides for the epilogue and the O rescale of a problem class."""
+    del head_dim
+    if arch is not Arch.SM90:
+        raise NotImplementedError(f"no forward schedule for {arch.value} yet")
+    return dict(
+        # O through shared memory and one TMA store per warpgroup (at d > 128 in Q's buffer): in one
+        # H200 run 1.01-1.10x at every head dim, never below 0.98x (docs/perf.md, 2026-12-03).
+        # Batched only (a TMA box would write past a packed sequence), and stmatrix stores 16
+        # columns at a time.
+        tma_store_o=not varlen and head_dim_v % 16 == 0,
+        # O rescaled under the next Q K^T rather than after P V: with 128 or more multiplies per
+        # thread (head_dim_v > 128). At d = 256 1.00-1.02x, never slower (docs/perf.md).
+        rescale_o_before_pv=head_dim_v > 128,
+    )
 
 
 def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, local: bool, has_softcap: bool) -> dict:
