@@ -7,6 +7,7 @@ import functools
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -140,6 +141,25 @@ def test_sm90_forward_tma_store_o_stages_o_in_q_where_it_does_not_fit_beside(tmp
     proc = _compile_in_subprocess(tmp_path, dict(head_dim=256, head_dim_v=256, tile_n=80, tma_store_o=True,
                                                  persistent_ctas=132))
     assert proc.returncode != 0 and "persistent CTA needs" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("head_dim,tile_n", [(256, 80), (192, 96)])
+def test_sm90_forward_converts_p_in_pairs_at_kv_tiles_that_are_not_powers_of_two(tmp_path, head_dim, tile_n):
+    """P's fragment holds tile_n / 2 scores per thread (40, 48): converted as one vector they became
+    scalar cvt.rn.bf16.f32 plus packing moves between the P @ V WGMMAs, before each of which ptxas
+    then injected a warpgroup.arrive (info C7519). fragments.store_converted converts pairs."""
+    proc = _compile_in_subprocess(tmp_path, dict(head_dim=head_dim, head_dim_v=head_dim, tile_n=tile_n,
+                                                 causal=True), keep="ptx")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx_path = glob.glob(str(tmp_path / "*.ptx"))[0]
+    ptx = Path(ptx_path).read_text()
+    assert "cvt.rn.bf16x2.f32" in ptx and "cvt.rn.bf16.f32" not in ptx
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not installed: its C7519 info not checked")
+    ptxas = subprocess.run(["ptxas", "-arch=sm_90a", ptx_path, "-o", str(tmp_path / "check.cubin")],
+                           capture_output=True, text=True)
+    assert ptxas.returncode == 0, ptxas.stderr[-3000:]
+    assert "C7519" not in ptxas.stdout + ptxas.stderr, "ptxas injected warpgroup.arrive before a WGMMA"
 
 
 @pytest.mark.parametrize("cfg", [dict(head_dim=32, head_dim_v=32, tile_m=192),

@@ -8,6 +8,7 @@ as the A operand, which WGMMA reads as ((2, 2, 2), MMA_M, MMA_K) per k16 slice.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 
 # Lanes that share an accumulator row (a quad).
@@ -38,3 +39,22 @@ def acc_as_a_operand(frag: cute.Tensor) -> cute.Tensor:
         stride=((d_col, d_row, d_grp), d_m, (2 * d_grp, d_n)),
     )
     return cute.make_tensor(frag.iterator, cute.composition(frag.layout, a_view))
+
+
+@cute.jit
+def store_converted(dst: cute.Tensor, src: cute.Tensor):
+    """dst = src converted to dst's element type (fp32 scores -> 16-bit P).
+
+    One conversion of a whole fragment lowers to a vector truncation of the fragment's length.
+    LLVM turns a power-of-two length into paired cvt.rn.bf16x2.f32, but splits other lengths (40
+    at a KV tile of 80, 48 at 96) into scalar conversions, which then need packing moves between
+    the P @ V WGMMAs, and ptxas injects a warpgroup.arrive before each of those WGMMAs (C7519).
+    Those fragments are converted a pair at a time."""
+    n = cute.size(src)
+    if cutlass.const_expr(n & (n - 1) == 0):
+        dst.store(src.load().to(dst.element_type))
+    else:
+        pair = cute.make_layout(2)
+        src_pairs, dst_pairs = cute.logical_divide(src, pair), cute.logical_divide(dst, pair)
+        for i in cutlass.range_constexpr(n // 2):
+            dst_pairs[None, i].store(src_pairs[None, i].load().to(dst.element_type))

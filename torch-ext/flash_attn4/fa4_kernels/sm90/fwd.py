@@ -48,7 +48,7 @@ from ..mask import AttentionMask
 from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
-from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view
+from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view, store_converted
 from .wgmma import (WARPGROUP_THREADS, advanced, mma_k_multiple, smem_layout, tma_partition_tile,
                     transpose_view, warpgroup_index, warpgroup_slice_thread, wgmma)
 
@@ -412,7 +412,7 @@ class FlashAttentionForwardSm90:
             pipe_k.consumer_release(kv)
             self.scores_to_probs(acc_S, softmax, mask, tScS, seqlen, m_block, n_block_max - 1,
                                  score_prescale, row_scale, masked=True)
-            rP.store(acc_S.load().to(self.dtype))
+            store_converted(rP, acc_S)
 
             # Steady state, from the last KV block to the first: blocks that cross the right mask
             # edge (sequence end, causal diagonal, right window), then full blocks without any mask
@@ -480,7 +480,7 @@ class FlashAttentionForwardSm90:
         pipe_v.consumer_release(kv_prev)
         if cutlass.const_expr(not self.cfg.rescale_o_before_pv):
             self.rescale_rows(acc_O, row_scale)
-        rP.store(acc_S.load().to(self.dtype))
+        store_converted(rP, acc_S)
         return kv
 
     @cute.jit
