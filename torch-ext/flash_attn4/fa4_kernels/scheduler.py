@@ -33,6 +33,13 @@ from cutlass import Int32
 L2_BUDGET_BYTES = 24 * 1024 * 1024
 
 
+def longest_first_applies(cfg) -> bool:
+    """Whether a kernel configuration's tiles differ in cost (causal or local masks) in a way the
+    host can order: batched inputs, where every (head, batch) pair has the same blocks. Varlen
+    tiles keep the launch order (their lengths are on the device)."""
+    return (cfg.causal or cfg.local) and not cfg.varlen
+
+
 @dataclass(frozen=True)
 class TileScheduler:
     num_m_blocks: Int32

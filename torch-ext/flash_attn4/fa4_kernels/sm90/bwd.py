@@ -63,7 +63,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..config import BackwardConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..mask import AttentionMask
-from ..scheduler import TileScheduler
+from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from .fragments import acc_as_a_operand, acc_rows_view
@@ -233,7 +233,7 @@ class FlashAttentionBackwardSm90:
         qdo_bytes_per_head = mQ.shape[0] * (d + dv) * (self.dtype.width // 8) * qhead_per_kvhead
         scheduler = TileScheduler.create(
             num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
-            longest_first=cfg.longest_first and (cfg.causal or cfg.local) and not cfg.varlen,
+            longest_first=cfg.longest_first and longest_first_applies(cfg),
             longest_block_last=False)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,

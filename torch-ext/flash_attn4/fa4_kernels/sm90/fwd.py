@@ -45,7 +45,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..mask import AttentionMask
-from ..scheduler import TileScheduler
+from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view, store_converted
@@ -199,11 +199,10 @@ class FlashAttentionForwardSm90:
             scale_log2 = softmax_scale * LOG2_E
 
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
-        # Longest-first order for masked problems (needs a per-head K/V size; varlen keeps the
-        # plain order).
+        # Longest-first order for masked problems, in L2 groups sized by a head's K and V.
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
-                                         longest_first=(cfg.causal or cfg.local) and not cfg.varlen,
+                                         longest_first=longest_first_applies(cfg),
                                          num_ctas=cfg.persistent_ctas)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
