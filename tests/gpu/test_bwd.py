@@ -189,7 +189,7 @@ def test_backward_tuning_variants(monkeypatch, variant, d, causal, heads, sq, sk
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("d,heads,sq", [(128, "gqa", 1000), (64, "mha", 1000), (256, "mqa", 300), (128, "mha", 8192)])
 def test_backward_longest_first_order(monkeypatch, d, heads, sq, deterministic):
-    """BackwardConfig.longest_first (a switch until measured): KV tiles in longest-first order within
+    """BackwardConfig.longest_first (a switch: measured mixed, off by default): KV tiles in longest-first order within
     L2 groups of heads, the partial group first. Every KV tile must still be computed once (dK/dV
     start as NaN), and the deterministic mode's dQ ordering must not deadlock. At 8k, d=128, MHA,
     a (KV head, batch) pair streams 4 MiB of Q and dO: groups of 6 of the 8 pairs, the partial group

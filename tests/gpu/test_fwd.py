@@ -167,7 +167,7 @@ def test_partial_group_first_order(seed, b, hq, hk):
 
 @pytest.fixture
 def persistent(monkeypatch):
-    """ForwardConfig.persistent_ctas (a switch until measured) for the duration of a test: 5 CTAs,
+    """ForwardConfig.persistent_ctas (a switch, off: slower at long causal) for the duration of a test: 5 CTAs,
     so that every CTA walks many tiles and the pipelines' states carry over between them. Above
     d = 192 O goes out from registers: the TMA epilogue would stage it in Q's buffer, which a
     persistent CTA needs for its next tile (the kernel refuses the pair)."""

@@ -109,12 +109,13 @@ class ForwardConfig(_KernelConfig):
     # O leaves through shared memory (stmatrix) and one TMA store per consumer warpgroup instead of
     # 32-bit global stores from the accumulator layout. Batched inputs only (a TMA box would write
     # past a packed sequence's end). Where the slabs do not fit beside Q, K and V (d = 192, 256) they
-    # reuse Q's buffer, which persistent CTAs cannot lend. dispatch turns it on where it measured
-    # faster (docs/perf.md).
+    # reuse Q's buffer, which persistent CTAs cannot lend. tiles.forward_schedule turns it on for
+    # batched inputs with d_v a multiple of 16 (measured faster at every head dim, docs/perf.md).
     tma_store_o: bool = False
     # 0: one CTA per output tile. N > 0: a persistent grid of at most N CTAs (the SM count), each
     # walking tiles first, first + grid, ... in the scheduler's order, so that the launch, barrier
-    # set-up and pipeline fill are paid once per SM instead of once per tile. Not yet measured.
+    # set-up and pipeline fill are paid once per SM instead of once per tile. Off: on the H200 a few %
+    # faster at 1k tokens, up to 1.6x slower at 16k causal (the static stride; docs/perf.md).
     persistent_ctas: int = 0
     # Where O *= row_scale runs: False, after the step's P @ V has retired (then the next GEMMs wait
     # for the multiplies); True, in the next step between issuing S = Q K^T and O += P V, under the
@@ -170,7 +171,8 @@ class BackwardConfig(_KernelConfig):
     split_head_dim: bool = False
     # Causal/local, batched: KV tiles in longest-first order within L2 groups of heads (the first KV
     # blocks see the most queries), the partial group first, instead of the launch order (KV block
-    # fastest, head by head), whose last heads' longest tiles start late. A switch until measured.
+    # fastest, head by head), whose last heads' longest tiles start late. Off: on the H200 +2-4% at
+    # d = 128 causal 4k/8k but -3% at 16k, twice (docs/perf.md).
     longest_first: bool = False
 
     def __post_init__(self):

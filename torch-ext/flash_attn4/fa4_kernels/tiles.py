@@ -46,7 +46,7 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool) -
         raise NotImplementedError(f"no forward schedule for {arch.value} yet")
     return dict(
         # O through shared memory and one TMA store per warpgroup (at d > 128 in Q's buffer): in one
-        # H200 run 1.01-1.10x at every head dim, never below 0.98x (docs/perf.md, 2026-12-03).
+        # H200 run 1.01-1.10x at every head dim but one outlier row (docs/perf.md, 2026-12-03).
         # Batched only (a TMA box would write past a packed sequence), and stmatrix stores 16
         # columns at a time.
         tma_store_o=not varlen and head_dim_v % 16 == 0,
