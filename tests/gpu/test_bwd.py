@@ -222,6 +222,16 @@ def test_backward_tma_store_dkv_switch(monkeypatch, d, heads, sq, sk, causal):
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), causal=causal)
 
 
+def test_backward_tma_store_dkv_switch_with_window_and_softcap(monkeypatch):
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(tma_store_dkv=True))
+    hq, hk = HEADS["gqa"]
+    check_batched(rand(2, 300, hq, 128), rand(2, 257, hk, 128), rand(2, 257, hk, 128),
+                  window_size=(100, 7), softcap=30.0)
+
+
 def test_backward_fp16():
     hq, hk = HEADS["gqa"]
     dt = torch.float16
