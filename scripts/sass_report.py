@@ -98,7 +98,11 @@ def summary(sass: str) -> dict:
     ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, flags=re.M)
     count = lambda prefix: sum(op.startswith(prefix) for op in ops)  # noqa: E731
     return {"instructions": len(ops), "STL (spill stores)": count("STL"), "LDL (spill loads)": count("LDL"),
-            "HGMMA": count("HGMMA"), "MUFU.EX2": count("MUFU.EX2"), "FFMA": count("FFMA")}
+            "HGMMA": count("HGMMA"), "MUFU.EX2": count("MUFU.EX2"), "FFMA": count("FFMA"),
+            # one per WGMMA group is the norm; more mean ptxas fenced register operands itself (C7519)
+            "WARPGROUP.ARRIVE": count("WARPGROUP.ARRIVE"),
+            # loops that make a value uniform for a TMA or WGMMA operand ptxas could not prove uniform
+            "BRA.U.ANY (uniformity loops)": count("BRA.U.ANY")}
 
 
 def main(argv=None) -> int:

@@ -307,8 +307,10 @@ def test_sass_report_normalises_addresses_labels_and_parameter_offsets():
     assert report.normalised(a) == report.normalised(b) == "LDC R1, c[] ;\nL:\n@P0 BRA `(L) ;\n"
     assert report.normalised(a) != report.normalised(a.replace("R1", "R2"))
     counts = report.summary("  /*0000*/ HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;\n"
-                            "  /*0010*/ @!P1 STL [R1], R6 ;\n  /*0020*/ MUFU.EX2 R3, R3 ;\n")
-    assert (counts["HGMMA"], counts["STL (spill stores)"], counts["MUFU.EX2"], counts["instructions"]) == (1, 1, 1, 3)
+                            "  /*0010*/ @!P1 STL [R1], R6 ;\n  /*0020*/ MUFU.EX2 R3, R3 ;\n"
+                            "  /*0030*/ @P0 BRA.U.ANY `(.L_x_3) ;\n")
+    assert (counts["HGMMA"], counts["STL (spill stores)"], counts["MUFU.EX2"], counts["instructions"]) == (1, 1, 1, 4)
+    assert counts["BRA.U.ANY (uniformity loops)"] == 1 and counts["WARPGROUP.ARRIVE"] == 0
 
 
 @pytest.mark.parametrize("spec,max_spills", [
