@@ -66,7 +66,7 @@ from ..mask import AttentionMask
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
-from .fragments import acc_as_a_operand, acc_rows_view, store_converted
+from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
 from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
                     warpgroup_index, warpgroup_slice_thread, wgmma)
 
@@ -395,9 +395,7 @@ class FlashAttentionBackwardSm90:
         rP = cute.make_rmem_tensor(scores.acc_s.shape, self.dtype)
         rdS = cute.make_rmem_tensor(scores.acc_s.shape, self.dtype)
         # dS leaves the registers as 8x8 matrices (stmatrix.x4): 4 stores per 64 values.
-        store_ds = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            mmas.sdp).get_slice(tidx)
+        store_ds = stmatrix_copy(mmas.sdp, self.dtype).get_slice(tidx)
         tdSsdS, tdSrdS = store_ds.partition_D(smem.ds), store_ds.retile(rdS)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -721,9 +719,7 @@ class FlashAttentionBackwardSm90:
         the TMA has read the tiles, so the CTA outlives them."""
         all_consumers = NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS
         cute.arch.barrier(barrier_id=DKV_BARRIER, number_of_threads=all_consumers)
-        store = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_dkv).get_slice(tidx)
+        store = stmatrix_copy(tiled_mma_dkv, self.dtype).get_slice(tidx)
         acc_dK.store(acc_dK.load() * softmax_scale)
         for acc, tile in ((acc_dK, smem.k), (acc_dV, smem.v)):
             out = cute.make_rmem_tensor(acc.shape, self.dtype)

@@ -41,6 +41,13 @@ def acc_as_a_operand(frag: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(frag.iterator, cute.composition(frag.layout, a_view))
 
 
+def stmatrix_copy(tiled_mma: cute.TiledMma, dtype) -> cute.TiledCopy:
+    """A tiled copy that writes ``tiled_mma``'s accumulator layout, converted to 16-bit ``dtype``,
+    to shared memory as 8x8 matrices (stmatrix.x4: 4 stores per 64 values per thread)."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    return cute.make_tiled_copy_C(atom, tiled_mma)
+
+
 @cute.jit
 def store_converted(dst: cute.Tensor, src: cute.Tensor):
     """dst = src converted to dst's element type (fp32 scores -> 16-bit P).

@@ -48,7 +48,7 @@ from ..mask import AttentionMask
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
-from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view, store_converted
+from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
 from .wgmma import (WARPGROUP_THREADS, advanced, mma_k_multiple, smem_layout, tma_partition_tile,
                     transpose_view, warpgroup_index, warpgroup_slice_thread, wgmma)
 
@@ -587,9 +587,7 @@ class FlashAttentionForwardSm90:
             for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
                 ro_rows[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
         slab = sO[None, None, wg]
-        store = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_o)
+        store = stmatrix_copy(tiled_mma_o, self.dtype)
         thr_store = store.get_slice(tidx % WARPGROUP_THREADS)
         cute.copy(store, thr_store.retile(rO), thr_store.partition_D(slab))
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
