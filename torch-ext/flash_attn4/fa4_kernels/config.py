@@ -176,7 +176,8 @@ class BackwardConfig(_KernelConfig):
     longest_first: bool = False
     # dK and dV leave through K's and V's shared-memory tiles (stmatrix) and one TMA store each,
     # instead of 32-bit global stores from the accumulator layout. Unsplit layout, batched inputs
-    # (a TMA box would write past a packed sequence). A switch until measured.
+    # (a TMA box would write past a packed sequence). A switch until measured; at d = 128 ptxas
+    # serialises the WGMMAs of the 80-query kernel with it (docs/perf.md).
     tma_store_dkv: bool = False
 
     def __post_init__(self):
