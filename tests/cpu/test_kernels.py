@@ -210,21 +210,6 @@ def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):
         assert "HGMMA" in sass and "STL" not in sass and "LDL" not in sass, "register spills to local memory"
 
 
-@pytest.mark.parametrize("spec", ["d=128,causal=true,tma_store_dkv=true", "d=64,tma_store_dkv=true"])
-def test_sm90_backward_tma_store_dkv_writes_dk_dv_through_shared_memory(spec):
-    """BackwardConfig.tma_store_dkv: dK and dV go into K's and V's tiles with stmatrix and leave by
-    TMA stores; no 32-bit global stores from the accumulators remain, and nothing spills. (At
-    d=128 ptxas avoids the spills by serialising the WGMMAs instead: docs/perf.md.)"""
-    if _nvdisasm() is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
-    report = _sass_report()
-    sass = report.compile_sass("bwd", "sm_90a", spec)
-    assert "UTMASTG" in sass and "STSM" in sass
-    assert not re.search(r"\bSTG\.E\b", sass), "dK/dV still stored element by element"
-    counts = report.summary(sass)
-    assert counts["STL (spill stores)"] == 0 and counts["LDL (spill loads)"] == 0, counts
-
-
 def test_backward_refuses_what_it_does_not_do_yet():
     from flash_attn4.fa4_kernels.config import BackwardConfig
     from flash_attn4.fa4_kernels.sm90.bwd import FlashAttentionBackwardSm90
@@ -252,10 +237,6 @@ def test_backward_config_rejects_mismatched_layouts():
     with pytest.raises(ValueError, match="64 or 128 queries"):
         BackwardConfig(**dict(base, head_dim=64, head_dim_v=64), tile_m=80)
     assert BackwardConfig(**dict(base, head_dim=128, head_dim_v=128), tile_m=80).tile_m == 80
-    with pytest.raises(ValueError, match="tma_store_dkv is for batched inputs and the unsplit layout"):
-        BackwardConfig(**dict(base, head_dim=128, head_dim_v=128), varlen=True, tma_store_dkv=True)
-    with pytest.raises(ValueError, match="tma_store_dkv is for batched inputs and the unsplit layout"):
-        BackwardConfig(**base, split_head_dim=True, tile_n=64, tma_store_dkv=True)
 
 
 def test_head_dim_v_below_16_is_a_clear_error():

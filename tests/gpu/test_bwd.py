@@ -207,31 +207,6 @@ def test_backward_longest_first_order(monkeypatch, d, heads, sq, deterministic):
     assert_grads_close(got, ref, pt)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,heads,sq,sk", [(128, "gqa", 300, 257), (64, "mha", 1000, 1000), (96, "mqa", 113, 515),
-                                           (128, "mha", 1, 203)])
-def test_backward_tma_store_dkv_switch(monkeypatch, d, heads, sq, sk, causal):
-    """BackwardConfig.tma_store_dkv (a switch until measured): dK and dV staged in K's and V's
-    shared-memory tiles and TMA-stored. Keys past the sequence end are clipped by the TMA box (257,
-    515, 203 keys); under a causal mask with more keys than queries, tiles no query sees store 0."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(tma_store_dkv=True))
-    hq, hk = HEADS[heads]
-    check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), causal=causal)
-
-
-def test_backward_tma_store_dkv_switch_with_window_and_softcap(monkeypatch):
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(tma_store_dkv=True))
-    hq, hk = HEADS["gqa"]
-    check_batched(rand(2, 300, hq, 128), rand(2, 257, hk, 128), rand(2, 257, hk, 128),
-                  window_size=(100, 7), softcap=30.0)
-
-
 def test_backward_fp16():
     hq, hk = HEADS["gqa"]
     dt = torch.float16

@@ -174,20 +174,11 @@ class BackwardConfig(_KernelConfig):
     # fastest, head by head), whose last heads' longest tiles start late. Off: on the H200 +2-4% at
     # d = 128 causal 4k/8k but -3% at 16k, twice (docs/perf.md).
     longest_first: bool = False
-    # dK and dV leave through K's and V's shared-memory tiles (stmatrix) and one TMA store each,
-    # instead of 32-bit global stores from the accumulator layout. Unsplit layout, batched inputs
-    # (a TMA box would write past a packed sequence). A switch until measured; at d = 128 ptxas
-    # serialises the WGMMAs of the 80-query kernel with it (docs/perf.md).
-    tma_store_dkv: bool = False
 
     def __post_init__(self):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
-        if self.tma_store_dkv and (self.varlen or self.split_head_dim):
-            raise ValueError("tma_store_dkv is for batched inputs and the unsplit layout (split_head_dim=False): "
-                             "a TMA box would write past a packed sequence, and the split layout's warpgroups "
-                             "share one 64-key tile")
         # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
         # only up to d = 64; 80-query blocks compute dQ transposed (dQ^T = K^T dS^T, M = the head
         # dim), which needs 64 of it per consumer warpgroup: d = 128.

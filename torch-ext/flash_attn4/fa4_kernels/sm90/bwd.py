@@ -66,7 +66,7 @@ from ..mask import AttentionMask
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
-from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
+from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy
 from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
                     warpgroup_index, warpgroup_slice_thread, wgmma)
 
@@ -74,12 +74,10 @@ NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
 # Named barriers (0 is __syncthreads): the consumers' shared dS tile; then, per consumer
-# warpgroup, "its dQ part is staged" and "the writer warp has read it"; then the consumers' dK/dV
-# epilogue through K's and V's shared-memory tiles (tma_store_dkv).
+# warpgroup, "its dQ part is staged" and "the writer warp has read it".
 DS_BARRIER = 1
 DQ_FULL_FIRST = 2
 DQ_EMPTY_FIRST = DQ_FULL_FIRST + NUM_CONSUMER_WARPGROUPS
-DKV_BARRIER = DQ_EMPTY_FIRST + NUM_CONSUMER_WARPGROUPS
 
 
 class FlashAttentionBackwardSm90:
@@ -203,13 +201,6 @@ class FlashAttentionBackwardSm90:
             tma_load, mdPsum, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), self.dq_part)
-        # tma_store_dkv: dK and dV leave through K's and V's tiles, one TMA store each.
-        tma_atom_dK = tma_atom_dV = None
-        tma_dK, tma_dV = mdK, mdV
-        if cutlass.const_expr(cfg.tma_store_dkv):
-            tma_store = cpasync.CopyBulkTensorTileS2GOp()
-            tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, (self.tile_n, d))
-            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, (self.tile_n, dv))
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
         self.tma_bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
                               + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
@@ -247,7 +238,7 @@ class FlashAttentionBackwardSm90:
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ,
-            tma_dK, tma_dV, tma_atom_dK, tma_atom_dV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore,
+            mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, scheduler,
@@ -262,8 +253,7 @@ class FlashAttentionBackwardSm90:
                tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
                tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom,
                mdPsum: cute.Tensor, tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor,
-               mdK: cute.Tensor, mdV: cute.Tensor, tma_atom_dK: Optional[cute.CopyAtom],
-               tma_atom_dV: Optional[cute.CopyAtom], mCuSeqlensQ: Optional[cute.Tensor],
+               mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                mSemaphore: Optional[cute.Tensor], softmax_scale: Float32, score_prescale: Float32,
                scale_log2: Float32, window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
@@ -276,9 +266,8 @@ class FlashAttentionBackwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_dPsum,
-                         tma_atom_dQ, tma_atom_dK, tma_atom_dV):
-                if cutlass.const_expr(atom is not None):
-                    cpasync.prefetch_descriptor(atom)
+                         tma_atom_dQ):
+                cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
@@ -329,8 +318,7 @@ class FlashAttentionBackwardSm90:
                 cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
                 consume = self.consume_split if cutlass.const_expr(self.split) else self.consume
                 consume(tidx - WARPGROUP_THREADS, smem, Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq),
-                        pipe_kv, pipe_qdo, KeyOutputs(mdK, mdV, tma_atom_dK, tma_atom_dV), work,
-                        Scales(softmax_scale, score_prescale, scale_log2))
+                        pipe_kv, pipe_qdo, mdK, mdV, work, Scales(softmax_scale, score_prescale, scale_log2))
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
@@ -374,8 +362,8 @@ class FlashAttentionBackwardSm90:
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, outputs: "KeyOutputs",
-                work: "TileWork", scales: "Scales"):
+    def consume(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, mdK: cute.Tensor,
+                mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
         """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (mmas.dk serves dK
         and dV, as d == dv; smem.p and mmas.dv are unused)."""
         tiled_mma_dkv = mmas.dk
@@ -424,12 +412,11 @@ class FlashAttentionBackwardSm90:
             pipe_qdo.consumer_release(state)
             state = advanced(state)
 
-        self.finish(tidx, smem, pipe_kv, kv_state, tiled_mma_dkv, thr_dkv, acc_dK, thr_dkv, acc_dV, outputs, work,
-                    scales)
+        self.finish(pipe_kv, kv_state, thr_dkv, acc_dK, thr_dkv, acc_dV, mdK, mdV, work, scales)
 
     @cute.jit
-    def consume_split(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, outputs: "KeyOutputs",
-                      work: "TileWork", scales: "Scales"):
+    def consume_split(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, mdK: cute.Tensor,
+                      mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
         """The split layout (head dims above 128, d != dv): both warpgroups work on the CTA's 64 keys.
         Each computes S^T and dP^T for half of the query block, writes its half of P^T and dS^T to
         shared memory, and then, over all queries, its half of the head dim of dV, dK and dQ."""
@@ -479,7 +466,7 @@ class FlashAttentionBackwardSm90:
             state = advanced(state)
             self.stage_dq(tidx, acc_dQ, tdQsdQ)
 
-        self.finish(tidx, smem, pipe_kv, kv_state, mmas.dk, thr_dk, acc_dK, thr_dv, acc_dV, outputs, work, scales)
+        self.finish(pipe_kv, kv_state, thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, work, scales)
 
     # ---- pieces both consumer layouts use ----------------------------------------------------------
     def score_operands(self, tiled_mma_sdp: cute.TiledMma, tidx, smem: "SharedTiles") -> "ScoreOperands":
@@ -525,16 +512,12 @@ class FlashAttentionBackwardSm90:
             wgmma(tiled_mma_dq, acc_dQ, ds, kt, zero_init=True)
 
     @cute.jit
-    def finish(self, tidx, smem: "SharedTiles", pipe_kv, kv_state, tiled_mma_dk: cute.TiledMma, thr_dk,
-               acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor, outputs: "KeyOutputs", work: "TileWork",
-               scales: "Scales"):
+    def finish(self, pipe_kv, kv_state, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
         """After the last query block: K/V released, dK and dV written (the writer warp keeps the
         CTA, and so sdQ, alive until its last reduce-add has read it)."""
         pipe_kv.consumer_release(kv_state)
-        if cutlass.const_expr(self.cfg.tma_store_dkv):
-            self.store_dkv_by_tma(tidx, smem, tiled_mma_dk, acc_dK, acc_dV, outputs, work, scales.softmax)
-        else:
-            self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, outputs.dk, outputs.dv, work, scales.softmax)
+        self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, work, scales.softmax)
 
     @cute.jit
     def scores_and_gradients(self, pipe_qdo, state, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands",
@@ -709,34 +692,6 @@ class FlashAttentionBackwardSm90:
                 if coords[i][0] < keys_left:
                     gmem[i] = out[i]
 
-    @cute.jit
-    def store_dkv_by_tma(self, tidx, smem: "SharedTiles", tiled_mma_dkv: cute.TiledMma, acc_dK: cute.Tensor,
-                         acc_dV: cute.Tensor, outputs: "KeyOutputs", work: "TileWork", softmax_scale: Float32):
-        """tma_store_dkv (unsplit layout, batched): dK (times the softmax scale) and dV into K's and
-        V's shared-memory tiles with stmatrix, then one TMA store each, which clips the keys past the
-        sequence. K is free only once both warpgroups' GEMMs have retired (every dQ GEMM reads all
-        of the tile's keys), hence the barrier before the first write. The issuing warp waits until
-        the TMA has read the tiles, so the CTA outlives them."""
-        all_consumers = NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS
-        cute.arch.barrier(barrier_id=DKV_BARRIER, number_of_threads=all_consumers)
-        store = stmatrix_copy(tiled_mma_dkv, self.dtype).get_slice(tidx)
-        acc_dK.store(acc_dK.load() * softmax_scale)
-        for acc, tile in ((acc_dK, smem.k), (acc_dV, smem.v)):
-            out = cute.make_rmem_tensor(acc.shape, self.dtype)
-            store_converted(out, acc)
-            cute.copy(store, store.retile(out), store.partition_D(tile))
-        cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
-        cute.arch.barrier(barrier_id=DKV_BARRIER, number_of_threads=all_consumers)
-        if cute.arch.make_warp_uniform(tidx // cute.arch.WARP_SIZE) == 0:
-            for atom, mOut, tile, dim in ((outputs.tma_atom_dk, outputs.dk, smem.k, self.hdim),
-                                          (outputs.tma_atom_dv, outputs.dv, smem.v, self.hdim_v)):
-                gOut = cute.local_tile(head_rows(mOut, Int32(0), work.head_kv, work.batch, False),
-                                       (self.tile_n, dim), (work.n_block, 0))
-                t_smem, t_gmem = tma_partition_tile(atom, tile, gOut)
-                cute.copy(atom, t_smem, t_gmem)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
 
 @dataclass(frozen=True)
 class SharedTiles:
@@ -752,17 +707,6 @@ class SharedTiles:
     dq: cute.Tensor
     lse: cute.Tensor
     dpsum: cute.Tensor
-
-
-@dataclass(frozen=True)
-class KeyOutputs:
-    """Where dK and dV go: the global tensors (their TMA views with tma_store_dkv) and the TMA
-    store atoms (tma_store_dkv only, else None)."""
-
-    dk: cute.Tensor
-    dv: cute.Tensor
-    tma_atom_dk: Optional[cute.CopyAtom]
-    tma_atom_dv: Optional[cute.CopyAtom]
 
 
 @dataclass(frozen=True)
