@@ -237,6 +237,9 @@ def test_backward_config_rejects_mismatched_layouts():
     with pytest.raises(ValueError, match="64 or 128 queries"):
         BackwardConfig(**dict(base, head_dim=64, head_dim_v=64), tile_m=80)
     assert BackwardConfig(**dict(base, head_dim=128, head_dim_v=128), tile_m=80).tile_m == 80
+    for eighths in (-1, 9):
+        with pytest.raises(ValueError, match=r"exp_eighths_under_dp must be in \[0, 8\]"):
+            BackwardConfig(**base, split_head_dim=True, tile_n=64, exp_eighths_under_dp=eighths)
 
 
 def test_head_dim_v_below_16_is_a_clear_error():

@@ -207,6 +207,25 @@ def test_backward_longest_first_order(monkeypatch, d, heads, sq, deterministic):
     assert_grads_close(got, ref, pt)
 
 
+@pytest.mark.parametrize("eighths", [0, 3])
+@pytest.mark.parametrize("d,heads,sq,sk,kwargs", [
+    (128, "gqa", 300, 257, {"causal": True}),  # 80-query blocks, masked and unmasked steps
+    (64, "mha", 1000, 1000, {}),  # 128-query blocks
+    (128, "mqa", 113, 515, {"window_size": (100, 7), "softcap": 30.0}),  # 64-query blocks, softcap
+    (256, "gqa", 200, 150, {"causal": True}),  # the split-head-dim layout
+])
+def test_backward_exponentials_after_dp(monkeypatch, eighths, d, heads, sq, sk, kwargs):
+    """BackwardConfig.exp_eighths_under_dp below 8: part of P^T is computed after dP^T, column by
+    column with dS^T."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config",
+                        lambda *a, **k: chosen(*a, **k).replace(exp_eighths_under_dp=eighths))
+    hq, hk = HEADS[heads]
+    check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
+
+
 def test_backward_fp16():
     hq, hk = HEADS["gqa"]
     dt = torch.float16

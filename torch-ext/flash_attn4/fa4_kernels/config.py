@@ -174,11 +174,17 @@ class BackwardConfig(_KernelConfig):
     # fastest, head by head), whose last heads' longest tiles start late. Off: on the H200 +2-4% at
     # d = 128 causal 4k/8k but -3% at 16k, twice (docs/perf.md).
     longest_first: bool = False
+    # How much of P^T is exponentiated while dP^T's GEMM still runs, in eighths of the thread's
+    # query columns; the rest is computed after dP^T, column by column with dS^T, so that the
+    # MUFU exponentials and the FMA-pipe gradient arithmetic can interleave. 8: all before.
+    exp_eighths_under_dp: int = 8
 
     def __post_init__(self):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
+        if not 0 <= self.exp_eighths_under_dp <= 8:
+            raise ValueError(f"exp_eighths_under_dp must be in [0, 8], got {self.exp_eighths_under_dp}")
         # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
         # only up to d = 64; 80-query blocks compute dQ transposed (dQ^T = K^T dS^T, M = the head
         # dim), which needs 64 of it per consumer warpgroup: d = 128.

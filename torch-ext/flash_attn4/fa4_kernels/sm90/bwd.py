@@ -14,7 +14,9 @@ which every KV tile contributes to, is reduced across CTAs.
                                accumulator rows), per query block of tile_m rows (64; 128 at
                                d <= 64; 80 at d = 128 where chosen):
         S^T  = K Q_i^T     dP^T = V dO_i^T        issued together; P waits for S^T alone
-        P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0 (only blocks on a mask edge)
+        P^T  = exp2(S^T * scale_log2 - LSE_i)     masked entries 0 (only blocks on a mask edge);
+                                                  exp_eighths_under_dp of the columns under dP^T's
+                                                  GEMM, the rest column by column with dS^T
         dS^T = P^T * (dP^T - rowsum_i)            softcap: times 1 - tanh^2
         dV  += P^T dO_i                           P from registers, issued before the barrier
         dS^T -> shared memory (stmatrix), one barrier: the dQ GEMM needs both warpgroups' keys
@@ -28,7 +30,8 @@ which every KV tile contributes to, is reduced across CTAs.
 dS alternates between two shared-memory buffers by query block, so one barrier per step suffices:
 the other warpgroup's dQ GEMM of block i-1 reads the other buffer. Measured on the H200 and kept:
 each of these (docs/perf.md, backward). Tried, measured and removed: issuing dV before dS (no
-effect) and the next block's S^T/dP^T before this block's dQ (14-35% slower).
+effect), storing dS^T before issuing dV (no effect), the next block's S^T/dP^T before this block's
+dQ (14-35% slower), and dK/dV stored through K's and V's tiles by TMA (7-12% slower at d=128).
 
 Head dims above 128, and d != dv (``split_head_dim``): 64 keys per CTA would need more accumulator
 registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer warpgroups work on
@@ -524,26 +527,58 @@ class FlashAttentionBackwardSm90:
                              rP: cute.Tensor, rdS: cute.Tensor, smem: "SharedTiles", work: "TileWork",
                              m_block: Int32, scales: "Scales"):
         """The first half of a step, the same in both layouts: once the query block's stage has
-        landed, S^T and dP^T, then P^T (rP, and scores.acc_s) while dP^T still runs, then dS^T (rdS)."""
+        landed, S^T and dP^T, then P^T (rP, and scores.acc_s), the first exp_eighths_under_dp of it
+        while dP^T still runs, then dS^T (rdS)."""
         stage = state.index
         pipe_qdo.consumer_wait(state)
         self.issue_scores(tiled_mma_sdp, scores, stage)
         # LSE and rowsum into registers under the GEMMs where registers allow: 128-query blocks
         # would spill, and read them from shared memory as each column needs them.
         sLSE, sdPsum = smem.lse[None, stage], smem.dpsum[None, stage]
-        rLSE = rdPsum = None
+        rLSE = None
         if cutlass.const_expr(self.tile_m == 64):
             rLSE = self.per_query(scores.coords, sLSE)
         warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
+        # P^T for the first exp_eighths_under_dp of the thread's query columns while dP^T runs; the
+        # other columns' P^T after dP^T, each followed by its dS^T, so that their MUFU exponentials
+        # and FMA-pipe gradients can interleave.
+        columns = cute.size(acc_rows_view(scores.acc_s), mode=[1])
+        under_dp = columns * self.cfg.exp_eighths_under_dp // 8
         # Most blocks need no element-wise mask: only those on a mask edge or the sequence's end pay.
-        if work.mask.block_is_full(work.seqlen, m_block, work.n_block):
-            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, masked=False)
+        full = work.mask.block_is_full(work.seqlen, m_block, work.n_block)
+        if full:
+            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, False, 0, under_dp)
         else:
-            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, masked=True)
+            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, True, 0, under_dp)
+        convert_p_early = not self.cfg.has_softcap and under_dp == columns
+        if cutlass.const_expr(convert_p_early):
+            rP.store(scores.acc_s.load().to(self.dtype))
+        rdPsum = None
         if cutlass.const_expr(self.tile_m == 64):
             rdPsum = self.per_query(scores.coords, sdPsum)
         warpgroup.wait_group(0)  # dP^T is in
-        self.score_gradients(scores, rdS, sdPsum, rdPsum)
+        if cutlass.const_expr(under_dp < columns):
+            if full:
+                self.probabilities_then_gradients(scores, rP, sLSE, rLSE, sdPsum, rdPsum, work, m_block, scales,
+                                                  False, under_dp, columns)
+            else:
+                self.probabilities_then_gradients(scores, rP, sLSE, rLSE, sdPsum, rdPsum, work, m_block, scales,
+                                                  True, under_dp, columns)
+        self.score_gradients(scores, sdPsum, rdPsum, 0, under_dp)
+        if cutlass.const_expr(not convert_p_early and not self.cfg.has_softcap):
+            rP.store(scores.acc_s.load().to(self.dtype))
+        rdS.store(scores.acc_dp.load().to(self.dtype))
+
+    @cute.jit
+    def probabilities_then_gradients(self, scores: "ScoreOperands", rP: cute.Tensor, sLSE: cute.Tensor,
+                                     rLSE: Optional[cute.Tensor], sdPsum: cute.Tensor,
+                                     rdPsum: Optional[cute.Tensor], work: "TileWork", m_block: Int32,
+                                     scales: "Scales", masked: cutlass.Constexpr[bool],
+                                     first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
+        """P^T and then dS^T, column by column, for the thread's query columns [first, end)."""
+        for c in cutlass.range_constexpr(first, end):
+            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, masked, c, c + 1)
+            self.score_gradients(scores, sdPsum, rdPsum, c, c + 1)
 
     @cute.jit
     def per_query(self, tScS: cute.Tensor, sRow: cute.Tensor) -> cute.Tensor:
@@ -555,17 +590,17 @@ class FlashAttentionBackwardSm90:
         return values
 
     @cute.jit
-    def score_gradients(self, scores: "ScoreOperands", rdS: cute.Tensor, sdPsum: cute.Tensor,
-                        rdPsum: Optional[cute.Tensor]):
-        """dS^T = acc_s * (dP^T - rowsum) without the softmax scale (dK's epilogue applies it): into
-        acc_dp in fp32 and rdS in the input dtype (the rowsum from rdPsum, if given, else sdPsum)."""
+    def score_gradients(self, scores: "ScoreOperands", sdPsum: cute.Tensor, rdPsum: Optional[cute.Tensor],
+                        first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
+        """dS^T = acc_s * (dP^T - rowsum) without the softmax scale (dK's epilogue applies it), into
+        acc_dp in fp32, for the thread's query columns [first, end) (the rowsum from rdPsum, if
+        given, else sdPsum)."""
         tScS = scores.coords
         dS_rows, dP_rows = acc_rows_view(scores.acc_s), acc_rows_view(scores.acc_dp)
-        for c in cutlass.range_constexpr(cute.size(dP_rows, mode=[1])):
+        for c in cutlass.range_constexpr(first, end):
             dpsum = rdPsum[c] if cutlass.const_expr(rdPsum is not None) else sdPsum[tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
                 dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)
-        rdS.store(scores.acc_dp.load().to(self.dtype))
 
     @cute.jit
     def issue_scores(self, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands", stage: Int32):
@@ -577,15 +612,16 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def probabilities(self, scores: "ScoreOperands", rP: cute.Tensor, sLSE: cute.Tensor,
                       rLSE: Optional[cute.Tensor], work: "TileWork", m_block: Int32, scales: "Scales",
-                      masked: cutlass.Constexpr[bool]):
-        """P^T from S^T (the LSE from rLSE, if given, else from sLSE); with ``masked``, entries the
-        mask hides and rows past the sequence 0. rP gets P in the input dtype (the dV GEMM operand);
+                      masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
+        """P^T from S^T for the thread's query columns [first, end) (the LSE from rLSE, if given, else
+        from sLSE); with ``masked``, entries the mask hides and rows past the sequence 0.
         scores.acc_s keeps, in fp32, what dS^T = acc_s * (dP^T - rowsum) needs: P, or P * (1 -
-        tanh^2) under softcap."""
+        tanh^2) under softcap, where rP gets P itself in the input dtype (without softcap the caller
+        converts acc_s)."""
         tScS, seqlen = scores.coords, work.seqlen
         s_rows = acc_rows_view(scores.acc_s)
         p_rows = acc_rows_view(rP)
-        for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
+        for c in cutlass.range_constexpr(first, end):
             query = tScS[0, c][1]
             if cutlass.const_expr(masked):
                 row = m_block * self.tile_m + query
@@ -607,8 +643,6 @@ class FlashAttentionBackwardSm90:
                     s_rows[r, c] = p * (Float32(1.0) - score * score)
                 else:
                     s_rows[r, c] = p
-        if cutlass.const_expr(not self.cfg.has_softcap):
-            rP.store(scores.acc_s.load().to(self.dtype))
 
     @cute.jit
     def stage_dq(self, tidx, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor):
