@@ -523,54 +523,6 @@ def test_split_head_dim_deterministic_is_bitwise_repeatable():
             assert torch.equal(runs[0][name], runs[i][name]), f"{name}: run {i} differs from run 0"
 
 
-# The split layout on 128 x 128 tiles at d <= 64 (flash-attn-4's layout there; a BackwardConfig
-# choice, not the tiles' default): each warpgroup S^T for 128 keys x 64 queries, dK/dV for 128 keys x
-# half the head dim.
-SPLIT_128 = dict(split_head_dim=True, tile_m=128, tile_n=128)
-
-
-def _split_128(monkeypatch):
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(**SPLIT_128))
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,dv,heads,sq,sk", [(64, 64, "mha", 300, 257), (64, 64, "gqa", 1000, 1000),
-                                              (64, 64, "mqa", 113, 203), (64, 32, "gqa", 257, 300),
-                                              (32, 32, "mha", 1, 300)])
-def test_split_head_dim_128_tiles_backward(monkeypatch, d, dv, heads, sq, sk, causal):
-    _split_128(monkeypatch)
-    hq, hk = HEADS[heads]
-    check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, dv), causal=causal)
-
-
-def test_split_head_dim_128_tiles_softcap_sink_window(monkeypatch):
-    _split_128(monkeypatch)
-    hq, hk, d = 8, 2, 64
-    check_batched(rand(2, 200, hq, d), rand(2, 230, hk, d), rand(2, 230, hk, d), sink=_sink(hq),
-                  window_size=(100, 7), softcap=30.0)
-
-
-def test_split_head_dim_128_tiles_varlen(monkeypatch):
-    _split_128(monkeypatch)
-    hq, hk, d = 6, 2, 64
-    lens_q, lens_k = random_lengths(5, 300)
-    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, d)
-    check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), causal=True)
-
-
-def test_split_head_dim_128_tiles_deterministic_is_bitwise_repeatable(monkeypatch):
-    _split_128(monkeypatch)
-    b, s, hq, hk, d = 1, 1024, 4, 2, 64
-    q, k, v, dout = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d), rand(b, s, hq, d)
-    runs = [run_ours(flash_attn_func, q, k, v, dout, deterministic=True)[1] for _ in range(3)]
-    for name in ("dq", "dk", "dv"):
-        for i in (1, 2):
-            assert torch.equal(runs[0][name], runs[i][name]), f"{name}: run {i} differs from run 0"
-
-
 # ---- head dims the kernel does not take directly ----
 
 

@@ -187,18 +187,16 @@ class BackwardConfig(_KernelConfig):
             raise ValueError(f"exp_eighths_under_dp must be in [0, 8], got {self.exp_eighths_under_dp}")
         # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
         # only up to d = 64; 80-query blocks compute dQ transposed (dQ^T = K^T dS^T, M = the head
-        # dim), which needs 64 of it per consumer warpgroup: d = 128. The split layout takes 128 x
-        # 128 tiles up to d = 64 (each warpgroup: S^T of 128 keys x 64 queries, dK/dV of 128 keys
-        # x d/2), flash-attn-4's choice there.
-        d = max(self.head_dim, self.head_dim_v)
-        if self.split_head_dim:
-            tiles = {64: (64,), 128: (128,)} if d <= 64 else {64: (64,)}
-        else:
-            tiles = {128: (64, 128) if d <= 64 else (64, 80) if d == 128 else (64,)}
-        if self.tile_m not in tiles.get(self.tile_n, ()):
-            allowed = " or ".join(f"{' or '.join(map(str, ms))} queries x {n} keys" for n, ms in tiles.items())
-            raise ValueError(f"sm90 backward tiles are {allowed} here (split_head_dim={self.split_head_dim}, "
-                             f"head dims {self.head_dim}/{self.head_dim_v}), got {self.tile_m} x {self.tile_n}")
+        # dim), which needs 64 of it per consumer warpgroup: d = 128.
+        tile_ms = (64,)
+        if not self.split_head_dim:
+            d = max(self.head_dim, self.head_dim_v)
+            tile_ms = (64, 128) if d <= 64 else (64, 80) if d == 128 else (64,)
+        if self.tile_n != (64 if self.split_head_dim else 128) or self.tile_m not in tile_ms:
+            raise ValueError(f"sm90 backward tiles are {' or '.join(map(str, tile_ms))} queries x "
+                             f"{64 if self.split_head_dim else 128} keys here (split_head_dim="
+                             f"{self.split_head_dim}, head dims {self.head_dim}/{self.head_dim_v}), "
+                             f"got {self.tile_m} x {self.tile_n}")
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,7 @@ dQ (14-35% slower), and dK/dV stored through K's and V's tiles by TMA (7-12% slo
 
 Head dims above 128, and d != dv (``split_head_dim``): 64 keys per CTA would need more accumulator
 registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer warpgroups work on
-one 64-key tile (up to d = 64 the layout also runs 128 x 128 tiles, as a configuration choice).
-Each computes S^T and dP^T for its half of the query block's rows, writes its half
+one 64-key tile. Each computes S^T and dP^T for its half of the query block's rows, writes its half
 of P^T and dS^T to shared memory, and after a barrier computes, over all queries, its half of the
 head dim of dV, dK and dQ (A operands from shared memory). One Q/dO stage above d = 192 (shared
 memory).
