@@ -207,7 +207,7 @@ def test_backward_longest_first_order(monkeypatch, d, heads, sq, deterministic):
     assert_grads_close(got, ref, pt)
 
 
-@pytest.mark.parametrize("eighths", [0, 3])
+@pytest.mark.parametrize("eighths", [0, 3, 8])
 @pytest.mark.parametrize("d,heads,sq,sk,kwargs", [
     (128, "gqa", 300, 257, {"causal": True}),  # 80-query blocks, masked and unmasked steps
     (64, "mha", 1000, 1000, {}),  # 128-query blocks
@@ -215,8 +215,8 @@ def test_backward_longest_first_order(monkeypatch, d, heads, sq, deterministic):
     (256, "gqa", 200, 150, {"causal": True}),  # the split-head-dim layout
 ])
 def test_backward_exponentials_after_dp(monkeypatch, eighths, d, heads, sq, sk, kwargs):
-    """BackwardConfig.exp_eighths_under_dp below 8: part of P^T is computed after dP^T, column by
-    column with dS^T."""
+    """BackwardConfig.exp_eighths_under_dp on every layout: 8 (all of P^T under dP^T's GEMM), 3
+    (the 80-query blocks' default) and 0 (all after dP^T, column by column with dS^T)."""
     from flash_attn4 import dispatch
 
     chosen = dispatch.backward_config
