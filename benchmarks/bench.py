@@ -9,8 +9,12 @@ side in one run.
 Cases (bf16 unless --dtype fp16):
 - grid: head_dim {64, 128, 256} x causal {no, yes} x seqlen {1k, 2k, 4k, 8k, 16k}, heads = 2048 / head_dim,
   batch = 16384 / seqlen (16k tokens per call);
-- gqa: 32 query heads over 8 KV heads, head_dim 128, the same seqlens;
-- varlen: packed sequences of random lengths (256..4096, 16k tokens), 16 heads, head_dim 128.
+- gqa: 32 query heads over 8 KV heads, head_dim 128 (or each of --headdims), the same seqlens;
+- varlen: packed sequences of random lengths (256..4096, 16k tokens), 16 heads, head_dim 128;
+- decode: few queries against a long KV cache (decoding, chunked prefill): 32 query heads over 8 KV
+  heads, head_dim 128 (or each of --headdims), batch 16, seqlen_q {1, 8, 32, 128, 512} against 8k
+  keys, no mask (not in
+  the default set: --cases decode).
 
 Implementations (each skipped with a note when unavailable or unsupported for a case):
 - ours: flash_attn4.flash_attn_func / flash_attn_varlen_func;
@@ -55,6 +59,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results"
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
+DECODE_SEQLENS_Q = (1, 8, 32, 128, 512)
 HEAD_DIMS = (64, 128, 256)
 TOKENS = 16384
 HIDDEN = 2048  # heads * head_dim for the grid
@@ -68,14 +73,19 @@ IMPL_ORDER = ("ours", "cudnn", "sdpa-flash", "flex", "fa4-upstream")
 
 @dataclass(frozen=True)
 class Case:
-    group: str  # grid | gqa | varlen
+    group: str  # grid | gqa | varlen | decode
     batch: int
     hq: int
     hk: int
-    seqlen: int  # per sequence (varlen: the longest)
+    seqlen: int  # per sequence (varlen: the longest); the keys' length where seqlen_q is set
     head_dim: int
     causal: bool
     seqlens: tuple[int, ...] = ()  # varlen only: every sequence's length
+    seqlen_q: int = 0  # decode only: the queries' length (0: seqlen)
+
+    @property
+    def sq(self) -> int:
+        return self.seqlen_q or self.seqlen
 
     @property
     def name(self) -> str:
@@ -83,12 +93,15 @@ class Case:
         if self.group == "varlen":
             return f"varlen n={len(self.seqlens)} tok={sum(self.seqlens)} h{self.hq} d{self.head_dim} {mask}"
         heads = f"h{self.hq}" if self.hq == self.hk else f"h{self.hq}/{self.hk}"
-        return f"{self.group} b{self.batch} {heads} s{self.seqlen} d{self.head_dim} {mask}"
+        lengths = f"s{self.seqlen}" if not self.seqlen_q else f"sq{self.seqlen_q} sk{self.seqlen}"
+        return f"{self.group} b{self.batch} {heads} {lengths} d{self.head_dim} {mask}"
 
     def flops(self) -> float:
         """Forward FLOPs: 4 * hq * sq * sk * d per sequence (two matmuls), halved when causal."""
-        lengths = self.seqlens if self.group == "varlen" else (self.seqlen,) * self.batch
-        total = sum(4.0 * self.hq * s * s * self.head_dim for s in lengths)
+        if self.group == "varlen":
+            total = sum(4.0 * self.hq * s * s * self.head_dim for s in self.seqlens)
+        else:
+            total = 4.0 * self.batch * self.hq * self.sq * self.seqlen * self.head_dim
         return total / 2 if self.causal else total
 
 
@@ -118,14 +131,20 @@ def build_cases(args) -> list[Case]:
                 for s in seqlens:
                     h = HIDDEN // d
                     cases.append(Case("grid", max(1, TOKENS // s), h, h, s, d, causal))
-    if "gqa" in groups and (args.headdims is None or 128 in args.headdims):
+    # gqa and decode: head_dim 128, or each of --headdims
+    for d in args.headdims or (128,):
+        if "gqa" not in groups:
+            break
         for causal in causals:
             for s in (seqlens if not args.quick else (8192,)):
-                cases.append(Case("gqa", max(1, TOKENS // s), 32, 8, s, 128, causal))
+                cases.append(Case("gqa", max(1, TOKENS // s), 32, 8, s, d, causal))
     if "varlen" in groups and (args.headdims is None or 128 in args.headdims):
         lengths = varlen_lengths(TOKENS, 256, 4096, args.seed)
         for causal in (causals if not args.quick else (True,)):
             cases.append(Case("varlen", len(lengths), 16, 16, max(lengths), 128, causal, lengths))
+    for d in (args.headdims or (128,)) if "decode" in groups else ():
+        for sq in DECODE_SEQLENS_Q:
+            cases.append(Case("decode", 16, 32, 8, 8192, d, False, seqlen_q=sq))
     return cases
 
 
@@ -238,11 +257,15 @@ def _variant_fwd(overrides: dict):
         package = _import_ours().__name__
         dispatch = importlib.import_module(package + ".dispatch")
         compile_forward = importlib.import_module(package + ".fa4_kernels.compile").compile_forward
+        b, sq, hq, _ = x.q.shape
         base = dispatch.forward_config(
             dispatch.arch_for_device(x.q.device), dispatch.dtype_name(x.q.dtype), x.q.shape[-1], x.v.shape[-1],
-            causal=case.causal, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
+            causal=case.causal, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False,
+            qhead_per_kvhead=hq // x.k.shape[2])
+        if overrides.get("pack_gqa", 1) not in (1, hq // x.k.shape[2]):
+            raise Unsupported(f"pack_gqa={overrides['pack_gqa']} needs {overrides['pack_gqa']} query heads per KV "
+                              f"head, the case has {hq // x.k.shape[2]}")
         kernel = compile_forward(base.replace(**overrides))
-        b, sq, hq, _ = x.q.shape
         out = x.q.new_empty(b, sq, hq, x.v.shape[-1])
         lse = torch.empty(b, hq, sq, dtype=torch.float32, device=x.q.device)
         scale = x.q.shape[-1] ** -0.5
@@ -491,7 +514,7 @@ def make_inputs(case: Case, dtype, seed: int) -> Inputs:
         total = sum(case.seqlens)
         shape_q, shape_kv = (total, case.hq, case.head_dim), (total, case.hk, case.head_dim)
     else:
-        shape_q = (case.batch, case.seqlen, case.hq, case.head_dim)
+        shape_q = (case.batch, case.sq, case.hq, case.head_dim)
         shape_kv = (case.batch, case.seqlen, case.hk, case.head_dim)
     q = torch.randn(shape_q, device="cuda", dtype=dtype, generator=gen)
     k = torch.randn(shape_kv, device="cuda", dtype=dtype, generator=gen)
@@ -515,7 +538,7 @@ def run_case(case: Case, impls: list[Impl], mode: Mode, args, timer) -> list[dic
     rows, runners, outputs = [], {}, {}
     for impl in impls:
         row = dict(case=case.name, group=case.group, batch=case.batch, hq=case.hq, hk=case.hk,
-                   seqlen=case.seqlen, head_dim=case.head_dim, causal=case.causal, impl=impl.name,
+                   seqlen=case.seqlen, seqlen_q=case.sq, head_dim=case.head_dim, causal=case.causal, impl=impl.name,
                    status="ok", note="", ms=None, tflops=None, round_ms=[], max_diff_vs_ours=None)
         rows.append(row)
         try:
@@ -675,7 +698,7 @@ def parse_args(argv=None):
     p.add_argument("--only", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    help=f"comma-separated implementations, from {','.join(IMPL_ORDER)}")
     p.add_argument("--cases", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
-                   help="comma-separated case groups: grid,gqa,varlen (default all)")
+                   help="comma-separated case groups: grid,gqa,varlen,decode (default grid,gqa,varlen)")
     p.add_argument("--headdims", type=_int_list, help="e.g. 64,128 (default 64,128,256)")
     p.add_argument("--seqlens", type=_int_list, help="e.g. 2k,8k (default 1k,2k,4k,8k,16k)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
@@ -696,9 +719,9 @@ def parse_args(argv=None):
         if unknown:
             p.error(f"unknown implementation(s) {sorted(unknown)}; choose from {', '.join(IMPL_ORDER)}")
     if args.cases:
-        unknown = set(args.cases) - {"grid", "gqa", "varlen"}
+        unknown = set(args.cases) - {"grid", "gqa", "varlen", "decode"}
         if unknown:
-            p.error(f"unknown case group(s) {sorted(unknown)}; choose from grid, gqa, varlen")
+            p.error(f"unknown case group(s) {sorted(unknown)}; choose from grid, gqa, varlen, decode")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     return args

@@ -152,7 +152,7 @@ def test_kernel_set_of_the_compiler_is_what_dispatch_builds():
     assert any(cfg.tma_store_o for cfg in configs) and any(cfg.rescale_o_before_pv for cfg in configs)
     for cfg in configs:
         flags = dict(causal=cfg.causal, local=cfg.local, has_softcap=cfg.has_softcap, varlen=cfg.varlen,
-                     has_seqused_k=cfg.has_seqused_k, has_sink=cfg.has_sink)
+                     has_seqused_k=cfg.has_seqused_k, has_sink=cfg.has_sink, qhead_per_kvhead=cfg.pack_gqa)
         assert dispatch.forward_config(cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, **flags) == cfg
 
 
@@ -210,3 +210,16 @@ def test_forward_config_rescales_o_before_pv_only_for_wide_o():
 
     assert rb(256, 256) and rb(192, 192)
     assert not rb(128, 128) and not rb(64, 64) and not rb(192, 128)
+
+
+def test_forward_config_packs_gqa_where_the_kernel_can():
+    """The query heads of a KV head share tiles for batched inputs whose head ratio divides 64 (the
+    ratio is a model property, not a size: one kernel per model)."""
+    def pack(g, varlen=False):
+        return dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, causal=True, local=False, has_softcap=False,
+                                       varlen=varlen, has_seqused_k=False, has_sink=False,
+                                       qhead_per_kvhead=g).pack_gqa
+
+    assert [pack(g) for g in (1, 2, 4, 8, 32, 64)] == [1, 2, 4, 8, 32, 64]
+    assert pack(3) == pack(6) == pack(128) == 1
+    assert pack(4, varlen=True) == 1

@@ -166,7 +166,11 @@ def test_sm90_forward_converts_p_in_pairs_at_kv_tiles_that_are_not_powers_of_two
                                  dict(head_dim=80, head_dim_v=80),
                                  dict(head_dim=192, head_dim_v=128, tile_n=96, local=True, varlen=True),
                                  dict(head_dim=128, head_dim_v=128, causal=True, tma_store_o=True, persistent_ctas=132),
-                                 dict(head_dim=64, head_dim_v=64, tile_m=192, varlen=True, persistent_ctas=132)])
+                                 dict(head_dim=64, head_dim_v=64, tile_m=192, varlen=True, persistent_ctas=132),
+                                 dict(head_dim=128, head_dim_v=128, causal=True, pack_gqa=4, tma_store_o=True,
+                                      has_sink=True),
+                                 dict(head_dim=256, head_dim_v=256, tile_n=80, local=True, pack_gqa=8,
+                                      has_softcap=True)])
 def test_less_common_shapes_compile(tmp_path, cfg):
     proc = _compile_in_subprocess(tmp_path, cfg)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
@@ -265,6 +269,10 @@ def test_config_rejects_what_no_kernel_can_do():
         ForwardConfig(**dict(base, head_dim=72, head_dim_v=72, tma_store_o=True))
     with pytest.raises(ValueError, match="persistent_ctas"):
         ForwardConfig(**dict(base, persistent_ctas=-1))
+    with pytest.raises(ValueError, match="pack_gqa must divide 64"):
+        ForwardConfig(**dict(base, pack_gqa=3))
+    with pytest.raises(NotImplementedError, match="pack_gqa is implemented for batched inputs only"):
+        ForwardConfig(**dict(base, pack_gqa=4, varlen=True))
 
 
 def test_pre_and_postprocess_configs_reject_other_dtypes():

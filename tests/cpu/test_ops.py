@@ -175,6 +175,18 @@ def test_varlen_matches_reference(cpu_kernel):
     assert cpu_kernel[-1].varlen and cpu_kernel[-1].has_seqused_k
 
 
+def test_pack_gqa_must_match_the_head_ratio(cpu_kernel, monkeypatch):
+    """A kernel packing g query heads per KV head runs only on inputs with exactly that ratio."""
+    chosen = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(pack_gqa=4))
+    q, k, v = rand_qkv(2, 5, 9, 8, 2, 64)
+    flash_attn_func(q, k, v)
+    assert cpu_kernel[-1].pack_gqa == 4
+    q, k, v = rand_qkv(2, 5, 9, 4, 2, 64)
+    with pytest.raises(ValueError, match="pack_gqa=4 but the inputs have 2 query heads per KV head"):
+        flash_attn_func(q, k, v)
+
+
 def test_returns_out_only_by_default(cpu_kernel):
     out = flash_attn_func(*rand_qkv(1, 3, 3, 2, 2, 64))
     assert isinstance(out, torch.Tensor)

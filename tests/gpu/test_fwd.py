@@ -165,6 +165,61 @@ def test_partial_group_first_order(seed, b, hq, hk):
     check(out, lse, q, k, v, causal=True)
 
 
+def override_forward_config(monkeypatch, **overrides):
+    """Dispatch's ForwardConfig with ``overrides`` for the rest of the test (kernels compiled for
+    earlier choices stay cached under their own configs)."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(**overrides))
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 2), (16, 4), (16, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 257), (7, 1000), (64, 64), (300, 257), (1000, 1000)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_pack_gqa(seed, monkeypatch, d, sq, sk, causal, hq, hk):
+    """GQA packing (the g = hq // hk query heads of a KV head share a tile, row = token * g + head):
+    partial tiles, the causal diagonal in tokens not rows, and each row's O and LSE back at its own
+    head."""
+    override_forward_config(monkeypatch, pack_gqa=hq // hk)
+    q, k, v = rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("persistent_ctas", [0, 5])
+@pytest.mark.parametrize("tma_store_o", [False, True])
+def test_pack_gqa_with_softcap_sink_window(seed, monkeypatch, tma_store_o, persistent_ctas):
+    """Per-row sinks (each row's own query head), the window in tokens, both epilogues, and the
+    persistent grid walking packed tiles."""
+    hq, hk, d = 8, 2, 128
+    override_forward_config(monkeypatch, pack_gqa=hq // hk, tma_store_o=tma_store_o,
+                            persistent_ctas=persistent_ctas)
+    q, k, v = rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d)
+    sink = torch.randn(hq, device=DEVICE, dtype=torch.float32) * 3
+    out, lse = flash_attn_func(q, k, v, window_size=(100, 7), softcap=20.0, learnable_sink=sink, return_lse=True)
+    check(out, lse, q, k, v, window_size=(100, 7), softcap=20.0, learnable_sink=sink, lse_atol=20.0 * 1e-3)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_pack_gqa_matches_unpacked_decode(seed, monkeypatch, d):
+    """Decoding (one query token, many keys): packed and unpacked kernels agree to float32
+    summation-order noise."""
+    hq, hk = 32, 8
+    q, k, v = rand(4, 1, hq, d), rand(4, 4000, hk, d), rand(4, 4000, hk, d)
+    results = []
+    for g in (1, hq // hk):
+        with monkeypatch.context() as m:
+            override_forward_config(m, pack_gqa=g)
+            results.append(flash_attn_func(q, k, v, return_lse=True))
+    (ref, ref_lse), (out, lse) = results
+    check(out, lse, q, k, v)
+    ulp = ref.abs().max().item() * 2 ** -7  # a bf16 ulp of the largest output, or twice it
+    assert max_abs_diff(out, ref) <= ulp, "packed and unpacked outputs differ by more than a bf16 ulp"
+    assert max_abs_diff(lse, ref_lse) <= 1e-4
+
+
 @pytest.fixture
 def persistent(monkeypatch):
     """ForwardConfig.persistent_ctas (a switch, off: slower at long causal) for the duration of a test: 5 CTAs,

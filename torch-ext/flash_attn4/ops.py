@@ -55,13 +55,18 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 
 
 def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
-                varlen: bool, has_seqused_k: bool, has_sink: bool):
+                varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int):
     """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace)."""
     arch = dispatch.arch_for_device(q.device)
     cfg = dispatch.forward_config(
         arch, dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
+        qhead_per_kvhead=qhead_per_kvhead,
     )
+    if cfg.pack_gqa not in (1, qhead_per_kvhead):
+        # The kernel folds exactly pack_gqa query heads into each KV head's rows.
+        raise ValueError(f"ForwardConfig.pack_gqa={cfg.pack_gqa} but the inputs have {qhead_per_kvhead} query "
+                         f"heads per KV head")
     return compile_cache.get_forward_kernel(cfg)
 
 
@@ -125,6 +130,7 @@ def fwd(
     kernel = _kernel_for(
         q, v, causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
         varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
+        qhead_per_kvhead=q.shape[-2] // k.shape[-2],
     )
     with _device_guard(q.device):
         kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,

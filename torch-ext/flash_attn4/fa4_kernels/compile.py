@@ -196,13 +196,13 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
     if arch not in IMPLEMENTED or "forward" not in IMPLEMENTED[arch]:
         return []
 
-    def cfg(d=128, dv=128, causal=False, local=False, **flags):
+    def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, **flags):
         return ForwardConfig(arch=arch, dtype=flags.pop("dtype", "bfloat16"), head_dim=d, head_dim_v=dv,
                              causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
-                             **forward_schedule(arch, d, dv, flags.get("varlen", False)))
+                             **forward_schedule(arch, d, dv, flags.get("varlen", False), qhead_per_kvhead))
 
     return [cfg(), cfg(causal=True), cfg(dtype="float16"), cfg(varlen=True, has_seqused_k=True),
-            cfg(local=True), cfg(has_softcap=True, has_sink=True),
+            cfg(local=True), cfg(has_softcap=True, has_sink=True), cfg(causal=True, qhead_per_kvhead=4),
             cfg(64, 64), cfg(64, 64, causal=True), cfg(96, 96), cfg(192, 192), cfg(192, 128), cfg(256, 256)]
 
 
@@ -220,7 +220,8 @@ def _describe(cfg) -> str:
                 f"causal={cfg.causal} local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} "
                 f"deterministic={cfg.deterministic}")
     return (f"fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} "
-            f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink}")
+            f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink} "
+            f"pack_gqa={cfg.pack_gqa}")
 
 
 def main(argv=None) -> int:

@@ -30,6 +30,21 @@ class AttentionMask:
     local: cutlass.Constexpr[bool]
     window_left: Int32  # used only when local; negative = unbounded
     window_right: Int32
+    # Tile rows per query token: g when the g query heads of a KV head share a tile (GQA packing,
+    # row r = token r // g), else 1. Row bounds below are in rows, the mask itself in tokens.
+    rows_per_query: cutlass.Constexpr[int] = 1
+
+    def query(self, row):
+        """The query token of tile row ``row`` (counted from the sequence's first row)."""
+        if cutlass.const_expr(self.rows_per_query == 1):
+            return row
+        return row // self.rows_per_query
+
+    def rows(self, seqlen: SeqlenInfo):
+        """The sequence's rows: its query tokens times rows_per_query."""
+        if cutlass.const_expr(self.rows_per_query == 1):
+            return seqlen.seqlen_q
+        return seqlen.seqlen_q * self.rows_per_query
 
     @cute.jit
     def n_block_range(self, seqlen: SeqlenInfo, m_block: Int32):
@@ -39,7 +54,7 @@ class AttentionMask:
         offset = seqlen.diagonal_offset()
         if cutlass.const_expr(self.causal or self.local):
             # The tile's last row (clipped to the sequence) sees the rightmost key.
-            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen.seqlen_q) - 1
+            last_row = self.query(cutlass.min((m_block + 1) * self.tile_m, self.rows(seqlen)) - 1)
             right = Int32(0)
             if cutlass.const_expr(self.local):
                 right = self.window_right
@@ -51,7 +66,7 @@ class AttentionMask:
             n_block_max = cutlass.min(n_block_max, (hi + self.tile_n - 1) // self.tile_n)
         if cutlass.const_expr(self.local):
             if self.window_left >= 0:
-                lo = m_block * self.tile_m + offset - self.window_left
+                lo = self.query(m_block * self.tile_m) + offset - self.window_left
                 n_block_min = cutlass.max(lo, 0) // self.tile_n
         return n_block_min, n_block_max
 
@@ -64,7 +79,7 @@ class AttentionMask:
             right = Int32(0)
             if cutlass.const_expr(self.local):
                 right = self.window_right
-            first_row_hi = m_block * self.tile_m + seqlen.diagonal_offset() + right + 1
+            first_row_hi = self.query(m_block * self.tile_m) + seqlen.diagonal_offset() + right + 1
             if cutlass.const_expr(self.local):
                 if self.window_right < 0:
                     first_row_hi = seqlen.seqlen_k
@@ -77,7 +92,8 @@ class AttentionMask:
         n_min = Int32(0)
         if cutlass.const_expr(self.local):
             if self.window_left >= 0:
-                last_row_lo = (m_block + 1) * self.tile_m - 1 + seqlen.diagonal_offset() - self.window_left
+                last_row_lo = (self.query((m_block + 1) * self.tile_m - 1) + seqlen.diagonal_offset()
+                               - self.window_left)
                 n_min = (cutlass.max(last_row_lo, 0) + self.tile_n - 1) // self.tile_n
         return n_min
 
@@ -85,14 +101,15 @@ class AttentionMask:
     def block_is_full(self, seqlen: SeqlenInfo, m_block: Int32, n_block: Int32):
         """Whether every query row of the tile lies inside the sequence and sees every key of KV
         block ``n_block`` (a kernel may then skip the element-wise mask)."""
-        rows_inside = (m_block + 1) * self.tile_m <= seqlen.seqlen_q
+        rows_inside = (m_block + 1) * self.tile_m <= self.rows(seqlen)
         return (rows_inside and n_block < self.n_block_max_full(seqlen, m_block)
                 and n_block >= self.n_block_min_full(seqlen, m_block))
 
     @cute.jit
     def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
         """[m_block_min, m_block_max) of query blocks with at least one row that sees a key of KV
-        block ``n_block`` (the backward pass walks query blocks for a fixed KV block)."""
+        block ``n_block`` (the backward pass walks query blocks for a fixed KV block; one row per
+        query token)."""
         m_block_max = (seqlen.seqlen_q + self.tile_m - 1) // self.tile_m
         m_block_min = Int32(0)
         offset = seqlen.diagonal_offset()
@@ -138,7 +155,7 @@ class AttentionMask:
         every earlier score of the fragment at each join, quadratic in the fragment size (sm_90a SASS
         of the d=128 causal forward: 1072 FSEL with a branch per score, 134 with selects)."""
         for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
-            lo, hi = self.key_bounds(seqlen, coord_rows[r, 0][0] + m_block * self.tile_m, n_block)
+            lo, hi = self.key_bounds(seqlen, self.query(coord_rows[r, 0][0] + m_block * self.tile_m), n_block)
             for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
                 col = coord_rows[0, c][1]
                 keep = col < hi

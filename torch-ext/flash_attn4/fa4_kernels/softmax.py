@@ -123,16 +123,20 @@ class OnlineSoftmax:
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + block_sum
 
     @cute.jit
-    def finalize(self, sink_logit: Optional[Float32] = None):
+    def finalize(self, sink_logit=None):
         """Return (output scale per row, LSE per row, natural log). With a learnable sink, the sink
-        logit joins the denominator only (it has no value row)."""
+        logit joins the denominator only (it has no value row); ``sink_logit`` is one Float32 for
+        every row, or a tensor of one per row."""
         out_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             total = row_allreduce(self.row_sum[r], _add, self.threads_per_row)
             m = self.row_max[r] * self.scale_log2  # -inf for a fully masked row
             if cutlass.const_expr(sink_logit is not None):
-                sink2 = sink_logit * LOG2_E
+                if cutlass.const_expr(isinstance(sink_logit, cute.Tensor)):
+                    sink2 = sink_logit[r] * LOG2_E
+                else:
+                    sink2 = sink_logit * LOG2_E
                 mm = cute.arch.fmax(m, sink2)
                 keep = cute.math.exp2(m - mm, fastmath=True)
                 total = total * keep + cute.math.exp2(sink2 - mm, fastmath=True)

@@ -122,6 +122,13 @@ class FlashAttentionForwardSm90:
             num_batch = mQ.shape[3]
         num_heads = mQ.shape[2]
         qhead_per_kvhead = num_heads // mK.shape[2]
+        rows_per_query = cfg.pack_gqa
+        if cutlass.const_expr(rows_per_query > 1):
+            # Each KV head's query heads become rows: (token, head) -> row token * g + head, and the
+            # grid walks KV heads.
+            mQ, mO, mLSE = [pack_query_heads(t, rows_per_query) for t in (mQ, mO, mLSE)]
+            num_heads, qhead_per_kvhead = mK.shape[2], 1
+            max_seqlen_q = max_seqlen_q * rows_per_query
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -313,9 +320,10 @@ class FlashAttentionForwardSm90:
                   mK: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                   mSeqUsedK: Optional[cute.Tensor], window_left: Int32, window_right: Int32) -> "OutputTile":
         """An output tile with its sequence lengths, mask and visible KV blocks."""
-        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        tokens_q = mQ.shape[0] if cutlass.const_expr(self.cfg.pack_gqa == 1) else mQ.shape[0][1]
+        seqlen = SeqlenInfo.create(batch, tokens_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         mask = AttentionMask(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
-                             window_left, window_right)
+                             window_left, window_right, self.cfg.pack_gqa)
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
         return OutputTile(self.tile_m, seqlen, mask, m_block, head, batch, head // qhead_per_kvhead,
                           n_block_min, n_block_max)
@@ -443,12 +451,13 @@ class FlashAttentionForwardSm90:
 
         sink = None
         if cutlass.const_expr(cfg.has_sink):
-            sink = Float32(outputs.sink[head])
+            sink = self.sink_logits(outputs.sink, tScS, m_block, head)
         out_scale, lse = softmax.finalize(sink)
         if cutlass.const_expr(cfg.tma_store_o):
             self.store_o_by_tma(tidx, mmas.o, outputs.tma_atom_o, smem.o, acc_O, out_scale, outputs.o, m_block, head,
                                 batch)
-        self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, outputs.o, outputs.lse, seqlen, m_block, head, batch)
+        self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, outputs.o, outputs.lse, seqlen, mask, m_block, head,
+                      batch)
         return q_state, kv
 
     @cute.jit
@@ -520,6 +529,18 @@ class FlashAttentionForwardSm90:
             for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
                 o_rows[r, c] = o_rows[r, c] * row_scale[r]
 
+    @cute.jit
+    def sink_logits(self, mSink: cute.Tensor, tScS: cute.Tensor, m_block: Int32, head: Int32):
+        """The learnable sink logit of each of the thread's rows: the tile's head, or with GQA
+        packing, each row's own query head (head here is the KV head)."""
+        g = self.cfg.pack_gqa
+        if cutlass.const_expr(g == 1):
+            return Float32(mSink[head])
+        sinks = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
+        for r in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
+            sinks[r] = Float32(mSink[head * g + (m_block * self.tile_m + tScS[r, 0][0]) % g])
+        return sinks
+
     # ---- ping-pong between the consumer warpgroups ----------------------------------------------
     # Named barrier PINGPONG_BARRIER + w gates warpgroup w's GEMM issue. A warpgroup waits on its
     # own barrier, issues, then arrives on the next one's (cyclically); warpgroup 0 has the first turn.
@@ -544,12 +565,12 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,
-                 m_block, head, batch):
+                 mask: AttentionMask, m_block, head, batch):
         """Normalise O, write the rows that lie inside the sequence (unless store_o_by_tma did), and
         their LSE."""
         tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v_tile))))
         o_rows = acc_rows_view(acc_O)
-        rows_left = seqlen.seqlen_q - m_block * self.tile_m
+        rows_left = mask.rows(seqlen) - m_block * self.tile_m
         gLSE = head_rows(mLSE, seqlen.offset_q, head, batch, self.cfg.varlen)
         tOgO = None
         if cutlass.const_expr(not self.cfg.tma_store_o):
@@ -654,4 +675,16 @@ class OutputTile:
 
     def in_sequence(self):
         """Whether the tile holds a query row (varlen grids are sized for the longest sequence)."""
-        return self.m_block * self.tile_m < self.seqlen.seqlen_q
+        return self.m_block * self.tile_m < self.mask.rows(self.seqlen)
+
+
+def pack_query_heads(t: cute.Tensor, g: int) -> cute.Tensor:
+    """A batched kernel-layout tensor, (seq, dim, hq, batch) or (seq, hq, batch), viewed with the g
+    query heads of each KV head folded into the sequence mode: ((g, seq), dim, hq // g, batch) or
+    ((g, seq), hq // g, batch), so that row r of a KV head is token r // g of its query head r % g."""
+    shape, stride = t.layout.shape, t.layout.stride
+    rows = ((g, shape[0]),)
+    row_stride = ((stride[-2], stride[0]),)
+    packed = cute.make_layout(rows + tuple(shape[1:-2]) + (shape[-2] // g, shape[-1]),
+                              stride=row_stride + tuple(stride[1:-2]) + (stride[-2] * g, stride[-1]))
+    return cute.make_tensor(t.iterator, packed)
