@@ -213,8 +213,8 @@ def test_forward_config_rescales_o_before_pv_only_for_wide_o():
 
 
 def test_forward_config_packs_gqa_where_the_kernel_can():
-    """The query heads of a KV head share tiles for batched inputs whose head ratio divides 64 (the
-    ratio is a model property, not a size: one kernel per model)."""
+    """The query heads of a KV head share tiles where the head ratio divides 64, batched or varlen
+    (the ratio is a model property, not a size: one kernel per model)."""
     def pack(g, varlen=False):
         return dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, causal=True, local=False, has_softcap=False,
                                        varlen=varlen, has_seqused_k=False, has_sink=False,
@@ -222,4 +222,4 @@ def test_forward_config_packs_gqa_where_the_kernel_can():
 
     assert [pack(g) for g in (1, 2, 4, 8, 32, 64)] == [1, 2, 4, 8, 32, 64]
     assert pack(3) == pack(6) == pack(128) == 1
-    assert pack(4, varlen=True) == 1
+    assert pack(4, varlen=True) == 4 and pack(3, varlen=True) == 1

@@ -170,7 +170,8 @@ def test_sm90_forward_converts_p_in_pairs_at_kv_tiles_that_are_not_powers_of_two
                                  dict(head_dim=128, head_dim_v=128, causal=True, pack_gqa=4, tma_store_o=True,
                                       has_sink=True),
                                  dict(head_dim=256, head_dim_v=256, tile_n=80, local=True, pack_gqa=8,
-                                      has_softcap=True)])
+                                      has_softcap=True),
+                                 dict(head_dim=128, head_dim_v=128, varlen=True, has_seqused_k=True, pack_gqa=4)])
 def test_less_common_shapes_compile(tmp_path, cfg):
     proc = _compile_in_subprocess(tmp_path, cfg)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
@@ -271,8 +272,6 @@ def test_config_rejects_what_no_kernel_can_do():
         ForwardConfig(**dict(base, persistent_ctas=-1))
     with pytest.raises(ValueError, match="pack_gqa must divide 64"):
         ForwardConfig(**dict(base, pack_gqa=3))
-    with pytest.raises(NotImplementedError, match="pack_gqa is implemented for batched inputs only"):
-        ForwardConfig(**dict(base, pack_gqa=4, varlen=True))
 
 
 def test_pre_and_postprocess_configs_reject_other_dtypes():

@@ -420,6 +420,33 @@ def test_varlen_seqused_k(seed):
     check(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used)
 
 
+@pytest.mark.parametrize("hq,hk", [(8, 2), (16, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_pack_gqa(seed, monkeypatch, d, causal, hq, hk):
+    """GQA packing with packed sequences: each sequence's rows start at g times its first token;
+    empty sequences, sequences without keys, and decoding-length ones (1-3 queries) among them."""
+    override_forward_config(monkeypatch, pack_gqa=hq // hk)
+    lens_q, lens_k = random_lengths(8, 300)
+    lens_q[-3:] = [1, 3, 2]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, d)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                                      causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def test_varlen_pack_gqa_seqused_k_sink_window(seed, monkeypatch):
+    override_forward_config(monkeypatch, pack_gqa=4)
+    lens_q, lens_k = [70, 0, 200, 1, 33], [90, 12, 150, 300, 40]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 8, 2, 128)
+    used = torch.tensor([int(torch.randint(0, n + 1, ())) for n in lens_k], dtype=torch.int32, device=DEVICE)
+    sink = torch.randn(8, device=DEVICE, dtype=torch.float32) * 3
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=200, seqused_k=used, window_size=(50, 3),
+                                      learnable_sink=sink, return_lse=True)
+    check(out, lse, q, k, v, window_size=(50, 3), learnable_sink=sink, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+          seqused_k=used)
+
+
 def test_varlen_check_cu_seqlens_setting(seed, monkeypatch):
     lens_q, lens_k = [10, 20], [15, 25]
     q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 2, 2, 64)

@@ -124,16 +124,14 @@ class ForwardConfig(_KernelConfig):
     # GQA packing: the query heads that share a KV head, this many (hq // hk, fixed per model), fill
     # one tile's rows together, token by token (row r = token r // g, head r % g of the group), so
     # that short query sequences (decoding, chunked prefill) fill 128-row tiles and read each K/V
-    # block once for the whole group. 1: off, one head per tile. Batched inputs; g divides 64 (a
-    # warpgroup's 64 rows, and TMA boxes of whole tokens).
+    # block once for the whole group; a varlen sequence's rows start at g x its first token.
+    # 1: off, one head per tile. g divides 64 (TMA boxes of whole tokens).
     pack_gqa: int = 1
 
     def __post_init__(self):
         self._check_common()
         if self.pack_gqa < 1 or 64 % self.pack_gqa:
             raise ValueError(f"pack_gqa must divide 64 (1: off), got {self.pack_gqa}")
-        if self.pack_gqa > 1 and self.varlen:
-            raise NotImplementedError("pack_gqa is implemented for batched inputs only, not varlen")
         if not 0 <= self.exp2_emulated_eighths <= 8:
             raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {self.exp2_emulated_eighths}")
         if self.persistent_ctas < 0:

@@ -46,6 +46,12 @@ class AttentionMask:
             return seqlen.seqlen_q
         return seqlen.seqlen_q * self.rows_per_query
 
+    def rows_before(self, seqlen: SeqlenInfo):
+        """Where the sequence's rows start among a varlen batch's (0 for batched inputs)."""
+        if cutlass.const_expr(self.rows_per_query == 1):
+            return seqlen.offset_q
+        return seqlen.offset_q * self.rows_per_query
+
     @cute.jit
     def n_block_range(self, seqlen: SeqlenInfo, m_block: Int32):
         """[n_block_min, n_block_max) of KV blocks holding at least one key visible to the tile."""

@@ -53,10 +53,11 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, q
         # O rescaled under the next Q K^T rather than after P V: with 128 or more multiplies per
         # thread (head_dim_v > 128). At d = 256 1.00-1.02x, never slower (docs/perf.md).
         rescale_o_before_pv=head_dim_v > 128,
-        # The query heads of a KV head share tiles wherever the kernel can pack them (batched, a
-        # ratio dividing 64): one kernel per model, short query sequences (decoding) fill whole tiles.
-        # 2.7-2.9x at 1-32 queries against 8k keys, 0.99-1.01x at 128 queries and more (docs/perf.md).
-        pack_gqa=qhead_per_kvhead if qhead_per_kvhead > 1 and 64 % qhead_per_kvhead == 0 and not varlen else 1,
+        # The query heads of a KV head share tiles wherever the kernel can pack them (a ratio
+        # dividing 64): one kernel per model, short query sequences (decoding) fill whole tiles.
+        # 2.7-3.7x at 1-32 queries against 8k keys, batched or varlen; 0.99-1.04x at 128 queries and
+        # more (docs/perf.md).
+        pack_gqa=qhead_per_kvhead if qhead_per_kvhead > 1 and 64 % qhead_per_kvhead == 0 else 1,
     )
 
 

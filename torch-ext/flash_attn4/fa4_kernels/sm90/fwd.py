@@ -126,7 +126,8 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(rows_per_query > 1):
             # Each KV head's query heads become rows: (token, head) -> row token * g + head, and the
             # grid walks KV heads.
-            mQ, mO, mLSE = [pack_query_heads(t, rows_per_query) for t in (mQ, mO, mLSE)]
+            mQ, mO = [pack_query_heads(t, rows_per_query, head_mode=2) for t in (mQ, mO)]
+            mLSE = pack_query_heads(mLSE, rows_per_query, head_mode=1)
             num_heads, qhead_per_kvhead = mK.shape[2], 1
             max_seqlen_q = max_seqlen_q * rows_per_query
 
@@ -338,7 +339,7 @@ class FlashAttentionForwardSm90:
         n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
         sQ, sK, sV = smem.q, smem.k, smem.v
         pipe_q, pipe_k, pipe_v = pipes.q, pipes.k, pipes.v
-        gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, self.cfg.varlen),
+        gQ = cute.local_tile(head_rows(mQ, tile.mask.rows_before(seqlen), head, batch, self.cfg.varlen),
                              (self.tile_m, self.hdim_tile), (m_block, 0))
         gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
                              (self.tile_n, self.hdim_tile), (None, 0))  # (tile_n, d, n_blocks)
@@ -571,10 +572,10 @@ class FlashAttentionForwardSm90:
         tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v_tile))))
         o_rows = acc_rows_view(acc_O)
         rows_left = mask.rows(seqlen) - m_block * self.tile_m
-        gLSE = head_rows(mLSE, seqlen.offset_q, head, batch, self.cfg.varlen)
+        gLSE = head_rows(mLSE, mask.rows_before(seqlen), head, batch, self.cfg.varlen)
         tOgO = None
         if cutlass.const_expr(not self.cfg.tma_store_o):
-            gO = cute.local_tile(head_rows(mO, seqlen.offset_q, head, batch, self.cfg.varlen),
+            gO = cute.local_tile(head_rows(mO, mask.rows_before(seqlen), head, batch, self.cfg.varlen),
                                  (self.tile_m, self.hdim_v_tile), (m_block, 0))
             tOgO = acc_rows_view(thr_mma_pv.partition_C(gO))
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
@@ -678,13 +679,12 @@ class OutputTile:
         return self.m_block * self.tile_m < self.mask.rows(self.seqlen)
 
 
-def pack_query_heads(t: cute.Tensor, g: int) -> cute.Tensor:
-    """A batched kernel-layout tensor, (seq, dim, hq, batch) or (seq, hq, batch), viewed with the g
-    query heads of each KV head folded into the sequence mode: ((g, seq), dim, hq // g, batch) or
-    ((g, seq), hq // g, batch), so that row r of a KV head is token r // g of its query head r % g."""
-    shape, stride = t.layout.shape, t.layout.stride
-    rows = ((g, shape[0]),)
-    row_stride = ((stride[-2], stride[0]),)
-    packed = cute.make_layout(rows + tuple(shape[1:-2]) + (shape[-2] // g, shape[-1]),
-                              stride=row_stride + tuple(stride[1:-2]) + (stride[-2] * g, stride[-1]))
-    return cute.make_tensor(t.iterator, packed)
+def pack_query_heads(t: cute.Tensor, g: int, head_mode: int) -> cute.Tensor:
+    """A kernel-layout tensor, sequence first and the query heads in mode ``head_mode`` ((seq, dim,
+    hq[, batch]) or (seq, hq[, batch]); seq is the packed total with varlen), viewed with the g query
+    heads of each KV head folded into the sequence mode as ((g, seq), ..., hq // g, ...), so that row
+    r of a KV head is token r // g of its query head r % g, and row offsets are tokens times g."""
+    shape, stride = list(t.layout.shape), list(t.layout.stride)
+    shape[0], stride[0] = (g, shape[0]), (stride[head_mode], stride[0])
+    shape[head_mode], stride[head_mode] = shape[head_mode] // g, stride[head_mode] * g
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
