@@ -13,8 +13,7 @@ Cases (bf16 unless --dtype fp16):
 - varlen: packed sequences of random lengths (256..4096, 16k tokens), 16 heads, head_dim 128;
 - decode: few queries against a long KV cache (decoding, chunked prefill): 32 query heads over 8 KV
   heads, head_dim 128 (or each of --headdims), batch 16, seqlen_q {1, 8, 32, 128, 512} against 8k
-  keys, no mask (not in
-  the default set: --cases decode).
+  keys, no mask (not in the default set: --cases decode).
 
 Implementations (each skipped with a note when unavailable or unsupported for a case):
 - ours: flash_attn4.flash_attn_func / flash_attn_varlen_func;
@@ -131,20 +130,20 @@ def build_cases(args) -> list[Case]:
                 for s in seqlens:
                     h = HIDDEN // d
                     cases.append(Case("grid", max(1, TOKENS // s), h, h, s, d, causal))
-    # gqa and decode: head_dim 128, or each of --headdims
-    for d in args.headdims or (128,):
-        if "gqa" not in groups:
-            break
-        for causal in causals:
-            for s in (seqlens if not args.quick else (8192,)):
-                cases.append(Case("gqa", max(1, TOKENS // s), 32, 8, s, d, causal))
+    gqa_head_dims = args.headdims or (128,)
+    if "gqa" in groups:
+        for d in gqa_head_dims:
+            for causal in causals:
+                for s in (seqlens if not args.quick else (8192,)):
+                    cases.append(Case("gqa", max(1, TOKENS // s), 32, 8, s, d, causal))
     if "varlen" in groups and (args.headdims is None or 128 in args.headdims):
         lengths = varlen_lengths(TOKENS, 256, 4096, args.seed)
         for causal in (causals if not args.quick else (True,)):
             cases.append(Case("varlen", len(lengths), 16, 16, max(lengths), 128, causal, lengths))
-    for d in (args.headdims or (128,)) if "decode" in groups else ():
-        for sq in DECODE_SEQLENS_Q:
-            cases.append(Case("decode", 16, 32, 8, 8192, d, False, seqlen_q=sq))
+    if "decode" in groups:
+        for d in gqa_head_dims:
+            for sq in DECODE_SEQLENS_Q:
+                cases.append(Case("decode", 16, 32, 8, 8192, d, False, seqlen_q=sq))
     return cases
 
 
@@ -258,13 +257,14 @@ def _variant_fwd(overrides: dict):
         dispatch = importlib.import_module(package + ".dispatch")
         compile_forward = importlib.import_module(package + ".fa4_kernels.compile").compile_forward
         b, sq, hq, _ = x.q.shape
+        ratio = hq // x.k.shape[2]
+        if overrides.get("pack_gqa", 1) not in (1, ratio):
+            raise Unsupported(f"pack_gqa={overrides['pack_gqa']} needs {overrides['pack_gqa']} query heads per KV "
+                              f"head, the case has {ratio}")
         base = dispatch.forward_config(
             dispatch.arch_for_device(x.q.device), dispatch.dtype_name(x.q.dtype), x.q.shape[-1], x.v.shape[-1],
             causal=case.causal, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False,
-            qhead_per_kvhead=hq // x.k.shape[2])
-        if overrides.get("pack_gqa", 1) not in (1, hq // x.k.shape[2]):
-            raise Unsupported(f"pack_gqa={overrides['pack_gqa']} needs {overrides['pack_gqa']} query heads per KV "
-                              f"head, the case has {hq // x.k.shape[2]}")
+            qhead_per_kvhead=ratio)
         kernel = compile_forward(base.replace(**overrides))
         out = x.q.new_empty(b, sq, hq, x.v.shape[-1])
         lse = torch.empty(b, hq, sq, dtype=torch.float32, device=x.q.device)
@@ -538,8 +538,8 @@ def run_case(case: Case, impls: list[Impl], mode: Mode, args, timer) -> list[dic
     rows, runners, outputs = [], {}, {}
     for impl in impls:
         row = dict(case=case.name, group=case.group, batch=case.batch, hq=case.hq, hk=case.hk,
-                   seqlen=case.seqlen, seqlen_q=case.sq, head_dim=case.head_dim, causal=case.causal, impl=impl.name,
-                   status="ok", note="", ms=None, tflops=None, round_ms=[], max_diff_vs_ours=None)
+                   seqlen=case.seqlen, seqlen_q=case.sq, head_dim=case.head_dim, causal=case.causal,
+                   impl=impl.name, status="ok", note="", ms=None, tflops=None, round_ms=[], max_diff_vs_ours=None)
         rows.append(row)
         try:
             fn = getattr(impl, mode.preparer)(case, x)

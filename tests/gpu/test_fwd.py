@@ -68,6 +68,15 @@ def check(out, lse, q, k, v, *, atol=None, lse_atol=2e-3, **ref_kwargs):
         assert (out[rows] == 0).all(), "fully masked rows must give out = 0"
 
 
+def override_forward_config(monkeypatch, **overrides):
+    """Dispatch's ForwardConfig with ``overrides`` for the rest of the test (kernels compiled for
+    earlier choices stay cached under their own configs)."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.forward_config
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(**overrides))
+
+
 # ---- batched: the main grid ----
 
 SEQLENS = [(1, 1), (3, 3), (113, 203), (203, 113), (128, 128), (1000, 1000)]
@@ -107,11 +116,7 @@ def test_tma_store_o_switch(seed, monkeypatch, d, dv, sq, sk, causal, tma_store_
     multiple of 16; registers to global memory otherwise): partial tiles clip at the sequence end and
     nothing is left unwritten (outputs start as NaN). At 192/192 and 256/256 the TMA path stages O
     in Q's buffer, all consumer warpgroups past their GEMMs first."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config",
-                        lambda *a, **k: chosen(*a, **k).replace(tma_store_o=tma_store_o))
+    override_forward_config(monkeypatch, tma_store_o=tma_store_o)
     hq, hk = HEADS["gqa"]
     q, k, v = rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, dv)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
@@ -120,11 +125,7 @@ def test_tma_store_o_switch(seed, monkeypatch, d, dv, sq, sk, causal, tma_store_
 
 @pytest.mark.parametrize("tma_store_o", [False, True])
 def test_tma_store_o_switch_with_softcap_sink_window(seed, monkeypatch, tma_store_o):
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config",
-                        lambda *a, **k: chosen(*a, **k).replace(tma_store_o=tma_store_o))
+    override_forward_config(monkeypatch, tma_store_o=tma_store_o)
     hq, hk, d = 8, 2, 64
     q, k, v = rand(2, 300, hq, d), rand(2, 257, hk, d), rand(2, 257, hk, d)
     sink = torch.randn(hq, device=DEVICE, dtype=torch.float32)
@@ -145,10 +146,7 @@ def test_schedule_switches(seed, monkeypatch, switch, d, causal):
     must give the same results: O rescaled before P V, conditional rescaling, FMA-pipe exp2,
     no ping-pong. 1000 x 1000 spans many KV blocks, so that rescales happen and the
     conditional one also skips some."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(**switch))
+    override_forward_config(monkeypatch, **switch)
     hq, hk = HEADS["gqa"]
     q, k, v = rand(2, 1000, hq, d), rand(2, 1000, hk, d), rand(2, 1000, hk, d)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
@@ -163,15 +161,6 @@ def test_partial_group_first_order(seed, b, hq, hk):
     q, k, v = rand(b, 8192, hq, 256), rand(b, 8192, hk, 256), rand(b, 8192, hk, 256)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     check(out, lse, q, k, v, causal=True)
-
-
-def override_forward_config(monkeypatch, **overrides):
-    """Dispatch's ForwardConfig with ``overrides`` for the rest of the test (kernels compiled for
-    earlier choices stay cached under their own configs)."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(**overrides))
 
 
 @pytest.mark.parametrize("hq,hk", [(4, 2), (16, 4), (16, 2)])
