@@ -280,8 +280,12 @@ def test_pre_and_postprocess_configs_reject_other_dtypes():
     with pytest.raises(ValueError, match="dtype must be one of"):
         PreprocessConfig(arch=Arch.SM90, dtype="float32", head_dim_v=128)
     with pytest.raises(ValueError, match="dtype must be one of"):
-        PostprocessConfig(arch=Arch.SM90, dtype="float32")
-    assert PostprocessConfig(arch=Arch.SM90, dtype="float16").dtype == "float16"
+        PostprocessConfig(arch=Arch.SM90, dtype="float32", head_dim=64, tile_m=128)
+    assert PostprocessConfig(arch=Arch.SM90, dtype="float16", head_dim=64, tile_m=128).dtype == "float16"
+    with pytest.raises(ValueError, match="query blocks"):
+        PostprocessConfig(arch=Arch.SM90, dtype="float16", head_dim=64, tile_m=96)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PostprocessConfig(arch=Arch.SM90, dtype="float16", head_dim=72, tile_m=64)
 
 
 def test_compile_key_covers_every_field_and_no_sizes():
@@ -307,12 +311,12 @@ def test_sass_report_normalises_addresses_labels_and_parameter_offsets():
 
 @pytest.mark.parametrize("spec,max_spills", [
     ("d=64", 0), ("d=64,causal=true", 0), ("d=128,tile_m=64", 0), ("d=128,causal=true,tile_m=64", 0),
-    ("d=128", 4), ("d=128,causal=true", 24)])
+    ("d=128", 0), ("d=128,causal=true", 0)])
 def test_backward_kernel_spills_stay_bounded(spec, max_spills):
-    """The unsplit layouts keep every value in registers with 128-query blocks at d = 64 and 64-query
-    blocks at d = 128: a spill in the step loop costs a local-memory round trip per step. The 80-query
-    blocks the tiles pick at d = 128 spill a few registers (measured faster all the same, tiles.py):
-    a bound, so that a change that spills more shows up here before it does on the GPU."""
+    """The unsplit layouts keep every value in registers (a spill in the step loop costs a
+    local-memory round trip per step). The 80-query blocks the tiles pick at d = 128 spilled a few
+    (3 to 24) until dQ was staged in register order; a bound, so that a change that spills shows up
+    here before it does on the GPU."""
     if _nvdisasm() is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
     report = _sass_report()
@@ -337,3 +341,41 @@ def test_schedule_model_orders_groups_like_the_scheduler():
     assert model.grouped_order([1, 3, 2], [2, 1]) == [3, 3, 2, 2, 1, 1, 3, 2, 1]
     assert model.busy_share([5, 1, 1, 1, 1, 1], sms=2) == 1.0  # longest first: no tail
     assert model.busy_share([1, 1, 1, 1, 5], sms=2) == 9 / 2 / 7  # longest last: one SM runs on
+
+
+@pytest.mark.parametrize("spec,values", [("d=64", 32), ("d=128", 40), ("d=128,tile_m=64,local=true", 32)])
+def test_backward_stages_dq_in_register_order_with_128_bit_stores(spec, values):
+    """dQ's staging for the TMA reduce-add is one 16-byte store per 4 accumulator values
+    (sm90/dq_accum.py): 8 per step at d = 64, 10 at d = 128 with 80-query blocks, where the
+    (row, column) order took 16 64-bit and 40 32-bit stores. The unsplit layouts store nothing else
+    to shared memory with STS (dS leaves by stmatrix)."""
+    if _nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    report = _sass_report()
+    sass = report.compile_sass("bwd", "sm_90a", spec)
+    stores = re.findall(r"\bSTS(\.\w+)?\s", sass)
+    assert stores == [".128"] * (values // 4), stores
+
+
+@pytest.mark.parametrize("tile_m,head_dim", [(128, 64), (128, 32), (80, 128), (64, 128), (64, 48), (64, 256)])
+def test_dq_register_order_is_a_permutation_of_the_block_with_the_wgmma_fragment_layout(tile_m, head_dim):
+    from flash_attn4.fa4_kernels.sm90.dq_accum import DqTiling
+
+    tiling = DqTiling(tile_m, head_dim)
+    order = tiling.block_order()
+    assert sorted(order) == list(range(tile_m * head_dim)) and tiling.rows_per_block * 128 == len(order)
+    # each part is one rectangle of the block: (64 rows, all columns), (all rows, half the columns)
+    rows, cols = tiling.part
+    for part in range(2):
+        cells = order[part * rows * cols:(part + 1) * rows * cols]
+        row_set, col_set = {x // head_dim for x in cells}, {x % head_dim for x in cells}
+        assert len(row_set) == rows and len(col_set) == cols
+    # thread 0 of part 0 holds (M, N) = (0, 0), (0, 1), (8, 0), (8, 1) first; thread 1 the next pair
+    # of N; thread 4 row 1 (the accumulator's quad layout). dQ^T's M is the head dim.
+    def cell(m, n):
+        return n * head_dim + m if tiling.transposed else m * head_dim + n
+    assert order[:4] == [cell(0, 0), cell(0, 1), cell(8, 0), cell(8, 1)]
+    assert order[4:8] == [cell(0, 2), cell(0, 3), cell(8, 2), cell(8, 3)]
+    assert order[16:20] == [cell(1, 0), cell(1, 1), cell(9, 0), cell(9, 1)]
+    assert order[128:132] == [cell(16, 0), cell(16, 1), cell(24, 0), cell(24, 1)]  # warp 1
+    assert order[512:516] == [cell(0, 8), cell(0, 9), cell(8, 8), cell(8, 9)]  # thread 0's values 4..7

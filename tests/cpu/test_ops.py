@@ -326,15 +326,24 @@ def torch_backward_kernel(cfg, calls):
         assert lse_log2.shape == dpsum.shape and lse_log2.dtype == dpsum.dtype == torch.float32
         assert lse_log2.shape[-1] % 4 == 0 and lse_log2.is_contiguous(), "rows padded for TMA strides"
         assert dq_acc.dtype == torch.float32 and not dq_acc.any(), "the dQ accumulator must arrive zeroed"
+        # dq_accum in query blocks of tile_m * d floats (rows of 128), a varlen sequence from block
+        # cu_q[b] // tile_m + b on (fa4_kernels/sm90/dq_accum.py), written out independently here
+        block_rows = cfg.tile_m * cfg.head_dim // 128
+        if cfg.varlen:
+            blocks = q.shape[0] // cfg.tile_m + cu_q.shape[0] - 1
+            assert dq_acc.shape == (q.shape[1], blocks * block_rows, 128)
+        else:
+            assert dq_acc.shape == (q.shape[0], q.shape[2], -(-q.shape[1] // cfg.tile_m) * block_rows, 128)
         assert dk.dtype == k.dtype and dv.dtype == v.dtype
         window = (window_left, window_right) if cfg.local else (-1, -1)
+        dq = torch.zeros(q.shape, dtype=torch.float32)  # in q's layout, then into dq_acc's order
         if not cfg.varlen:
             assert max_seqlen_k == k.shape[1]
             for b in range(q.shape[0]):
                 sq = q.shape[1]
-                dq_b, dk[b], dv[b] = one_sequence(q[b], k[b], v[b], dout[b], lse_log2[b, :, :sq], dpsum[b, :, :sq],
-                                                  softmax_scale, softcap, window)
-                dq_acc[b] += dq_b
+                dq[b], dk[b], dv[b] = one_sequence(q[b], k[b], v[b], dout[b], lse_log2[b, :, :sq], dpsum[b, :, :sq],
+                                                   softmax_scale, softcap, window)
+            dq_acc.view(-1).index_add_(0, ops._dq_accum_index(cfg, q, None).flatten(), dq.flatten())
             return
         assert max_seqlen_k >= int((cu_k[1:] - cu_k[:-1]).max())
         for b in range(cu_q.shape[0] - 1):
@@ -349,10 +358,10 @@ def torch_backward_kernel(cfg, calls):
             r0 = (q0 + 3 * b) // 4 * 4  # the packed row layout, written out independently of seqlen.py
             assert r0 % 4 == 0 and r0 + q1 - q0 <= lse_log2.shape[-1]
             rows = slice(r0, r0 + q1 - q0)
-            dq_b, dk[k0:k1], dv[k0:k1] = one_sequence(q[q0:q1], k[k0:k1], v[k0:k1], dout[q0:q1],
-                                                      lse_log2[:, rows], dpsum[:, rows], softmax_scale, softcap,
-                                                      window)
-            dq_acc[q0:q1] += dq_b
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = one_sequence(q[q0:q1], k[k0:k1], v[k0:k1], dout[q0:q1],
+                                                           lse_log2[:, rows], dpsum[:, rows], softmax_scale, softcap,
+                                                           window)
+        dq_acc.view(-1).index_add_(0, ops._dq_accum_index(cfg, q, cu_q).flatten(), dq.flatten())
 
     return run
 
@@ -708,16 +717,52 @@ def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch,
 
 
 def torch_postprocess_kernel(cfg, calls):
-    """A stand-in for compile_backward_postprocess(cfg): its call convention (fa4_kernels/bwd_postprocess.py)."""
+    """A stand-in for compile_backward_postprocess(cfg): its call convention (sm90/bwd_postprocess.py)."""
 
-    def run(dq_accum, dq, softmax_scale):
+    def run(dq_accum, dq, cu_seqlens_q, softmax_scale, max_seqlen_q):
         calls.append(cfg)
-        assert dq_accum.dim() == dq.dim() == 1 and dq_accum.numel() == dq.numel() and dq.numel() % 8 == 0
+        assert (cu_seqlens_q is not None) == cfg.varlen and dq.shape[-1] == cfg.head_dim
+        assert dq_accum.dim() == dq.dim() and dq_accum.shape[-1] == 128 and dq_accum.is_contiguous()
         assert dq_accum.dtype == torch.float32 and dq.dtype == {"bfloat16": torch.bfloat16,
                                                                 "float16": torch.float16}[cfg.dtype]
-        dq.copy_(dq_accum * softmax_scale)
+        assert isinstance(softmax_scale, float) and isinstance(max_seqlen_q, int)
+        dq.copy_(dq_accum.view(-1)[ops._dq_accum_index(cfg, dq, cu_seqlens_q)] * softmax_scale)
 
     return run
+
+
+@pytest.mark.parametrize("tile_m,head_dim", [(128, 64), (80, 128), (64, 48)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dq_accum_index_places_every_element_of_dq_once_inside_its_query_block(tile_m, head_dim, varlen):
+    """ops._dq_accum_index (the postprocessing's torch reference): dQ element (token, head, col)
+    sits in the query block of its token, in dq_accum's blocked order, no two at one place; varlen
+    sequences (one empty, lengths no multiple of the block) start at their own blocks."""
+    cfg = BackwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=head_dim, head_dim_v=head_dim, tile_m=tile_m,
+                         varlen=varlen, **({"split_head_dim": True, "tile_n": 64} if head_dim == 48 else {}))
+    hq = 3
+    if varlen:
+        lens = [tile_m + 5, 0, 2 * tile_m, 7]
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        q = torch.empty(sum(lens), hq, head_dim)
+    else:
+        cu, q = None, torch.empty(2, 2 * tile_m + 3, hq, head_dim)
+    accum = ops._dq_accum(q, cfg, cu)
+    index = ops._dq_accum_index(cfg, q, cu)
+    assert index.shape == q.shape
+    flat = index.flatten()
+    assert flat.unique().numel() == flat.numel() and 0 <= int(flat.min()) and int(flat.max()) < accum.numel()
+    block = tile_m * head_dim
+    if varlen:  # token t of sequence b, head h: block (cu[b] // tile_m + b + t // tile_m) of head h
+        seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        t = torch.arange(q.shape[0]) - cu[:-1].long()[seq]
+        blocks_per_head = accum.shape[1] * 128 // block
+        want = cu[:-1].long()[seq] // tile_m + seq + t // tile_m
+        got = index // block - torch.arange(hq)[None, :, None] * blocks_per_head
+        assert (got == want[:, None, None]).all()
+    else:  # (b, token, head): block ((b * hq + h) * blocks + token // tile_m)
+        blocks = -(-q.shape[1] // tile_m)
+        b, t, h = torch.meshgrid(torch.arange(2), torch.arange(q.shape[1]), torch.arange(hq), indexing="ij")
+        assert (index // block == ((b * hq + h) * blocks + t // tile_m)[..., None]).all()
 
 
 def test_backward_with_the_postprocess_kernel_plumbing(cpu_backward, monkeypatch):
@@ -732,5 +777,5 @@ def test_backward_with_the_postprocess_kernel_plumbing(cpu_backward, monkeypatch
     want, got = _bwd_without_and_with(monkeypatch, "POSTPROCESS_KERNEL", calls, dout, q, k, v, out, lse, *args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert len(calls) == 1 and calls[0].dtype == "bfloat16"
+    assert len(calls) == 1 and calls[0].dtype == "bfloat16" and calls[0].head_dim == 64
 

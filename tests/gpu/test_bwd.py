@@ -570,12 +570,29 @@ def test_preprocess_kernel_matches_torch(dv, varlen):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_postprocess_kernel_matches_torch(dtype):
-    """fa4_kernels/bwd_postprocess.py against the torch path it replaces, bitwise: the same float32
-    product, rounded to nearest even."""
-    dq_accum = torch.randn(3, 333, 5, 72, device=DEVICE) * 50
-    want = ops._dq_from_accum(dq_accum, 0.0883883, dtype, use_kernel=False)
-    got = ops._dq_from_accum(dq_accum, 0.0883883, dtype, use_kernel=True)
-    assert got.dtype == dtype and got.shape == dq_accum.shape
+@pytest.mark.parametrize("tile_m,head_dim,varlen", [(128, 64, False), (80, 128, False), (64, 128, True),
+                                                    (64, 256, False), (128, 32, True)])
+def test_postprocess_kernel_matches_its_torch_reference(dtype, tile_m, head_dim, varlen):
+    """sm90/bwd_postprocess.py against the torch reference in ops, bitwise: dq_accum's register order
+    undone the same way (the kernel through the dQ WGMMA's own partition, the reference by
+    DqTiling.block_order's formula), the same float32 product rounded to nearest even. Lengths no
+    multiple of the block, an empty varlen sequence."""
+    from flash_attn4.fa4_kernels.arch import Arch
+    from flash_attn4.fa4_kernels.config import BackwardConfig
+
+    split = {"split_head_dim": True, "tile_n": 64} if head_dim > 128 else {}
+    cfg = BackwardConfig(arch=Arch.SM90, dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
+                         head_dim=head_dim, head_dim_v=head_dim, tile_m=tile_m, varlen=varlen, **split)
+    if varlen:
+        lens = [tile_m + 3, 0, 2 * tile_m - 1, 40]
+        cu = torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
+        q, max_seqlen_q = torch.empty(sum(lens), 5, head_dim, dtype=dtype, device=DEVICE), max(lens)
+    else:
+        cu, q = None, torch.empty(3, 2 * tile_m + 37, 5, head_dim, dtype=dtype, device=DEVICE)
+        max_seqlen_q = q.shape[1]
+    dq_accum = torch.randn_like(ops._dq_accum(q, cfg, cu)) * 50
+    want = ops._dq_from_accum(dq_accum, cfg, q, cu, max_seqlen_q, 0.0883883, use_kernel=False)
+    got = ops._dq_from_accum(dq_accum, cfg, q, cu, max_seqlen_q, 0.0883883, use_kernel=True)
+    assert got.dtype == dtype and got.shape == q.shape
     assert torch.equal(got, want)
 

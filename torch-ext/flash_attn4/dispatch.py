@@ -13,7 +13,7 @@ import torch
 
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch
-from .fa4_kernels.config import BackwardConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
+from .fa4_kernels.config import BackwardConfig, ForwardConfig, PreprocessConfig
 from .fa4_kernels.tiles import backward_tiles, forward_schedule, forward_tiles
 
 SUPPORTED_DEVICES = "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)"
@@ -91,12 +91,6 @@ def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, c
                           local=local, has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
                           deterministic=deterministic,
                           **backward_tiles(arch, head_dim, head_dim_v, local, has_softcap))
-
-
-@functools.lru_cache(maxsize=8)
-def postprocess_config(arch: Arch, dtype: str) -> PostprocessConfig:
-    """The backward's postprocessing kernel (dQ from its float32 accumulator) for a dtype."""
-    return PostprocessConfig(arch=arch, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -158,7 +158,7 @@ LOG2_E = 1.4426950408889634
 _ROW_ALIGN = 4  # float32 rows of the LSE / rowsum buffers: TMA needs 16-byte strides
 
 
-# The pre- and postprocessing as kernels (fa4_kernels/bwd_preprocess.py, bwd_postprocess.py), or as
+# The pre- and postprocessing as kernels (fa4_kernels/bwd_preprocess.py, sm90/bwd_postprocess.py), or as
 # the torch ops they replace (kept as the tests' reference). The kernels match them on the H200
 # (tests/gpu/test_bwd.py) and make the whole backward 1.03-1.25x faster (docs/perf.md).
 PREPROCESS_KERNEL = True
@@ -198,13 +198,63 @@ def _backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     return lse_log2, dpsum
 
 
-def _dq_from_accum(dq_accum: torch.Tensor, softmax_scale: float, dtype: torch.dtype, use_kernel: bool) -> torch.Tensor:
-    """dQ = dq_accum * softmax_scale in the input dtype."""
+def _dq_accum(q: torch.Tensor, cfg, cu_seqlens_q: Optional[torch.Tensor]) -> torch.Tensor:
+    """The zeroed float32 dQ accumulator the backward kernel reduce-adds into, in its blocked
+    register order (fa4_kernels/sm90/dq_accum.py): (b, hq, blocks * rows_per_block, 128) batched,
+    (hq, block_offset(total, batch) * rows_per_block, 128) packed."""
+    from .fa4_kernels.sm90.dq_accum import ROW, DqTiling, block_offset
+
+    tiling = DqTiling(cfg.tile_m, cfg.head_dim)
+    if cu_seqlens_q is not None:
+        blocks = block_offset(q.shape[0], cu_seqlens_q.shape[0] - 1, cfg.tile_m)
+        shape = (q.shape[1], blocks * tiling.rows_per_block, ROW)
+    else:
+        blocks = -(-q.shape[1] // cfg.tile_m)
+        shape = (q.shape[0], q.shape[2], blocks * tiling.rows_per_block, ROW)
+    return torch.zeros(shape, dtype=torch.float32, device=q.device)
+
+
+def _dq_accum_index(cfg, q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> torch.Tensor:
+    """For every element of dQ (q's shape), its position in the flattened dq_accum: the torch
+    reference of the postprocessing kernel's reordering, from DqTiling.block_order. No device sync."""
+    from .fa4_kernels.sm90.dq_accum import DqTiling, block_offset
+
+    tiling, tile_m, d = DqTiling(cfg.tile_m, cfg.head_dim), cfg.tile_m, cfg.head_dim
+    device, block = q.device, tile_m * d
+    order = torch.tensor(tiling.block_order(), device=device)
+    in_block = torch.empty_like(order)
+    in_block[order] = torch.arange(block, device=device)  # (row * d + col) -> position in the block
+    col = torch.arange(d, device=device)
+    if cu_seqlens_q is None:
+        batch, sq, hq = q.shape[:3]
+        token = torch.arange(sq, device=device)
+        blocks = -(-sq // tile_m)
+        head_block = (torch.arange(batch, device=device)[:, None] * hq + torch.arange(hq, device=device)) * blocks
+        start = (head_block[:, None, :] + (token // tile_m)[None, :, None]) * block  # (b, sq, hq)
+    else:
+        total, hq = q.shape[:2]
+        batch = cu_seqlens_q.shape[0] - 1
+        starts = cu_seqlens_q[:-1].long()
+        seq = torch.repeat_interleave(torch.arange(batch, device=device), cu_seqlens_q[1:] - cu_seqlens_q[:-1],
+                                      output_size=total)
+        token = torch.arange(total, device=device) - starts[seq]  # within its sequence
+        first = block_offset(starts, torch.arange(batch, device=device), tile_m)[seq]
+        blocks = block_offset(total, batch, tile_m)
+        start = (torch.arange(hq, device=device)[None, :] * blocks + (first + token // tile_m)[:, None]) * block
+    return start[..., None] + in_block[(token % tile_m)[..., None] * d + col].unsqueeze(-2)
+
+
+def _dq_from_accum(dq_accum: torch.Tensor, cfg, q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                   max_seqlen_q: int, softmax_scale: float, use_kernel: bool) -> torch.Tensor:
+    """dQ = dq_accum * softmax_scale in the input dtype and q's layout, through the postprocessing
+    kernel or its torch reference."""
     if not use_kernel:
-        return (dq_accum * softmax_scale).to(dtype)
-    dq = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
-    cfg = dispatch.postprocess_config(dispatch.arch_for_device(dq.device, kernel="backward"), dispatch.dtype_name(dtype))
-    compile_cache.get_backward_postprocess_kernel(cfg)(dq_accum.view(-1), dq.view(-1), float(softmax_scale))
+        return (dq_accum.view(-1)[_dq_accum_index(cfg, q, cu_seqlens_q)] * softmax_scale).to(q.dtype)
+    dq = torch.empty_like(q)
+    if cu_seqlens_q is None:
+        max_seqlen_q = q.shape[1]
+    compile_cache.get_backward_postprocess_kernel(cfg.postprocess())(
+        dq_accum, dq, cu_seqlens_q, float(softmax_scale), int(max_seqlen_q))
     return dq
 
 
@@ -264,7 +314,7 @@ def bwd(
         deterministic=deterministic)
     kernel = compile_cache.get_backward_kernel(cfg)
 
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_accum = _dq_accum(q, cfg, cu_seqlens_q)
     semaphore = None
     if deterministic:
         batch, hq = (cu_seqlens_q.shape[0] - 1, q.shape[1]) if varlen else (q.shape[0], q.shape[2])
@@ -282,7 +332,7 @@ def bwd(
         lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, cu_seqlens_q, PREPROCESS_KERNEL)
         kernel(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, semaphore,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_k))
-        dq = _dq_from_accum(dq_accum, softmax_scale, q.dtype, POSTPROCESS_KERNEL)
+        dq = _dq_from_accum(dq_accum, cfg, q, cu_seqlens_q, max_seqlen_q, softmax_scale, POSTPROCESS_KERNEL)
     return dq, dk, dv
 
 

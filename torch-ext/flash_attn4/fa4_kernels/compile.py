@@ -40,9 +40,8 @@ def _cutlass_dtype(name: str):
 
 def _fake_tokens(dtype, lead: int, dim: int):
     """(lead symbolic sizes..., dim) with dim contiguous: q/k/v/out-like tensors, (b, s, h, dim) or
-    packed (total, h, dim). Strides are 64-bit multiples of 8 elements (16 bytes at 16 bits; the
-    float32 dQ accumulator's strides are multiples of the head dim, itself a multiple of 16), the
-    base 16-byte aligned."""
+    packed (total, h, dim); the backward's dQ accumulator, (b, h, rows, 128) or (h, rows, 128), alike.
+    Strides are 64-bit multiples of 8 elements (16 bytes at 16 bits), the base 16-byte aligned."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
@@ -122,6 +121,7 @@ def compile_backward(cfg: BackwardConfig):
     if cfg.arch is not Arch.SM90:
         raise NotImplementedError(f"flash-attn4: no backward kernel for {cfg.arch.value} yet")
     from .sm90.bwd import FlashAttentionBackwardSm90
+    from .sm90.dq_accum import ROW
 
     kernel = FlashAttentionBackwardSm90(cfg)
     dtype, f32, i32 = _cutlass_dtype(cfg.dtype), cutlass.Float32, cutlass.Int32
@@ -135,7 +135,7 @@ def compile_backward(cfg: BackwardConfig):
                  if cfg.deterministic else None)
     args = (_fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
             _fake_tokens(dtype, lead, dv), _fake_rows(rows_lead, padded=True), _fake_rows(rows_lead, padded=True),
-            _fake_tokens(f32, lead, d), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
+            _fake_tokens(f32, lead, ROW), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
             cu_q, cu_k, seqused_k, semaphore)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return _quiet_compile(kernel, *args,
@@ -162,18 +162,21 @@ def compile_backward_preprocess(cfg: PreprocessConfig):
 
 def compile_backward_postprocess(cfg: PostprocessConfig):
     """Compile the backward's postprocessing kernel (no GPU needed; call convention in
-    bwd_postprocess.py): dQ from its float32 accumulator."""
+    sm90/bwd_postprocess.py): dQ from its float32 accumulator."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
 
-    from .bwd_postprocess import BackwardPostprocess
+    if cfg.arch is not Arch.SM90:
+        raise NotImplementedError(f"flash-attn4: no backward kernel for {cfg.arch.value} yet")
+    from .sm90.bwd_postprocess import BackwardPostprocessSm90
+    from .sm90.dq_accum import ROW
 
-    accum = make_fake_tensor(cutlass.Float32, (cute.sym_int(divisibility=8),), (1,), assumed_align=16)
-    out = make_fake_tensor(_cutlass_dtype(cfg.dtype), (cute.sym_int(divisibility=8),), (1,), assumed_align=16)
+    lead = 2 if cfg.varlen else 3
+    accum, dq = _fake_tokens(cutlass.Float32, lead, ROW), _fake_tokens(_cutlass_dtype(cfg.dtype), lead, cfg.head_dim)
+    cu_q = _fake_vector(cutlass.Int32) if cfg.varlen else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _quiet_compile(BackwardPostprocess(cfg), accum, out, cutlass.Float32(1.0), stream,
-                          options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
+    return _quiet_compile(BackwardPostprocessSm90(cfg), accum, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(1),
+                          stream, options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
 
 
 def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | PostprocessConfig]:
@@ -184,10 +187,13 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
         return BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, **flags,
                               **backward_tiles(arch, d, dv, flags.get("local", False), flags.get("has_softcap", False)))
 
-    return [cfg(), cfg(causal=True), cfg(64, 64),
-            cfg(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
-            cfg(192, 192), cfg(256, 256, causal=True), cfg(192, 128, varlen=True, deterministic=True),
-            PreprocessConfig(arch=arch, dtype="bfloat16", head_dim_v=128), PostprocessConfig(arch=arch, dtype="bfloat16")]
+    mains = [cfg(), cfg(causal=True), cfg(64, 64),
+             cfg(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
+             cfg(192, 192), cfg(256, 256, causal=True), cfg(192, 128, varlen=True, deterministic=True)]
+    # Postprocessing: each dQ tiling (80-query blocks transposed, 128 split by rows, 64 by columns),
+    # batched and varlen.
+    posts = {c.postprocess() for c in mains}
+    return [*mains, *sorted(posts, key=lambda c: c.key()), PreprocessConfig(arch=arch, dtype="bfloat16", head_dim_v=128)]
 
 
 def kernel_set(arch: Arch) -> list[ForwardConfig]:

@@ -155,12 +155,15 @@ class BackwardConfig(_KernelConfig):
     Batched: q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv), dout (b, sq, hq, dv) in ``dtype``;
     lse_log2 and dpsum (b, hq, sq_pad) float32 with sq_pad a multiple of 4 (TMA strides are 16-byte
     aligned): the forward's LSE times log2(e) (+inf for rows that saw no key) and rowsum(dout * out);
-    dq_accum like q in float32, zeroed by the caller: the kernel adds dQ / softmax_scale into it;
+    dq_accum float32 (b, hq, rows, 128), zeroed by the caller: the kernel adds dQ / softmax_scale into
+    it, query block after query block in its register order (sm90/dq_accum.py; the postprocessing
+    kernel reads it back);
     dk, dv like k, v in ``dtype``: written whole (dK and dV of a KV head summed over its query heads).
     Varlen: the token axis is packed, q (total_q, hq, d) etc.; lse_log2/dpsum (hq, rows) with sequence
     b's rows from seqlen.packed_row_offset(cu_seqlens_q[b], b) on (16-byte aligned starts; rows =
-    packed_row_offset(total_q, batch)); cu_seqlens_q/k (batch + 1,) int32, seqused_k (batch,) int32
-    or None.
+    packed_row_offset(total_q, batch)); dq_accum (hq, rows, 128), sequence b's query blocks from
+    dq_accum.block_offset(cu_seqlens_q[b], b) on; cu_seqlens_q/k (batch + 1,) int32, seqused_k
+    (batch,) int32 or None.
     dq_semaphore (batch, hq, ceil(max_seqlen_q / tile_m), 2) int32 zeroed, when ``deterministic``
     (else None): orders the dQ reduce-adds so that repeated runs are bitwise identical.
     max_seqlen_k sizes the grid (the longest key sequence).
@@ -206,6 +209,11 @@ class BackwardConfig(_KernelConfig):
                              f"{self.split_head_dim}, head dims {self.head_dim}/{self.head_dim_v}), "
                              f"got {self.tile_m} x {self.tile_n}")
 
+    def postprocess(self) -> "PostprocessConfig":
+        """The postprocessing kernel that reads this kernel's dQ accumulator."""
+        return PostprocessConfig(arch=self.arch, dtype=self.dtype, head_dim=self.head_dim, tile_m=self.tile_m,
+                                 varlen=self.varlen)
+
 
 @dataclass(frozen=True)
 class PreprocessConfig(_Config):
@@ -224,11 +232,19 @@ class PreprocessConfig(_Config):
 
 @dataclass(frozen=True)
 class PostprocessConfig(_Config):
-    """The backward's postprocessing kernel (fa4_kernels/bwd_postprocess.py, call convention there):
-    dQ's scale and conversion depend only on the dtype."""
+    """The backward's postprocessing kernel (sm90/bwd_postprocess.py, call convention there): dQ
+    from the main kernel's float32 accumulator, whose order follows that kernel's dQ tiles, so
+    BackwardConfig.postprocess() derives this from it."""
 
     arch: Arch
     dtype: str
+    head_dim: int
+    tile_m: int
+    varlen: bool = False
 
     def __post_init__(self):
         self._check_dtype()
+        if self.head_dim % 16 or not 32 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be a multiple of 16 in [32, 256], got {self.head_dim}")
+        if self.tile_m not in (64, 80, 128):
+            raise ValueError(f"tile_m must be one of the backward's query blocks (64, 80, 128), got {self.tile_m}")

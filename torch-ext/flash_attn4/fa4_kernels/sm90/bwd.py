@@ -25,7 +25,7 @@ which every KV tile contributes to, is reduced across CTAs.
                                                   80); issued before dK's GEMM so that its
                                                   staging runs under dK
         dK  += dS^T Q_i                           dS from registers
-        dQ_i -> shared memory -> the writer warp
+        dQ_i -> shared memory -> the writer warp  in register order (dq_accum.py): 128-bit stores
 
 dS alternates between two shared-memory buffers by query block, so one barrier per step suffices:
 the other warpgroup's dQ GEMM of block i-1 reads the other buffer. Measured on the H200 and kept:
@@ -41,8 +41,8 @@ head dim of dV, dK and dQ (A operands from shared memory). One Q/dO stage above 
 memory).
 
 ops.py runs the preprocessing kernel before (LSE in log2 units, rowsum(dO * O); bwd_preprocess.py)
-and the postprocessing kernel after (dQ = dq_accum * softmax_scale; bwd_postprocess.py). Call
-convention: BackwardConfig's docstring.
+and the postprocessing kernel after (dQ = dq_accum * softmax_scale, back in (row, column) order;
+sm90/bwd_postprocess.py). Call convention: BackwardConfig's docstring.
 
 Varlen: the LSE / rowsum rows of each sequence start 16-byte aligned (seqlen.packed_row_offset), as
 the TMA that loads them requires.
@@ -69,6 +69,7 @@ from ..mask import AttentionMask
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
+from .dq_accum import ROW, DqTiling, block_offset, dq_tiled_mma, register_order
 from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy
 from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
                     warpgroup_index, warpgroup_slice_thread, wgmma)
@@ -105,10 +106,8 @@ class FlashAttentionBackwardSm90:
         # separately: with 128-query blocks each warpgroup's 64 rows (a GEMM as wide as the head dim,
         # reading only its own half of dS), else its half of the head dim. A WGMMA's M is 64 rows, so
         # query blocks that are no multiple of 64 (80) compute dQ^T = K^T dS^T, the head dim as M.
-        self.dq_transposed = self.tile_m % 64 != 0
-        self.dq_parts_m = 1 if self.dq_transposed else self.tile_m // 64
-        self.dq_parts_n = NUM_CONSUMER_WARPGROUPS // self.dq_parts_m
-        self.dq_part = (self.tile_m // self.dq_parts_m, d // self.dq_parts_n)  # (rows, cols) of a part
+        self.dq = DqTiling(self.tile_m, d)
+        assert self.dq.parts_m * self.dq.parts_n == NUM_CONSUMER_WARPGROUPS
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -121,18 +120,21 @@ class FlashAttentionBackwardSm90:
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_k: Int32, stream: cuda.CUstream):
         cfg = self.cfg
-        # Sequence first: (seq, d, head[, batch]) and (seq, head[, batch]).
-        per_token = (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
+        # Sequence first: (seq, d, head[, batch]) and (seq, head[, batch]); dq_accum (rows, 128,
+        # head[, batch]), its rows the query blocks' (dq_accum.py).
+        per_token = (mQ, mK, mV, mdO, mdK, mdV)
         if cutlass.const_expr(cfg.varlen):
-            mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
+            mQ, mK, mV, mdO, mdK, mdV = [
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in per_token]
             mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0])) for t in (mLSE, mdPsum)]
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
             num_batch = mCuSeqlensQ.shape[0] - 1
         else:
-            mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
+            mQ, mK, mV, mdO, mdK, mdV = [
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in per_token]
             mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                             for t in (mLSE, mdPsum)]
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
             num_batch = mQ.shape[3]
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
@@ -167,14 +169,7 @@ class FlashAttentionBackwardSm90:
                 atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, dim // wgs)) for dim in (d, dv)]
         # dQ = dS K, one part per warpgroup (__init__); dS is read from its (keys, queries) tile, M-major
         # (N-major as the B operand of dQ^T).
-        if cutlass.const_expr(self.dq_transposed):
-            tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN_major, MN_major, Float32,
-                atom_layout_mnk=(self.dq_parts_n, 1, 1), tiler_mn=(64, self.tile_m))
-        else:
-            tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN_major, MN_major, Float32,
-                atom_layout_mnk=(self.dq_parts_m, self.dq_parts_n, 1), tiler_mn=(64, self.dq_part[1]))
+        tiled_mma_dq = dq_tiled_mma(self.dtype, self.dq)
 
         # Q and dO are B operands split between the warpgroups by head dim when split (dK, dV); K is
         # always (the dQ GEMM): the swizzle atom must tile each half.
@@ -188,8 +183,10 @@ class FlashAttentionBackwardSm90:
         # LSE and rowsum per stage. A TMA destination must be 128-byte aligned, so each stage starts
         # on a multiple of 32 floats (80-query blocks took a misaligned-address fault on the H200).
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages), stride=(1, -(-self.tile_m // 32) * 32))
-        # dQ staging, fp32: one buffer per part (the last mode), each one TMA box.
-        sdQ_layout = smem_layout(Float32, *self.dq_part, wgs)
+        # dQ staging, fp32 in register order: one buffer per part (the last mode), each one TMA box
+        # of `values` rows of 128 floats, unswizzled (a warp's 128-bit stores are 512 contiguous bytes).
+        dq_rows = self.dq.values
+        sdQ_layout = cute.make_layout((dq_rows, ROW, wgs), stride=(ROW, 1, dq_rows * ROW))
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
@@ -203,7 +200,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(
             tma_load, mdPsum, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), self.dq_part)
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), (dq_rows, ROW))
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
         self.tma_bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
                               + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
@@ -262,7 +259,7 @@ class FlashAttentionBackwardSm90:
                scale_log2: Float32, window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout, sdQ_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout, sdQ_layout: cute.Layout,
                tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, scheduler: TileScheduler):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -283,7 +280,7 @@ class FlashAttentionBackwardSm90:
             k=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             v=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             p=sP, ds=sdS,
-            dq=storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),
+            dq=storage.sdQ.get_tensor(sdQ_layout),
             lse=storage.sLSE.get_tensor(sRow_layout), dpsum=storage.sdPsum.get_tensor(sRow_layout))
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -486,30 +483,25 @@ class FlashAttentionBackwardSm90:
 
     def dq_operands(self, tiled_mma_dq: cute.TiledMma, tidx, smem: "SharedTiles"):
         """dQ = dS K, this warpgroup's part: the dS (queries x keys) and K^T (d x keys) fragments,
-        both transposed views of their tiles, the accumulator shape and this thread's elements of the
-        dQ staging buffers. With dq_transposed, dQ^T = K^T dS^T: K^T is the A operand and dS the B."""
+        both transposed views of their tiles, the accumulator shape and this thread's elements of
+        its part's staging buffer, in register order. Transposed, dQ^T = K^T dS^T: K^T is the A
+        operand and dS the B."""
         wg = tiled_mma_dq.get_slice(warpgroup_slice_thread(tidx))
         thr = tiled_mma_dq.get_slice(tidx)
         ds, kt = transpose_view(smem.ds), transpose_view(smem.k)
-        # The staging buffers (rows, cols, part) seen as one (tile_m, d) block: the part index
-        # extends the rows or the columns; (d, tile_m) for dQ^T.
-        if cutlass.const_expr(self.dq_transposed):
-            cols_by_part = cute.make_tensor(smem.dq.iterator, cute.select(smem.dq.layout, mode=[1, 2, 0]))
-            return (wg.make_fragment_B(wg.partition_B(ds)), wg.make_fragment_A(wg.partition_A(kt)),
-                    thr.partition_shape_C((self.hdim, self.tile_m)),
-                    thr.partition_C(cute.group_modes(cols_by_part, 0, 2)))
-        if cutlass.const_expr(self.dq_parts_m > 1):
-            rows_by_part = cute.make_tensor(smem.dq.iterator, cute.select(smem.dq.layout, mode=[0, 2, 1]))
-            sdQ_block = cute.group_modes(rows_by_part, 0, 2)
-        else:
-            sdQ_block = cute.group_modes(smem.dq, 1, 3)
-        return (wg.make_fragment_A(wg.partition_A(ds)), wg.make_fragment_B(wg.partition_B(kt)),
-                thr.partition_shape_C((self.tile_m, self.hdim)), thr.partition_C(sdQ_block))
+        staged = smem.dq[None, None, warpgroup_index(tidx)].iterator
+        if cutlass.const_expr(self.dq.transposed):
+            acc_shape = thr.partition_shape_C((self.hdim, self.tile_m))
+            return (wg.make_fragment_B(wg.partition_B(ds)), wg.make_fragment_A(wg.partition_A(kt)), acc_shape,
+                    register_order(acc_shape, tidx % WARPGROUP_THREADS, staged))
+        acc_shape = thr.partition_shape_C((self.tile_m, self.hdim))
+        return (wg.make_fragment_A(wg.partition_A(ds)), wg.make_fragment_B(wg.partition_B(kt)), acc_shape,
+                register_order(acc_shape, tidx % WARPGROUP_THREADS, staged))
 
     @cute.jit
     def dq_gemm(self, tiled_mma_dq: cute.TiledMma, acc_dQ: cute.Tensor, ds: cute.Tensor, kt: cute.Tensor):
-        """acc_dQ = dS K, or dQ^T = K^T dS^T (dq_transposed), issued as one WGMMA group."""
-        if cutlass.const_expr(self.dq_transposed):
+        """acc_dQ = dS K, or dQ^T = K^T dS^T (transposed), issued as one WGMMA group."""
+        if cutlass.const_expr(self.dq.transposed):
             wgmma(tiled_mma_dq, acc_dQ, kt, ds, zero_init=True)
         else:
             wgmma(tiled_mma_dq, acc_dQ, ds, kt, zero_init=True)
@@ -684,9 +676,12 @@ class FlashAttentionBackwardSm90:
         """One TMA reduce-add of the staged dQ part ``part`` into dq_accum, issued by the calling warp
         (TMA copies are warp-collective: one lane is elected inside) and committed as a bulk group."""
         batch = work.batch
-        tile = (m_block * self.dq_parts_m + part // self.dq_parts_n, part % self.dq_parts_n)
-        gdQ = cute.local_tile(head_rows(mdQacc, work.seqlen.offset_q, head, batch, self.cfg.varlen), self.dq_part,
-                              tile)
+        # The part's rows: query block after query block (a varlen sequence's from its first block on).
+        first_row = Int32(0)
+        if cutlass.const_expr(self.cfg.varlen):
+            first_row = block_offset(work.seqlen.offset_q, batch, self.tile_m) * self.dq.rows_per_block
+        gdQ = cute.local_tile(head_rows(mdQacc, first_row, head, batch, self.cfg.varlen), (self.dq.values, ROW),
+                              (m_block * NUM_CONSUMER_WARPGROUPS + part, 0))
         t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, sdQ[None, None, part], gdQ)
         if cutlass.const_expr(self.cfg.deterministic):
             # Reduce-adds into one (query block, part) happen in KV-tile order: wait for the
