@@ -90,7 +90,7 @@ def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, c
     return BackwardConfig(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                           local=local, has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
                           deterministic=deterministic,
-                          **backward_tiles(arch, head_dim, head_dim_v, local, has_softcap))
+                          **backward_tiles(arch, head_dim, head_dim_v, causal, local, has_softcap))
 
 
 @functools.lru_cache(maxsize=64)

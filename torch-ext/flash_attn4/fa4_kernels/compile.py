@@ -184,8 +184,9 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
     if arch is not Arch.SM90:
         return []
     def cfg(d=128, dv=128, **flags):
+        mask = {f: flags.get(f, False) for f in ("causal", "local", "has_softcap")}
         return BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, **flags,
-                              **backward_tiles(arch, d, dv, flags.get("local", False), flags.get("has_softcap", False)))
+                              **backward_tiles(arch, d, dv, **mask))
 
     mains = [cfg(), cfg(causal=True), cfg(64, 64),
              cfg(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
@@ -193,7 +194,8 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
     # Postprocessing: each dQ tiling (80-query blocks transposed, 128 split by rows, 64 by columns),
     # batched and varlen.
     posts = {c.postprocess() for c in mains}
-    return [*mains, *sorted(posts, key=lambda c: c.key()), PreprocessConfig(arch=arch, dtype="bfloat16", head_dim_v=128)]
+    return [*mains, *sorted(posts, key=lambda c: c.key()),
+            PreprocessConfig(arch=arch, dtype="bfloat16", head_dim_v=128)]
 
 
 def kernel_set(arch: Arch) -> list[ForwardConfig]:

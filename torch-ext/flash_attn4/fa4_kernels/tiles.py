@@ -61,9 +61,9 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, q
     )
 
 
-def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, local: bool, has_softcap: bool) -> dict:
-    """BackwardConfig overrides (tile_m, tile_n, num_stages, split_head_dim, and at 80-query blocks
-    exp_eighths_under_dp) for a problem class."""
+def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:
+    """BackwardConfig overrides (tile_m, tile_n, num_stages, split_head_dim, exp_eighths_under_dp)
+    for a problem class."""
     if arch is not Arch.SM90:
         raise NotImplementedError(f"no backward tiles for {arch.value} yet")
     d = max(head_dim, head_dim_v)
@@ -72,9 +72,11 @@ def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, local: bool, has_
         # reduce) over more rows; S^T and dP^T grow with them: 128 rows fit beside dK and dV up to
         # d = 64 (H200: 1.10-1.16x over 64 rows), 80 at d = 128.
         tile_m = 128 if d <= 64 else 80 if d == 128 and not (local or has_softcap) else 64
-        # At 80-query blocks, 3/8 of P^T under dP^T's GEMM and the rest interleaved with dS^T:
-        # H200 1.01-1.04x over all of P^T first; at d = 64 no gain (0.97-1.01x), so all first.
-        exp_eighths_under_dp = 3 if tile_m == 80 else 8
+        # How much of P^T under dP^T's GEMM, the rest interleaved with dS^T (H200, docs/perf.md):
+        # 3/8 at 80-query blocks (1.01-1.04x over all first); 2/8 at 128-query blocks without a mask
+        # (1.03-1.04x main-kernel time), where masked steps made it 3% slower (causal 4k; the masked
+        # step's second copy of the code), so all first there.
+        exp_eighths_under_dp = 3 if tile_m == 80 else 2 if tile_m == 128 and not (causal or local) else 8
         return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
                     exp_eighths_under_dp=exp_eighths_under_dp)
     return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
