@@ -20,6 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32
+from cutlass.cute.nvgpu import OperandMajorMode
+
 from .wgmma import WARPGROUP_THREADS
 
 ROW = 128  # floats per row of dq_accum: the TMA box's inner extent
@@ -98,10 +103,6 @@ def block_offset(token_offset, batch, tile_m: int):
 def dq_tiled_mma(dtype, tiling: DqTiling):
     """The dQ WGMMA of both consumer warpgroups (dQ = dS K, or dQ^T = K^T dS^T), operands read
     MN-major from shared memory; its accumulator layout is what register order refers to."""
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import Float32
-    from cutlass.cute.nvgpu import OperandMajorMode
-
     mn_major = OperandMajorMode.MN
     if tiling.transposed:
         return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn_major, mn_major, Float32,
@@ -116,8 +117,6 @@ def register_order(acc_shape, thread_in_part, base):
     accumulator values in register order, shaped like the accumulator (``acc_shape``): value v at
     (v // 4) * 512 + thread_in_part * 4 + v % 4, so that four consecutive values are one 16-byte
     access."""
-    import cutlass.cute as cute
-
     values = cute.size(acc_shape)
     part = cute.make_tensor(base, cute.make_layout((4, WARPGROUP_THREADS, values // 4),
                                                    stride=(1, 4, 4 * WARPGROUP_THREADS)))
