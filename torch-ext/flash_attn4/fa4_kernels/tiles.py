@@ -74,8 +74,8 @@ def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loc
         tile_m = 128 if d <= 64 else 80 if d == 128 and not (local or has_softcap) else 64
         # How much of P^T under dP^T's GEMM, the rest interleaved with dS^T (H200, docs/perf.md):
         # 3/8 at 80-query blocks (1.01-1.04x over all first); 2/8 at 128-query blocks without a mask
-        # (1.03-1.04x main-kernel time), where masked steps made it 3% slower (causal 4k; the masked
-        # step's second copy of the code), so all first there.
+        # (whole backward 1.04-1.06x at 4k-16k); causal it was 2-9% slower (the masked step carries
+        # a second copy of the code), so all first there.
         exp_eighths_under_dp = 3 if tile_m == 80 else 2 if tile_m == 128 and not (causal or local) else 8
         return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
                     exp_eighths_under_dp=exp_eighths_under_dp)
