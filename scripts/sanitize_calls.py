@@ -9,7 +9,7 @@ blocks at d=64, d=128 with sk > sq and with deterministic dQ, the split-head-dim
 192/128 with softcap), and varlen with an empty sequence. The API errors memcheck reports by
 default are the driver probing entry points (cuGetProcAddress), not errors of ours: hence
 --report-api-errors no. Prints one line per call; a sanitizer finding makes compute-sanitizer exit
-non-zero. Last run on the H200 (2026-12-02): memcheck 0 errors, racecheck 0 hazards.
+non-zero. Last run on the H200 (2026-12-04, at 8776f91): memcheck 0 errors, racecheck 0 hazards.
 """
 
 from __future__ import annotations
