@@ -5,10 +5,11 @@ Semantics (FlashAttention's, aligned bottom-right): query row i sees key j iff
     i + (sk - sq) - window_left <= j <= i + (sk - sq) + window_right   and   0 <= j < sk,
 with causal meaning window_right = 0, and a negative window meaning unbounded on that side.
 
-The element-wise mask works on a (rows, cols) view of a score fragment and the matching coordinate
-fragment (an identity tensor partitioned like the scores); how a fragment is spread over threads is
-the kernel's business. ``key_bounds`` gives one query row's visible keys, for kernels that lay
-scores out otherwise (the backward's keys x queries).
+The element-wise mask works on a fragment's scores as values (a list of rows, as the softmax takes
+them) and the matching coordinate fragment (an identity tensor partitioned like the scores, viewed
+as rows and columns); how a fragment is spread over threads is the kernel's business.
+``key_bounds`` gives one query row's visible keys, for kernels that lay scores out otherwise (the
+backward's keys x queries).
 """
 
 from __future__ import annotations
@@ -154,17 +155,29 @@ class AttentionMask:
         return lo, hi
 
     @cute.jit
-    def apply(self, s_rows: cute.Tensor, coord_rows: cute.Tensor, seqlen: SeqlenInfo,
-              m_block: Int32, n_block: Int32):
-        """Set every score that row i may not see to -inf, in place: one compare (two with a left
-        window) and one select per score. A branch per score instead makes the compiler re-select
-        every earlier score of the fragment at each join, quadratic in the fragment size (sm_90a SASS
-        of the d=128 causal forward: 1072 FSEL with a branch per score, 134 with selects)."""
-        for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
+    def apply(self, scores: list, coord_rows: cute.Tensor, seqlen: SeqlenInfo,
+              m_block: Int32, n_block: Int32) -> list:
+        """The scores (rows of values) with every score that row i may not see set to -inf: one
+        compare (two with a left window) and one select per score. A branch per score instead makes
+        the compiler re-select every earlier score of the fragment at each join, quadratic in the
+        fragment size (sm_90a SASS of the d=128 causal forward: 1072 FSEL with a branch per score,
+        134 with selects)."""
+        # Each column's key index, the same in every row: column 0's read from the coordinates, the
+        # others a static offset from it (one add, where a coordinate read traces a dozen IR ops),
+        # made in row 0 where they are first used, so that the generated code keeps its order.
+        cols = []
+        masked = []
+        for r in cutlass.range_constexpr(len(scores)):
             lo, hi = self.key_bounds(seqlen, self.query(coord_rows[r, 0][0] + m_block * self.tile_m), n_block)
-            for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
-                col = coord_rows[0, c][1]
-                keep = col < hi
+            row = []
+            for c in cutlass.range_constexpr(len(scores[r])):
+                if cutlass.const_expr(r == 0 and c == 0):
+                    cols.append(coord_rows[0, 0][1])
+                elif cutlass.const_expr(r == 0):
+                    cols.append(cols[0] + cute.crd2idx((0, c), coord_rows.layout)[1])
+                keep = cols[c] < hi
                 if cutlass.const_expr(self.local):  # without a left window lo <= 0 <= col
-                    keep = keep & (col >= lo)
-                s_rows[r, c] = Float32(cutlass.select_(keep, s_rows[r, c], -Float32.inf))
+                    keep = keep & (cols[c] >= lo)
+                row.append(Float32(cutlass.select_(keep, scores[r][c], -Float32.inf)))
+            masked.append(row)
+        return masked

@@ -1,4 +1,4 @@
-"""Online softmax over a (rows, cols) view of a score fragment.
+"""Online softmax over the rows of a score fragment.
 
 Shared by every architecture: a row may be spread over ``threads_per_row`` neighbouring lanes
 (4 on Hopper's WGMMA accumulators, 1 on Blackwell's row-per-thread TMEM loads); the reductions
@@ -11,8 +11,12 @@ rescaled independently). Fully masked rows (max = -inf) give P = 0, output 0 and
 
 One step of the online softmax is three calls, so that a kernel can keep masked blocks (-inf
 scores) on MUFU while full blocks use the FMA-pipe exp2: ``update_max`` (new maxima, the output
-rescale factors and the exponent shifts), ``exp2_rows`` (scores -> probabilities in place),
-``update_sum`` (rescaled running sums).
+rescale factors and the exponent shifts), ``exp2_rows`` (scores -> probabilities), ``update_sum``
+(rescaled running sums). They take a block's scores as values, a list of rows each holding the
+thread's Float32 scores of that row: the kernel reads its fragment once, passes the values from
+step to step and stores the probabilities. (Reading and writing the fragment in every step gives
+the same machine code, the fragment lives in registers either way, but every access is traced as
+IR ops that the compiler then has to remove again: compile time, most at d = 256.)
 """
 
 from __future__ import annotations
@@ -55,18 +59,23 @@ def _add(a, b):
 
 
 @cute.jit
-def exp2_rows(s_rows: cute.Tensor, scale_log2: Float32, shift: cute.Tensor,
-              exp2_emulated_eighths: cutlass.Constexpr[int] = 0):
-    """P = exp2(S * scale_log2 - shift[row]) in place (one FFMA + one exp2 per element).
-    exp2_emulated_eighths: that many of every 8 columns use ``exp2_fma`` instead of MUFU.EX2,
-    which is only valid for blocks without -inf scores."""
-    for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s_rows, mode=[1])):
-            x = cute.math.fma(s_rows[r, c], scale_log2, -shift[r])
+def exp2_rows(scores: list, scale_log2: Float32, shift: cute.Tensor,
+              exp2_emulated_eighths: cutlass.Constexpr[int] = 0) -> list:
+    """P = exp2(S * scale_log2 - shift[row]) (one FFMA + one exp2 per element), returned as rows
+    of values like ``scores``. exp2_emulated_eighths: that many of every 8 columns use
+    ``exp2_fma`` instead of MUFU.EX2, which is only valid for blocks without -inf scores."""
+    probs = []
+    for r in cutlass.range_constexpr(len(scores)):
+        neg_shift = -shift[r]
+        row = []
+        for c in cutlass.range_constexpr(len(scores[r])):
+            x = cute.math.fma(scores[r][c], scale_log2, neg_shift)
             if cutlass.const_expr(c % 8 >= 8 - exp2_emulated_eighths):
-                s_rows[r, c] = exp2_fma(x)
+                row.append(exp2_fma(x))
             else:
-                s_rows[r, c] = cute.math.exp2(x, fastmath=True)
+                row.append(cute.math.exp2(x, fastmath=True))
+        probs.append(row)
+    return probs
 
 
 @dataclass
@@ -86,7 +95,7 @@ class OnlineSoftmax:
         return OnlineSoftmax(scale_log2, num_rows, threads_per_row, row_max, row_sum)
 
     @cute.jit
-    def update_max(self, s_rows: cute.Tensor, row_scale: cute.Tensor,
+    def update_max(self, scores: list, row_scale: cute.Tensor,
                    rescale_threshold: cutlass.Constexpr[float] = 0.0) -> cute.Tensor:
         """Fold a block's scores into the running row maxima. Returns each row's exponent shift
         (max * scale_log2) and writes the output rescale factor into ``row_scale``.
@@ -97,9 +106,8 @@ class OnlineSoftmax:
         """
         shift = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
-            row = s_rows[r, None]
             m_old = self.row_max[r]
-            m_local = _tree_reduce([row[c] for c in range(cute.size(row))], cute.arch.fmax)
+            m_local = _tree_reduce(scores[r], cute.arch.fmax)
             m_new = row_allreduce(cute.arch.fmax(m_local, m_old), _fmax, self.threads_per_row)
             if cutlass.const_expr(rescale_threshold > 0.0):
                 if (m_new - m_old) * self.scale_log2 <= rescale_threshold:
@@ -115,10 +123,9 @@ class OnlineSoftmax:
         return shift
 
     @cute.jit
-    def update_sum(self, p_rows: cute.Tensor, row_scale: cute.Tensor):
+    def update_sum(self, probs: list, row_scale: cute.Tensor):
         for r in cutlass.range_constexpr(self.num_rows):
-            row = p_rows[r, None]
-            block_sum = _tree_reduce([row[c] for c in range(cute.size(row))], _add)
+            block_sum = _tree_reduce(probs[r], _add)
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + block_sum
 
     @cute.jit

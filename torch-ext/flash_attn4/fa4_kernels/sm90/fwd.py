@@ -503,11 +503,17 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(cfg.has_softcap):
             for j in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[j] = cute.math.tanh(acc_S[j] * score_prescale, fastmath=True)
+        # The mask and softmax steps pass the scores along as values (see softmax.py).
+        rows, cols = cute.size(s_rows, mode=[0]), cute.size(s_rows, mode=[1])
+        scores = [[s_rows[r, c] for c in range(cols)] for r in range(rows)]
         if cutlass.const_expr(masked):
-            mask.apply(s_rows, tScS, seqlen, m_block, n_block)
-        shift = softmax.update_max(s_rows, row_scale, cfg.rescale_threshold)
-        exp2_rows(s_rows, softmax.scale_log2, shift, 0 if masked else cfg.exp2_emulated_eighths)
-        softmax.update_sum(s_rows, row_scale)
+            scores = mask.apply(scores, tScS, seqlen, m_block, n_block)
+        shift = softmax.update_max(scores, row_scale, cfg.rescale_threshold)
+        probs = exp2_rows(scores, softmax.scale_log2, shift, 0 if masked else cfg.exp2_emulated_eighths)
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cols):
+                s_rows[r, c] = probs[r][c]
+        softmax.update_sum(probs, row_scale)
 
     @cute.jit
     def rescale_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
@@ -527,8 +533,9 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def _scale_rows(self, o_rows: cute.Tensor, row_scale: cute.Tensor):
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
+            scale = row_scale[r]
             for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                o_rows[r, c] = o_rows[r, c] * row_scale[r]
+                o_rows[r, c] = o_rows[r, c] * scale
 
     @cute.jit
     def sink_logits(self, mSink: cute.Tensor, tScS: cute.Tensor, m_block: Int32, head: Int32):
@@ -582,11 +589,12 @@ class FlashAttentionForwardSm90:
             row = tOcO[r, 0][0]
             if row < rows_left:
                 if cutlass.const_expr(not self.cfg.tma_store_o):
+                    scale = out_scale[r]
                     for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
                         if cutlass.const_expr(self.hdim_v_tile == self.hdim_v):
-                            tOgO[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
+                            tOgO[r, c] = (o_rows[r, c] * scale).to(self.dtype)
                         elif tOcO[r, c][1] < self.hdim_v:  # not a zero-padding column
-                            tOgO[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
+                            tOgO[r, c] = (o_rows[r, c] * scale).to(self.dtype)
                 if tidx % THREADS_PER_ROW == 0:
                     gLSE[m_block * self.tile_m + row] = lse[r]
 
@@ -606,8 +614,9 @@ class FlashAttentionForwardSm90:
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         o_rows, ro_rows = acc_rows_view(acc_O), acc_rows_view(rO)
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
+            scale = out_scale[r]
             for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
-                ro_rows[r, c] = (o_rows[r, c] * out_scale[r]).to(self.dtype)
+                ro_rows[r, c] = (o_rows[r, c] * scale).to(self.dtype)
         slab = sO[None, None, wg]
         store = stmatrix_copy(tiled_mma_o, self.dtype)
         thr_store = store.get_slice(tidx % WARPGROUP_THREADS)
