@@ -290,6 +290,64 @@ def test_torch_compile_dynamic_lengths_trace_once(cpu_kernel):
     assert compile_cache.stats()["compiled"] == 1
 
 
+def test_op_body_is_not_traced_when_called_eagerly_under_compile(cpu_kernel):
+    """An op called from a frame dynamo runs eagerly inside a compiled region: its Python implementation
+    must run with frame evaluation off (as torch.library.custom_op's do), not be compiled as a frame."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
+
+    @torch._dynamo.disable(recursive=False)
+    def eager_part(q, k, v):  # this frame is skipped, what it calls is not
+        return ops.fwd(q, k, v, None, None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)[0]
+
+    def f(q, k, v):
+        return eager_part(q * 2, k, v) + 1
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=counter)(q, k, v)
+    torch.testing.assert_close(got, f(q, k, v))
+    assert counter.frame_count == 2, counter.frame_count  # f before and after eager_part; no op body
+    assert len(cpu_kernel) == 2
+
+
+_EAGER_PROCESS = """
+import sys
+import torch
+from flash_attn4 import compile_cache, dispatch, flash_attn_func, validate
+from flash_attn4.fa4_kernels.arch import Arch
+from tests.cpu import test_ops as t
+
+validate.DEVICE_TYPES = ("cuda", "cpu")
+dispatch.arch_for_device = lambda device, kernel="forward": Arch.SM90
+compile_cache._compile_forward = lambda cfg: t.torch_kernel(cfg, [])
+compile_cache._compile_backward = lambda cfg: t.torch_backward_kernel(cfg, [])
+compile_cache._compile_backward_preprocess = lambda cfg: t.torch_preprocess_kernel(cfg, [])
+compile_cache._compile_backward_postprocess = lambda cfg: t.torch_postprocess_kernel(cfg, [])
+q, k, v = (torch.randn(2, 9, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+flash_attn_func(q, k, v, causal=True).float().square().sum().backward()
+assert q.grad is not None and bool(q.grad.isfinite().all()), "the backward ran"
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_eager_calls_do_not_import_dynamo():
+    """A process that never uses torch.compile does not pay for importing torch._dynamo (about a
+    second) on its first forward and backward."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, FLASH_ATTN4_DISABLE_DISK_CACHE="1", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, "-c", _EAGER_PROCESS], capture_output=True, text=True, env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "False", "torch._dynamo was imported by an eager forward and backward"
+
+
 # ---- autograd ----
 
 

@@ -28,12 +28,50 @@ side >= 0. ``learnable_sink`` must already be float32.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+import functools
+import sys
+from typing import Callable, Optional
 
 import torch
 
 from . import compile_cache, dispatch, settings, validate
 from ._ops import add_op_namespace_prefix
+
+# The ops are defined with torch.library's low-level API rather than torch.library.custom_op: that
+# wraps every implementation in torch._disable_dynamo, which imports torch._dynamo (about a second of
+# CPU) on the first call of a process that never uses torch.compile. _outside_dynamo keeps the
+# guard and pays for it only where dynamo is loaded.
+_NAMESPACE = add_op_namespace_prefix("").split("::")[0]
+_LIBRARY = torch.library.Library(_NAMESPACE, "FRAGMENT")
+
+
+def _outside_dynamo(fn: Callable) -> Callable:
+    """``fn`` run with dynamo's frame evaluation off, as custom_op's implementations run: an op
+    called from eager code inside a torch.compile'd region (after a graph break) must not have
+    its Python implementation traced. Without torch._dynamo in sys.modules nothing was ever
+    compiled in this process, so no frame can be intercepted and ``fn`` runs as it is."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        nonlocal disabled
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = dynamo.disable(fn, recursive=True)
+        return disabled(*args, **kwargs)
+
+    return run
+
+
+def _define_op(fn: Callable):
+    """Define an op named and typed like ``fn`` (functional: it mutates none of its arguments) in
+    this build's namespace, with ``fn`` as its implementation on every device; returns the op."""
+    name = fn.__name__
+    _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIBRARY.impl(name, _outside_dynamo(fn), "CompositeExplicitAutograd")
+    return getattr(getattr(torch.ops, _NAMESPACE), name).default
 
 # Test hook: when True the ops fill out with NaN and lse with +inf (forward), dk and dv with NaN
 # (backward) right after allocating them, so a test can tell "the kernel wrote every element" from
@@ -82,7 +120,7 @@ def _fill_empty_keys(out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optio
         lse.copy_(learnable_sink[None, :, None].expand_as(lse))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("fwd"), mutates_args=())
+@_define_op
 def fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -145,7 +183,7 @@ def _device_guard(device: torch.device):
     return contextlib.nullcontext()
 
 
-@fwd.register_fake
+@torch.library.register_fake(fwd)
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
               causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic):
     out_shape, lse_shape = _output_shapes(q, v, cu_seqlens_q is not None)
@@ -272,7 +310,7 @@ def _packed_rows(rows: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor
     return packed.index_copy_(1, index, rows)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("bwd"), mutates_args=())
+@_define_op
 def bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -336,7 +374,7 @@ def bwd(
     return dq, dk, dv
 
 
-@bwd.register_fake
+@torch.library.register_fake(bwd)
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap, causal,
               window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -393,4 +431,4 @@ def _backward(ctx, grad_out, grad_lse):
     return (dq, dk, dv, None, None, None, dsink) + (None,) * 8
 
 
-fwd.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(fwd, _backward, setup_context=_setup_context)
