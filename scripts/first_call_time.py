@@ -11,6 +11,7 @@ Each run prints one line per configuration: import time (once), first call, seco
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 
@@ -35,6 +36,7 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         print(f"d={d} causal forward: first call {times[0]:.2f} s, second {times[1] * 1e3:.1f} ms")
+    print(f"kernel cache: {flash_attn4.compile_cache.stats()}; torch._dynamo imported: {'torch._dynamo' in sys.modules}")
 
 
 if __name__ == "__main__":

@@ -213,6 +213,17 @@ def test_forward_config_rescales_o_before_pv_only_for_wide_o():
     assert not rb(128, 128) and not rb(64, 64) and not rb(192, 128)
 
 
+def test_forward_config_issues_whole_k_gemms_above_d_128():
+    """GEMMs as one call over their k slices (compile time) at head dims above 128, where they ran at
+    the same speed; per slice at d <= 128 (whole-K P @ V ran 4% slower at d = 64)."""
+    def wk(d, dv, causal=False):
+        return dispatch.forward_config(Arch.SM90, "bfloat16", d, dv, causal=causal, local=False, has_softcap=False,
+                                       varlen=False, has_seqused_k=False, has_sink=False).whole_k_gemms
+
+    assert wk(256, 256) and wk(192, 192, causal=True) and wk(192, 128) and wk(136, 136)
+    assert not wk(128, 128) and not wk(64, 64, causal=True) and not wk(96, 96)
+
+
 def test_forward_config_packs_gqa_where_the_kernel_can():
     """The query heads of a KV head share tiles where the head ratio divides 64, batched or varlen
     (the ratio is a model property, not a size: one kernel per model)."""

@@ -325,6 +325,26 @@ def test_backward_kernel_spills_stay_bounded(spec, max_spills):
     assert counts["STL (spill stores)"] <= max_spills and counts["LDL (spill loads)"] <= max_spills, counts
 
 
+@pytest.mark.parametrize("spec,copies", [("d=128", 2), ("d=128,causal=true", 3), ("d=256", 2),
+                                          ("d=256,causal=true", 3), ("d=256,causal=true,whole_k_gemms=false", 3)])
+def test_forward_builds_the_main_loop_copies_it_runs(spec, copies):
+    """The forward's code holds Q K^T and P @ V this many times: the prologue's Q K^T, each step loop's
+    pair, the loop epilogue's P @ V. Without a causal or local mask only the last KV block crosses a
+    mask edge, and the prologue takes it: no masked step loop (two copies). Causal: masked and
+    mask-free loops (three). Whole-K GEMM calls change the IR, not the WGMMAs."""
+    if _nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    from flash_attn4 import dispatch
+
+    d = int(spec.split(",")[0].split("=")[1])
+    tile_n = dispatch.forward_config(Arch.SM90, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
+                                     varlen=False, has_seqused_k=False, has_sink=False).tile_n
+    report = _sass_report()
+    counts = report.summary(report.compile_sass("fwd", "sm_90a", spec))
+    assert counts["HGMMA"] == copies * (d // 16 + tile_n // 16), counts
+    assert counts["STL (spill stores)"] == 0 and counts["LDL (spill loads)"] == 0, counts
+
+
 def test_schedule_model_orders_groups_like_the_scheduler():
     """scripts/schedule_model.py (the tail model behind the partial-group-first order and the
     backward's longest_first) splits heads into L2 groups as TileScheduler.create does and orders each group

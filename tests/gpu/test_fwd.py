@@ -153,6 +153,34 @@ def test_schedule_switches(seed, monkeypatch, switch, d, causal):
     check(out, lse, q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("whole_k", [False, True])
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_gemm_calls_whole_k_or_per_slice(seed, monkeypatch, whole_k, mask, d):
+    """GEMMs issued as one call over their k slices (what dispatch picks above d = 128, to compile
+    faster) or one call per slice, at every head dim: many KV blocks (rescales), lengths that are
+    no multiple of the tiles, sq > sk (fully masked causal rows), a window with full blocks on both
+    sides of each query tile."""
+    override_forward_config(monkeypatch, whole_k_gemms=whole_k)
+    window = (300, 40) if mask == "local" else (-1, -1)
+    hq, hk = HEADS["gqa"]
+    for sq, sk in [(1000, 777), (203, 113)]:
+        q, k, v = rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d)
+        out, lse = flash_attn_func(q, k, v, causal=mask == "causal", window_size=window, return_lse=True)
+        check(out, lse, q, k, v, causal=mask == "causal", window_size=window)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gemm_calls_whole_k_varlen(seed, monkeypatch, causal):
+    override_forward_config(monkeypatch, whole_k_gemms=True)
+    hq, hk = HEADS["mqa"]
+    lens_q, lens_k = random_lengths(6, 700)
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, 256)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                                      causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 @pytest.mark.parametrize("b,hq,hk", [(1, 4, 2), (2, 5, 1)])
 def test_partial_group_first_order(seed, b, hq, hk):
     """The longest-first order's partial L2 group of heads goes first: at d = 256 and 8k keys a

@@ -40,8 +40,8 @@ def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loca
 
 
 def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
-    """ForwardConfig overrides for the epilogue, the O rescale and GQA packing of a problem class."""
-    del head_dim
+    """ForwardConfig overrides for the epilogue, the O rescale, the GEMM calls and GQA packing of a
+    problem class."""
     if arch is not Arch.SM90:
         raise NotImplementedError(f"no forward schedule for {arch.value} yet")
     return dict(
@@ -53,6 +53,10 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, q
         # O rescaled under the next Q K^T rather than after P V: with 128 or more multiplies per
         # thread (head_dim_v > 128). At d = 256 1.00-1.02x, never slower (docs/perf.md).
         rescale_o_before_pv=head_dim_v > 128,
+        # GEMMs as one call over their k slices where the accumulators are wide: d = 256 causal
+        # compiles in 0.87x the time (192: 0.88x), and runs at 0.98-1.03x, noise (H200, docs/perf.md).
+        # At d = 64 the whole-K P @ V ran 4% slower.
+        whole_k_gemms=max(head_dim, head_dim_v) > 128,
         # The query heads of a KV head share tiles wherever the kernel can pack them (a ratio
         # dividing 64): one kernel per model, short query sequences (decoding) fill whole tiles.
         # 2.7-3.7x at 1-32 queries against 8k keys, batched or varlen; 0.99-1.04x at 128 queries and

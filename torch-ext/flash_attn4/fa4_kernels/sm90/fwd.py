@@ -414,7 +414,8 @@ class FlashAttentionForwardSm90:
             acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
             pipe_k.consumer_wait(kv)
             self.gemm_turn_wait(wg)
-            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
+                  whole_k=self.qk_whole_k(cold=True))
             self.gemm_turn_pass(wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv)
@@ -424,12 +425,17 @@ class FlashAttentionForwardSm90:
 
             # Steady state, from the last KV block to the first: blocks that cross the right mask
             # edge (sequence end, causal diagonal, right window), then full blocks without any mask
-            # code, then (local only) blocks that cross the left window edge.
+            # code, then (local only) blocks that cross the left window edge. Two copies of the step's
+            # code, masked and not: one loop masking every block compiled 35% faster at d = 256 but
+            # ran 4-10% slower at d = 192 and 256 (H200, docs/perf.md).
             n_full_max = cutlass.max(mask.n_block_max_full(seqlen, m_block), n_block_min)
             n_full_min = cutlass.max(mask.n_block_min_full(seqlen, m_block), n_block_min)
             n_full_max = cutlass.min(cutlass.max(n_full_max, n_full_min), n_block_max - 1)
-            for i in cutlass.range(n_block_max - 1 - n_full_max, unroll=1):
-                kv = step(kv, n_block=n_block_max - 2 - i, masked=True)
+            if cutlass.const_expr(cfg.causal or cfg.local):
+                # Without either, only the last block can cross the right edge (the sequence
+                # end), and the prologue took it: this loop would never run, so it is not built.
+                for i in cutlass.range(n_block_max - 1 - n_full_max, unroll=1):
+                    kv = step(kv, n_block=n_block_max - 2 - i, masked=True)
             for i in cutlass.range(n_full_max - n_full_min, unroll=1):
                 kv = step(kv, n_block=n_full_max - 1 - i, masked=False)
             if cutlass.const_expr(cfg.local):
@@ -442,7 +448,7 @@ class FlashAttentionForwardSm90:
             if cutlass.const_expr(cfg.rescale_o_before_pv):
                 self.rescale_rows(acc_O, row_scale)
             wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv.index],
-                   zero_init=False)
+                  zero_init=False, whole_k=cfg.whole_k_gemms)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
             kv = advanced(kv)  # a persistent CTA's next tile starts at the stage after this one
@@ -474,12 +480,13 @@ class FlashAttentionForwardSm90:
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         pipe_k.consumer_wait(kv)
         self.gemm_turn_wait(wg)
-        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
+              whole_k=self.qk_whole_k(cold=masked and self.cfg.causal))
         if cutlass.const_expr(self.cfg.rescale_o_before_pv):
             self.rescale_rows(acc_O, row_scale)  # the previous block's factors, under Q K_j^T
         pipe_v.consumer_wait(kv_prev)
         wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv_prev.index],
-               zero_init=False)
+              zero_init=False, whole_k=self.cfg.whole_k_gemms)
         self.gemm_turn_pass(wg)
         warpgroup.wait_group(1)  # S_j has landed; P V may still run
         pipe_k.consumer_release(kv)
@@ -491,6 +498,12 @@ class FlashAttentionForwardSm90:
             self.rescale_rows(acc_O, row_scale)
         store_converted(rP, acc_S)
         return kv
+
+    def qk_whole_k(self, cold: bool) -> bool:
+        """Whether a Q K^T is one GEMM call: with whole_k_gemms, where it runs a few times per tile
+        (the prologue, the causal diagonal). The hot loop keeps a call per k slice, whose
+        descriptors stay uniform."""
+        return self.cfg.whole_k_gemms and cold
 
     @cute.jit
     def scores_to_probs(self, acc_S: cute.Tensor, softmax: OnlineSoftmax, mask: AttentionMask,

@@ -69,15 +69,26 @@ def tma_partition_tile(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor
 
 @cute.jit
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
+          zero_init: cutlass.Constexpr[bool], whole_k: cutlass.Constexpr[bool] = False):
     """acc (+)= a @ b over the k slices of the fragments; issued asynchronously and committed as one
-    group (the caller waits)."""
+    group (the caller waits).
+
+    One ``cute.gemm`` call per k slice, or with ``whole_k`` one call over all of them. The WGMMAs
+    are the same; what differs is the IR, and so the compile time: each call loads and stores its
+    whole accumulator around its WGMMAs, which for a wide accumulator (O at d_v = 256: 128 registers
+    per thread) is much of what NVVM compiles. The whole-K lowering costs instructions instead: one
+    uniform move per WGMMA with A in registers, and with A in shared memory descriptors built per
+    thread and moved to uniform registers (R2UR) before every WGMMA. With ``zero_init`` the whole-K
+    lowering zeroes the accumulator at the first slice only, as the loop does."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(a.shape[2])):
-        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
+    if cutlass.const_expr(whole_k):
+        cute.gemm(atom, acc, a, b, acc)
+    else:
+        for k in cutlass.range_constexpr(cute.size(a.shape[2])):
+            cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
 
 
