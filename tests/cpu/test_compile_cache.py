@@ -9,7 +9,6 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 import uuid
 from dataclasses import dataclass
 from pathlib import Path

@@ -173,12 +173,7 @@ def test_gemm_calls_whole_k_or_per_slice(seed, monkeypatch, whole_k, mask, d):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gemm_calls_whole_k_varlen(seed, monkeypatch, causal):
     override_forward_config(monkeypatch, whole_k_gemms=True)
-    hq, hk = HEADS["mqa"]
-    lens_q, lens_k = random_lengths(6, 700)
-    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, 256)
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
-                                      causal=causal, return_lse=True)
-    check(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    check_varlen_mqa(causal, max_len=700, d=256)
 
 
 @pytest.mark.parametrize("b,hq,hk", [(1, 4, 2), (2, 5, 1)])
@@ -275,9 +270,14 @@ def test_persistent_grid_with_softcap_sink_window(seed, persistent):
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_grid_varlen(seed, persistent, causal):
     """Tiles past a short sequence's end are skipped by the producer and the consumers alike."""
+    check_varlen_mqa(causal, max_len=300, d=128)
+
+
+def check_varlen_mqa(causal: bool, max_len: int, d: int):
+    """Six packed MQA sequences of random lengths up to ``max_len``, against the reference."""
     hq, hk = HEADS["mqa"]
-    lens_q, lens_k = random_lengths(6, 300)
-    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, 128)
+    lens_q, lens_k = random_lengths(6, max_len)
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, d)
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
                                       causal=causal, return_lse=True)
     check(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)

@@ -17,7 +17,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from .config import PreprocessConfig
 from .dtypes import CUTLASS_DTYPES
