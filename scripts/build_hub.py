@@ -69,7 +69,7 @@ ops = getattr(torch.ops, _OPS_NAME)
 
 
 def add_op_namespace_prefix(op_name: str) -> str:
-    """`op_name` in this build's namespace, e.g. for torch.library.custom_op."""
+    """`op_name` in this build's namespace, e.g. for torch.library definitions."""
     return f"{{_OPS_NAME}}::{{op_name}}"
 '''
 
