@@ -130,8 +130,8 @@ class ForwardConfig(_KernelConfig):
     # GEMMs issued as one cute.gemm over their k slices (the DSL's k loop) instead of one call per
     # slice, for a smaller IR (sm90/wgmma.py): P @ V everywhere (the call's round trip of O through
     # memory in the IR, once instead of per slice; the SASS gains a uniform move per WGMMA), and
-    # Q K^T of the blocks on the causal diagonal, a few per tile (its descriptors then take a
-    # per-thread detour, R2UR, before each WGMMA, which the hot loop should not pay).
+    # Q K^T of the prologue's block and of the causal diagonal's, a few per tile (its descriptors
+    # then take a per-thread detour, R2UR, before each WGMMA, which the hot loop should not pay).
     whole_k_gemms: bool = False
 
     def __post_init__(self):
