@@ -69,7 +69,7 @@ from ..mask import AttentionMask
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
-from .dq_accum import ROW, DqTiling, block_offset, dq_tiled_mma, register_order
+from .dq_accum import ROW, DqTiling, dq_tiled_mma, part_tile, register_order
 from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy
 from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
                     warpgroup_index, warpgroup_slice_thread, wgmma)
@@ -491,12 +491,12 @@ class FlashAttentionBackwardSm90:
         ds, kt = transpose_view(smem.ds), transpose_view(smem.k)
         staged = smem.dq[None, None, warpgroup_index(tidx)].iterator
         if cutlass.const_expr(self.dq.transposed):
+            ds_frag, kt_frag = wg.make_fragment_B(wg.partition_B(ds)), wg.make_fragment_A(wg.partition_A(kt))
             acc_shape = thr.partition_shape_C((self.hdim, self.tile_m))
-            return (wg.make_fragment_B(wg.partition_B(ds)), wg.make_fragment_A(wg.partition_A(kt)), acc_shape,
-                    register_order(acc_shape, tidx % WARPGROUP_THREADS, staged))
-        acc_shape = thr.partition_shape_C((self.tile_m, self.hdim))
-        return (wg.make_fragment_A(wg.partition_A(ds)), wg.make_fragment_B(wg.partition_B(kt)), acc_shape,
-                register_order(acc_shape, tidx % WARPGROUP_THREADS, staged))
+        else:
+            ds_frag, kt_frag = wg.make_fragment_A(wg.partition_A(ds)), wg.make_fragment_B(wg.partition_B(kt))
+            acc_shape = thr.partition_shape_C((self.tile_m, self.hdim))
+        return ds_frag, kt_frag, acc_shape, register_order(acc_shape, tidx % WARPGROUP_THREADS, staged)
 
     @cute.jit
     def dq_gemm(self, tiled_mma_dq: cute.TiledMma, acc_dQ: cute.Tensor, ds: cute.Tensor, kt: cute.Tensor):
@@ -676,12 +676,7 @@ class FlashAttentionBackwardSm90:
         """One TMA reduce-add of the staged dQ part ``part`` into dq_accum, issued by the calling warp
         (TMA copies are warp-collective: one lane is elected inside) and committed as a bulk group."""
         batch = work.batch
-        # The part's rows: query block after query block (a varlen sequence's from its first block on).
-        first_row = Int32(0)
-        if cutlass.const_expr(self.cfg.varlen):
-            first_row = block_offset(work.seqlen.offset_q, batch, self.tile_m) * self.dq.rows_per_block
-        gdQ = cute.local_tile(head_rows(mdQacc, first_row, head, batch, self.cfg.varlen), (self.dq.values, ROW),
-                              (m_block * NUM_CONSUMER_WARPGROUPS + part, 0))
+        gdQ = part_tile(mdQacc, self.dq, work.seqlen.offset_q, head, batch, self.cfg.varlen, m_block, part)
         t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, sdQ[None, None, part], gdQ)
         if cutlass.const_expr(self.cfg.deterministic):
             # Reduce-adds into one (query block, part) happen in KV-tile order: wait for the

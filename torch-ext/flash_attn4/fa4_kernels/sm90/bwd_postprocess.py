@@ -27,7 +27,7 @@ from cutlass import Float32, Int32
 from ..config import PostprocessConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..seqlen import SeqlenInfo, head_rows
-from .dq_accum import NUM_PARTS, ROW, DqTiling, block_offset, dq_tiled_mma, register_order
+from .dq_accum import NUM_PARTS, DqTiling, dq_tiled_mma, part_tile, register_order
 from .wgmma import WARPGROUP_THREADS, transpose_view
 
 THREADS = NUM_PARTS * WARPGROUP_THREADS
@@ -72,11 +72,7 @@ class BackwardPostprocessSm90:
         if rows_left > 0:
             sdQ = cutlass.memory.SmemAllocator().allocate_tensor(self.dtype, sdQ_layout, byte_alignment=16)
             # This thread's values of its part, in register order, scaled and converted...
-            first_row = Int32(0)
-            if cutlass.const_expr(varlen):
-                first_row = block_offset(seqlen.offset_q, batch, tile_m) * tiling.rows_per_block
-            gAccum = cute.local_tile(head_rows(mAccum, first_row, head, batch, varlen), (tiling.values, ROW),
-                                     (m_block * NUM_PARTS + tidx // WARPGROUP_THREADS, 0))
+            gAccum = part_tile(mAccum, tiling, seqlen.offset_q, head, batch, varlen, m_block, tidx // WARPGROUP_THREADS)
             thr = tiled_mma_dq.get_slice(tidx)
             block = transpose_view(sdQ) if cutlass.const_expr(tiling.transposed) else sdQ
             tdQsdQ = thr.partition_C(block)

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode
 
+from ..seqlen import head_rows
 from .wgmma import WARPGROUP_THREADS
 
 ROW = 128  # floats per row of dq_accum: the TMA box's inner extent
@@ -98,6 +99,15 @@ def block_offset(token_offset, batch, tile_m: int):
     would; ``block_offset(total_q, batch_size)`` blocks hold them all. Plain arithmetic, shared by the
     kernels (DSL Int32) and the torch layer (ints and int64 tensors)."""
     return token_offset // tile_m + batch
+
+
+def part_tile(mAccum: cute.Tensor, tiling: DqTiling, offset_q, head, batch, varlen: bool, m_block, part):
+    """The (values, 128) rows of dq_accum (sequence first: (rows, 128, head[, batch])) that hold part
+    ``part`` of query block ``m_block``: query block after query block, a varlen sequence's from its
+    first block, ``block_offset``, on. The main kernel reduce-adds there, the postprocessing reads."""
+    first_row = block_offset(offset_q, batch, tiling.tile_m) * tiling.rows_per_block if varlen else Int32(0)
+    return cute.local_tile(head_rows(mAccum, first_row, head, batch, varlen), (tiling.values, ROW),
+                           (m_block * NUM_PARTS + part, 0))
 
 
 def dq_tiled_mma(dtype, tiling: DqTiling):
