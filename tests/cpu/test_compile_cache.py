@@ -30,12 +30,14 @@ class Cfg:
 
 
 class FakeCompiled:
-    """Stands in for a DSL compiled function: callable, exportable to a file."""
+    """Stands in for a DSL compiled function: exportable to a file, callable only if it was compiled
+    with a JIT engine (or loaded from a file)."""
 
-    def __init__(self, tag: str):
-        self.tag = tag
+    def __init__(self, tag: str, runnable: bool = True):
+        self.tag, self.runnable = tag, runnable
 
     def __call__(self):
+        assert self.runnable, "called a kernel compiled without a JIT engine"
         return self.tag
 
     def export_to_c(self, path, function_name):
@@ -59,10 +61,12 @@ def cache_dir(tmp_path, monkeypatch):
     compile_cache.clear()
 
 
-def counting_compiler(log):
-    def compile_fn(cfg):
+def counting_compiler(log, engines=None):
+    def compile_fn(cfg, *, jit_engine=True):
         log.append(cfg)
-        return FakeCompiled(cfg.name)
+        if engines is not None:
+            engines.append(jit_engine)
+        return FakeCompiled(cfg.name, runnable=jit_engine)
     return compile_fn
 
 
@@ -77,10 +81,11 @@ def test_memory_cache_compiles_once(cache_dir):
 
 
 def test_disk_round_trip(cache_dir):
-    log = []
+    log, engines = [], []
     cfg = Cfg(uuid.uuid4().hex)
-    fn = compile_cache.get_kernel("t", cfg, counting_compiler(log))
-    assert fn() == cfg.name
+    fn = compile_cache.get_kernel("t", cfg, counting_compiler(log, engines))
+    assert engines == [False]  # compiled for export only: the first process runs the written entry too
+    assert fn() == "loaded:" + cfg.name
     path = compile_cache.entry_path("t", cfg.key())
     assert path.parent.parent == cache_dir and path.parent.name == compile_cache.source_fingerprint()
     assert path.exists() and path.suffix == ".o"
@@ -107,7 +112,7 @@ def test_entry_path_depends_on_kind_key_and_fingerprint(cache_dir):
 def test_disable_disk_cache_is_read_at_call_time(cache_dir, monkeypatch):
     log = []
     monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
-    compile_cache.get_kernel("t", Cfg("off"), counting_compiler(log))
+    assert compile_cache.get_kernel("t", Cfg("off"), counting_compiler(log))() == "off"  # a JIT engine
     assert not cache_dir.exists() or not any(cache_dir.rglob("*.o"))
     monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "0")
     compile_cache.get_kernel("t", Cfg("on"), counting_compiler(log))
@@ -172,7 +177,7 @@ def test_corrupt_entry_is_replaced(cache_dir, caplog):
     path.write_bytes(b"\x7fELF garbage")
     with caplog.at_level(logging.WARNING, logger="flash_attn4"):
         fn = compile_cache.get_kernel("t", cfg, counting_compiler(log))
-    assert fn() == cfg.name and len(log) == 1
+    assert fn() == "loaded:" + cfg.name and len(log) == 1
     assert any("could not load cached kernel" in r.getMessage() for r in caplog.records)
     assert json.loads(path.read_text())["tag"] == cfg.name  # rewritten with a good entry
     assert compile_cache.stats()["disk_errors"] == 1
@@ -184,13 +189,34 @@ def test_export_failure_is_not_fatal(cache_dir, caplog):
             Path(path).write_text("partial")
             raise RuntimeError("export broke")
 
+    engines = []
+
+    def compile_fn(cfg, *, jit_engine=True):
+        engines.append(jit_engine)
+        return Unexportable(cfg.name, runnable=jit_engine)
+
     cfg = Cfg(uuid.uuid4().hex)
     with caplog.at_level(logging.WARNING, logger="flash_attn4"):
-        fn = compile_cache.get_kernel("t", cfg, lambda c: Unexportable(c.name))
-    assert fn() == cfg.name
+        fn = compile_cache.get_kernel("t", cfg, compile_fn)
+    assert fn() == cfg.name and engines == [False, True]  # compiled again, with an engine
     path = compile_cache.entry_path("t", cfg.key())
     assert not path.exists() and not list(path.parent.glob("*.tmp"))
-    assert any("could not write kernel cache entry" in r.getMessage() for r in caplog.records)
+    assert any("could not write or load kernel cache entry" in r.getMessage() for r in caplog.records)
+    assert compile_cache.stats()["disk_errors"] == 1 and compile_cache.stats()["disk_writes"] == 0
+
+
+def test_entry_that_does_not_load_after_writing_is_removed(cache_dir, monkeypatch, caplog):
+    def broken_load(path):
+        raise RuntimeError("JITLink failed")
+
+    monkeypatch.setattr(compile_cache, "_load", broken_load)
+    log, engines = [], []
+    cfg = Cfg(uuid.uuid4().hex)
+    with caplog.at_level(logging.WARNING, logger="flash_attn4"):
+        fn = compile_cache.get_kernel("t", cfg, counting_compiler(log, engines))
+    assert fn() == cfg.name and engines == [False, True]
+    assert not compile_cache.entry_path("t", cfg.key()).exists()  # no entry that cannot be loaded
+    assert any("JITLink failed" in r.getMessage() for r in caplog.records)
 
 
 def test_unwritable_cache_dir_falls_back_to_memory(tmp_path, monkeypatch, caplog):
@@ -252,7 +278,7 @@ class Compiled:
     def __init__(self, tag): self.tag = tag
     def export_to_c(self, path, function_name): Path(path).write_text(json.dumps({{"tag": self.tag}}))
 
-def compile_fn(cfg):
+def compile_fn(cfg, *, jit_engine=True):
     with open({marks!r}, "a") as f:
         f.write("compiled\\n")
     time.sleep(0.5)  # a slow compile, so the other processes arrive while it runs
@@ -281,13 +307,13 @@ def test_concurrent_processes_compile_once(tmp_path):
         assert p.returncode == 0, err
     tags = sorted(out.strip() for out, _ in results)
     assert marks.read_text().splitlines() == ["compiled"], "more than one process compiled"
-    assert tags == ["c", "loaded:c", "loaded:c", "loaded:c"]
+    assert tags == ["loaded:c"] * 4  # the compiling process, too, runs the entry it wrote
 
 
 # ---- the real mechanism: CuTe DSL export_to_c -> cutlass.runtime.load_module, no GPU needed ----
 
 
-def _compile_trivial_kernel(cfg):
+def _compile_trivial_kernel(cfg, *, jit_engine=True):
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -309,7 +335,7 @@ def _compile_trivial_kernel(cfg):
     x = make_fake_compact_tensor(cutlass.BFloat16, (n,), assumed_align=16)
     y = make_fake_compact_tensor(cutlass.BFloat16, (n,), assumed_align=16)
     return cute.compile(launch, x, y, cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True),
-                        options="--enable-tvm-ffi --gpu-arch sm_90a")
+                        options="--enable-tvm-ffi --gpu-arch sm_90a", no_jit_engine=not jit_engine)
 
 
 def test_real_dsl_export_and_load(tmp_path, monkeypatch):
@@ -322,7 +348,7 @@ def test_real_dsl_export_and_load(tmp_path, monkeypatch):
     try:
         cfg = Cfg("trivial-" + uuid.uuid4().hex[:8])
         fn = compile_cache.get_kernel("test", cfg, _compile_trivial_kernel)
-        assert callable(fn)
+        assert isinstance(fn, tvm_ffi.Function)  # compiled without an engine, then loaded from the entry
         path = compile_cache.entry_path("test", cfg.key())
         assert path.exists() and path.stat().st_size > 0
         assert path.read_bytes()[:4] == b"\x7fELF"

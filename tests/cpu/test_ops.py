@@ -60,7 +60,7 @@ def cpu_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": Arch.SM90)
-    monkeypatch.setattr(compile_cache, "_compile_forward", lambda cfg: torch_kernel(cfg, calls))
+    monkeypatch.setattr(compile_cache, "_compile_forward", lambda cfg, **_: torch_kernel(cfg, calls))
     monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
     compile_cache.clear()
     yield calls
@@ -322,10 +322,10 @@ from tests.cpu import test_ops as t
 
 validate.DEVICE_TYPES = ("cuda", "cpu")
 dispatch.arch_for_device = lambda device, kernel="forward": Arch.SM90
-compile_cache._compile_forward = lambda cfg: t.torch_kernel(cfg, [])
-compile_cache._compile_backward = lambda cfg: t.torch_backward_kernel(cfg, [])
-compile_cache._compile_backward_preprocess = lambda cfg: t.torch_preprocess_kernel(cfg, [])
-compile_cache._compile_backward_postprocess = lambda cfg: t.torch_postprocess_kernel(cfg, [])
+compile_cache._compile_forward = lambda cfg, **_: t.torch_kernel(cfg, [])
+compile_cache._compile_backward = lambda cfg, **_: t.torch_backward_kernel(cfg, [])
+compile_cache._compile_backward_preprocess = lambda cfg, **_: t.torch_preprocess_kernel(cfg, [])
+compile_cache._compile_backward_postprocess = lambda cfg, **_: t.torch_postprocess_kernel(cfg, [])
 q, k, v = (torch.randn(2, 9, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 flash_attn_func(q, k, v, causal=True).float().square().sum().backward()
 assert q.grad is not None and bool(q.grad.isfinite().all()), "the backward ran"
@@ -429,9 +429,11 @@ def cpu_backward(cpu_kernel, monkeypatch):
     """cpu_kernel plus the backward stand-ins (main, pre- and postprocessing kernels); returns the
     BackwardConfigs the main one was called with."""
     calls = []
-    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg: torch_backward_kernel(cfg, calls))
-    monkeypatch.setattr(compile_cache, "_compile_backward_preprocess", lambda cfg: torch_preprocess_kernel(cfg, []))
-    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, []))
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: torch_backward_kernel(cfg, calls))
+    monkeypatch.setattr(compile_cache, "_compile_backward_preprocess",
+                        lambda cfg, **_: torch_preprocess_kernel(cfg, []))
+    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess",
+                        lambda cfg, **_: torch_postprocess_kernel(cfg, []))
     return calls
 
 
@@ -715,7 +717,8 @@ def test_bench_backward_variant_sets_ops_switches_only_while_it_runs(cpu_backwar
     from benchmarks import bench
 
     calls = []
-    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, calls))
+    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess",
+                        lambda cfg, **_: torch_postprocess_kernel(cfg, calls))
     case = bench.Case(group="grid", batch=2, hq=4, hk=2, seqlen=9, head_dim=64, causal=True)
     x = bench.Inputs(*rand_qkv(2, 9, 9, 4, 2, 64))
     run = bench._variant_bwd({"ops.POSTPROCESS_KERNEL": False})(case, x)
@@ -758,7 +761,8 @@ def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch,
     """With ops.PREPROCESS_KERNEL (the default) the rows reach the kernel in its convention (packed
     inputs as one batch entry) and the gradients do not change."""
     calls = []
-    monkeypatch.setattr(compile_cache, "_compile_backward_preprocess", lambda cfg: torch_preprocess_kernel(cfg, calls))
+    monkeypatch.setattr(compile_cache, "_compile_backward_preprocess",
+                        lambda cfg, **_: torch_preprocess_kernel(cfg, calls))
     if varlen:
         q, k, v, cu_q, cu_k = rand_varlen(3, 9, 4, 2, 64)
         out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
@@ -827,7 +831,8 @@ def test_backward_with_the_postprocess_kernel_plumbing(cpu_backward, monkeypatch
     """With ops.POSTPROCESS_KERNEL (the default), dQ comes from the kernel in its convention and does
     not change."""
     calls = []
-    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", lambda cfg: torch_postprocess_kernel(cfg, calls))
+    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess",
+                        lambda cfg, **_: torch_postprocess_kernel(cfg, calls))
     q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     dout = torch.randn_like(out)

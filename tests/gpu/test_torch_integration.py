@@ -263,3 +263,48 @@ def test_max_seqlen_tensor_no_recompile():
 
 def test_poison_hook_is_off_by_default():
     assert ops._poison_outputs_for_tests is False
+
+
+# ---- the kernel cache on disk ----
+
+_CACHE_CHILD = """
+import json, sys
+import torch
+from flash_attn4 import compile_cache, flash_attn_func
+torch.manual_seed(int(sys.argv[1]))
+q, k, v = (torch.randn(2, 333, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+torch.save(flash_attn_func(q, k, v, causal=True).cpu(), sys.argv[2])
+print(json.dumps(compile_cache.stats()))
+"""
+
+
+def test_disk_cache_entry_runs_like_an_in_memory_compile(tmp_path, repo_root):
+    """A new kernel is compiled without a JIT engine, written and run from its entry; a second process
+    loads that entry. Both must compute exactly what a compile with the disk cache off computes."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    seed = str(int.from_bytes(os.urandom(4), "little"))
+    path = [str(repo_root / "torch-ext"), str(repo_root), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, FLASH_ATTN4_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(path))
+    env.pop("FLASH_ATTN4_DISABLE_DISK_CACHE", None)
+
+    def child(name: str):
+        out = tmp_path / f"{name}.pt"
+        done = subprocess.run([sys.executable, "-c", _CACHE_CHILD, seed, str(out)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return torch.load(out), json.loads(done.stdout.strip().splitlines()[-1])
+
+    compiled, compiled_stats = child("compiles")
+    loaded, loaded_stats = child("loads")
+    env["FLASH_ATTN4_DISABLE_DISK_CACHE"] = "1"
+    in_memory, in_memory_stats = child("in_memory")
+    assert compiled_stats["compiled"] == 1 and compiled_stats["disk_writes"] == 1, compiled_stats
+    assert compiled_stats["disk_errors"] == 0, compiled_stats
+    assert loaded_stats["compiled"] == 0 and loaded_stats["disk_hits"] == 1, loaded_stats
+    assert in_memory_stats["compiled"] == 1 and in_memory_stats["disk_writes"] == 0, in_memory_stats
+    assert in_memory.abs().sum() > 0 and torch.isfinite(in_memory).all()
+    assert torch.equal(compiled, in_memory) and torch.equal(loaded, in_memory)

@@ -18,8 +18,10 @@ Concurrency: an entry is written to a temporary file in the same folder and publ
 makes a second process wait for the first one's compile instead of compiling the same kernel again
 (e.g. eight ranks of one job starting together); if the lock cannot be had within LOCK_TIMEOUT_S the
 process compiles on its own, which is still correct. Threads of one process share one lock.
-A corrupt or unloadable entry is logged, removed and recompiled; a failed export only costs the next
-process a compile. Nothing on disk is ever required for correctness.
+A new kernel is compiled without an in-process JIT engine, written, and loaded from its entry like any
+later process would. A corrupt or unloadable entry is logged, removed and recompiled; a failed export
+or load costs a second compile, with a JIT engine and in memory only. Nothing on disk is ever required
+for correctness.
 """
 
 from __future__ import annotations
@@ -161,16 +163,26 @@ def _load(path: Path):
 # ---- compile ----
 
 
-def _compile_forward(cfg: ForwardConfig):
-    from .fa4_kernels.compile import compile_forward
+def _kernel_compiler(name: str) -> Callable:
+    """``fa4_kernels.compile.<name>``, imported on the first compile (it imports the DSL)."""
+    def compile_fn(cfg, *, jit_engine: bool = True):
+        from .fa4_kernels import compile as kernels_compile
 
-    return compile_forward(cfg)
+        return getattr(kernels_compile, name)(cfg, jit_engine=jit_engine)
+
+    return compile_fn
 
 
-def _timed_compile(kind: str, cfg, compile_fn: Callable):
+
+_compile_forward = _kernel_compiler("compile_forward")
+_compile_backward = _kernel_compiler("compile_backward")
+_compile_backward_preprocess = _kernel_compiler("compile_backward_preprocess")
+_compile_backward_postprocess = _kernel_compiler("compile_backward_postprocess")
+
+def _timed_compile(kind: str, cfg, compile_fn: Callable, jit_engine: bool = True):
     log = settings.get_logger()
     t0 = time.perf_counter()
-    fn = compile_fn(cfg)
+    fn = compile_fn(cfg, jit_engine=jit_engine)
     dt = time.perf_counter() - t0
     _stats["compiled"] += 1
     level = logging.WARNING if dt >= settings.slow_compile_seconds() else logging.INFO
@@ -187,7 +199,8 @@ def _describe(cfg) -> str:
 
 def get_kernel(kind: str, cfg, compile_fn: Callable):
     """The compiled function for ``cfg`` (anything with ``.key()``), compiling at most once per process
-    and, with the disk cache on, at most once per machine and kernel-source fingerprint."""
+    and, with the disk cache on, at most once per machine and kernel-source fingerprint.
+    ``compile_fn(cfg, jit_engine=...)``: with ``jit_engine=False`` its result need only be exportable."""
     try:  # fast path: the config object itself (hashing a frozen dataclass is cheaper than key())
         fn = _by_cfg.get((kind, cfg))
     except TypeError:  # unhashable config
@@ -236,37 +249,31 @@ def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
                 log.warning("could not load cached kernel %s (%s: %s); recompiling", path, type(e).__name__, e)
                 with contextlib.suppress(OSError):
                     path.unlink()
-        fn = _timed_compile(kind, cfg, compile_fn)
-        try:
-            _export(fn, path, key)
-            _stats["disk_writes"] += 1
-        except Exception as e:
-            _stats["disk_errors"] += 1
-            log.warning("could not write kernel cache entry %s (%s: %s)", path, type(e).__name__, e)
-        return fn
+        return _compile_to_disk(kind, cfg, key, compile_fn, path)
 
 
-def _compile_backward(cfg):
-    from .fa4_kernels.compile import compile_backward
-
-    return compile_backward(cfg)
-
-
-def _compile_backward_preprocess(cfg):
-    from .fa4_kernels.compile import compile_backward_preprocess
-
-    return compile_backward_preprocess(cfg)
+def _compile_to_disk(kind: str, cfg, key: tuple, compile_fn: Callable, path: Path):
+    """Compile without an in-process JIT engine, write the entry and run what was written: building
+    the engine would generate the host code a second time (about 0.2 s of a first call), and the
+    first process then runs the very file that later ones load."""
+    compiled = _timed_compile(kind, cfg, compile_fn, jit_engine=False)
+    try:
+        _export(compiled, path, key)
+        fn = _load(path)
+    except Exception as e:  # the compile itself is fine: redo it with an engine, in memory only
+        _stats["disk_errors"] += 1
+        settings.get_logger().warning("could not write or load kernel cache entry %s (%s: %s); compiling again "
+                                      "without the disk cache", path, type(e).__name__, e)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return _timed_compile(kind, cfg, compile_fn)
+    _stats["disk_writes"] += 1
+    return fn
 
 
 def get_backward_preprocess_kernel(cfg):
     """The compiled preprocessing kernel of the backward for a PreprocessConfig."""
     return get_kernel("bwd_pre", cfg, _compile_backward_preprocess)
-
-
-def _compile_backward_postprocess(cfg):
-    from .fa4_kernels.compile import compile_backward_postprocess
-
-    return compile_backward_postprocess(cfg)
 
 
 def get_backward_postprocess_kernel(cfg):

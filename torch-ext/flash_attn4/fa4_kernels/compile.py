@@ -82,37 +82,39 @@ def _fake_tensors(cfg: ForwardConfig):
     return q, k, v, o, lse, cu_q, cu_k, seqused_k, sink
 
 
-def _quiet_compile(*args, **kwargs):
-    """cute.compile without the DSL's note that fully unrolled loops compile slowly: the kernels
-    unroll their per-fragment loops on purpose, and users should not see the note on a first call."""
+def _compile(kernel, *args, arch: Arch, jit_engine: bool):
+    """cute.compile for ``arch`` with the TVM-FFI calling convention, the CUDA stream (every
+    kernel's last argument) taken from the caller's environment at run time. ``jit_engine=False`` skips
+    building the in-process JIT engine: the result can then only be exported (``export_to_c``) and
+    loaded from the object file, which is what the disk cache does anyway; building the engine
+    as well would generate the host code twice. Also hides the DSL's note that fully unrolled
+    loops compile slowly: the kernels unroll their per-fragment loops on purpose, and users should
+    not see the note on a first call."""
     import cutlass.cute as cute
     from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DSLOptimizationWarning)
-        return cute.compile(*args, **kwargs)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(kernel, *args, stream, options=f"--enable-tvm-ffi --gpu-arch {arch.value}",
+                            no_jit_engine=not jit_engine)
 
 
-def compile_forward(cfg: ForwardConfig):
+def compile_forward(cfg: ForwardConfig, *, jit_engine: bool = True):
     """Compile the forward kernel for ``cfg`` (no GPU needed); returns the TVM-FFI callable
-    with the call convention documented on ``ForwardConfig``."""
+    with the call convention documented on ``ForwardConfig`` (``jit_engine``: see ``_compile``)."""
     import cutlass
-    import cutlass.cute as cute
 
-    kernel = _forward_class(cfg.arch)(cfg)
-    tensors = _fake_tensors(cfg)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _quiet_compile(
-        kernel, *tensors,
+    return _compile(
+        _forward_class(cfg.arch)(cfg), *_fake_tensors(cfg),
         cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
         cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
         cutlass.Int32(1),  # max_seqlen_q
-        stream,
-        options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}",
+        arch=cfg.arch, jit_engine=jit_engine,
     )
 
 
-def compile_backward(cfg: BackwardConfig):
+def compile_backward(cfg: BackwardConfig, *, jit_engine: bool = True):
     """Compile the backward kernel for ``cfg`` (no GPU needed); call convention on BackwardConfig."""
     import cutlass
     import cutlass.cute as cute
@@ -137,34 +139,28 @@ def compile_backward(cfg: BackwardConfig):
             _fake_tokens(dtype, lead, dv), _fake_rows(rows_lead, padded=True), _fake_rows(rows_lead, padded=True),
             _fake_tokens(f32, lead, ROW), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
             cu_q, cu_k, seqused_k, semaphore)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _quiet_compile(kernel, *args,
-                        cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
-                        cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
-                        cutlass.Int32(1),  # max_seqlen_k
-                        stream, options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
+    return _compile(kernel, *args,
+                    cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
+                    cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
+                    cutlass.Int32(1),  # max_seqlen_k
+                    arch=cfg.arch, jit_engine=jit_engine)
 
 
-def compile_backward_preprocess(cfg: PreprocessConfig):
+def compile_backward_preprocess(cfg: PreprocessConfig, *, jit_engine: bool = True):
     """Compile the backward's preprocessing kernel (no GPU needed; call convention in
     bwd_preprocess.py). Architecture-independent code, compiled for ``cfg.arch``."""
-    import cutlass.cute as cute
-
     from .bwd_preprocess import BackwardPreprocess
 
     dtype = _cutlass_dtype(cfg.dtype)
     out, dout = (_fake_tokens(dtype, 3, cfg.head_dim_v) for _ in range(2))  # (b, s, h, dv)
     lse, dpsum, lse_log2 = (_fake_rows(2, padded=False) for _ in range(3))  # (b, h, s), (b, h, s_pad)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _quiet_compile(BackwardPreprocess(cfg), out, dout, lse, dpsum, lse_log2, stream,
-                          options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
+    return _compile(BackwardPreprocess(cfg), out, dout, lse, dpsum, lse_log2, arch=cfg.arch, jit_engine=jit_engine)
 
 
-def compile_backward_postprocess(cfg: PostprocessConfig):
+def compile_backward_postprocess(cfg: PostprocessConfig, *, jit_engine: bool = True):
     """Compile the backward's postprocessing kernel (no GPU needed; call convention in
     sm90/bwd_postprocess.py): dQ from its float32 accumulator."""
     import cutlass
-    import cutlass.cute as cute
 
     if cfg.arch is not Arch.SM90:
         raise NotImplementedError(f"flash-attn4: no backward kernel for {cfg.arch.value} yet")
@@ -174,9 +170,8 @@ def compile_backward_postprocess(cfg: PostprocessConfig):
     lead = 2 if cfg.varlen else 3
     accum, dq = _fake_tokens(cutlass.Float32, lead, ROW), _fake_tokens(_cutlass_dtype(cfg.dtype), lead, cfg.head_dim)
     cu_q = _fake_vector(cutlass.Int32) if cfg.varlen else None
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _quiet_compile(BackwardPostprocessSm90(cfg), accum, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(1),
-                          stream, options=f"--enable-tvm-ffi --gpu-arch {cfg.arch.value}")
+    return _compile(BackwardPostprocessSm90(cfg), accum, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(1),
+                    arch=cfg.arch, jit_engine=jit_engine)
 
 
 def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | PostprocessConfig]:
@@ -247,7 +242,7 @@ def main(argv=None) -> int:
     for cfg in configs:
         start = time.perf_counter()
         try:
-            _COMPILERS[type(cfg)](cfg)
+            _COMPILERS[type(cfg)](cfg, jit_engine=False)  # compiling is what is checked here
             status = "ok"
         except Exception as exc:  # report every failing configuration, then fail
             failures += 1
