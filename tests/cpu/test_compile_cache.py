@@ -204,6 +204,15 @@ def test_export_failure_is_not_fatal(cache_dir, caplog):
     assert any("could not write or load kernel cache entry" in r.getMessage() for r in caplog.records)
     assert compile_cache.stats()["disk_errors"] == 1 and compile_cache.stats()["disk_writes"] == 0
 
+    # The process's later kernels compile once, with an engine, instead of failing the same way.
+    other = Cfg(uuid.uuid4().hex)
+    engines.clear()
+    assert compile_cache.get_kernel("t", other, compile_fn)() == other.name and engines == [True]
+    assert not compile_cache.entry_path("t", other.key()).exists()
+    compile_cache.clear()  # a fresh start tries the disk again
+    compile_cache.get_kernel("t", Cfg(uuid.uuid4().hex), compile_fn)
+    assert engines[1:] == [False, True]
+
 
 def test_entry_that_does_not_load_after_writing_is_removed(cache_dir, monkeypatch, caplog):
     def broken_load(path):

@@ -3,6 +3,10 @@ graphs, streams, autograd without a switch, max_seqlen given as a 0-d tensor."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -281,11 +285,6 @@ print(json.dumps(compile_cache.stats()))
 def test_disk_cache_entry_runs_like_an_in_memory_compile(tmp_path, repo_root):
     """A new kernel is compiled without a JIT engine, written and run from its entry; a second process
     loads that entry. Both must compute exactly what a compile with the disk cache off computes."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     seed = str(int.from_bytes(os.urandom(4), "little"))
     path = [str(repo_root / "torch-ext"), str(repo_root), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, FLASH_ATTN4_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(path))

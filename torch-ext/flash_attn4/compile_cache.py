@@ -20,8 +20,8 @@ makes a second process wait for the first one's compile instead of compiling the
 process compiles on its own, which is still correct. Threads of one process share one lock.
 A new kernel is compiled without an in-process JIT engine, written, and loaded from its entry like any
 later process would. A corrupt or unloadable entry is logged, removed and recompiled; a failed export
-or load costs a second compile, with a JIT engine and in memory only. Nothing on disk is ever required
-for correctness.
+or load costs a second compile, with a JIT engine and in memory only, as every later kernel of that
+process then compiles. Nothing on disk is ever required for correctness.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ _by_cfg: dict[tuple, Callable] = {}  # (kind, cfg) -> the same functions, a fast
 _lock = threading.RLock()
 _stats: Counter = Counter()
 _fingerprint: str | None = None
+_disk_failed = False  # a compiled kernel could not be written or loaded back: memory only from then on
 
 
 # ---- fingerprint ----
@@ -173,11 +174,11 @@ def _kernel_compiler(name: str) -> Callable:
     return compile_fn
 
 
-
 _compile_forward = _kernel_compiler("compile_forward")
 _compile_backward = _kernel_compiler("compile_backward")
 _compile_backward_preprocess = _kernel_compiler("compile_backward_preprocess")
 _compile_backward_postprocess = _kernel_compiler("compile_backward_postprocess")
+
 
 def _timed_compile(kind: str, cfg, compile_fn: Callable, jit_engine: bool = True):
     log = settings.get_logger()
@@ -226,7 +227,7 @@ def get_kernel(kind: str, cfg, compile_fn: Callable):
 
 def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
     log = settings.get_logger()
-    if not settings.disk_cache_enabled():
+    if not settings.disk_cache_enabled() or _disk_failed:
         return _timed_compile(kind, cfg, compile_fn)
     try:
         path = entry_path(kind, key)
@@ -256,16 +257,19 @@ def _compile_to_disk(kind: str, cfg, key: tuple, compile_fn: Callable, path: Pat
     """Compile without an in-process JIT engine, write the entry and run what was written: building
     the engine would generate the host code a second time (about 0.2 s of a first call), and the
     first process then runs the very file that later ones load."""
+    global _disk_failed
     compiled = _timed_compile(kind, cfg, compile_fn, jit_engine=False)
     try:
         _export(compiled, path, key)
         fn = _load(path)
     except Exception as e:  # the compile itself is fine: redo it with an engine, in memory only
         _stats["disk_errors"] += 1
-        settings.get_logger().warning("could not write or load kernel cache entry %s (%s: %s); compiling again "
-                                      "without the disk cache", path, type(e).__name__, e)
+        settings.get_logger().warning("could not write or load kernel cache entry %s (%s: %s); compiling again, "
+                                      "and kernels of this process from now on, without the disk cache",
+                                      path, type(e).__name__, e)
         with contextlib.suppress(OSError):
             path.unlink()
+        _disk_failed = True  # so that every later kernel does not pay two compiles
         return _timed_compile(kind, cfg, compile_fn)
     _stats["disk_writes"] += 1
     return fn
@@ -298,10 +302,13 @@ def stats() -> dict:
 
 
 def clear(memory: bool = True, counters: bool = True) -> None:
-    """Forget in-process kernels and/or counters (the disk cache is left alone)."""
+    """Forget in-process kernels (and a failure of the disk cache) and/or counters; the disk cache
+    itself is left alone."""
+    global _disk_failed
     with _lock:
         if memory:
             _memory.clear()
             _by_cfg.clear()
+            _disk_failed = False
         if counters:
             _stats.clear()
