@@ -321,6 +321,13 @@ def test_kernel_layout_copies_bad_tensors(make):
     assert not validate.needs_copy(fixed)
 
 
+def test_empty_tensors_are_never_copied():
+    for t in (torch.randn(0, 9, 4, 64, dtype=BF16), torch.randn(2, 0, 64, 4, dtype=BF16).transpose(-1, -2),
+              torch.randn(2, 9, 0, 68, dtype=BF16)[..., :64]):
+        assert t.numel() == 0 and not validate.needs_copy(t)
+        assert validate.kernel_layout(t) is t
+
+
 def test_varlen_value_check_accepts_good_metadata():
     lens_q = torch.randint(0, 50, (5,))
     lens_k = torch.randint(0, 50, (5,))
