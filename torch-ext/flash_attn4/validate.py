@@ -151,7 +151,8 @@ def check_learnable_sink(learnable_sink, num_heads_q: int) -> None:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
+    # type(x) is int first: the abstract-class check costs about 0.4 us, twice per call for window_size
+    return type(x) is int or (isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool))
 
 
 def check_window_size(window_size) -> tuple[int, int]:
