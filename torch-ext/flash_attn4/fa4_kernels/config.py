@@ -119,7 +119,7 @@ class ForwardConfig(_KernelConfig):
     persistent_ctas: int = 0
     # Where O *= row_scale runs: False, after the step's P @ V has retired (then the next GEMMs wait
     # for the multiplies); True, in the next step between issuing S = Q K^T and O += P V, under the
-    # QK^T GEMM. Worth it where O is wide (d_v = 256: 128 multiplies per thread).
+    # QK^T GEMM. Worth it with two consumer warpgroups (d_v = 128 and 256), not with three.
     rescale_o_before_pv: bool = False
     # GQA packing: the query heads that share a KV head, this many (hq // hk, fixed per model), fill
     # one tile's rows together, token by token (row r = token r // g, head r % g of the group), so

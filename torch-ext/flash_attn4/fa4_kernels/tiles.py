@@ -50,9 +50,10 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, q
         # Batched only (a TMA box would write past a packed sequence), and stmatrix stores 16
         # columns at a time.
         tma_store_o=not varlen and head_dim_v % 16 == 0,
-        # O rescaled under the next Q K^T rather than after P V: with 128 or more multiplies per
-        # thread (head_dim_v > 128). At d = 256 1.00-1.02x, never slower (docs/perf.md).
-        rescale_o_before_pv=head_dim_v > 128,
+        # O rescaled under the next Q K^T rather than after P V, wherever two warpgroups share the
+        # tile (head_dim_v > 64): d = 128 1.01-1.02x in every case, d = 256 1.00-1.02x. With three
+        # (d <= 64, 32 multiplies per thread) it ran 1-3% slower (H200, docs/perf.md).
+        rescale_o_before_pv=head_dim_v > 64,
         # GEMMs as one call over their k slices where the accumulators are wide: d = 256 causal
         # compiles in 0.87x the time (192: 0.88x), and runs at 0.98-1.03x, noise (H200, docs/perf.md).
         # At d = 64 the whole-K P @ V ran 4% slower.
