@@ -127,11 +127,11 @@ class ForwardConfig(_KernelConfig):
     # block once for the whole group; a varlen sequence's rows start at g x its first token.
     # 1: off, one head per tile. g divides 64 (TMA boxes of whole tokens).
     pack_gqa: int = 1
-    # GEMMs issued as one cute.gemm over their k slices (the DSL's k loop) instead of one call per
-    # slice, for a smaller IR (sm90/wgmma.py): P @ V everywhere (the call's round trip of O through
-    # memory in the IR, once instead of per slice; the SASS gains a uniform move per WGMMA), and
-    # Q K^T of the prologue's block and of the causal diagonal's, a few per tile (its descriptors
-    # then take a per-thread detour, R2UR, before each WGMMA, which the hot loop should not pay).
+    # The GEMMs outside the steady-state loop's hot path issued as one cute.gemm over their k slices
+    # (the DSL's k loop) instead of one call per slice, for a smaller IR (sm90/wgmma.py): Q K^T of
+    # the prologue's block and of the causal diagonal's, and the last block's P @ V, a few per
+    # tile. Their descriptors then take a per-thread detour (R2UR) before each WGMMA, which the
+    # loop's own GEMMs should not pay: its P @ V that way ran 1-2% slower at d = 192 and 256.
     whole_k_gemms: bool = False
 
     def __post_init__(self):

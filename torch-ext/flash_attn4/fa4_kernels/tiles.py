@@ -54,9 +54,10 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, q
         # tile (head_dim_v > 64): d = 128 1.01-1.02x in every case, d = 256 1.00-1.02x. With three
         # (d <= 64, 32 multiplies per thread) it ran 1-3% slower (H200, docs/perf.md).
         rescale_o_before_pv=head_dim_v > 64,
-        # GEMMs as one call over their k slices where the accumulators are wide: d = 256 causal
-        # compiles in 0.87x the time (192: 0.88x), and runs at 0.98-1.03x, noise (H200, docs/perf.md).
-        # At d = 64 the whole-K P @ V ran 4% slower.
+        # The GEMMs outside the loop's hot path as one call over their k slices where the
+        # accumulators are wide: d = 256 compiles in 0.90x the time of a call per slice (192 causal
+        # 0.86x, development CPU), and runs within 0-2% of it (H200, docs/perf.md). At d = 64 the
+        # whole-K P @ V ran 4% slower.
         whole_k_gemms=max(head_dim, head_dim_v) > 128,
         # The query heads of a KV head share tiles wherever the kernel can pack them (a ratio
         # dividing 64): one kernel per model, short query sequences (decoding) fill whole tiles.

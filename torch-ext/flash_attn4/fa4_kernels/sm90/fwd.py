@@ -486,7 +486,7 @@ class FlashAttentionForwardSm90:
             self.rescale_rows(acc_O, row_scale)  # the previous block's factors, under Q K_j^T
         pipe_v.consumer_wait(kv_prev)
         wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv_prev.index],
-              zero_init=False, whole_k=self.cfg.whole_k_gemms)
+              zero_init=False)  # a call per k slice, uniform descriptors (ForwardConfig.whole_k_gemms)
         self.gemm_turn_pass(wg)
         warpgroup.wait_group(1)  # S_j has landed; P V may still run
         pipe_k.consumer_release(kv)

@@ -76,10 +76,10 @@ def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Te
     One ``cute.gemm`` call per k slice, or with ``whole_k`` one call over all of them. The WGMMAs
     are the same; what differs is the IR, and so the compile time: each call loads and stores its
     whole accumulator around its WGMMAs, which for a wide accumulator (O at d_v = 256: 128 registers
-    per thread) is much of what NVVM compiles. The whole-K lowering costs instructions instead: one
-    uniform move per WGMMA with A in registers, and with A in shared memory descriptors built per
-    thread and moved to uniform registers (R2UR) before every WGMMA. With ``zero_init`` the whole-K
-    lowering zeroes the accumulator at the first slice only, as the loop does."""
+    per thread) is much of what NVVM compiles. The whole-K lowering costs instructions instead: B's
+    descriptors (and A's, from shared memory) are built per thread and moved to uniform registers
+    (R2UR) before every WGMMA, so the kernels use it only off their hot loops. With ``zero_init``
+    the whole-K lowering zeroes the accumulator at the first slice only, as the loop does."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
