@@ -50,9 +50,9 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, q
         # Batched only (a TMA box would write past a packed sequence), and stmatrix stores 16
         # columns at a time.
         tma_store_o=not varlen and head_dim_v % 16 == 0,
-        # O rescaled under the next Q K^T rather than after P V, wherever two warpgroups share the
-        # tile (head_dim_v > 64): d = 128 1.01-1.02x in every case, d = 256 1.00-1.02x. With three
-        # (d <= 64, 32 multiplies per thread) it ran 1-3% slower (H200, docs/perf.md).
+        # O rescaled under the next Q K^T rather than after P V where O is wider than 64 columns
+        # (tiles of two warpgroups): d = 128 1.01-1.02x in every case, d = 256 1.00-1.02x. At d = 64
+        # (three warpgroups, 32 multiplies per thread) it ran 1-3% slower (H200, docs/perf.md).
         rescale_o_before_pv=head_dim_v > 64,
         # The GEMMs outside the loop's hot path as one call over their k slices where the
         # accumulators are wide: d = 256 compiles in 0.90x the time of a call per slice (192 causal
