@@ -415,7 +415,7 @@ class FlashAttentionForwardSm90:
             pipe_k.consumer_wait(kv)
             self.gemm_turn_wait(wg)
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
-                  whole_k=self.qk_whole_k(cold=True))
+                  whole_k=self.whole_k(cold=True))
             self.gemm_turn_pass(wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv)
@@ -448,7 +448,7 @@ class FlashAttentionForwardSm90:
             if cutlass.const_expr(cfg.rescale_o_before_pv):
                 self.rescale_rows(acc_O, row_scale)
             wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv.index],
-                  zero_init=False, whole_k=cfg.whole_k_gemms)
+                  zero_init=False, whole_k=self.whole_k(cold=True))
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
             kv = advanced(kv)  # a persistent CTA's next tile starts at the stage after this one
@@ -481,12 +481,12 @@ class FlashAttentionForwardSm90:
         pipe_k.consumer_wait(kv)
         self.gemm_turn_wait(wg)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
-              whole_k=self.qk_whole_k(cold=masked and self.cfg.causal))
+              whole_k=self.whole_k(cold=masked and self.cfg.causal))
         if cutlass.const_expr(self.cfg.rescale_o_before_pv):
             self.rescale_rows(acc_O, row_scale)  # the previous block's factors, under Q K_j^T
         pipe_v.consumer_wait(kv_prev)
         wgmma(tiled_mma_pv, acc_O, acc_as_a_operand(rP), tOrVt[None, None, None, kv_prev.index],
-              zero_init=False)  # a call per k slice, uniform descriptors (ForwardConfig.whole_k_gemms)
+              zero_init=False, whole_k=self.whole_k(cold=False))
         self.gemm_turn_pass(wg)
         warpgroup.wait_group(1)  # S_j has landed; P V may still run
         pipe_k.consumer_release(kv)
@@ -499,10 +499,10 @@ class FlashAttentionForwardSm90:
         store_converted(rP, acc_S)
         return kv
 
-    def qk_whole_k(self, cold: bool) -> bool:
-        """Whether a Q K^T is one GEMM call: with whole_k_gemms, where it runs a few times per tile
-        (the prologue, the causal diagonal). The hot loop keeps a call per k slice, whose
-        descriptors stay uniform."""
+    def whole_k(self, cold: bool) -> bool:
+        """Whether a GEMM is one call over its k slices: with whole_k_gemms, where it runs a few times
+        per tile (``cold``: the prologue's Q K^T, the causal diagonal's, the last P @ V). The hot
+        loop keeps a call per k slice, whose descriptors stay uniform."""
         return self.cfg.whole_k_gemms and cold
 
     @cute.jit
