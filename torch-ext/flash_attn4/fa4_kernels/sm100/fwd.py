@@ -1,0 +1,689 @@
+"""FlashAttention forward for Blackwell (sm_100a): tcgen05 MMAs with S, P and O in tensor memory.
+
+A CTA owns ``query_tiles`` (two up to head_dim_v = 128, else one) tiles of 128 query rows of one head
+and walks the KV blocks they see from the last to the first. Warp roles (16 warps):
+
+    warps 0-3, 4-7   softmax     one warpgroup per query tile, one thread per row (= TMEM lane):
+                                 S from TMEM, mask, online softmax, P back to TMEM (16-bit, over
+                                 the upper half of S's columns), the row's rescale factor to the
+                                 correction warps; at the end the row's LSE and 1 / rowsum
+    warps 8-11       correction  O *= factor in TMEM when a row maximum moved (skipped when every
+                                 factor of a warp is 1: the conditional rescale), then the
+                                 epilogue: O / rowsum from TMEM to global memory
+    warp 12          MMA         one thread issues every tcgen05 MMA: S_t = Q_t K_j^T and
+                                 O_t += P_t V_j, and commits their completion to mbarriers
+    warp 13          load        TMA: Q tiles once, then K and V blocks into one ring of stages
+    warps 14-15      idle        (the register budget is set per warpgroup)
+
+Per KV block j and query tile t the MMA warp waits until softmax t has written P_t(j-1) and the
+correction warps have rescaled O_t, then issues O_t += P_t(j-1) V_(j-1) and S_t = Q_t K_j^T back to
+back (tcgen05 MMAs of one thread run in order, so S_t's columns are overwritten only after P_t was
+read) and commits S_t: softmax t runs on tile t's scores while the tensor cores work on the other
+tile (the two tiles ping-pong without a barrier of their own).
+
+Synchronisation (mbarrier pipelines, cutlass.pipeline):
+    q      TMA -> MMA        one stage per query tile
+    kv     TMA -> MMA        the K/V ring, filled in the order the MMA warp consumes it:
+                             K_0, K_1, V_0, K_2, V_1, ..., V_last (K and V tiles of a stage alias)
+    s[t]   MMA -> softmax t  "S_t full"; the way back ("P_t written, O_t rescaled") is the same
+                             pipeline's empty barrier, released by softmax t and the correction warps
+    stats[t] softmax t -> correction   each block's row factors (and at the end 1 / rowsum) in
+                             shared memory
+    o[t]   MMA -> correction "O_t final" after the last P V
+
+Tensor memory (512 columns, 32-bit each, lane = query row): S_t at t * 128, O_t after both S tiles;
+P_t (two 16-bit values per column) over S_t's columns 64..127, which the softmax thread has read
+into registers before it writes P.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from ..config import ForwardConfig
+from ..dtypes import CUTLASS_DTYPES
+from ..mask import AttentionMask
+from ..scheduler import TileScheduler, longest_first_applies
+from ..seqlen import SeqlenInfo, head_rows
+from ..softmax import LOG2_E, OnlineSoftmax
+from ..sm90.fwd import pack_query_heads
+from .softmax_row import row_probabilities
+from .tiles import TILE_M, TILE_N, query_tiles
+
+WARP = 32
+WARPGROUP = 128
+TMEM_COLUMNS = 512
+
+
+class Warp(enum.IntEnum):
+    """Warp roles (warp index in the CTA). Softmax warpgroups and the correction warpgroup start at
+    multiples of 4: warp w may only touch TMEM lanes 32 * (w % 4) .. + 31."""
+
+    SOFTMAX0 = 0
+    SOFTMAX1 = 4
+    CORRECTION = 8
+    MMA = 12
+    LOAD = 13
+    IDLE = 14
+
+
+NUM_WARPS = 16
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads)."""
+
+    TMEM_ALLOC = 1  # the allocating warp published the TMEM address (MMA + softmax + correction warps)
+    TMEM_FREE = 2  # every correction thread has read its last O columns
+
+
+# setmaxnreg budgets (registers per thread) per warpgroup role, by query tiles per CTA: the four
+# warpgroups share 512 x 128 registers. With one query tile the second softmax warpgroup has nothing
+# to do, and its registers go to the correction warps (O of up to 256 columns) and the MMA/load warps
+# (a 256-wide head dim doubles the MMA warp's descriptors).
+REGISTERS = {
+    2: dict(softmax=192, idle=0, correction=80, other=48),
+    1: dict(softmax=192, idle=24, correction=160, other=136),
+}
+LAUNCH_REGISTERS = 65536 // (NUM_WARPS * 32)
+
+# Columns of O a correction thread loads, scales and stores at a time.
+O_CHUNK = 32
+
+
+@cute.jit
+def set_registers(count: cutlass.Constexpr[int]):
+    """setmaxnreg for the calling warpgroup: up or down from the launch's even share."""
+    if cutlass.const_expr(count > LAUNCH_REGISTERS):
+        cute.arch.setmaxregister_increase(count)
+    elif cutlass.const_expr(count < LAUNCH_REGISTERS):
+        cute.arch.setmaxregister_decrease(count)
+
+
+def _pad16(d: int) -> int:
+    return -(-d // 16) * 16
+
+
+class FlashAttentionForwardSm100:
+    def __init__(self, cfg: ForwardConfig):
+        self.cfg = cfg
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
+        self.hdim_tile, self.hdim_v_tile = _pad16(cfg.head_dim), _pad16(cfg.head_dim_v)
+        self.q_tiles = query_tiles(cfg.head_dim_v)
+        if cfg.tile_m != TILE_M * self.q_tiles or cfg.tile_n != TILE_N:
+            raise ValueError(f"sm100 forward: tiles are {TILE_M * self.q_tiles} x {TILE_N} at head_dim_v "
+                             f"{cfg.head_dim_v}, got {cfg.tile_m} x {cfg.tile_n}")
+        if self.hdim_tile > 256 or self.hdim_v_tile > 256:
+            raise ValueError("sm100 forward: head dims up to 256")
+        self.kv_stages = cfg.num_stages
+        self.registers = REGISTERS[self.q_tiles]
+        budget = self.registers
+        softmax_groups = budget["softmax"] * self.q_tiles + budget["idle"] * (2 - self.q_tiles)
+        assert softmax_groups + budget["correction"] + budget["other"] == 4 * LAUNCH_REGISTERS
+        # Tensor-memory plan (columns): S_t, then O_t, then P_t over the upper half of S_t.
+        self.tmem_s = tuple(t * TILE_N for t in range(self.q_tiles))
+        o_width = 128 if self.q_tiles == 2 else self.hdim_v_tile
+        self.tmem_o = tuple(self.q_tiles * TILE_N + t * o_width for t in range(self.q_tiles))
+        p_columns = TILE_N * self.dtype.width // 32
+        self.tmem_p = tuple(s + TILE_N - p_columns for s in self.tmem_s)
+        assert self.tmem_o[-1] + self.hdim_v_tile <= TMEM_COLUMNS
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_q: Int32, stream: cuda.CUstream):
+        cfg = self.cfg
+        # (seq, dim, head[, batch]) for Q, K, O; V as (dim, seq, head[, batch]): the PV MMA reads
+        # V^T (N = head_dim_v, K = keys) with the head dim contiguous.
+        if cutlass.const_expr(cfg.varlen):
+            mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK, mO)]
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0]))
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                          for t in (mQ, mK, mO)]
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+            num_batch = mQ.shape[3]
+        num_heads = mQ.shape[2]
+        qhead_per_kvhead = num_heads // mK.shape[2]
+        if cutlass.const_expr(cfg.pack_gqa > 1):
+            mQ, mO = [pack_query_heads(t, cfg.pack_gqa, head_mode=2) for t in (mQ, mO)]
+            mLSE = pack_query_heads(mLSE, cfg.pack_gqa, head_mode=1)
+            num_heads, qhead_per_kvhead = mK.shape[2], 1
+            max_seqlen_q = max_seqlen_q * cfg.pack_gqa
+
+        major = cute.nvgpu.OperandMajorMode
+        mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, major.K, major.K, Float32, tcgen05.CtaGroup.ONE, (TILE_M, TILE_N))
+        mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, major.K, major.MN, Float32, tcgen05.CtaGroup.ONE, (TILE_M, self.hdim_v_tile),
+            tcgen05.OperandSource.TMEM)
+        tiler_qk = (TILE_M, TILE_N, self.hdim_tile)
+        tiler_pv = (TILE_M, self.hdim_v_tile, TILE_N)
+
+        sQ_layout = sm100_utils.make_smem_layout_a(mma_qk, tiler_qk, self.dtype, self.q_tiles)
+        # K and V share the ring: each stage is as large as the larger tile.
+        sK_one = sm100_utils.make_smem_layout_b(mma_qk, tiler_qk, self.dtype, 1)
+        sV_one = sm100_utils.make_smem_layout_b(mma_pv, tiler_pv, self.dtype, 1)
+        stage_elems = max(cute.cosize(cute.select(sK_one, mode=[0, 1, 2])),
+                          cute.cosize(cute.select(sV_one, mode=[0, 1, 2])))
+        sK_layout = cute.append(cute.select(sK_one, mode=[0, 1, 2]),
+                                cute.make_layout(self.kv_stages, stride=stage_elems))
+        sV_layout = cute.append(cute.select(sV_one, mode=[0, 1, 2]),
+                                cute.make_layout(self.kv_stages, stride=stage_elems))
+        # P: the A operand of the PV MMA, read from tensor memory.
+        tP_layout = sm100_utils.make_smem_layout_a(mma_pv, tiler_pv, self.dtype, 1)
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), tiler_qk, mma_qk)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), tiler_qk, mma_qk)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), tiler_pv, mma_pv)
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * 2 * self.q_tiles]
+            tmem_address: Int32
+            # Per query tile, two stages of one float32 per row: the rescale factors, then 1/rowsum.
+            row_stats: cute.struct.MemRange[Float32, 2 * self.q_tiles * TILE_M]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, self.kv_stages * stage_elems], 1024]
+
+        self.shared_storage = SharedStorage
+
+        if cutlass.const_expr(cfg.has_softcap):
+            score_prescale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+        else:
+            score_prescale = Float32(1.0)
+            scale_log2 = softmax_scale * LOG2_E
+
+        num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
+        scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
+                                         longest_first=longest_first_applies(cfg))
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink, score_prescale, scale_log2, window_left, window_right,
+            qhead_per_kvhead, sQ_layout, sK_layout, sV_layout, tP_layout, mma_qk, mma_pv, scheduler,
+        ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side: set-up, then one branch per warp role
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
+               tma_atom_V: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+               score_prescale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
+               qhead_per_kvhead: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout, mma_qk: cute.TiledMma,
+               mma_pv: cute.TiledMma, scheduler: TileScheduler):
+        cfg = self.cfg
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == Warp.LOAD:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner, dtype=self.dtype), sV_layout.outer)
+        row_stats = storage.row_stats.get_tensor(cute.make_layout((TILE_M, 2 * self.q_tiles)))
+
+        pipes = self.make_pipelines(storage)
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_address.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=WARP * (1 + 4 * self.q_tiles + 4)),
+            allocator_warp_id=int(Warp.CORRECTION))
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+
+        # TMEM fragment layouts, taken before the MMA warp's branch sets the MMAs' accumulate flag
+        # (a runtime value no other role may see).
+        tmem_layouts = self.tmem_layouts(mma_qk, mma_pv, tP_layout)
+        m_block, head, batch = scheduler.tile()
+        # With GQA packing Q's sequence mode is (query heads of the group, tokens).
+        tokens_q = mQ.shape[0] if cutlass.const_expr(cfg.pack_gqa == 1) else mQ.shape[0][1]
+        seqlen = SeqlenInfo.create(batch, tokens_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        mask = AttentionMask(cfg.tile_m, TILE_N, cfg.causal, cfg.local, window_left, window_right,
+                             rows_per_query=cfg.pack_gqa)
+        n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
+        in_sequence = m_block * cfg.tile_m < mask.rows(seqlen)
+        # Empty tiles (a varlen grid sized for the longest sequence) do nothing; tiles whose rows
+        # see no key write O = 0 and LSE = -inf without touching K and V.
+        num_blocks = Int32(0)
+        if in_sequence:
+            num_blocks = cutlass.max(n_block_max - n_block_min, 0)
+        pipeline.pipeline_init_wait()
+
+        if warp >= Warp.MMA:
+            set_registers(self.registers["other"])
+            if warp == Warp.LOAD:
+                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes,
+                          seqlen, mask, head, batch, head // qhead_per_kvhead, m_block, n_block_max, num_blocks)
+            if warp == Warp.MMA:
+                tmem.wait_for_alloc()
+                self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks)
+        elif warp >= Warp.CORRECTION:
+            set_registers(self.registers["correction"])
+            tmem.allocate(TMEM_COLUMNS)
+            tmem.relinquish_alloc_permit()
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.correction(tmem_ptr, tmem_layouts, pipes, row_stats, mO, seqlen, mask, m_block, head, batch, num_blocks,
+                            in_sequence)
+            pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE), num_threads=WARPGROUP).arrive_and_wait()
+            tmem.free(tmem_ptr)
+        elif warp < Warp.SOFTMAX0 + 4 * self.q_tiles:
+            set_registers(self.registers["softmax"])
+            tmem.wait_for_alloc()
+            self.softmax(tmem.retrieve_ptr(Float32), warp // 4, tmem_layouts, pipes, row_stats, mLSE, mSink, seqlen,
+                         mask, m_block, head, batch, n_block_max, num_blocks, in_sequence, score_prescale, scale_log2)
+        elif cutlass.const_expr(self.q_tiles == 1):  # the second softmax warpgroup: idle
+            set_registers(self.registers["idle"])
+
+    def make_pipelines(self, storage):
+        thread = pipeline.Agent.Thread
+        one = pipeline.CooperativeGroup(thread)
+        warpgroup = pipeline.CooperativeGroup(thread, WARPGROUP)
+        q = pipeline.PipelineTmaUmma.create(
+            num_stages=self.q_tiles, producer_group=one, consumer_group=one, tx_count=self.tma_bytes_q,
+            barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
+        kv = pipeline.PipelineTmaUmma.create(
+            num_stages=self.kv_stages, producer_group=one, consumer_group=one, tx_count=self.tma_bytes_k,
+            barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
+        # Stage t of s, o: query tile t. S full: MMA -> softmax t; its empty barrier ("P written,
+        # O rescaled") is released by softmax t and by the correction warpgroup.
+        s = pipeline.PipelineUmmaAsync.create(
+            num_stages=self.q_tiles, producer_group=one, consumer_group=pipeline.CooperativeGroup(thread, 2 * WARPGROUP),
+            barrier_storage=storage.mbar_s.data_ptr(), defer_sync=True)
+        o = pipeline.PipelineUmmaAsync.create(
+            num_stages=self.q_tiles, producer_group=one, consumer_group=warpgroup,
+            barrier_storage=storage.mbar_o.data_ptr(), defer_sync=True)
+        # Two stages per tile, in the order the correction warps read them: (block i, tile t) is
+        # stage (i * q_tiles + t) mod (2 * q_tiles).
+        stats = pipeline.PipelineAsync.create(
+            num_stages=2 * self.q_tiles, producer_group=warpgroup, consumer_group=warpgroup,
+            barrier_storage=storage.mbar_stats.data_ptr(), defer_sync=True)
+        return Pipelines(q, kv, s, o, stats)
+
+    # ---- load warp -------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes,
+             seqlen: SeqlenInfo, mask: AttentionMask, head, batch, head_kv, m_block, n_block_max, num_blocks):
+        """Q tiles, then K and V blocks in the order the MMA warp consumes them (K_0, K_1, V_0, K_2,
+        V_1, ..., V_last), visiting KV blocks from n_block_max - 1 down."""
+        varlen = self.cfg.varlen
+        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
+        gQ = cute.local_tile(head_rows(mQ, mask.rows_before(seqlen), head, batch, varlen),
+                             (TILE_M, self.hdim_tile), (None, 0))
+        gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen),
+                             (TILE_N, self.hdim_tile), (None, 0))
+        mV_head = self.head_cols(mV, seqlen.offset_k, head_kv, batch)
+        gV = cute.local_tile(mV_head, (self.hdim_v_tile, TILE_N), (0, None))
+        tQsQ, tQgQ = self.tma_partition(tma_atom_Q, sQ, thr_qk.partition_A(gQ))
+        tKsK, tKgK = self.tma_partition(tma_atom_K, sK, thr_qk.partition_B(gK))
+        tVsV, tVgV = self.tma_partition(tma_atom_V, sV, thr_pv.partition_B(gV))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        if num_blocks > 0:
+            for t in cutlass.range_constexpr(self.q_tiles):
+                pipes.q.producer_acquire(q_state)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_tiles + t], tQsQ[None, q_state.index],
+                          tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+                q_state = advanced(q_state)
+                if cutlass.const_expr(t == 0):
+                    kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_K, tKgK, tKsK, n_block_max - 1,
+                                            self.tma_bytes_k)
+            for i in cutlass.range(1, num_blocks, unroll=1):
+                kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_K, tKgK, tKsK, n_block_max - 1 - i,
+                                        self.tma_bytes_k)
+                kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_V, tVgV, tVsV, n_block_max - i,
+                                        self.tma_bytes_v)
+            kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_V, tVgV, tVsV, n_block_max - num_blocks,
+                                    self.tma_bytes_v)
+
+    @cute.jit
+    def load_kv(self, pipe, state, atom, gmem, smem, n_block, tx_bytes: cutlass.Constexpr[int]):
+        pipe.producer_acquire(state, expected_tx=tx_bytes)
+        cute.copy(atom, gmem[None, n_block], smem[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        return advanced(state)
+
+    @staticmethod
+    def tma_partition(atom, smem, gmem_mma):
+        """(smem, gmem) TMA partitions of MMA-partitioned tiles (no multicast): (TMA, stage) and
+        (TMA, tile index)."""
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 3),
+                                     cute.group_modes(gmem_mma, 0, 3))
+
+    @cute.jit
+    def head_cols(self, mV, offset, head, batch):
+        """V's (dim, keys) view of one KV head (keys start at ``offset`` in a varlen batch)."""
+        if cutlass.const_expr(self.cfg.varlen):
+            return cute.domain_offset((0, offset), mV[None, None, head])
+        else:
+            return mV[None, None, head, batch]
+
+    # ---- MMA warp --------------------------------------------------------------------------------
+    @cute.jit
+    def mma(self, tmem_ptr, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks):
+        """S_t(j) = Q_t K_j^T after O_t += P_t(j-1) V_(j-1), tile after tile; the last P V ends the tile."""
+        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
+        tSrQ, tSrK = thr_qk.make_fragment_A(sQ), thr_qk.make_fragment_B(sK)  # (MMA, M|N, K, stage)
+        tOrV = thr_pv.make_fragment_B(sV)
+        s_layout, o_layout, p_layout, _ = tmem_layouts
+        tStS = [cute.make_tensor(tmem_ptr + c, s_layout) for c in self.tmem_s]
+        tOtO = [cute.make_tensor(tmem_ptr + c, o_layout) for c in self.tmem_o]
+        tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), p_layout) for c in self.tmem_p]
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
+        if num_blocks > 0:
+            # Prologue: S_t(0) for every tile.
+            k_state = kv_state
+            for t in cutlass.range_constexpr(self.q_tiles):
+                pipes.q.consumer_wait(q_state)
+                if cutlass.const_expr(t == 0):
+                    pipes.kv.consumer_wait(k_state)
+                pipes.s.producer_acquire(s_state)
+                mma_qk = gemm(mma_qk, tStS[t], tSrQ[None, None, None, t], tSrK[None, None, None, k_state.index],
+                              False)
+                pipes.s.producer_commit(s_state)
+                s_state = advanced(s_state)
+                q_state = advanced(q_state)
+            pipes.kv.consumer_release(k_state)
+            kv_state = advanced(k_state)
+            for i in cutlass.range(1, num_blocks, unroll=1):
+                k_state = kv_state
+                v_state = advanced(k_state)
+                pipes.kv.consumer_wait(k_state)
+                for t in cutlass.range_constexpr(self.q_tiles):
+                    pipes.s.producer_acquire(s_state)
+                    if cutlass.const_expr(t == 0):
+                        pipes.kv.consumer_wait(v_state)
+                    mma_pv = gemm(mma_pv, tOtO[t], tOrP[t], tOrV[None, None, None, v_state.index], i > 1)
+                    mma_qk = gemm(mma_qk, tStS[t], tSrQ[None, None, None, t], tSrK[None, None, None, k_state.index],
+                                  False)
+                    pipes.s.producer_commit(s_state)
+                    s_state = advanced(s_state)
+                pipes.kv.consumer_release(k_state)
+                pipes.kv.consumer_release(v_state)
+                kv_state = advanced(v_state)
+            # The last block's P V completes O.
+            o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
+            for t in cutlass.range_constexpr(self.q_tiles):
+                pipes.s.producer_acquire(s_state)
+                if cutlass.const_expr(t == 0):
+                    pipes.kv.consumer_wait(kv_state)
+                mma_pv = gemm(mma_pv, tOtO[t], tOrP[t], tOrV[None, None, None, kv_state.index], num_blocks > 1)
+                pipes.o.producer_commit(o_state)
+                s_state = advanced(s_state)
+                o_state = advanced(o_state)
+            pipes.kv.consumer_release(kv_state)
+
+    def tmem_layouts(self, mma_qk, mma_pv, tP_layout):
+        """Layouts of S (the QK MMA's accumulator), O (the PV MMA's) and P (the PV MMA's A operand,
+        16-bit, over S's upper columns) in tensor memory, one tile each."""
+        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
+        s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_M, TILE_N))).layout
+        o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE_M, self.hdim_v_tile))).layout
+        p_layout = thr_pv.make_fragment_A(tP_layout.outer)[None, None, None, 0].layout
+        # S's (row, key) coordinates in the accumulator's own shape, for register fragments.
+        s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        return s_layout, o_layout, p_layout, s_coords
+
+    # ---- softmax warpgroups ----------------------------------------------------------------------
+    @cute.jit
+    def softmax(self, tmem_ptr, tile: Int32, tmem_layouts, pipes, row_stats, mLSE, mSink, seqlen: SeqlenInfo,
+                mask: AttentionMask, m_block, head, batch, n_block_max, num_blocks, in_sequence,
+                score_prescale: Float32, scale_log2: Float32):
+        """Query tile ``tile``'s online softmax (both softmax warpgroups run this code, ``tile`` is
+        their warpgroup): thread = row = TMEM lane."""
+        cfg = self.cfg
+        thread = cute.arch.thread_idx()[0] % WARPGROUP
+        row = tile * TILE_M + thread  # within the CTA's tile
+        tStS = cute.make_tensor(tmem_ptr + tile * TILE_N, tmem_layouts[0])
+        load_s = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32), tStS).get_slice(thread)
+        tSt = load_s.partition_S(tStS)
+        s_registers = load_s.partition_D(tmem_layouts[3]).shape
+        # P: the same lanes, TILE_N 16-bit values in TILE_N / 2 32-bit columns over S's upper half.
+        p_words = TILE_N * self.dtype.width // 32
+        tStP = cute.make_tensor(tmem_ptr + tile * TILE_N + (TILE_N - p_words), cute.composition(
+            tStS.layout, cute.make_layout((TILE_M, p_words))))
+        store_p = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(p_words)), Float32), tStP).get_slice(thread)
+        tPt = store_p.partition_D(tStP)
+        p_registers = store_p.partition_S(cute.make_tensor(tmem_layouts[3].iterator, cute.composition(
+            tmem_layouts[3].layout, cute.make_layout((TILE_M, p_words))))).shape
+        # This row's (row, key) coordinates, for the element-wise mask.
+        coords = cute.local_tile(cute.make_identity_tensor((cfg.tile_m, TILE_N)), (1, TILE_N), (row, 0))
+
+        softmax = OnlineSoftmax.create(scale_log2, num_rows=1, threads_per_row=1)
+        row_scale = cute.make_rmem_tensor(1, Float32)
+        # Tile t uses stage t of s (one per tile) and stages t, t + q_tiles, ... of stats.
+        s_state = pipeline.PipelineState(self.q_tiles, Int32(0), tile, Int32(0))
+        stats_state = pipeline.PipelineState(2 * self.q_tiles, Int32(0), tile, Int32(1))
+        for i in cutlass.range(num_blocks, unroll=1):
+            n_block = n_block_max - 1 - i
+            step = (thread, load_s, tSt, s_registers, store_p, tPt, p_registers, coords, softmax, row_scale, pipes,
+                    row_stats, s_state, stats_state, seqlen, mask, m_block, n_block, score_prescale)
+            if mask.block_is_full(seqlen, m_block, n_block):
+                self.softmax_step(*step, masked=False)
+            else:
+                self.softmax_step(*step, masked=True)
+            s_state = advanced(s_state, self.q_tiles)
+            stats_state = advanced(stats_state, self.q_tiles)
+
+        sink = None
+        if cutlass.const_expr(cfg.has_sink):
+            sink = self.sink_logit(mSink, head, m_block * cfg.tile_m + row)
+        out_scale, lse = softmax.finalize(sink)
+        pipes.stats.producer_acquire(stats_state)
+        row_stats[thread, stats_state.index] = out_scale[0]
+        pipes.stats.producer_commit(stats_state)
+        if in_sequence:
+            if row < mask.rows(seqlen) - m_block * cfg.tile_m:
+                gLSE = head_rows(mLSE, mask.rows_before(seqlen), head, batch, cfg.varlen)
+                gLSE[m_block * cfg.tile_m + row] = lse[0]
+
+    @cute.jit
+    def prescaled(self, s: Float32, score_prescale: Float32) -> Float32:
+        if cutlass.const_expr(self.cfg.has_softcap):
+            return cute.math.tanh(s * score_prescale, fastmath=True)
+        return s
+
+    @cute.jit
+    def softmax_step(self, thread, load_s, tSt, s_registers, store_p, tPt, p_registers, coords,
+                     softmax: OnlineSoftmax, row_scale, pipes, row_stats, s_state, stats_state, seqlen, mask,
+                     m_block, n_block, score_prescale, masked: cutlass.Constexpr[bool]):
+        """One KV block: S from TMEM, the mask (where the block crosses a mask edge), the new row
+        maximum and its rescale factor (to the correction warps), P to TMEM (some exponentials on
+        the FMA pipe, but only in blocks without -inf scores), the row sum."""
+        pipes.s.consumer_wait(s_state)
+        rS = cute.make_rmem_tensor(s_registers, Float32)
+        cute.copy(load_s, tSt, rS)
+        cute.arch.fence_view_async_tmem_load()
+        scores = [[self.prescaled(rS[c], score_prescale) for c in range(cute.size(rS))]]
+        if cutlass.const_expr(masked):
+            scores = mask.apply(scores, coords, seqlen, m_block, n_block)
+        shift = softmax.update_max(scores, row_scale, self.cfg.rescale_threshold)
+        pipes.stats.producer_acquire(stats_state)
+        row_stats[thread, stats_state.index] = row_scale[0]
+        pipes.stats.producer_commit(stats_state)
+        rP = cute.make_rmem_tensor(p_registers, Float32)
+        block_sum = row_probabilities(scores[0], softmax.scale_log2, shift[0], cute.recast_tensor(rP, self.dtype),
+                                      0 if masked else self.cfg.exp2_emulated_eighths)
+        cute.copy(store_p, rP, tPt)
+        cute.arch.fence_view_async_tmem_store()  # P is in TMEM before the MMA may read it
+        pipes.s.consumer_release(s_state)
+        softmax.row_sum[0] = softmax.row_sum[0] * row_scale[0] + block_sum
+
+    @cute.jit
+    def sink_logit(self, mSink, head, row):
+        g = self.cfg.pack_gqa
+        if cutlass.const_expr(g == 1):
+            return Float32(mSink[head])
+        return Float32(mSink[head * g + row % g])
+
+    # ---- correction warpgroup --------------------------------------------------------------------
+    @cute.jit
+    def correction(self, tmem_ptr, tmem_layouts, pipes, row_stats, mO, seqlen: SeqlenInfo, mask: AttentionMask,
+                   m_block, head, batch, num_blocks, in_sequence):
+        """Rescale O_t whenever softmax t moved a row maximum, then write O / rowsum."""
+        thread = cute.arch.thread_idx()[0] % WARPGROUP
+        tOtO = [cute.make_tensor(tmem_ptr + c, tmem_layouts[1]) for c in self.tmem_o]
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2 * self.q_tiles)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
+        for i in cutlass.range(num_blocks, unroll=1):
+            for t in cutlass.range_constexpr(self.q_tiles):
+                pipes.stats.consumer_wait(stats_state)
+                scale = row_stats[thread, stats_state.index]
+                pipes.stats.consumer_release(stats_state)
+                if i > 0:  # block 0's P V starts O afresh
+                    self.rescale_o(tOtO[t], thread, scale)
+                pipes.s.consumer_release(s_state)
+                stats_state = advanced(stats_state)
+                s_state = advanced(s_state)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
+        for t in cutlass.range_constexpr(self.q_tiles):
+            pipes.stats.consumer_wait(stats_state)
+            out_scale = row_stats[thread, stats_state.index]
+            pipes.stats.consumer_release(stats_state)
+            stats_state = advanced(stats_state)
+            if in_sequence:
+                if num_blocks > 0:
+                    pipes.o.consumer_wait(o_state)
+                self.store_o(tOtO[t], thread, t, out_scale, num_blocks > 0, mO, seqlen, mask, m_block, head, batch)
+            o_state = advanced(o_state)
+
+    @cute.jit
+    def rescale_o(self, tOtO, thread, scale: Float32):
+        """O *= scale for this thread's row, in O_CHUNK-column chunks through registers. With the
+        conditional rescale most factors are exactly 1: a warp whose rows all kept their maximum
+        skips the round trip (a warp-uniform branch)."""
+        moved = scale != Float32(1.0)
+        if cutlass.const_expr(self.cfg.rescale_threshold == 0.0):
+            moved = True
+        if cute.arch.vote_any_sync(moved):
+            load, store, chunks = self.o_chunk_copies(tOtO, thread)
+            for c in cutlass.range_constexpr(cute.size(chunks[0], mode=[3])):
+                r = cute.make_rmem_tensor(chunks[1], Float32)
+                cute.copy(load, chunks[0][None, None, None, c], r)
+                cute.arch.fence_view_async_tmem_load()
+                for e in cutlass.range_constexpr(cute.size(r)):
+                    r[e] = r[e] * scale
+                cute.copy(store, r, chunks[2][None, None, None, c])
+            cute.arch.fence_view_async_tmem_store()  # O is rescaled before the MMA adds to it
+
+    def o_chunk_copies(self, tOtO, thread):
+        """TMEM <-> register copies of O by O_CHUNK columns: (load, store, (TMEM source per chunk,
+        register shape per chunk, TMEM destination per chunk))."""
+        chunk = self.o_chunk()
+        tO = cute.flat_divide(tOtO[(None, None), 0, 0], (TILE_M, chunk))  # (TILE_M, chunk, 1, chunks)
+        tO = tO[None, None, 0, None]
+        load = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(chunk)), Float32),
+                                      tO[None, None, 0]).get_slice(thread)
+        store = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(chunk)), Float32),
+                                       tO[None, None, 0]).get_slice(thread)
+        src = load.partition_S(tO)  # ((chunk, 1), 1, 1, chunks)
+        dst = store.partition_D(tO)
+        registers = load.partition_D(cute.make_identity_tensor((TILE_M, chunk))).shape  # ((chunk, 1), 1, 1)
+        return load, store, (src, registers, dst)
+
+    @cute.jit
+    def store_o(self, tOtO, thread, t: cutlass.Constexpr[int], out_scale: Float32, has_o, mO, seqlen: SeqlenInfo,
+                mask: AttentionMask, m_block, head, batch):
+        """O / rowsum of this thread's row into global memory (rows past the sequence are not
+        written; a tile whose rows saw no key writes zeros). Every thread of the warpgroup loads its
+        lane (tcgen05.ld is warp-collective); only the global stores are predicated."""
+        cfg = self.cfg
+        row = t * TILE_M + thread
+        row_inside = row < mask.rows(seqlen) - m_block * cfg.tile_m
+        gO = cute.local_tile(head_rows(mO, mask.rows_before(seqlen), head, batch, cfg.varlen),
+                             (cfg.tile_m, self.hdim_v_tile), (m_block, 0))
+        load, _, chunks = self.o_chunk_copies(tOtO, thread)
+        chunk = self.o_chunk()
+        gO_row = cute.flat_divide(gO[row, None], (chunk,))  # (chunk, chunks)
+        for c in cutlass.range_constexpr(cute.size(chunks[0], mode=[3])):
+            r = cute.make_rmem_tensor(chunks[1], Float32)
+            r.fill(0.0)
+            if has_o:
+                cute.copy(load, chunks[0][None, None, None, c], r)
+                cute.arch.fence_view_async_tmem_load()
+            rO = cute.make_rmem_tensor(chunk, self.dtype)
+            for e in cutlass.range_constexpr(chunk):
+                rO[e] = (r[e] * out_scale).to(self.dtype)
+            if row_inside:
+                if cutlass.const_expr(self.hdim_v_tile == self.hdim_v):
+                    cute.autovec_copy(rO, gO_row[None, c])
+                else:
+                    for e in cutlass.range_constexpr(chunk):
+                        if c * chunk + e < self.hdim_v:  # not a zero-padding column
+                            gO_row[e, c] = rO[e]
+
+    def o_chunk(self) -> int:
+        return O_CHUNK if self.hdim_v_tile % O_CHUNK == 0 else 16
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    """The kernel's mbarrier pipelines (see the module docstring); s, o and stats per query tile."""
+
+    q: pipeline.PipelineTmaUmma
+    kv: pipeline.PipelineTmaUmma
+    s: pipeline.PipelineUmmaAsync
+    o: pipeline.PipelineUmmaAsync
+    stats: pipeline.PipelineAsync
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate):
+    """acc (+)= a @ b over the k slices, issued by the calling (MMA) warp; ``accumulate`` False
+    starts the accumulator afresh at the first slice. Returns the MMA: its accumulate flag is a
+    traced value, so the caller rebinds the MMA as a local variable (loop-carried where needed)."""
+    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+        tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
+        cute.gemm(tiled_mma, acc, a[None, None, k], b[None, None, k], acc)
+    return tiled_mma
+
+
+def advanced(state: pipeline.PipelineState, steps: int = 1) -> pipeline.PipelineState:
+    """The state ``steps`` stages on, as a new value (loop-carried state is rebound, not mutated)."""
+    nxt = state.clone()
+    for _ in range(steps):
+        nxt.advance()
+    return nxt

@@ -1,0 +1,71 @@
+"""The online softmax applied to one thread's row of a Blackwell score tile, with packed f32x2 math.
+
+On sm_100 a softmax thread owns a whole row (one TMEM lane, TILE_N scores). The row statistics and
+the rescale rule are the shared ``OnlineSoftmax``'s (fa4_kernels/softmax.py); what is specific here
+is how the row's exponentials are computed: pairs of columns go through one FFMA2 for the scale and
+shift, MUFU.EX2 or, for the emulated columns (fa4_kernels/exp2.py's rule), the FMA-pipe polynomial
+in packed form, and the pair's row-sum contribution through FADD2. (Packed f32x2 arithmetic does
+not exist on sm_90a, which is why this is not in the shared module.)
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..exp2 import COEFFS, ROUND_DOWN_MAGIC
+
+
+def emulated(column: int, eighths: int) -> bool:
+    """Whether score column ``column`` takes the FMA-pipe exp2: ``eighths`` of every 16 columns,
+    in adjacent pairs (the unit of packed f32x2 math)."""
+    return (column // 2) % 8 >= 8 - eighths
+
+
+@cute.jit
+def exp2_fma_x2(x0: Float32, x1: Float32):
+    """exp2 of two values on the FMA pipe: fa4_kernels/exp2.py's algorithm (range reduction by the
+    round-down magic add, degree-3 Horner, exponent add) with FADD2/FFMA2 for the float steps."""
+    x0 = cute.arch.fmax(x0, Float32(-127.0))
+    x1 = cute.arch.fmax(x1, Float32(-127.0))
+    magic = (Float32(ROUND_DOWN_MAGIC), Float32(ROUND_DOWN_MAGIC))
+    r0, r1 = cute.arch.add_packed_f32x2((x0, x1), magic, rnd="rm")
+    f0, f1 = cute.arch.sub_packed_f32x2((r0, r1), magic)
+    f0, f1 = cute.arch.sub_packed_f32x2((x0, x1), (f0, f1))
+    p0, p1 = Float32(COEFFS[3]), Float32(COEFFS[3])
+    for c in (COEFFS[2], COEFFS[1], COEFFS[0]):
+        p0, p1 = cute.arch.fma_packed_f32x2((p0, p1), (f0, f1), (Float32(c), Float32(c)))
+    e0 = p0.bitcast(Int32) + (r0.bitcast(Int32) << 23)
+    e1 = p1.bitcast(Int32) + (r1.bitcast(Int32) << 23)
+    return e0.bitcast(Float32), e1.bitcast(Float32)
+
+
+@cute.jit
+def row_probabilities(scores: list, scale_log2: Float32, shift: Float32, probs: cute.Tensor,
+                      emulated_eighths: cutlass.Constexpr[int]) -> Float32:
+    """probs[c] = exp2(scores[c] * scale_log2 - shift) for the row, converted to probs' 16-bit type
+    32 columns at a time (paired conversions); returns the row's sum of the float32 values.
+    ``emulated_eighths`` > 0 is only valid for rows without -inf scores."""
+    n = len(scores)
+    chunk = 32 if n % 32 == 0 else n
+    neg_shift = -shift
+    # Four packed partial sums: independent FADD2 chains instead of one long one.
+    acc = [(Float32(0.0), Float32(0.0)) for _ in range(4)]
+    for base in cutlass.range_constexpr(0, n, chunk):
+        p32 = cute.make_rmem_tensor(chunk, Float32)
+        for c in cutlass.range_constexpr(0, chunk, 2):
+            x0, x1 = cute.arch.fma_packed_f32x2((scores[base + c], scores[base + c + 1]), (scale_log2, scale_log2),
+                                                (neg_shift, neg_shift))
+            if cutlass.const_expr(emulated(base + c, emulated_eighths)):
+                e0, e1 = exp2_fma_x2(x0, x1)
+            else:
+                e0, e1 = cute.math.exp2(x0, fastmath=True), cute.math.exp2(x1, fastmath=True)
+            p32[c], p32[c + 1] = e0, e1
+            k = (c // 2) % 4
+            acc[k] = cute.arch.add_packed_f32x2(acc[k], (e0, e1))
+        probs_chunk = cute.make_tensor(probs.iterator + base, cute.make_layout(chunk))
+        probs_chunk.store(p32.load().to(probs.element_type))
+    a = cute.arch.add_packed_f32x2(cute.arch.add_packed_f32x2(acc[0], acc[1]),
+                                   cute.arch.add_packed_f32x2(acc[2], acc[3]))
+    return a[0] + a[1]

@@ -1,0 +1,62 @@
+"""Blackwell (sm_100 family) forward tiles and schedule: a pure function of head dims, mask kind and
+layout, never of sizes.
+
+Every head dim runs 128 x 128 tiles (the M = 128 tcgen05 MMA of one CTA, a KV block of 128 keys,
+one thread per query row in the softmax). Up to head_dim_v = 128 a CTA works on two query tiles
+whose S and O accumulators fill the 512 columns of tensor memory (2 x 128 + 2 x 128); above that O
+is up to 256 columns wide and a CTA keeps one query tile (128 + 256).
+
+The softmax choices follow the FA4 design (docs/perf.md "Blackwell, on paper"): on B200 the
+exponentials of a 128 x 128 tile take about as long as its two MMAs at d = 128, so a share of each
+row's exponentials runs as a polynomial on the FMA pipe (one column pair in eight, 12.5 %) where the
+head dim leaves the FMA pipe room (d <= 128), and O is rescaled only when a row maximum grew by more
+than 2^8 (the conditional rescale: exact, since O and the row sum share the stale maximum).
+"""
+
+from __future__ import annotations
+
+TILE_M = 128  # query rows per tile: the M of one CTA's tcgen05 MMA, one softmax thread per row
+TILE_N = 128  # keys per KV block
+# Conditional rescaling in log2 units: P stays <= 2^8, far from overflowing 16-bit P or the
+# float32 O accumulator over any sequence length.
+RESCALE_THRESHOLD = 8.0
+
+
+def query_tiles(head_dim_v: int) -> int:
+    """Query tiles per CTA: two while both tiles' S and O fit in the 512 tensor-memory columns."""
+    return 2 if _pad16(head_dim_v) <= 128 else 1
+
+
+def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
+    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class. num_stages is the
+    depth of the K/V ring in shared memory: as many K or V tiles as fit beside the query tiles."""
+    del causal, local
+    return dict(tile_m=TILE_M * query_tiles(head_dim_v), tile_n=TILE_N,
+                num_stages=kv_stages(head_dim, head_dim_v))
+
+
+def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
+    """ForwardConfig overrides for the softmax and GQA packing of a problem class."""
+    del varlen
+    return dict(
+        rescale_threshold=RESCALE_THRESHOLD,
+        exp2_emulated_eighths=1 if max(head_dim, head_dim_v) <= 128 else 0,
+        pack_gqa=qhead_per_kvhead if qhead_per_kvhead > 1 and 64 % qhead_per_kvhead == 0 else 1,
+    )
+
+
+# Shared memory: 227 KiB a block can opt into, less room for barriers and the row statistics.
+SMEM_BYTES = 227 * 1024
+SMEM_RESERVED = 4 * 1024
+MAX_KV_STAGES = 6
+
+
+def kv_stages(head_dim: int, head_dim_v: int, element_bytes: int = 2) -> int:
+    """K and V tiles share one ring of stages, each as large as the larger of the two."""
+    q_bytes = query_tiles(head_dim_v) * TILE_M * _pad16(head_dim) * element_bytes
+    stage_bytes = TILE_N * max(_pad16(head_dim), _pad16(head_dim_v)) * element_bytes
+    return min(MAX_KV_STAGES, (SMEM_BYTES - SMEM_RESERVED - q_bytes) // stage_bytes)
+
+
+def _pad16(d: int) -> int:
+    return -(-d // 16) * 16
