@@ -1,8 +1,9 @@
 """The per-arch registry (fa4_kernels/arch.py: KERNELS): what shared code may assume about an arch,
-how it refuses one without kernels."""
+how it refuses one without kernels, and that nothing outside an arch's package reaches into it."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -16,6 +17,9 @@ from flash_attn4.fa4_kernels.arch import KERNELS, Arch
 from flash_attn4.fa4_kernels.config import BackwardConfig, ForwardConfig, PostprocessConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = REPO_ROOT / "torch-ext" / "flash_attn4"
+# Sub-packages of fa4_kernels that belong to one architecture.
+ARCH_PACKAGES = {"sm90", "sm100"}
 
 
 def _without_kernels() -> list[Arch]:
@@ -122,3 +126,38 @@ def test_compile_module_runs_from_any_directory(tmp_path):
         assert done.returncode == 2 and f"no kernels for {arch.value}" in done.stderr, (done.returncode, done.stderr)
     makefile = (REPO_ROOT / "Makefile").read_text()
     assert "-m flash_attn4.fa4_kernels.compile" in makefile
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(relative level, dotted module) of every import in a file, 'from . import x' as module 'x'."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(0, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.module:
+                found.append((node.level, node.module))
+            else:
+                found += [(node.level, alias.name) for alias in node.names]
+    return found
+
+
+def test_shared_modules_import_no_arch_package():
+    """Outside fa4_kernels/<arch>/, nothing imports an arch's modules: the torch layer and the shared
+    kernels reach them only through the registry (arch.py), by name."""
+    kernels_dir = PACKAGE / "fa4_kernels"
+    shared = [p for p in PACKAGE.rglob("*.py")
+              if "__pycache__" not in p.parts and not ARCH_PACKAGES & set(p.relative_to(kernels_dir).parts[:1]
+                                                                          if p.is_relative_to(kernels_dir) else ())]
+    assert (PACKAGE / "ops.py") in shared and (kernels_dir / "compile.py") in shared
+    offenders = [(p.relative_to(PACKAGE).as_posix(), level, module) for p in shared
+                 for level, module in _imports(p) if ARCH_PACKAGES & set(module.split("."))]
+    assert offenders == []
+    # ... and names no arch in code: no `Arch.SM90` branches (the registry table aside).
+    for p in shared:
+        if p == kernels_dir / "arch.py":
+            continue
+        tree = ast.parse(p.read_text())
+        attrs = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                 and n.value.id == "Arch"]
+        assert not set(attrs) & {a.name for a in Arch}, (p, attrs)
