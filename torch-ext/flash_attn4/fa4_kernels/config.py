@@ -179,7 +179,7 @@ class BackwardConfig(_KernelConfig):
     dk, dv like k, v in ``dtype``: written whole (dK and dV of a KV head summed over its query heads).
     Varlen: the token axis is packed, q (total_q, hq, d) etc.; lse_log2/dpsum (hq, rows) with sequence
     b's rows from seqlen.packed_row_offset(cu_seqlens_q[b], b) on (16-byte aligned starts; rows =
-    packed_row_offset(total_q, batch)); dq_accum (hq, rows, 128), sequence b's query blocks from
+    packed_row_offset(total_q, batch)); dq_accum (hq, rows, row), sequence b's query blocks from
     the layout's block_offset(cu_seqlens_q[b], b) on; cu_seqlens_q/k (batch + 1,) int32, seqused_k
     (batch,) int32 or None.
     dq_semaphore (batch, hq, ceil(max_seqlen_q / tile_m), 2) int32 zeroed, when ``deterministic``
