@@ -19,9 +19,11 @@ setup:
 build:
 	$(PYTHON) scripts/build_hub.py --build-dir $(BUILD_DIR)
 
-# Compile the kernel set for ARCH without a GPU (sm_90a or sm_100a).
+# Compile the kernel set for ARCH without a GPU; an arch without kernels is an error. The module is
+# run as flash_attn4.fa4_kernels.compile from torch-ext/ (this tree's, not an installed copy),
+# which works from any directory.
 compile:
-	$(PYTHON) -m fa4_kernels.compile --arch $(ARCH)
+	PYTHONPATH="$(CURDIR)/torch-ext$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m flash_attn4.fa4_kernels.compile --arch $(ARCH)
 
 # Test processes (pytest-xdist): kernel compiles are most of both suites' time and run in parallel.
 TEST_WORKERS ?= 2

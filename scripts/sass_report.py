@@ -4,9 +4,11 @@
     python scripts/sass_report.py bwd d=128 d=128,causal=true d=128,tile_m=80
     python scripts/sass_report.py fwd d=64,causal=true,exp2_emulated_eighths=2 --arch sm_90a
     python scripts/sass_report.py bwd d=64 d=128 --dump before/   # normalised SASS, one file each
+    python scripts/sass_report.py bwd_post d=128 d=64,varlen=true     # the backward's dQ postprocessing
 
 A spec is ``d=<head_dim>[,dv=<head_dim_v>]`` plus Forward/BackwardConfig fields (``causal=true``,
-``tile_m=80``, ...). The base configuration is the one dispatch picks for those head dims and mask
+``tile_m=80``, ...); ``bwd_pre`` reads only dv, ``bwd_post`` compiles the postprocessing kernel of the
+backward the spec names. The base configuration is the one dispatch picks for those head dims and mask
 flags, so a spec names only what differs. Each spec compiles in its own process (the DSL reads its
 dump settings at import) and is disassembled with nvdisasm (pip install nvidia-cuda-nvdisasm).
 
@@ -46,10 +48,16 @@ arch = Arch(arch)
 if kind == "fwd":
     cfg = dispatch.forward_config(arch, "bfloat16", d, dv, has_sink=fields.pop("has_sink", False), **flags)
     kc.compile_forward(cfg.replace(**fields))
+elif kind == "bwd_pre":
+    kc.compile_backward_preprocess(dispatch.preprocess_config(arch, "bfloat16", dv))
 else:
     cfg = dispatch.backward_config(arch, "bfloat16", d, dv, deterministic=fields.pop("deterministic", False),
                                    **flags)
-    kc.compile_backward(cfg.replace(**fields))
+    cfg = cfg.replace(**fields)
+    if kind == "bwd":
+        kc.compile_backward(cfg)
+    else:
+        kc.compile_backward_postprocess(cfg.postprocess())
 """
 
 
@@ -107,7 +115,7 @@ def summary(sass: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("kind", choices=("fwd", "bwd"))
+    p.add_argument("kind", choices=("fwd", "bwd", "bwd_pre", "bwd_post"))
     p.add_argument("specs", nargs="+", help="d=128,causal=true,... (see the module docstring)")
     p.add_argument("--arch", default="sm_90a")
     p.add_argument("--dump", type=Path, help="write each kernel's normalised SASS into this folder")

@@ -21,7 +21,7 @@ import argparse
 import heapq
 import math
 
-L2_BUDGET_BYTES = 24 * 1024 * 1024  # fa4_kernels/scheduler.py
+L2_BUDGET_BYTES = 24 * 1024 * 1024  # fa4_kernels/sm90/tiles.py (what the sm90 kernels pass the scheduler)
 
 
 def busy_share(costs: list[float], sms: int) -> float:

@@ -58,13 +58,30 @@ def test_unsupported_gpu_names_device_capability_and_support(fake_device, cap, n
     msg = str(info.value)
     assert name in msg
     assert f"{cap[0]}.{cap[1]}" in msg
-    assert "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)" in msg
+    # What is supported comes from the registry: a family without kernels is not claimed.
+    assert "supported: " + arch_mod.supported_devices() in msg
+    assert "sm_90 (H100/H200)" in msg
+    for arch, kernels in arch_mod.IMPLEMENTED.items():
+        assert (arch.devices in msg) == bool(kernels), arch
+
+
+def test_supported_devices_follows_the_registry():
+    assert arch_mod.supported_devices({Arch.SM90: ("forward", "backward"), Arch.SM100: ()}) == "sm_90 (H100/H200)"
+    assert arch_mod.supported_devices({Arch.SM90: ("forward", "backward"), Arch.SM100: ("forward",)}) == (
+        "sm_90 (H100/H200) or sm_100 family (B200/GB200, B300/GB300) (forward only)")
 
 
 def test_backward_dispatch_hopper_yes_blackwell_clear_error():
     assert dispatch.arch_for_capability((9, 0), "NVIDIA H100", kernel="backward") is Arch.SM90
-    with pytest.raises(NotImplementedError, match="Blackwell kernels are not implemented yet"):
+    if not arch_mod.IMPLEMENTED[Arch.SM100]:
+        with pytest.raises(NotImplementedError, match="Blackwell kernels are not implemented yet"):
+            dispatch.arch_for_capability((10, 0), "NVIDIA B200", kernel="backward")
+
+
+def test_a_family_with_a_forward_only_names_the_missing_pass(sm100_implemented):
+    with pytest.raises(NotImplementedError, match="Blackwell backward kernels are not implemented yet") as info:
         dispatch.arch_for_capability((10, 0), "NVIDIA B200", kernel="backward")
+    assert "sm_100 family (B200/GB200, B300/GB300) (forward only)" in str(info.value)
 
 
 @pytest.mark.parametrize("d,dv,split,tile_m,tile_n,stages", [

@@ -12,13 +12,10 @@ import functools
 import torch
 
 from . import device_info
-from .fa4_kernels.arch import IMPLEMENTED, Arch
+from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
 from .fa4_kernels.config import BackwardConfig, ForwardConfig, PreprocessConfig
 from .fa4_kernels.tiles import backward_tiles, forward_schedule, forward_tiles
 
-SUPPORTED_DEVICES = "supported: sm_90 (H100/H200), sm_100 family (B200/GB200)"
-
-_ARCH_FAMILY_NAMES = {Arch.SM90: "Hopper (sm_90)", Arch.SM100: "Blackwell (sm_100 family)"}
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -35,18 +32,14 @@ def arch_for_capability(capability: tuple[int, int], device_name: str = "this GP
     if arch is None:
         raise RuntimeError(
             f"flash-attn4 has no kernels for {device_name} (compute capability {major}.{minor}); "
-            f"{SUPPORTED_DEVICES}"
+            f"supported: {supported_devices(IMPLEMENTED)}"
         )
     if kernel not in IMPLEMENTED.get(arch, ()):
-        family = _ARCH_FAMILY_NAMES.get(arch, str(arch))
-        if arch == Arch.SM100:
-            what = "Blackwell kernels are not implemented yet"
-        else:
-            what = f"{family} {kernel} kernels are not implemented yet"
+        what = (f"{arch.family} kernels are not implemented yet" if not IMPLEMENTED.get(arch)
+                else f"{arch.family} {kernel} kernels are not implemented yet")
         raise NotImplementedError(
             f"flash-attn4: {what} ({kernel} pass requested on {device_name}, compute capability "
-            f"{major}.{minor}); implemented today: "
-            + ", ".join(f"{a.value}: {list(k)}" for a, k in IMPLEMENTED.items() if k)
+            f"{major}.{minor}); supported: {supported_devices(IMPLEMENTED)}"
         )
     return arch
 

@@ -36,6 +36,7 @@ import torch
 
 from . import compile_cache, dispatch, settings, validate
 from ._ops import add_op_namespace_prefix
+from .fa4_kernels.arch import kernels_for
 
 # The ops are defined with torch.library's low-level API rather than torch.library.custom_op: that
 # wraps every implementation in torch._disable_dynamo, which imports torch._dynamo (about a second of
@@ -196,7 +197,7 @@ LOG2_E = 1.4426950408889634
 _ROW_ALIGN = 4  # float32 rows of the LSE / rowsum buffers: TMA needs 16-byte strides
 
 
-# The pre- and postprocessing as kernels (fa4_kernels/bwd_preprocess.py, sm90/bwd_postprocess.py), or as
+# The pre- and postprocessing as kernels (fa4_kernels/bwd_preprocess.py, the arch's bwd_postprocess), or as
 # the torch ops they replace (kept as the tests' reference). The kernels match them on the H200
 # (tests/gpu/test_bwd.py) and make the whole backward 1.03-1.25x faster (docs/perf.md).
 PREPROCESS_KERNEL = True
@@ -236,30 +237,32 @@ def _backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     return lse_log2, dpsum
 
 
-def _dq_accum(q: torch.Tensor, cfg, cu_seqlens_q: Optional[torch.Tensor]) -> torch.Tensor:
-    """The zeroed float32 dQ accumulator the backward kernel reduce-adds into, in its blocked
-    register order (fa4_kernels/sm90/dq_accum.py): (b, hq, blocks * rows_per_block, 128) batched,
-    (hq, block_offset(total, batch) * rows_per_block, 128) packed."""
-    from .fa4_kernels.sm90.dq_accum import ROW, DqTiling, block_offset
+def _dq_accum_layout(cfg):
+    """The arch's dQ accumulator layout for a BackwardConfig (registry: fa4_kernels/arch.py)."""
+    entry = kernels_for(cfg.arch, "backward")
+    return entry.load(entry.dq_accum_layout)(cfg)
 
-    tiling = DqTiling(cfg.tile_m, cfg.head_dim)
+
+def _dq_accum(q: torch.Tensor, cfg, cu_seqlens_q: Optional[torch.Tensor]) -> torch.Tensor:
+    """The zeroed float32 dQ accumulator the backward kernel reduce-adds into, in the arch's blocked
+    order (its dq_accum_layout, fa4_kernels/arch.py): (b, hq, blocks * rows_per_block, row) batched,
+    (hq, block_offset(total, batch) * rows_per_block, row) packed."""
+    layout = _dq_accum_layout(cfg)
     if cu_seqlens_q is not None:
-        blocks = block_offset(q.shape[0], cu_seqlens_q.shape[0] - 1, cfg.tile_m)
-        shape = (q.shape[1], blocks * tiling.rows_per_block, ROW)
+        blocks = layout.block_offset(q.shape[0], cu_seqlens_q.shape[0] - 1)
+        shape = (q.shape[1], blocks * layout.rows_per_block, layout.row)
     else:
         blocks = -(-q.shape[1] // cfg.tile_m)
-        shape = (q.shape[0], q.shape[2], blocks * tiling.rows_per_block, ROW)
+        shape = (q.shape[0], q.shape[2], blocks * layout.rows_per_block, layout.row)
     return torch.zeros(shape, dtype=torch.float32, device=q.device)
 
 
 def _dq_accum_index(cfg, q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> torch.Tensor:
     """For every element of dQ (q's shape), its position in the flattened dq_accum: the torch
-    reference of the postprocessing kernel's reordering, from DqTiling.block_order. No device sync."""
-    from .fa4_kernels.sm90.dq_accum import DqTiling, block_offset
-
-    tiling, tile_m, d = DqTiling(cfg.tile_m, cfg.head_dim), cfg.tile_m, cfg.head_dim
+    reference of the postprocessing kernel's reordering, from the layout's block_order. No device sync."""
+    layout, tile_m, d = _dq_accum_layout(cfg), cfg.tile_m, cfg.head_dim
     device, block = q.device, tile_m * d
-    order = torch.tensor(tiling.block_order(), device=device)
+    order = torch.tensor(layout.block_order(), device=device)
     in_block = torch.empty_like(order)
     in_block[order] = torch.arange(block, device=device)  # (row * d + col) -> position in the block
     col = torch.arange(d, device=device)
@@ -276,8 +279,8 @@ def _dq_accum_index(cfg, q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) 
         seq = torch.repeat_interleave(torch.arange(batch, device=device), cu_seqlens_q[1:] - cu_seqlens_q[:-1],
                                       output_size=total)
         token = torch.arange(total, device=device) - starts[seq]  # within its sequence
-        first = block_offset(starts, torch.arange(batch, device=device), tile_m)[seq]
-        blocks = block_offset(total, batch, tile_m)
+        first = layout.block_offset(starts, torch.arange(batch, device=device))[seq]
+        blocks = layout.block_offset(total, batch)
         start = (torch.arange(hq, device=device)[None, :] * blocks + (first + token // tile_m)[:, None]) * block
     return start[..., None] + in_block[(token % tile_m)[..., None] * d + col].unsqueeze(-2)
 

@@ -20,8 +20,10 @@ import numbers
 
 import torch
 
+from .fa4_kernels.arch import supported_devices
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_DEVICES = "supported: CUDA tensors on sm_90 (H100/H200) or sm_100 family (B200/GB200) GPUs"
+SUPPORTED_DEVICES = f"supported: CUDA tensors on {supported_devices()} GPUs"
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 ALIGN_BYTES = 16

@@ -1,8 +1,33 @@
-"""Compile targets, and which GPU capability runs which kernel family."""
+"""Compile targets, which GPU capability runs which kernel family, and which kernels each target has.
+
+``KERNELS`` is the one table of what exists per architecture: for each ``Arch``, the sub-package of
+fa4_kernels that holds its kernels and rules, and the kernel classes in it. Nothing outside an
+arch's sub-package imports from it directly; shared code (tiles, compile, the torch layer) looks the
+arch up here. Modules are imported on first use: the rules are plain Python, the kernels import the
+DSL, which takes seconds.
+
+An arch's sub-package provides:
+- ``tiles.py``, its rules, plain Python (no DSL import):
+  ``forward_tiles(head_dim, head_dim_v, causal, local)`` and
+  ``forward_schedule(head_dim, head_dim_v, varlen, qhead_per_kvhead)``: ForwardConfig overrides;
+  ``FORWARD_KERNEL_SET``: the problem classes CI compiles (``fa4_kernels.compile.kernel_set``), each a
+  dict of ``d``, ``dv``, ``dtype``, ``qhead_per_kvhead`` and ForwardConfig flags (defaults: 128, 128,
+  bfloat16, 1);
+  optionally ``check_forward(cfg)``: raises ValueError for a ForwardConfig this arch's kernel
+  cannot build (ForwardConfig runs it when constructed);
+  with a backward also ``backward_tiles(head_dim, head_dim_v, causal, local, has_softcap)``,
+  ``BACKWARD_KERNEL_SET`` (dicts of ``d``, ``dv`` and BackwardConfig flags) and optionally
+  ``check_backward(cfg)`` / ``check_postprocess(cfg)``.
+- the kernel classes named in its ``ArchKernels`` entry, ``"module:Class"`` within the sub-package,
+  each constructed from its config and called with the call convention documented on the config.
+"""
 
 from __future__ import annotations
 
 import enum
+import importlib
+from dataclasses import dataclass
+from typing import Optional
 
 
 class Arch(str, enum.Enum):
@@ -27,9 +52,86 @@ class Arch(str, enum.Enum):
             return cls.SM100
         return None
 
+    @property
+    def family(self) -> str:
+        """The GPU family in words, for messages."""
+        return _FAMILIES[self][0]
+
+    @property
+    def devices(self) -> str:
+        """The capabilities and GPUs that run this target, for messages."""
+        return _FAMILIES[self][1]
+
     def __str__(self) -> str:
         return self.value
 
 
-# Kernel families that exist today; dispatch raises a clear error for the others.
-IMPLEMENTED = {Arch.SM90: ("forward", "backward"), Arch.SM100: ()}
+_FAMILIES = {Arch.SM90: ("Hopper", "sm_90 (H100/H200)"),
+             Arch.SM100: ("Blackwell", "sm_100 family (B200/GB200, B300/GB300)")}
+
+
+@dataclass(frozen=True)
+class ArchKernels:
+    """What one compile target ships: ``package`` is its sub-package of fa4_kernels; the others name
+    kernel classes (``"module:Class"`` within the package) or, for ``dq_accum_layout``, a function;
+    None where the arch has no such kernel."""
+
+    package: str
+    forward: str
+    backward: Optional[str] = None
+    # dQ from the backward's float32 accumulator, in the input dtype (PostprocessConfig).
+    bwd_postprocess: Optional[str] = None
+    # cfg (anything with tile_m and head_dim: BackwardConfig, PostprocessConfig) -> the layout of the
+    # backward's dQ accumulator, which the torch layer allocates and the postprocessing reads back:
+    # ``row`` (floats per row), ``rows_per_block`` (rows per query block), ``block_offset(token_offset,
+    # batch)`` (a varlen sequence's first query block), ``block_order()`` (for each float of a query
+    # block in order, its row * head_dim + col in the block's dQ).
+    dq_accum_layout: Optional[str] = None
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The passes implemented: "forward", and "backward" where the arch has one."""
+        return ("forward",) + (("backward",) if self.backward else ())
+
+    def rules(self):
+        """The arch's tiles.py (tile and schedule rules, kernel sets, config checks)."""
+        return importlib.import_module(f".{self.package}.tiles", __package__)
+
+    def load(self, name: str):
+        """The object ``"module:attribute"`` of the arch's package (imports the module)."""
+        module, _, attribute = name.partition(":")
+        return getattr(importlib.import_module(f".{self.package}.{module}", __package__), attribute)
+
+
+KERNELS: dict[Arch, ArchKernels] = {
+    Arch.SM90: ArchKernels("sm90", forward="fwd:FlashAttentionForwardSm90", backward="bwd:FlashAttentionBackwardSm90",
+                           bwd_postprocess="bwd_postprocess:BackwardPostprocessSm90",
+                           dq_accum_layout="dq_accum:accum_layout"),
+}
+
+# Kernel passes per arch ("forward", "backward"); empty for a target without kernels. dispatch
+# raises a clear error for those.
+IMPLEMENTED: dict[Arch, tuple[str, ...]] = {arch: KERNELS[arch].kernels if arch in KERNELS else () for arch in Arch}
+
+
+def describe_implemented() -> str:
+    """What exists, for error messages: 'sm_90a: forward, backward'."""
+    return "; ".join(f"{arch.value}: {', '.join(entry.kernels)}" for arch, entry in KERNELS.items()) or "nothing"
+
+
+def supported_devices(implemented: dict[Arch, tuple[str, ...]] = IMPLEMENTED) -> str:
+    """The GPU families with kernels, for messages: 'sm_90 (H100/H200)', with the passes where an
+    arch has not all of them ('... (forward only)')."""
+    families = [arch.devices + ("" if set(kernels) >= {"forward", "backward"} else f" ({', '.join(kernels)} only)")
+                for arch, kernels in implemented.items() if kernels]
+    return " or ".join(families) or "none"
+
+
+def kernels_for(arch: Arch, kernel: str = "forward") -> ArchKernels:
+    """The registry entry of ``arch``; NotImplementedError naming the arch and what exists when it
+    has no ``kernel`` ("forward" or "backward") pass."""
+    entry = KERNELS.get(arch)
+    if entry is None or kernel not in entry.kernels:
+        raise NotImplementedError(f"flash-attn4: no {kernel} kernel for {arch} ({Arch(arch).family}) yet; "
+                                  f"implemented: {describe_implemented()}")
+    return entry

@@ -1,6 +1,9 @@
 """Compile kernels without a GPU: fake tensors with symbolic sizes, the target named explicitly.
 
-    python -m fa4_kernels.compile --arch sm_90a     # compiles the kernel set, prints seconds each
+    python -m flash_attn4.fa4_kernels.compile --arch sm_90a   # compiles the kernel set, prints seconds each
+    python -m fa4_kernels.compile --arch sm_90a --list       # (from the repository root) names it only
+
+An arch without kernels (no entry in arch.KERNELS) is an error: exit status 2.
 
 ``compile_forward(cfg)`` is also what the torch layer calls on a real GPU: the compiled TVM-FFI
 function then takes torch tensors directly and runs on the current CUDA stream. Sizes (batch,
@@ -15,21 +18,9 @@ import sys
 import time
 import warnings
 
-from .arch import IMPLEMENTED, Arch
+from .arch import KERNELS, Arch, describe_implemented, kernels_for
 from .config import BackwardConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
 from .tiles import backward_tiles, forward_schedule, forward_tiles
-
-_IMPLEMENTATIONS = {}
-
-
-def _forward_class(arch: Arch):
-    if arch is Arch.SM90:
-        from .sm90.fwd import FlashAttentionForwardSm90
-
-        return FlashAttentionForwardSm90
-    raise NotImplementedError(
-        f"flash-attn4: no forward kernel for {arch.value} yet (implemented: {Arch.SM90.value})"
-    )
 
 
 def _cutlass_dtype(name: str):
@@ -105,8 +96,9 @@ def compile_forward(cfg: ForwardConfig, *, jit_engine: bool = True):
     with the call convention documented on ``ForwardConfig`` (``jit_engine``: see ``_compile``)."""
     import cutlass
 
+    entry = kernels_for(cfg.arch, "forward")
     return _compile(
-        _forward_class(cfg.arch)(cfg), *_fake_tensors(cfg),
+        entry.load(entry.forward)(cfg), *_fake_tensors(cfg),
         cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
         cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
         cutlass.Int32(1),  # max_seqlen_q
@@ -120,12 +112,9 @@ def compile_backward(cfg: BackwardConfig, *, jit_engine: bool = True):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    if cfg.arch is not Arch.SM90:
-        raise NotImplementedError(f"flash-attn4: no backward kernel for {cfg.arch.value} yet")
-    from .sm90.bwd import FlashAttentionBackwardSm90
-    from .sm90.dq_accum import ROW
-
-    kernel = FlashAttentionBackwardSm90(cfg)
+    entry = kernels_for(cfg.arch, "backward")
+    kernel = entry.load(entry.backward)(cfg)
+    row = entry.load(entry.dq_accum_layout)(cfg).row
     dtype, f32, i32 = _cutlass_dtype(cfg.dtype), cutlass.Float32, cutlass.Int32
     lead = 2 if cfg.varlen else 3  # (total, h) or (b, s, h)
     rows_lead = 1 if cfg.varlen else 2  # lse_log2 / dpsum: (h, total_pad) or (b, h, s_pad)
@@ -137,7 +126,7 @@ def compile_backward(cfg: BackwardConfig, *, jit_engine: bool = True):
                  if cfg.deterministic else None)
     args = (_fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
             _fake_tokens(dtype, lead, dv), _fake_rows(rows_lead, padded=True), _fake_rows(rows_lead, padded=True),
-            _fake_tokens(f32, lead, ROW), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
+            _fake_tokens(f32, lead, row), _fake_tokens(dtype, lead, d), _fake_tokens(dtype, lead, dv),
             cu_q, cu_k, seqused_k, semaphore)
     return _compile(kernel, *args,
                     cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
@@ -158,34 +147,33 @@ def compile_backward_preprocess(cfg: PreprocessConfig, *, jit_engine: bool = Tru
 
 
 def compile_backward_postprocess(cfg: PostprocessConfig, *, jit_engine: bool = True):
-    """Compile the backward's postprocessing kernel (no GPU needed; call convention in
-    sm90/bwd_postprocess.py): dQ from its float32 accumulator."""
+    """Compile the backward's postprocessing kernel (no GPU needed; call convention in the arch's
+    bwd_postprocess module): dQ from its float32 accumulator."""
     import cutlass
 
-    if cfg.arch is not Arch.SM90:
-        raise NotImplementedError(f"flash-attn4: no backward kernel for {cfg.arch.value} yet")
-    from .sm90.bwd_postprocess import BackwardPostprocessSm90
-    from .sm90.dq_accum import ROW
-
+    entry = kernels_for(cfg.arch, "backward")
+    row = entry.load(entry.dq_accum_layout)(cfg).row
     lead = 2 if cfg.varlen else 3
-    accum, dq = _fake_tokens(cutlass.Float32, lead, ROW), _fake_tokens(_cutlass_dtype(cfg.dtype), lead, cfg.head_dim)
+    accum, dq = _fake_tokens(cutlass.Float32, lead, row), _fake_tokens(_cutlass_dtype(cfg.dtype), lead, cfg.head_dim)
     cu_q = _fake_vector(cutlass.Int32) if cfg.varlen else None
-    return _compile(BackwardPostprocessSm90(cfg), accum, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(1),
+    return _compile(entry.load(entry.bwd_postprocess)(cfg), accum, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(1),
                     arch=cfg.arch, jit_engine=jit_engine)
 
 
 def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | PostprocessConfig]:
-    """Backward configurations CI compiles: the common head dims, and every feature switch once."""
-    if arch is not Arch.SM90:
+    """Backward configurations CI compiles: the arch's BACKWARD_KERNEL_SET (tiles.py) with the tiles
+    dispatch picks, the postprocessing of each of their dQ tilings and the preprocessing; empty for
+    an arch without a backward."""
+    entry = KERNELS.get(arch)
+    if entry is None or "backward" not in entry.kernels:
         return []
+
     def cfg(d=128, dv=128, **flags):
         mask = {f: flags.get(f, False) for f in ("causal", "local", "has_softcap")}
         return BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, **flags,
                               **backward_tiles(arch, d, dv, **mask))
 
-    mains = [cfg(), cfg(causal=True), cfg(64, 64),
-             cfg(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
-             cfg(192, 192), cfg(256, 256, causal=True), cfg(192, 128, varlen=True, deterministic=True)]
+    mains = [cfg(**problem) for problem in entry.rules().BACKWARD_KERNEL_SET]
     # Postprocessing: each dQ tiling (80-query blocks transposed, 128 split by rows, 64 by columns),
     # batched and varlen.
     posts = {c.postprocess() for c in mains}
@@ -194,19 +182,18 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
 
 
 def kernel_set(arch: Arch) -> list[ForwardConfig]:
-    """The configurations CI compiles for an arch: each head-dim class with the tiles dispatch
-    picks for it, plus each feature switch once."""
-    if arch not in IMPLEMENTED or "forward" not in IMPLEMENTED[arch]:
+    """The forward configurations CI compiles for an arch: its FORWARD_KERNEL_SET (tiles.py), each
+    with the tiles and schedule dispatch picks for it; empty for an arch without kernels."""
+    entry = KERNELS.get(arch)
+    if entry is None:
         return []
 
-    def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, **flags):
-        return ForwardConfig(arch=arch, dtype=flags.pop("dtype", "bfloat16"), head_dim=d, head_dim_v=dv,
+    def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, dtype="bfloat16", **flags):
+        return ForwardConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=dv,
                              causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
                              **forward_schedule(arch, d, dv, flags.get("varlen", False), qhead_per_kvhead))
 
-    return [cfg(), cfg(causal=True), cfg(dtype="float16"), cfg(varlen=True, has_seqused_k=True),
-            cfg(local=True), cfg(has_softcap=True, has_sink=True), cfg(causal=True, qhead_per_kvhead=4),
-            cfg(64, 64), cfg(64, 64, causal=True), cfg(96, 96), cfg(192, 192), cfg(192, 128), cfg(256, 256)]
+    return [cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET]
 
 
 _COMPILERS = {ForwardConfig: compile_forward, BackwardConfig: compile_backward,
@@ -231,11 +218,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90a", help="compile target (sm_90a, sm_100a)")
     parser.add_argument("--only", type=int, default=None, help="compile only the first N configurations")
+    parser.add_argument("--list", action="store_true", help="print the kernel set without compiling it")
     args = parser.parse_args(argv)
-    arch = Arch.parse(args.arch)
-    configs = (kernel_set(arch) + backward_kernel_set(arch))[: args.only]
+    try:
+        arch = Arch.parse(args.arch)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configs = kernel_set(arch) + backward_kernel_set(arch)
     if not configs:
-        print(f"no kernels implemented for {arch.value} yet")
+        print(f"error: flash-attn4 has no kernels for {arch.value}; implemented: {describe_implemented()}",
+              file=sys.stderr)
+        return 2
+    configs = configs[: args.only]
+    if args.list:
+        for cfg in configs:
+            print(_describe(cfg))
         return 0
     failures = 0
     total = time.perf_counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .arch import Arch
+from .arch import KERNELS, Arch
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = tuple(range(8, 257, 8))
@@ -44,6 +44,15 @@ class _Config:
     def _check_dtype(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _check_arch(self, check: str) -> None:
+        """The arch's own rules for this kind of kernel (``check`` in its tiles.py, if it has one):
+        tile shapes and switches its kernel supports. An arch without kernels has no rules: compile
+        refuses it."""
+        entry = KERNELS.get(self.arch)
+        rule = getattr(entry.rules(), check, None) if entry is not None else None
+        if rule is not None:
+            rule(self)
 
 
 @dataclass(frozen=True)
@@ -86,14 +95,21 @@ class ForwardConfig(_KernelConfig):
     window_left/right: int (used only when ``local``; -1 means unbounded on that side);
     max_seqlen_q: int (grid size; for batched inputs it is sq).
     hq must be a multiple of hk (GQA/MQA: query head h reads KV head h // (hq // hk)).
+
+    Which fields an arch reads: every forward reads the problem class (dtype through has_sink,
+    pack_gqa), its tiles (tile_m, tile_n, num_stages: what they mean in warps and stages is the
+    arch's), rescale_threshold, exp2_emulated_eighths and persistent_ctas. pingpong, tma_store_o,
+    rescale_o_before_pv and whole_k_gemms are sm90 schedule switches (sm90/tiles.py); another arch
+    leaves them at their defaults. The arch's check_forward (registry in arch.py) rejects what its
+    kernel cannot build, when the config is constructed.
     """
 
     has_softcap: bool = False
     varlen: bool = False
     has_seqused_k: bool = False
     has_sink: bool = False
-    # Tuning knobs: dispatch takes them from the tile table (tiles.py); tests and A/B runs may pin
-    # them. tile_m is 64 rows per consumer warpgroup (128 or 192 on sm90).
+    # Tuning knobs: dispatch takes them from the arch's tile rules (tiles.py); tests and A/B runs
+    # may pin them.
     tile_m: int = 128
     tile_n: int = 128
     num_stages: int = 2
@@ -125,7 +141,7 @@ class ForwardConfig(_KernelConfig):
     # one tile's rows together, token by token (row r = token r // g, head r % g of the group), so
     # that short query sequences (decoding, chunked prefill) fill 128-row tiles and read each K/V
     # block once for the whole group; a varlen sequence's rows start at g x its first token.
-    # 1: off, one head per tile. g divides 64 (TMA boxes of whole tokens).
+    # 1: off, one head per tile. Which g an arch packs is its rule (sm90: g divides 64).
     pack_gqa: int = 1
     # The GEMMs outside the steady-state loop's hot path issued as one cute.gemm over their k slices
     # (the DSL's k loop) instead of one call per slice, for a smaller IR (sm90/wgmma.py): Q K^T of
@@ -136,17 +152,13 @@ class ForwardConfig(_KernelConfig):
 
     def __post_init__(self):
         self._check_common()
-        if self.pack_gqa < 1 or 64 % self.pack_gqa:
-            raise ValueError(f"pack_gqa must divide 64 (1: off), got {self.pack_gqa}")
+        if self.pack_gqa < 1:
+            raise ValueError(f"pack_gqa must be >= 1 (1: off), got {self.pack_gqa}")
         if not 0 <= self.exp2_emulated_eighths <= 8:
             raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {self.exp2_emulated_eighths}")
         if self.persistent_ctas < 0:
             raise ValueError(f"persistent_ctas must be >= 0 (0: one CTA per tile), got {self.persistent_ctas}")
-        if self.tma_store_o and self.varlen:
-            raise ValueError("tma_store_o is for batched inputs: a TMA box would write past a packed sequence")
-        if self.tma_store_o and self.head_dim_v % 16:
-            raise ValueError(f"tma_store_o writes O to shared memory in 16-column stmatrix tiles: head_dim_v "
-                             f"must be a multiple of 16, got {self.head_dim_v}")
+        self._check_arch("check_forward")
 
 
 @dataclass(frozen=True)
@@ -161,26 +173,31 @@ class BackwardConfig(_KernelConfig):
     Batched: q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv), dout (b, sq, hq, dv) in ``dtype``;
     lse_log2 and dpsum (b, hq, sq_pad) float32 with sq_pad a multiple of 4 (TMA strides are 16-byte
     aligned): the forward's LSE times log2(e) (+inf for rows that saw no key) and rowsum(dout * out);
-    dq_accum float32 (b, hq, rows, 128), zeroed by the caller: the kernel adds dQ / softmax_scale into
-    it, query block after query block in its register order (sm90/dq_accum.py; the postprocessing
-    kernel reads it back);
+    dq_accum float32 (b, hq, rows, row), zeroed by the caller: the kernel adds dQ / softmax_scale into
+    it, query block after query block in the arch's order (its dq_accum_layout in the registry,
+    arch.py, gives row, rows per block and the order; the postprocessing kernel reads it back);
     dk, dv like k, v in ``dtype``: written whole (dK and dV of a KV head summed over its query heads).
     Varlen: the token axis is packed, q (total_q, hq, d) etc.; lse_log2/dpsum (hq, rows) with sequence
     b's rows from seqlen.packed_row_offset(cu_seqlens_q[b], b) on (16-byte aligned starts; rows =
-    packed_row_offset(total_q, batch)); dq_accum (hq, rows, 128), sequence b's query blocks from
-    dq_accum.block_offset(cu_seqlens_q[b], b) on; cu_seqlens_q/k (batch + 1,) int32, seqused_k
+    packed_row_offset(total_q, batch)); dq_accum (hq, rows, row), sequence b's query blocks from
+    the layout's block_offset(cu_seqlens_q[b], b) on; cu_seqlens_q/k (batch + 1,) int32, seqused_k
     (batch,) int32 or None.
     dq_semaphore (batch, hq, ceil(max_seqlen_q / tile_m), 2) int32 zeroed, when ``deterministic``
     (else None): orders the dQ reduce-adds so that repeated runs are bitwise identical.
     max_seqlen_k sizes the grid (the longest key sequence).
+
+    Which fields an arch reads: the problem class (dtype through deterministic) and tile_m, tile_n,
+    num_stages everywhere; longest_first wherever the arch's scheduler orders tiles; split_head_dim
+    and exp_eighths_under_dp are sm90 layout switches (sm90/tiles.py). The arch's check_backward
+    (registry in arch.py) rejects tiles its kernel cannot build, when the config is constructed.
     """
 
     has_softcap: bool = False
     varlen: bool = False
     has_seqused_k: bool = False
     deterministic: bool = False
-    tile_m: int = 64  # query rows per step; 128 (the tiles' choice) up to d = 64, 80 at d = 128 (unsplit)
-    tile_n: int = 128  # keys per CTA: 64 per consumer warpgroup, or 64 shared with split_head_dim
+    tile_m: int = 64  # query rows per step (sm90: 128 up to d = 64, 80 at d = 128 unsplit)
+    tile_n: int = 128  # keys per CTA (sm90: 64 per consumer warpgroup, or 64 shared with split_head_dim)
     num_stages: int = 2
     # The layout for head dims above 128 and d != dv, whose dK/dV accumulators would not fit in a
     # warpgroup's registers for 64 keys each: both consumer warpgroups work on one 64-key tile, each
@@ -200,20 +217,7 @@ class BackwardConfig(_KernelConfig):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
-        if not 0 <= self.exp_eighths_under_dp <= 8:
-            raise ValueError(f"exp_eighths_under_dp must be in [0, 8], got {self.exp_eighths_under_dp}")
-        # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
-        # only up to d = 64; 80-query blocks compute dQ transposed (dQ^T = K^T dS^T, M = the head
-        # dim), which needs 64 of it per consumer warpgroup: d = 128.
-        tile_ms = (64,)
-        if not self.split_head_dim:
-            d = max(self.head_dim, self.head_dim_v)
-            tile_ms = (64, 128) if d <= 64 else (64, 80) if d == 128 else (64,)
-        if self.tile_n != (64 if self.split_head_dim else 128) or self.tile_m not in tile_ms:
-            raise ValueError(f"sm90 backward tiles are {' or '.join(map(str, tile_ms))} queries x "
-                             f"{64 if self.split_head_dim else 128} keys here (split_head_dim="
-                             f"{self.split_head_dim}, head dims {self.head_dim}/{self.head_dim_v}), "
-                             f"got {self.tile_m} x {self.tile_n}")
+        self._check_arch("check_backward")
 
     def postprocess(self) -> "PostprocessConfig":
         """The postprocessing kernel that reads this kernel's dQ accumulator."""
@@ -238,9 +242,10 @@ class PreprocessConfig(_Config):
 
 @dataclass(frozen=True)
 class PostprocessConfig(_Config):
-    """The backward's postprocessing kernel (sm90/bwd_postprocess.py, call convention there): dQ
-    from the main kernel's float32 accumulator, whose order follows that kernel's dQ tiles, so
-    BackwardConfig.postprocess() derives this from it."""
+    """The backward's postprocessing kernel (the arch's bwd_postprocess in the registry, arch.py;
+    call convention in its module): dQ from the main kernel's float32 accumulator, whose order
+    follows that kernel's dQ tiles, so BackwardConfig.postprocess() derives this from it. Which
+    head dims and tile_m it takes is the arch's check_postprocess."""
 
     arch: Arch
     dtype: str
@@ -250,7 +255,4 @@ class PostprocessConfig(_Config):
 
     def __post_init__(self):
         self._check_dtype()
-        if self.head_dim % 16 or not 32 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim must be a multiple of 16 in [32, 256], got {self.head_dim}")
-        if self.tile_m not in (64, 80, 128):
-            raise ValueError(f"tile_m must be one of the backward's query blocks (64, 80, 128), got {self.tile_m}")
+        self._check_arch("check_postprocess")

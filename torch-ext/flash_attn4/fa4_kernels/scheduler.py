@@ -9,8 +9,9 @@ then stay in L2 for all their query tiles.
 With causal or local masks tiles differ in cost (the last query tiles see the most keys), so
 tiles are issued longest-processing-time-first: the most expensive tiles start in the first waves
 and the cheap ones fill the tail. Doing that over all heads at once would spread a wave's K/V
-working set over every head and thrash L2, so heads are taken in groups whose K and V fit in
-about half of Hopper's 50 MB L2, and the longest-first order runs within each group.
+working set over every head and thrash L2, so heads are taken in groups whose K and V fit in the
+arch's L2 budget (``l2_budget_bytes``, a device fact of the arch's rules: sm90 takes about half of
+Hopper's 50 MB L2), and the longest-first order runs within each group.
 
 Where the heads do not divide into whole groups, the partial group goes first. Last, its few long
 tiles would start when every other tile has been handed out and run on while most SMs idle; first,
@@ -29,8 +30,6 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
-
-L2_BUDGET_BYTES = 24 * 1024 * 1024
 
 
 def longest_first_applies(cfg) -> bool:
@@ -57,13 +56,15 @@ class TileScheduler:
 
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, kv_bytes_per_head: Int32,
-               longest_first: bool, num_ctas: int = 0, longest_block_last: bool = True) -> "TileScheduler":
+               longest_first: bool, num_ctas: int = 0, longest_block_last: bool = True, *,
+               l2_budget_bytes: int) -> "TileScheduler":
         """Host side. kv_bytes_per_head: the bytes one (head, batch) pair streams through L2 (K and V
-        for the forward; Q and dO of its query heads for the backward)."""
+        for the forward; Q and dO of its query heads for the backward); l2_budget_bytes: how much of
+        the L2 a group of heads may fill (the arch's rules, e.g. sm90/tiles.py)."""
         num_head_batch = num_heads * num_batch
         group = Int32(1)
         if cutlass.const_expr(longest_first):
-            group = cutlass.max(cutlass.min(L2_BUDGET_BYTES // cutlass.max(kv_bytes_per_head, 1), num_head_batch), 1)
+            group = cutlass.max(cutlass.min(l2_budget_bytes // cutlass.max(kv_bytes_per_head, 1), num_head_batch), 1)
         first = num_head_batch - (num_head_batch - 1) // group * group  # 1..group
         return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, first, longest_first, num_ctas,
                              longest_block_last)

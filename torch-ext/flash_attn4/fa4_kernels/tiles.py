@@ -2,87 +2,35 @@
 layout, never of sizes. dispatch builds its configurations from here and CI compiles the same ones
 (fa4_kernels.compile.kernel_set).
 
-Hopper forward, measured on the H200 (docs/perf.md has the A/B runs):
-- max(d, dv) <= 64: three consumer warpgroups (192 x 128 tiles). At d=64 the exponentials take as
-  long as the GEMMs; a third warpgroup keeps the tensor cores fed while two others run softmax.
-  Its 160-register budget fits S, P and O only up to 64 columns of O.
-- <= 128: 128 x 128.  <= 192: 128 x 96.  <= 256: 128 x 80 (Q and two K/V stages fill 224 KiB
-  of shared memory; 80 beat 64 at d=256 causal and tied non-causal).
-
-Hopper backward (sm90/bwd.py): 64 queries x 128 keys, each consumer warpgroup owning 64 keys with
-dK and dV for the whole head dim in registers, while head_dim == head_dim_v <= 128; 128 queries at
-d <= 64, 80 at d = 128 without softcap or a local window (H200: 1.01-1.04x non-causal, 1.06-1.08x
-causal over 64, although the causal kernel spills 17 registers; softcap spills 40 and local 9, not
-measured, so they keep 64). Beyond that (or
-for d != dv) those accumulators no longer fit: 64 x 64 with the head dim split between the
-warpgroups, two Q/dO stages up to d = 192 and one above (shared memory: 210 KiB at d = 192 with two,
-209 KiB at d = 256 with one).
+The rules are the architecture's own (``<arch package>/tiles.py``, with the measurements behind
+them); this module looks them up through the registry (``arch.KERNELS``). An arch without rules
+raises NotImplementedError naming it and what exists.
 """
 
 from __future__ import annotations
 
-from .arch import Arch
+from .arch import Arch, describe_implemented, kernels_for
+
+
+def _rule(arch: Arch, name: str, kernel: str):
+    rule = getattr(kernels_for(arch, kernel).rules(), name, None)
+    if rule is None:
+        raise NotImplementedError(f"flash-attn4: {arch} has no {name} rule (implemented: {describe_implemented()})")
+    return rule
 
 
 def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
     """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class."""
-    del causal, local  # no mask-specific tiles measured to pay yet
-    if arch is not Arch.SM90:
-        raise NotImplementedError(f"no forward tiles for {arch.value} yet")
-    d = max(head_dim, head_dim_v)
-    if d <= 64:
-        return dict(tile_m=192, tile_n=128, num_stages=2)
-    if d <= 128:
-        return dict(tile_m=128, tile_n=128, num_stages=2)
-    if d <= 192:
-        return dict(tile_m=128, tile_n=96, num_stages=2)
-    return dict(tile_m=128, tile_n=80, num_stages=2)
+    return _rule(arch, "forward_tiles", "forward")(head_dim, head_dim_v, causal, local)
 
 
 def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
     """ForwardConfig overrides for the epilogue, the O rescale, the GEMM calls and GQA packing of a
-    problem class."""
-    if arch is not Arch.SM90:
-        raise NotImplementedError(f"no forward schedule for {arch.value} yet")
-    return dict(
-        # O through shared memory and one TMA store per warpgroup (at d > 128 in Q's buffer): in one
-        # H200 run 1.01-1.10x at every head dim but one outlier row (docs/perf.md, 2026-12-03).
-        # Batched only (a TMA box would write past a packed sequence), and stmatrix stores 16
-        # columns at a time.
-        tma_store_o=not varlen and head_dim_v % 16 == 0,
-        # O rescaled under the next Q K^T rather than after P V where O is wider than 64 columns
-        # (tiles of two warpgroups): d = 128 1.01-1.02x in every case, d = 256 1.00-1.02x. At d = 64
-        # (three warpgroups, 32 multiplies per thread) it ran 1-3% slower (H200, docs/perf.md).
-        rescale_o_before_pv=head_dim_v > 64,
-        # The GEMMs outside the loop's hot path as one call over their k slices where the
-        # accumulators are wide: d = 256 compiles in 0.90x the time of a call per slice (192 causal
-        # 0.86x, development CPU), and runs within 0-2% of it (H200, docs/perf.md). At d = 64 the
-        # whole-K P @ V ran 4% slower.
-        whole_k_gemms=max(head_dim, head_dim_v) > 128,
-        # The query heads of a KV head share tiles wherever the kernel can pack them (a ratio
-        # dividing 64): one kernel per model, short query sequences (decoding) fill whole tiles.
-        # 2.7-3.7x at 1-32 queries against 8k keys, batched or varlen; 0.99-1.04x at 128 queries and
-        # more (docs/perf.md).
-        pack_gqa=qhead_per_kvhead if qhead_per_kvhead > 1 and 64 % qhead_per_kvhead == 0 else 1,
-    )
+    problem class (whatever of those the arch's forward has)."""
+    return _rule(arch, "forward_schedule", "forward")(head_dim, head_dim_v, varlen, qhead_per_kvhead)
 
 
 def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:
-    """BackwardConfig overrides (tile_m, tile_n, num_stages, split_head_dim, exp_eighths_under_dp)
-    for a problem class."""
-    if arch is not Arch.SM90:
-        raise NotImplementedError(f"no backward tiles for {arch.value} yet")
-    d = max(head_dim, head_dim_v)
-    if head_dim == head_dim_v and d <= 128:
-        # Longer query blocks spread the per-step overheads (barriers, LSE/rowsum loads, the dQ
-        # reduce) over more rows; S^T and dP^T grow with them: 128 rows fit beside dK and dV up to
-        # d = 64 (H200: 1.10-1.16x over 64 rows), 80 at d = 128.
-        tile_m = 128 if d <= 64 else 80 if d == 128 and not (local or has_softcap) else 64
-        # How much of P^T under dP^T's GEMM, the rest interleaved with dS^T (H200, docs/perf.md):
-        # 3/8 at 80-query blocks (1.01-1.04x over all first); 2/8 at 128-query blocks without a mask
-        # (whole backward 1.04-1.06x at 4k-16k); causal it was 2-9% slower (the masked step carries
-        # a second copy of the code), so all first there.
-        exp_eighths_under_dp = 3 if tile_m == 80 else 2 if tile_m == 128 and not (causal or local) else 8
-        return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
-                    exp_eighths_under_dp=exp_eighths_under_dp)
-    return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
+    """BackwardConfig overrides (tiles, stages and the arch's backward layout switches) for a
+    problem class."""
+    return _rule(arch, "backward_tiles", "backward")(head_dim, head_dim_v, causal, local, has_softcap)

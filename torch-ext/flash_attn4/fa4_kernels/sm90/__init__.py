@@ -1,5 +1,5 @@
-"""Hopper (sm_90a) kernels: TMA loads, WGMMA, warp-specialised producer/consumer warpgroups."""
+"""Hopper (sm_90a) kernels: TMA loads, WGMMA, warp-specialised producer/consumer warpgroups.
 
-from .fwd import FlashAttentionForwardSm90
-
-__all__ = ["FlashAttentionForwardSm90"]
+Looked up through the registry (fa4_kernels/arch.py: KERNELS); tiles.py holds the Hopper rules
+and imports no DSL, so this package imports nothing on its own.
+"""

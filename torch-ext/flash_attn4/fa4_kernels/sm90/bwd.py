@@ -65,14 +65,17 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..config import BackwardConfig
 from ..dtypes import CUTLASS_DTYPES
+from ..layouts import tma_partition_tile, transpose_view
 from ..mask import AttentionMask
+from ..pipelines import advanced
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
+from ..tile_work import QueryBlocks, TileWork
 from .dq_accum import ROW, DqTiling, dq_tiled_mma, part_tile, register_order
 from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy
-from .wgmma import (WARPGROUP_THREADS, advanced, smem_layout, tma_partition_tile, transpose_view,
-                    warpgroup_index, warpgroup_slice_thread, wgmma)
+from .tiles import L2_BUDGET_BYTES
+from .wgmma import WARPGROUP_THREADS, smem_layout, warpgroup_index, warpgroup_slice_thread, wgmma
 
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
@@ -234,7 +237,7 @@ class FlashAttentionBackwardSm90:
         scheduler = TileScheduler.create(
             num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
             longest_first=cfg.longest_first and longest_first_applies(cfg),
-            longest_block_last=False)
+            longest_block_last=False, l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ,
@@ -765,30 +768,3 @@ class ScoreOperands:
     coords: cute.Tensor
     acc_s: cute.Tensor
     acc_dp: cute.Tensor
-
-
-@dataclass(frozen=True)
-class TileWork:
-    """What one CTA does: KV tile ``n_block`` of KV head ``head_kv`` in batch entry ``batch``, over
-    ``num_steps`` (query head, query block) steps."""
-
-    seqlen: SeqlenInfo
-    mask: AttentionMask
-    blocks: "QueryBlocks"
-    num_steps: Int32
-    n_block: Int32
-    head_kv: Int32
-    batch: Int32
-
-
-@dataclass(frozen=True)
-class QueryBlocks:
-    """The (query head, query block) steps of one KV tile: every query head sharing the KV head,
-    each over the same range of query blocks."""
-
-    first_head: Int32
-    m_block_min: Int32
-    per_head: Int32  # query blocks per head
-
-    def at(self, step: Int32):
-        return self.first_head + step // self.per_head, self.m_block_min + step % self.per_head

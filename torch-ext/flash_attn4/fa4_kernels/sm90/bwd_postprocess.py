@@ -27,8 +27,9 @@ from cutlass import Float32, Int32
 from ..config import PostprocessConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..seqlen import SeqlenInfo, head_rows
+from ..layouts import transpose_view
 from .dq_accum import NUM_PARTS, DqTiling, dq_tiled_mma, part_tile, register_order
-from .wgmma import WARPGROUP_THREADS, transpose_view
+from .wgmma import WARPGROUP_THREADS
 
 THREADS = NUM_PARTS * WARPGROUP_THREADS
 VECTOR = 8  # elements of a 16-byte store of 16-bit values

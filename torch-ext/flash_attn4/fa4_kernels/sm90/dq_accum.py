@@ -19,6 +19,7 @@ torch layer's reference of the postprocessing; the GPU tests check the kernels a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -40,6 +41,7 @@ class DqTiling:
 
     tile_m: int
     head_dim: int
+    row: ClassVar[int] = ROW  # what the registry's dq_accum_layout promises (arch.py)
 
     @property
     def transposed(self) -> bool:
@@ -68,6 +70,10 @@ class DqTiling:
     @property
     def rows_per_block(self) -> int:
         return NUM_PARTS * self.values
+
+    def block_offset(self, token_offset, batch):
+        """``block_offset`` at this tiling's query blocks."""
+        return block_offset(token_offset, batch, self.tile_m)
 
     def block_order(self) -> list[int]:
         """For each float of a query block in dq_accum, in order, its position row * head_dim + col
@@ -99,6 +105,12 @@ def block_offset(token_offset, batch, tile_m: int):
     would; ``block_offset(total_q, batch_size)`` blocks hold them all. Plain arithmetic, shared by the
     kernels (DSL Int32) and the torch layer (ints and int64 tensors)."""
     return token_offset // tile_m + batch
+
+
+def accum_layout(cfg) -> DqTiling:
+    """The dQ accumulator's layout for a BackwardConfig or PostprocessConfig (the registry's
+    dq_accum_layout, arch.py): what the torch layer allocates and reorders by."""
+    return DqTiling(cfg.tile_m, cfg.head_dim)
 
 
 def part_tile(mAccum: cute.Tensor, tiling: DqTiling, offset_q, head, batch, varlen: bool, m_block, part):

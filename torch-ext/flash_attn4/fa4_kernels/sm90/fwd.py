@@ -44,13 +44,17 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
+from ..layouts import pack_query_heads, tma_partition_tile, transpose_view
 from ..mask import AttentionMask
+from ..pipelines import advanced
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
+from ..tile_work import OutputTile
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
-from .wgmma import (WARPGROUP_THREADS, advanced, mma_k_multiple, smem_layout, tma_partition_tile,
-                    transpose_view, warpgroup_index, warpgroup_slice_thread, wgmma)
+from .tiles import L2_BUDGET_BYTES
+from .wgmma import (WARPGROUP_THREADS, mma_k_multiple, smem_layout, warpgroup_index, warpgroup_slice_thread,
+                    wgmma)
 
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
 # split over 128 producer threads and 128 threads per consumer warpgroup.
@@ -211,7 +215,7 @@ class FlashAttentionForwardSm90:
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
                                          longest_first=longest_first_applies(cfg),
-                                         num_ctas=cfg.persistent_ctas)
+                                         num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
@@ -678,35 +682,3 @@ class Outputs:
     lse: cute.Tensor
     sink: Optional[cute.Tensor]  # learnable sink logits per query head (has_sink)
     tma_atom_o: Optional[cute.CopyAtom]  # tma_store_o
-
-
-@dataclass(frozen=True)
-class OutputTile:
-    """One (tile_m x head_dim_v) output tile: query block ``m_block`` of query head ``head`` (reading
-    KV head ``head_kv``) in batch entry ``batch``, and the KV blocks [n_block_min, n_block_max) its
-    rows see."""
-
-    tile_m: cutlass.Constexpr[int]
-    seqlen: SeqlenInfo
-    mask: AttentionMask
-    m_block: Int32
-    head: Int32
-    batch: Int32
-    head_kv: Int32
-    n_block_min: Int32
-    n_block_max: Int32
-
-    def in_sequence(self):
-        """Whether the tile holds a query row (varlen grids are sized for the longest sequence)."""
-        return self.m_block * self.tile_m < self.mask.rows(self.seqlen)
-
-
-def pack_query_heads(t: cute.Tensor, g: int, head_mode: int) -> cute.Tensor:
-    """A kernel-layout tensor, sequence first and the query heads in mode ``head_mode`` ((seq, dim,
-    hq[, batch]) or (seq, hq[, batch]); seq is the packed total with varlen), viewed with the g query
-    heads of each KV head folded into the sequence mode as ((g, seq), ..., hq // g, ...), so that row
-    r of a KV head is token r // g of its query head r % g, and row offsets are tokens times g."""
-    shape, stride = list(t.layout.shape), list(t.layout.stride)
-    shape[0], stride[0] = (g, shape[0]), (stride[head_mode], stride[0])
-    shape[head_mode], stride[head_mode] = shape[head_mode] // g, stride[head_mode] * g
-    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))

@@ -1,5 +1,6 @@
 """Hopper building blocks shared by the sm90 kernels: shared-memory layouts WGMMA and TMA agree on,
-operand views, the asynchronous WGMMA issue, pipeline-state stepping."""
+warpgroup indices, the asynchronous WGMMA issue. (Views, TMA partitions and pipeline steps that are
+not Hopper's own live in fa4_kernels/layouts.py and pipelines.py.)"""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 WARPGROUP_THREADS = 128
 
@@ -52,21 +52,6 @@ def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None, *, sp
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-def transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of a shared-memory tensor: a row-major (k, n) tile read as the
-    N-major B operand (n, k) of a WGMMA."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
-def tma_partition_tile(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor, box_rank: int = 2):
-    """(smem, gmem) partitions for a TMA copy of (rows, cols[, ...]) tiles without multicast: the first
-    ``box_rank`` modes form the TMA box, the rest (stages, tile index) stay addressable."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, box_rank),
-                                 cute.group_modes(gmem, 0, box_rank))
-
-
 @cute.jit
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
           zero_init: cutlass.Constexpr[bool], whole_k: cutlass.Constexpr[bool] = False):
@@ -90,10 +75,3 @@ def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Te
             cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
-
-
-def advanced(state: pipeline.PipelineState) -> pipeline.PipelineState:
-    """The next pipeline state, as a new value: loop-carried state must be rebound, not mutated."""
-    nxt = state.clone()
-    nxt.advance()
-    return nxt

@@ -1,0 +1,145 @@
+"""Hopper (sm_90a) rules: tile shapes and schedule choices per problem class (a pure function of head
+dims, mask kind and layout, never of sizes), the checks of what the sm90 kernels can build, the
+kernel set CI compiles, and the device facts the kernels size themselves by. Plain Python: the
+shared lookup (fa4_kernels/tiles.py, through the registry in arch.py) imports it without the DSL.
+
+Forward, measured on the H200 (docs/perf.md has the A/B runs):
+- max(d, dv) <= 64: three consumer warpgroups (192 x 128 tiles). At d=64 the exponentials take as
+  long as the GEMMs; a third warpgroup keeps the tensor cores fed while two others run softmax.
+  Its 160-register budget fits S, P and O only up to 64 columns of O.
+- <= 128: 128 x 128.  <= 192: 128 x 96.  <= 256: 128 x 80 (Q and two K/V stages fill 224 KiB
+  of shared memory; 80 beat 64 at d=256 causal and tied non-causal).
+
+Backward (sm90/bwd.py): 64 queries x 128 keys, each consumer warpgroup owning 64 keys with
+dK and dV for the whole head dim in registers, while head_dim == head_dim_v <= 128; 128 queries at
+d <= 64, 80 at d = 128 without softcap or a local window (H200: 1.01-1.04x non-causal, 1.06-1.08x
+causal over 64, although the causal kernel spills 17 registers; softcap spills 40 and local 9, not
+measured, so they keep 64). Beyond that (or
+for d != dv) those accumulators no longer fit: 64 x 64 with the head dim split between the
+warpgroups, two Q/dO stages up to d = 192 and one above (shared memory: 210 KiB at d = 192 with two,
+209 KiB at d = 256 with one).
+
+ForwardConfig fields only the sm90 forward reads: pingpong, tma_store_o, rescale_o_before_pv,
+whole_k_gemms (and tile_m in 64-row warpgroup units). BackwardConfig fields only the sm90 backward
+reads: split_head_dim, exp_eighths_under_dp.
+"""
+
+from __future__ import annotations
+
+# The L2 share the longest-first tile order sizes its head groups by (scheduler.TileScheduler):
+# about half of the H100/H200's 50 MB L2, the rest left to Q, O and other streams.
+L2_BUDGET_BYTES = 24 * 1024 * 1024
+
+
+def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
+    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class."""
+    del causal, local  # no mask-specific tiles measured to pay yet
+    d = max(head_dim, head_dim_v)
+    if d <= 64:
+        return dict(tile_m=192, tile_n=128, num_stages=2)
+    if d <= 128:
+        return dict(tile_m=128, tile_n=128, num_stages=2)
+    if d <= 192:
+        return dict(tile_m=128, tile_n=96, num_stages=2)
+    return dict(tile_m=128, tile_n=80, num_stages=2)
+
+
+def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
+    """ForwardConfig overrides for the epilogue, the O rescale, the GEMM calls and GQA packing of a
+    problem class."""
+    return dict(
+        # O through shared memory and one TMA store per warpgroup (at d > 128 in Q's buffer): in one
+        # H200 run 1.01-1.10x at every head dim but one outlier row (docs/perf.md, 2026-12-03).
+        # Batched only (a TMA box would write past a packed sequence), and stmatrix stores 16
+        # columns at a time.
+        tma_store_o=not varlen and head_dim_v % 16 == 0,
+        # O rescaled under the next Q K^T rather than after P V where O is wider than 64 columns
+        # (tiles of two warpgroups): d = 128 1.01-1.02x in every case, d = 256 1.00-1.02x. At d = 64
+        # (three warpgroups, 32 multiplies per thread) it ran 1-3% slower (H200, docs/perf.md).
+        rescale_o_before_pv=head_dim_v > 64,
+        # The GEMMs outside the loop's hot path as one call over their k slices where the
+        # accumulators are wide: d = 256 compiles in 0.90x the time of a call per slice (192 causal
+        # 0.86x, development CPU), and runs within 0-2% of it (H200, docs/perf.md). At d = 64 the
+        # whole-K P @ V ran 4% slower.
+        whole_k_gemms=max(head_dim, head_dim_v) > 128,
+        # The query heads of a KV head share tiles wherever the kernel can pack them (a ratio
+        # dividing 64): one kernel per model, short query sequences (decoding) fill whole tiles.
+        # 2.7-3.7x at 1-32 queries against 8k keys, batched or varlen; 0.99-1.04x at 128 queries and
+        # more (docs/perf.md).
+        pack_gqa=qhead_per_kvhead if qhead_per_kvhead > 1 and 64 % qhead_per_kvhead == 0 else 1,
+    )
+
+
+def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:
+    """BackwardConfig overrides (tile_m, tile_n, num_stages, split_head_dim, exp_eighths_under_dp)
+    for a problem class."""
+    d = max(head_dim, head_dim_v)
+    if head_dim == head_dim_v and d <= 128:
+        # Longer query blocks spread the per-step overheads (barriers, LSE/rowsum loads, the dQ
+        # reduce) over more rows; S^T and dP^T grow with them: 128 rows fit beside dK and dV up to
+        # d = 64 (H200: 1.10-1.16x over 64 rows), 80 at d = 128.
+        tile_m = 128 if d <= 64 else 80 if d == 128 and not (local or has_softcap) else 64
+        # How much of P^T under dP^T's GEMM, the rest interleaved with dS^T (H200, docs/perf.md):
+        # 3/8 at 80-query blocks (1.01-1.04x over all first); 2/8 at 128-query blocks without a mask
+        # (whole backward 1.04-1.06x at 4k-16k); causal it was 2-9% slower (the masked step carries
+        # a second copy of the code), so all first there.
+        exp_eighths_under_dp = 3 if tile_m == 80 else 2 if tile_m == 128 and not (causal or local) else 8
+        return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
+                    exp_eighths_under_dp=exp_eighths_under_dp)
+    return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
+
+
+# The problem classes CI compiles (fa4_kernels.compile.kernel_set), with the tiles and schedule
+# dispatch picks for them: each head-dim class, plus each feature switch once.
+FORWARD_KERNEL_SET = (
+    dict(), dict(causal=True), dict(dtype="float16"), dict(varlen=True, has_seqused_k=True), dict(local=True),
+    dict(has_softcap=True, has_sink=True), dict(causal=True, qhead_per_kvhead=4),
+    dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96), dict(d=192, dv=192), dict(d=192, dv=128),
+    dict(d=256, dv=256),
+)
+# Backward: the common head dims and every feature switch once (compile.backward_kernel_set adds the
+# postprocessing of each dQ tiling and the preprocessing).
+BACKWARD_KERNEL_SET = (
+    dict(), dict(causal=True), dict(d=64, dv=64),
+    dict(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True),
+    dict(d=192, dv=192), dict(d=256, dv=256, causal=True), dict(d=192, dv=128, varlen=True, deterministic=True),
+)
+
+
+def check_forward(cfg) -> None:
+    """ValueError for a ForwardConfig the sm90 forward cannot build (run by ForwardConfig)."""
+    if 64 % cfg.pack_gqa:
+        raise ValueError(f"pack_gqa must divide 64 (1: off; TMA boxes of whole tokens in 64-row warpgroup "
+                         f"tiles), got {cfg.pack_gqa}")
+    if cfg.tma_store_o and cfg.varlen:
+        raise ValueError("tma_store_o is for batched inputs: a TMA box would write past a packed sequence")
+    if cfg.tma_store_o and cfg.head_dim_v % 16:
+        raise ValueError(f"tma_store_o writes O to shared memory in 16-column stmatrix tiles: head_dim_v "
+                         f"must be a multiple of 16, got {cfg.head_dim_v}")
+
+
+def check_backward(cfg) -> None:
+    """ValueError for a BackwardConfig the sm90 backward cannot build (run by BackwardConfig)."""
+    if not 0 <= cfg.exp_eighths_under_dp <= 8:
+        raise ValueError(f"exp_eighths_under_dp must be in [0, 8], got {cfg.exp_eighths_under_dp}")
+    # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
+    # only up to d = 64; 80-query blocks compute dQ transposed (dQ^T = K^T dS^T, M = the head
+    # dim), which needs 64 of it per consumer warpgroup: d = 128.
+    tile_ms = (64,)
+    if not cfg.split_head_dim:
+        d = max(cfg.head_dim, cfg.head_dim_v)
+        tile_ms = (64, 128) if d <= 64 else (64, 80) if d == 128 else (64,)
+    if cfg.tile_n != (64 if cfg.split_head_dim else 128) or cfg.tile_m not in tile_ms:
+        raise ValueError(f"sm90 backward tiles are {' or '.join(map(str, tile_ms))} queries x "
+                         f"{64 if cfg.split_head_dim else 128} keys here (split_head_dim="
+                         f"{cfg.split_head_dim}, head dims {cfg.head_dim}/{cfg.head_dim_v}), "
+                         f"got {cfg.tile_m} x {cfg.tile_n}")
+
+
+def check_postprocess(cfg) -> None:
+    """ValueError for a PostprocessConfig the sm90 postprocessing cannot build: its dQ tiles are
+    the backward's query blocks, split in two 64-row or 64-column parts (sm90/dq_accum.py)."""
+    if cfg.head_dim % 16 or not 32 <= cfg.head_dim <= 256:
+        raise ValueError(f"head_dim must be a multiple of 16 in [32, 256], got {cfg.head_dim}")
+    if cfg.tile_m not in (64, 80, 128):
+        raise ValueError(f"tile_m must be one of the backward's query blocks (64, 80, 128), got {cfg.tile_m}")
