@@ -15,6 +15,11 @@ rounded to fp32): max relative error 7.5e-5, far below bf16/fp16 rounding of P (
 
 Inputs must be finite and <= 127: x is clamped below at -127, where the true value (< 6e-39) is
 negligible next to a row sum >= 1. Callers keep -inf (masked) scores on MUFU.
+
+Which columns: ``emulated(c, eighths)``, one rule for every kernel. Column c of a thread's score
+fragment takes the polynomial iff (c // 2) % 8 >= 8 - eighths: ``eighths`` of every 8 adjacent column
+PAIRS, i.e. 2 * eighths of every 16 columns, so that packed f32x2 math (Blackwell's FFMA2) always
+has both lanes on the same pipe. (Hopper's WGMMA fragment holds adjacent key pairs too.)
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ from cutlass import Float32, Int32
 
 ROUND_DOWN_MAGIC = 1.5 * 2**23
 COEFFS = (0.9999251365661621, 0.6958339810371399, 0.22606706619262695, 0.07802402973175049)
+
+
+def emulated(column: int, eighths: int) -> bool:
+    """Whether fragment column ``column`` uses ``exp2_fma`` (True) or MUFU.EX2 (False) when
+    ``eighths`` of every 8 column pairs are emulated (0: none, 8: all). Plain ints, at trace time."""
+    return (column // 2) % 8 >= 8 - eighths
 
 
 @cute.jit
