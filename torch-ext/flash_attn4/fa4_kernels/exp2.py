@@ -32,6 +32,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 ROUND_DOWN_MAGIC = 1.5 * 2**23
+INPUT_MIN = -126.0  # the clamp (see above)
 COEFFS = (0.9999251365661621, 0.6958339810371399, 0.22606706619262695, 0.07802402973175049)
 
 
@@ -43,7 +44,7 @@ def emulated(column: int, eighths: int) -> bool:
 
 @cute.jit
 def exp2_fma(x: Float32) -> Float32:
-    x = cute.arch.fmax(x, Float32(-126.0))
+    x = cute.arch.fmax(x, Float32(INPUT_MIN))
     rounded = cute.math.add(x, Float32(ROUND_DOWN_MAGIC), rounding=cute.math.RoundingMode.DOWN)
     frac = x - (rounded - Float32(ROUND_DOWN_MAGIC))
     poly = Float32(COEFFS[3])
