@@ -8,7 +8,8 @@ What the model reproduces, and how exactly:
   causal, local windows, sequence end). A block the schedule calls full but that hides an invisible
   key is an error (the kernel would attend to it).
 * Scores S = Q K^T in float64 rounded to float32 (the tensor cores accumulate in fp32; their
-  summation order is not modelled). Softcap: cap * tanh(S * scale / cap), tanh rounded to float32.
+  summation order is not modelled). Softcap: cap * tanh(S * scale / cap), tanh rounded to float32
+  (optionally perturbed like tanh.approx).
 * The online softmax of softmax.py in float32, op by op: the running max, the conditional rescale
   (keep the stale max unless (m_new - m_old) * scale_log2 > T), -inf-safe shifts, the exponent
   x = fma(S, scale_log2, -m * scale_log2), the row factor exp2(fma(m_old, scale_log2, -m_new *
@@ -276,10 +277,12 @@ def _round_to(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: TileParams, *, softmax_scale: float,
             causal: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-            sink: float | None = None, mufu_rel_error: float = 0.0, seed: int = 0,
-            keep_probs: bool = False) -> TileResult:
+            sink: float | None = None, mufu_rel_error: float = 0.0, tanh_rel_error: float = 0.0,
+            seed: int = 0, keep_probs: bool = False) -> TileResult:
     """One head: q (sq, d), k (sk, d), v (sk, dv), values representable in p_dtype. Every query tile
-    of tile_m rows, each walking its KV blocks as the kernel does."""
+    of tile_m rows, each walking its KV blocks as the kernel does. mufu_rel_error / tanh_rel_error:
+    bounds of random relative perturbations of MUFU.EX2 and of softcap's tanh.approx.f32 (about
+    2^-22 and 2^-11 on the hardware), drawn from ``seed``."""
     p = params
     q64, k64, v64 = (t.detach().to(torch.float64).numpy() for t in (q, k, v))
     sq, sk, dv = q64.shape[0], k64.shape[0], v64.shape[1]
@@ -313,7 +316,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: TileParam
             s[:, : c1 - c0] = q64[r0:r1] @ k64[c0:c1].T
             s = f32(s)
             if softcap:
-                s = f32(np.tanh(f32(s.astype(F64) * F64(prescale)).astype(F64)))
+                t = np.tanh(f32(s.astype(F64) * F64(prescale)).astype(F64))
+                if tanh_rel_error > 0:
+                    t = t * (1.0 + rng.uniform(-tanh_rel_error, tanh_rel_error, size=t.shape))
+                s = f32(t)
             in_seq = keys < sk
             seen = np.zeros((rows, p.tile_n), dtype=bool)
             seen[:, in_seq] = vis[r0:r1, c0:c1]
