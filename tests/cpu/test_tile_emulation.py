@@ -223,6 +223,8 @@ CASES = {
     "local": dict(sq=260, sk=390, window=(100, 20)),
     "softcap": dict(sq=130, sk=300, softcap=15.0),
     "sink": dict(sq=140, sk=260, sink=1.5),
+    "d128-causal": dict(sq=170, sk=260, causal=True, d=128),
+    "d256-local": dict(sq=150, sk=300, window=(60, 90), d=256),  # sm90: 128 x 80 tiles
 }
 
 
@@ -230,8 +232,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_model_matches_reference(kernel, case):
     c = dict(CASES[case])
-    sq, sk = c.pop("sq"), c.pop("sk")
-    d = 64
+    sq, sk, d = c.pop("sq"), c.pop("sk"), c.pop("d", 64)
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kernel}/{case}".encode()))
     q, k, v = _rand(gen, sq, d), _rand(gen, sk, d), _rand(gen, sk, d)
     p = params_for(kernel, d=d, causal=c.get("causal", False), local="window" in c,
