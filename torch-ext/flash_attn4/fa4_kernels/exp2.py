@@ -13,8 +13,17 @@ the polynomial's bits: shifting the rounded sum's bits by 23 discards everything
 Coefficients: minimax fit of 2^f on [0, 1) for relative error (Lawson's iteration over 20001 points,
 rounded to fp32): max relative error 7.5e-5, far below bf16/fp16 rounding of P (2^-9 / 2^-12).
 
-Inputs must be finite and <= 127: x is clamped below at -127, where the true value (< 6e-39) is
-negligible next to a row sum >= 1. Callers keep -inf (masked) scores on MUFU.
+Inputs must be finite and <= 127: x is clamped below at -126, where the true value (< 1.2e-38) is
+negligible next to a row sum >= 1. Not at -127: COEFFS[0] < 1 has exponent field 126, so at
+floor(x) = -127 the exponent add borrows into the sign bit and 2^x comes out as NaN (found by the CPU
+model, tests/tile_model.py). For x in [-126, -125) the result is subnormal (relative error up to
+1.5e-4, absolute < 2^-138); the 7.5e-5 bound holds from -125 up. Callers keep -inf (masked) scores
+on MUFU.
+
+Which columns: ``emulated(c, eighths)``, one rule for every kernel. Column c of a thread's score
+fragment takes the polynomial iff (c // 2) % 8 >= 8 - eighths: ``eighths`` of every 8 adjacent column
+PAIRS, i.e. 2 * eighths of every 16 columns, so that packed f32x2 math (Blackwell's FFMA2) always
+has both lanes on the same pipe. (Hopper's WGMMA fragment holds adjacent key pairs too.)
 """
 
 from __future__ import annotations
@@ -23,12 +32,19 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 ROUND_DOWN_MAGIC = 1.5 * 2**23
+INPUT_MIN = -126.0  # the clamp (see above)
 COEFFS = (0.9999251365661621, 0.6958339810371399, 0.22606706619262695, 0.07802402973175049)
+
+
+def emulated(column: int, eighths: int) -> bool:
+    """Whether fragment column ``column`` uses ``exp2_fma`` (True) or MUFU.EX2 (False) when
+    ``eighths`` of every 8 column pairs are emulated (0: none, 8: all). Plain ints, at trace time."""
+    return (column // 2) % 8 >= 8 - eighths
 
 
 @cute.jit
 def exp2_fma(x: Float32) -> Float32:
-    x = cute.arch.fmax(x, Float32(-127.0))
+    x = cute.arch.fmax(x, Float32(INPUT_MIN))
     rounded = cute.math.add(x, Float32(ROUND_DOWN_MAGIC), rounding=cute.math.RoundingMode.DOWN)
     frac = x - (rounded - Float32(ROUND_DOWN_MAGIC))
     poly = Float32(COEFFS[3])

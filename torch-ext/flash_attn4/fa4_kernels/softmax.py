@@ -28,7 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .exp2 import exp2_fma
+from .exp2 import emulated, exp2_fma
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -62,15 +62,16 @@ def _add(a, b):
 def exp2_rows(scores: list, scale_log2: Float32, shift: cute.Tensor,
               exp2_emulated_eighths: cutlass.Constexpr[int] = 0) -> list:
     """P = exp2(S * scale_log2 - shift[row]) (one FFMA + one exp2 per element), returned as rows
-    of values like ``scores``. exp2_emulated_eighths: that many of every 8 columns use
-    ``exp2_fma`` instead of MUFU.EX2, which is only valid for blocks without -inf scores."""
+    of values like ``scores``. exp2_emulated_eighths: the columns ``exp2.emulated`` picks (that many
+    of every 8 column pairs) use ``exp2_fma`` instead of MUFU.EX2, which is only valid for blocks
+    without -inf scores."""
     probs = []
     for r in cutlass.range_constexpr(len(scores)):
         neg_shift = -shift[r]
         row = []
         for c in cutlass.range_constexpr(len(scores[r])):
             x = cute.math.fma(scores[r][c], scale_log2, neg_shift)
-            if cutlass.const_expr(c % 8 >= 8 - exp2_emulated_eighths):
+            if cutlass.const_expr(emulated(c, exp2_emulated_eighths)):
                 row.append(exp2_fma(x))
             else:
                 row.append(cute.math.exp2(x, fastmath=True))
