@@ -107,6 +107,7 @@ KERNELS: dict[Arch, ArchKernels] = {
     Arch.SM90: ArchKernels("sm90", forward="fwd:FlashAttentionForwardSm90", backward="bwd:FlashAttentionBackwardSm90",
                            bwd_postprocess="bwd_postprocess:BackwardPostprocessSm90",
                            dq_accum_layout="dq_accum:accum_layout"),
+    Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100"),
 }
 
 # Kernel passes per arch ("forward", "backward"); empty for a target without kernels. dispatch

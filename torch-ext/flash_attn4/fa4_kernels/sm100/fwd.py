@@ -54,13 +54,14 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
+from ..layouts import pack_query_heads
 from ..mask import AttentionMask
+from ..pipelines import advanced
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax
-from ..sm90.fwd import pack_query_heads
 from .softmax_row import row_probabilities
-from .tiles import TILE_M, TILE_N, query_tiles
+from .tiles import L2_BUDGET_BYTES, TILE_M, TILE_N, query_tiles
 
 WARP = 32
 WARPGROUP = 128
@@ -230,7 +231,7 @@ class FlashAttentionForwardSm100:
         num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
-                                         longest_first=longest_first_applies(cfg))
+                                         longest_first=longest_first_applies(cfg), l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink, score_prescale, scale_log2, window_left, window_right,
@@ -679,11 +680,3 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
         tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
         cute.gemm(tiled_mma, acc, a[None, None, k], b[None, None, k], acc)
     return tiled_mma
-
-
-def advanced(state: pipeline.PipelineState, steps: int = 1) -> pipeline.PipelineState:
-    """The state ``steps`` stages on, as a new value (loop-carried state is rebound, not mutated)."""
-    nxt = state.clone()
-    for _ in range(steps):
-        nxt.advance()
-    return nxt

@@ -14,21 +14,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..exp2 import COEFFS, ROUND_DOWN_MAGIC
-
-
-def emulated(column: int, eighths: int) -> bool:
-    """Whether score column ``column`` takes the FMA-pipe exp2: ``eighths`` of every 16 columns,
-    in adjacent pairs (the unit of packed f32x2 math)."""
-    return (column // 2) % 8 >= 8 - eighths
+from ..exp2 import COEFFS, INPUT_MIN, ROUND_DOWN_MAGIC, emulated
 
 
 @cute.jit
 def exp2_fma_x2(x0: Float32, x1: Float32):
     """exp2 of two values on the FMA pipe: fa4_kernels/exp2.py's algorithm (range reduction by the
     round-down magic add, degree-3 Horner, exponent add) with FADD2/FFMA2 for the float steps."""
-    x0 = cute.arch.fmax(x0, Float32(-127.0))
-    x1 = cute.arch.fmax(x1, Float32(-127.0))
+    x0 = cute.arch.fmax(x0, Float32(INPUT_MIN))
+    x1 = cute.arch.fmax(x1, Float32(INPUT_MIN))
     magic = (Float32(ROUND_DOWN_MAGIC), Float32(ROUND_DOWN_MAGIC))
     r0, r1 = cute.arch.add_packed_f32x2((x0, x1), magic, rnd="rm")
     f0, f1 = cute.arch.sub_packed_f32x2((r0, r1), magic)

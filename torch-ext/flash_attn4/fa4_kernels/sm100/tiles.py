@@ -15,6 +15,10 @@ than 2^8 (the conditional rescale: exact, since O and the row sum share the stal
 
 from __future__ import annotations
 
+# The L2 share the longest-first tile order sizes its head groups by (scheduler.TileScheduler): about
+# half of B200's 126 MB L2 (sm90 uses half of Hopper's 50 MB the same way; not measured on Blackwell).
+L2_BUDGET_BYTES = 60 * 1024 * 1024
+
 TILE_M = 128  # query rows per tile: the M of one CTA's tcgen05 MMA, one softmax thread per row
 TILE_N = 128  # keys per KV block
 # Conditional rescaling in log2 units: P stays <= 2^8, far from overflowing 16-bit P or the
@@ -56,6 +60,36 @@ def kv_stages(head_dim: int, head_dim_v: int, element_bytes: int = 2) -> int:
     q_bytes = query_tiles(head_dim_v) * TILE_M * _pad16(head_dim) * element_bytes
     stage_bytes = TILE_N * max(_pad16(head_dim), _pad16(head_dim_v)) * element_bytes
     return min(MAX_KV_STAGES, (SMEM_BYTES - SMEM_RESERVED - q_bytes) // stage_bytes)
+
+
+def check_forward(cfg) -> None:
+    """ValueError for a ForwardConfig the sm100 forward cannot build (run when one is constructed)."""
+    q_tiles = query_tiles(cfg.head_dim_v)
+    if cfg.tile_m != TILE_M * q_tiles or cfg.tile_n != TILE_N:
+        raise ValueError(f"sm100 forward: tiles are {TILE_M * q_tiles} x {TILE_N} at head_dim_v {cfg.head_dim_v}, "
+                         f"got {cfg.tile_m} x {cfg.tile_n}")
+    if cfg.head_dim < 16 or cfg.head_dim_v < 16:
+        raise ValueError(f"sm100 forward: head dims from 16 (one 16-column MMA step), got {cfg.head_dim}/"
+                         f"{cfg.head_dim_v}")
+    if not 1 <= cfg.num_stages <= MAX_KV_STAGES or cfg.num_stages > kv_stages(cfg.head_dim, cfg.head_dim_v):
+        raise ValueError(f"sm100 forward: {cfg.num_stages} K/V stages do not fit in shared memory beside "
+                         f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
+    if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
+        raise ValueError(f"pack_gqa must divide 64 (1: off), got {cfg.pack_gqa}")
+    for name in ("tma_store_o", "rescale_o_before_pv", "whole_k_gemms", "persistent_ctas"):
+        if getattr(cfg, name):
+            raise ValueError(f"sm100 forward: {name} is a Hopper schedule switch; the sm100 kernel has no such "
+                             f"option (got {name}={getattr(cfg, name)})")
+
+
+# Problem classes CI compiles for sm_100a (fa4_kernels.compile.kernel_set): each head-dim class and
+# every feature once; the ones in ../shared/sm100/ANCHOR_SASS.md are compared with upstream there.
+FORWARD_KERNEL_SET = (
+    dict(), dict(causal=True), dict(dtype="float16"), dict(varlen=True, has_seqused_k=True), dict(local=True),
+    dict(has_softcap=True, has_sink=True), dict(causal=True, qhead_per_kvhead=4), dict(qhead_per_kvhead=4),
+    dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96), dict(d=192, dv=128),
+    dict(d=256, dv=256), dict(d=256, dv=256, causal=True),
+)
 
 
 def _pad16(d: int) -> int:
