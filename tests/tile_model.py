@@ -228,10 +228,10 @@ class TileParams:
     layout: str = "wgmma"  # fragment layout: "wgmma" (sm90) or "row" (sm100, a thread per row)
     # How the row factor's exponent is formed: "ffma", fma(m_old, s, -(m_new * s)), as the
     # compiled kernel does today (not exactly 0 when the max did not move); "diff", (m_old - m_new) * s.
-    factor_rule: str = "ffma"
+    factor_rule: str = "kernel"
 
     @staticmethod
-    def from_forward_config(cfg, layout: str = "wgmma", factor_rule: str = "ffma") -> "TileParams":
+    def from_forward_config(cfg, layout: str = "wgmma", factor_rule: str = "kernel") -> "TileParams":
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
         return TileParams(tile_m=cfg.tile_m, tile_n=cfg.tile_n, rescale_threshold=float(cfg.rescale_threshold),
                           exp2_emulated_eighths=cfg.exp2_emulated_eighths, p_dtype=dtype, layout=layout,
@@ -339,7 +339,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: TileParam
                 m_new = np.where(keep, m_old, m_new)
             m_scaled = f32(m_new.astype(F64) * F64(scale_log2))
             m_scaled = np.where(m_new == -np.inf, F32(0.0), m_scaled)
-            if p.factor_rule == "ffma":
+            if p.factor_rule in ("ffma", "kernel"):
                 a = fma_f32(m_old, scale_log2, -m_scaled)
             elif p.factor_rule == "diff":
                 with np.errstate(invalid="ignore"):
@@ -348,6 +348,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: TileParam
             else:
                 raise ValueError(p.factor_rule)
             factor = exp2_mufu(a, mufu_rel_error, rng)
+            if p.factor_rule == "kernel" and T > 0:
+                # softmax.update_max: a kept maximum gives a factor of exactly 1.
+                factor = np.where(m_new == m_old, F32(1.0), factor)
             finite_old = np.isfinite(m_old)
             moved = finite_old & (m_new != m_old)
             stats.max_updates += int(moved.sum())

@@ -19,36 +19,38 @@ from flash_attn4.fa4_kernels.arch import Arch
 from tests.reference import _mask, attention_ref
 
 # ---- the kernels' tile rules, in one table ---------------------------------------------------------
-# sm90: what dispatch builds for the problem class (fa4_kernels/tiles.py and the ForwardConfig
-# defaults: threshold 0, no emulation), plus its optional switches. sm100: FA4's Blackwell values
-# (128 x 128 tiles, threshold 8 in log2 units, 1 or 2 eighths emulated, one thread per row); point
-# these at the sm100 tile rules once they exist.
-SM100_TILE = dict(tile_m=128, tile_n=128, rescale_threshold=8.0)
+# What dispatch builds for the problem class on each arch (the tile rules in sm90/tiles.py and
+# sm100/tiles.py): sm90 with its defaults (threshold 0, no emulation) and with its optional
+# switches; sm100 as it ships (CTA tiles of 256 or 128 rows x 128 keys, threshold 8 in log2 units,
+# one column pair in eight emulated up to d = 128, one thread per row) and with two pairs in eight.
+
+
+def _config(arch, dtype, d, **flags):
+    return dispatch.forward_config(arch, dtype, d, d, varlen=False, has_seqused_k=False, **flags)
 
 
 def _sm90(dtype, d, **flags):
-    cfg = dispatch.forward_config(Arch.SM90, dtype, d, d, varlen=False, has_seqused_k=False, **flags)
-    return tm.TileParams.from_forward_config(cfg, layout="wgmma")
+    return tm.TileParams.from_forward_config(_config(Arch.SM90, dtype, d, **flags), layout="wgmma")
 
 
 def _sm90_switches(dtype, d, **flags):
-    cfg = dispatch.forward_config(Arch.SM90, dtype, d, d, varlen=False, has_seqused_k=False, **flags)
-    return tm.TileParams.from_forward_config(cfg.replace(rescale_threshold=8.0, exp2_emulated_eighths=2),
-                                             layout="wgmma")
+    cfg = _config(Arch.SM90, dtype, d, **flags).replace(rescale_threshold=8.0, exp2_emulated_eighths=2)
+    return tm.TileParams.from_forward_config(cfg, layout="wgmma")
 
 
-def _sm100(eighths):
+def _sm100(eighths=None):
     def make(dtype, d, **flags):
-        del d, flags
-        return tm.TileParams(**SM100_TILE, exp2_emulated_eighths=eighths, layout="row",
-                             p_dtype=getattr(torch, dtype))
+        cfg = _config(Arch.SM100, dtype, d, **flags)
+        if eighths is not None:
+            cfg = cfg.replace(exp2_emulated_eighths=eighths)
+        return tm.TileParams.from_forward_config(cfg, layout="row")
     return make
 
 
 KERNELS = {
     "sm90": _sm90,
     "sm90-threshold8-eighths2": _sm90_switches,
-    "sm100-eighths1": _sm100(1),
+    "sm100-eighths1": _sm100(),
     "sm100-eighths2": _sm100(2),
 }
 MUFU_REL_ERROR = 2.0 ** -22  # MUFU.EX2: ~2 ulp
@@ -307,22 +309,23 @@ def test_slow_growth_then_jump_skips_rescales_and_stays_exact(eighths):
     assert others.max() <= 2.0 ** -126
 
 
-def test_stale_max_row_factor_is_one_only_with_the_difference_rule():
-    """softmax.update_max computes the row factor as exp2(m_old * s - m_new * s), which the compiler
-    turns into FFMA(m_old, s, -round(m_new * s)): when the max stays put that is the rounding error of
-    m * s, not 0, so the factor is 1 + O(2^-24) rather than exactly 1 and the kernel's vote that
-    skips O's multiplies when no row moved rarely skips. exp2((m_old - m_new) * s) gives exactly 1."""
+def test_stale_max_row_factor_is_exactly_one():
+    """The row factor exp2(m_old * s - m_new * s) compiles to FFMA(m_old, s, -round(m_new * s)): when
+    the max stays put that is the rounding error of m * s, not 0, so the factor would be 1 + O(2^-24)
+    and the kernels' vote that skips O's multiplies when no row moved would rarely skip.
+    softmax.update_max therefore sets a kept maximum's factor to exactly 1 ("kernel");
+    exp2((m_old - m_new) * s) ("diff") would too; the bare FFMA ("ffma") does not."""
     gen = torch.Generator().manual_seed(8)
     q, k, v = _slow_growth_then_jump(gen, sk_blocks=6)
     kw = dict(softmax_scale=1.0)
-    for rule in ("ffma", "diff"):
+    for rule in ("ffma", "diff", "kernel"):
         p = tm.TileParams(tile_m=128, tile_n=128, rescale_threshold=8.0, layout="row", factor_rule=rule)
         res = tm.forward(q, k, v, p, **kw)
         check_against_reference(res, q, k, v, **kw)
         steps = 128 * 5
         stale = steps - res.stats.max_updates
         print(f"{rule}: {res.stats.factor_not_one_stale} of {stale} steps without a max update have factor != 1")
-        if rule == "diff":
+        if rule in ("diff", "kernel"):
             assert res.stats.factor_not_one_stale == 0
         else:
             assert res.stats.factor_not_one_stale > stale // 4

@@ -119,7 +119,14 @@ class OnlineSoftmax:
             if m_new == -Float32.inf:
                 m_scaled = Float32(0.0)
             shift[r] = m_scaled
-            row_scale[r] = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+            factor = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+            if cutlass.const_expr(rescale_threshold > 0.0):
+                # The factor above is FFMA(m_old, s, -round(m_new * s)): with the maximum kept it is
+                # 1 + O(2^-24), not 1, and the kernels skip O's multiplies only when every factor of a
+                # warp is exactly 1. (The stale maximum makes the skip exact: O and the sum share it.)
+                if m_new == m_old:
+                    factor = Float32(1.0)
+            row_scale[r] = factor
             self.row_max[r] = m_new
         return shift
 
