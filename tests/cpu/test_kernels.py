@@ -158,6 +158,9 @@ def test_sm90_forward_converts_p_in_pairs_at_kv_tiles_that_are_not_powers_of_two
         pytest.skip("ptxas not installed: its C7519 info not checked")
     ptxas = subprocess.run(["ptxas", "-arch=sm_90a", ptx_path, "-o", str(tmp_path / "check.cubin")],
                            capture_output=True, text=True)
+    if "Unsupported .version" in ptxas.stderr:
+        # The DSL's cu13 flavour writes PTX newer than a CUDA 13.0 ptxas on PATH reads.
+        pytest.skip(f"the ptxas on PATH is older than the DSL's PTX: {ptxas.stderr.strip()[:200]}")
     assert ptxas.returncode == 0, ptxas.stderr[-3000:]
     assert "C7519" not in ptxas.stdout + ptxas.stderr, "ptxas injected warpgroup.arrive before a WGMMA"
 

@@ -97,18 +97,24 @@ class OnlineSoftmax:
 
     @cute.jit
     def update_max(self, scores: list, row_scale: cute.Tensor,
-                   rescale_threshold: cutlass.Constexpr[float] = 0.0) -> cute.Tensor:
+                   rescale_threshold: cutlass.Constexpr[float] = 0.0, block_max: list = None) -> cute.Tensor:
         """Fold a block's scores into the running row maxima. Returns each row's exponent shift
         (max * scale_log2) and writes the output rescale factor into ``row_scale``.
 
         rescale_threshold > 0 (log2 units): keep a row's stale maximum unless the new one exceeds it
         by more than the threshold; P then stays <= 2^threshold, the factor is exactly 1 and the
         output needs no rescale. Final normalisation stays exact: output and sum share the stale max.
+
+        block_max: each row's maximum over the block's scores where the kernel has reduced them
+        itself (per thread, before the reduction across a row's threads); else reduced here.
         """
         shift = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             m_old = self.row_max[r]
-            m_local = _tree_reduce(scores[r], cute.arch.fmax)
+            if cutlass.const_expr(block_max is None):
+                m_local = _tree_reduce(scores[r], cute.arch.fmax)
+            else:
+                m_local = block_max[r]
             m_new = row_allreduce(cute.arch.fmax(m_local, m_old), _fmax, self.threads_per_row)
             if cutlass.const_expr(rescale_threshold > 0.0):
                 if (m_new - m_old) * self.scale_log2 <= rescale_threshold:

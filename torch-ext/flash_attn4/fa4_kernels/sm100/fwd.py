@@ -60,7 +60,8 @@ from ..pipelines import advanced
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax
-from .softmax_row import row_probabilities
+from ..tile_work import OutputTile
+from .softmax_row import row_max, row_probabilities
 from .tiles import L2_BUDGET_BYTES, TILE_M, TILE_N, query_tiles
 
 WARP = 32
@@ -273,6 +274,46 @@ class FlashAttentionForwardSm100:
         # TMEM fragment layouts, taken before the MMA warp's branch sets the MMAs' accumulate flag
         # (a runtime value no other role may see).
         tmem_layouts = self.tmem_layouts(mma_qk, mma_pv, tP_layout)
+        pipeline.pipeline_init_wait()
+
+        # Each role derives its tile after its setmaxnreg: values live across the register-budget
+        # change must fit the smallest budget (48), or ptxas spills them to local memory.
+        tile_args = (scheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
+                     qhead_per_kvhead)
+        if warp >= Warp.MMA:
+            set_registers(self.registers["other"])
+            tile = self.output_tile(*tile_args)
+            if warp == Warp.LOAD:
+                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes, tile)
+            if warp == Warp.MMA:
+                tmem.wait_for_alloc()
+                self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes,
+                         self.num_blocks(tile))
+        elif warp >= Warp.CORRECTION:
+            set_registers(self.registers["correction"])
+            tile = self.output_tile(*tile_args)
+            tmem.allocate(TMEM_COLUMNS)
+            tmem.relinquish_alloc_permit()
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.correction(tmem_ptr, tmem_layouts, pipes, row_stats, mO, tile)
+            pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE), num_threads=WARPGROUP).arrive_and_wait()
+            tmem.free(tmem_ptr)
+        elif warp < Warp.SOFTMAX0 + 4 * self.q_tiles:
+            set_registers(self.registers["softmax"])
+            tile = self.output_tile(*tile_args)
+            tmem.wait_for_alloc()
+            self.softmax(tmem.retrieve_ptr(Float32), warp // 4, tmem_layouts, pipes, row_stats, mLSE, mSink, tile,
+                         score_prescale, scale_log2)
+        elif cutlass.const_expr(self.q_tiles == 1):  # the second softmax warpgroup: idle
+            set_registers(self.registers["idle"])
+
+    @cute.jit
+    def output_tile(self, scheduler: TileScheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left,
+                    window_right, qhead_per_kvhead) -> OutputTile:
+        """The CTA's tile: its query block, head and batch entry, their lengths and the KV blocks the
+        tile's rows see."""
+        cfg = self.cfg
         m_block, head, batch = scheduler.tile()
         # With GQA packing Q's sequence mode is (query heads of the group, tokens).
         tokens_q = mQ.shape[0] if cutlass.const_expr(cfg.pack_gqa == 1) else mQ.shape[0][1]
@@ -280,39 +321,17 @@ class FlashAttentionForwardSm100:
         mask = AttentionMask(cfg.tile_m, TILE_N, cfg.causal, cfg.local, window_left, window_right,
                              rows_per_query=cfg.pack_gqa)
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
-        in_sequence = m_block * cfg.tile_m < mask.rows(seqlen)
-        # Empty tiles (a varlen grid sized for the longest sequence) do nothing; tiles whose rows
-        # see no key write O = 0 and LSE = -inf without touching K and V.
-        num_blocks = Int32(0)
-        if in_sequence:
-            num_blocks = cutlass.max(n_block_max - n_block_min, 0)
-        pipeline.pipeline_init_wait()
+        return OutputTile(cfg.tile_m, seqlen, mask, m_block, head, batch, head // qhead_per_kvhead, n_block_min,
+                          n_block_max)
 
-        if warp >= Warp.MMA:
-            set_registers(self.registers["other"])
-            if warp == Warp.LOAD:
-                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes,
-                          seqlen, mask, head, batch, head // qhead_per_kvhead, m_block, n_block_max, num_blocks)
-            if warp == Warp.MMA:
-                tmem.wait_for_alloc()
-                self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks)
-        elif warp >= Warp.CORRECTION:
-            set_registers(self.registers["correction"])
-            tmem.allocate(TMEM_COLUMNS)
-            tmem.relinquish_alloc_permit()
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction(tmem_ptr, tmem_layouts, pipes, row_stats, mO, seqlen, mask, m_block, head, batch, num_blocks,
-                            in_sequence)
-            pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE), num_threads=WARPGROUP).arrive_and_wait()
-            tmem.free(tmem_ptr)
-        elif warp < Warp.SOFTMAX0 + 4 * self.q_tiles:
-            set_registers(self.registers["softmax"])
-            tmem.wait_for_alloc()
-            self.softmax(tmem.retrieve_ptr(Float32), warp // 4, tmem_layouts, pipes, row_stats, mLSE, mSink, seqlen,
-                         mask, m_block, head, batch, n_block_max, num_blocks, in_sequence, score_prescale, scale_log2)
-        elif cutlass.const_expr(self.q_tiles == 1):  # the second softmax warpgroup: idle
-            set_registers(self.registers["idle"])
+    @cute.jit
+    def num_blocks(self, tile: OutputTile) -> Int32:
+        """KV blocks the tile walks: none for a tile past its sequence's end (varlen grids are sized
+        for the longest) or whose rows see no key (it writes O = 0 and LSE = -inf)."""
+        n = Int32(0)
+        if tile.in_sequence():
+            n = cutlass.max(tile.n_block_max - tile.n_block_min, 0)
+        return n
 
     def make_pipelines(self, storage):
         thread = pipeline.Agent.Thread
@@ -342,10 +361,12 @@ class FlashAttentionForwardSm100:
     # ---- load warp -------------------------------------------------------------------------------
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes,
-             seqlen: SeqlenInfo, mask: AttentionMask, head, batch, head_kv, m_block, n_block_max, num_blocks):
+             tile: OutputTile):
         """Q tiles, then K and V blocks in the order the MMA warp consumes them (K_0, K_1, V_0, K_2,
         V_1, ..., V_last), visiting KV blocks from n_block_max - 1 down."""
         varlen = self.cfg.varlen
+        seqlen, mask, head, batch, head_kv = tile.seqlen, tile.mask, tile.head, tile.batch, tile.head_kv
+        m_block, n_block_max, num_blocks = tile.m_block, tile.n_block_max, self.num_blocks(tile)
         thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
         gQ = cute.local_tile(head_rows(mQ, mask.rows_before(seqlen), head, batch, varlen),
                              (TILE_M, self.hdim_tile), (None, 0))
@@ -468,22 +489,23 @@ class FlashAttentionForwardSm100:
 
     # ---- softmax warpgroups ----------------------------------------------------------------------
     @cute.jit
-    def softmax(self, tmem_ptr, tile: Int32, tmem_layouts, pipes, row_stats, mLSE, mSink, seqlen: SeqlenInfo,
-                mask: AttentionMask, m_block, head, batch, n_block_max, num_blocks, in_sequence,
+    def softmax(self, tmem_ptr, q_tile: Int32, tmem_layouts, pipes, row_stats, mLSE, mSink, tile: OutputTile,
                 score_prescale: Float32, scale_log2: Float32):
-        """Query tile ``tile``'s online softmax (both softmax warpgroups run this code, ``tile`` is
-        their warpgroup): thread = row = TMEM lane."""
+        """Query tile ``q_tile``'s online softmax (both softmax warpgroups run this code, ``q_tile``
+        is their warpgroup): thread = row = TMEM lane."""
         cfg = self.cfg
+        seqlen, mask, m_block, head, batch = tile.seqlen, tile.mask, tile.m_block, tile.head, tile.batch
+        n_block_max, num_blocks, in_sequence = tile.n_block_max, self.num_blocks(tile), tile.in_sequence()
         thread = cute.arch.thread_idx()[0] % WARPGROUP
-        row = tile * TILE_M + thread  # within the CTA's tile
-        tStS = cute.make_tensor(tmem_ptr + tile * TILE_N, tmem_layouts[0])
+        row = q_tile * TILE_M + thread  # within the CTA's tile
+        tStS = cute.make_tensor(tmem_ptr + q_tile * TILE_N, tmem_layouts[0])
         load_s = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32), tStS).get_slice(thread)
         tSt = load_s.partition_S(tStS)
         s_registers = load_s.partition_D(tmem_layouts[3]).shape
         # P: the same lanes, TILE_N 16-bit values in TILE_N / 2 32-bit columns over S's upper half.
         p_words = TILE_N * self.dtype.width // 32
-        tStP = cute.make_tensor(tmem_ptr + tile * TILE_N + (TILE_N - p_words), cute.composition(
+        tStP = cute.make_tensor(tmem_ptr + q_tile * TILE_N + (TILE_N - p_words), cute.composition(
             tStS.layout, cute.make_layout((TILE_M, p_words))))
         store_p = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(p_words)), Float32), tStP).get_slice(thread)
@@ -496,13 +518,19 @@ class FlashAttentionForwardSm100:
         softmax = OnlineSoftmax.create(scale_log2, num_rows=1, threads_per_row=1)
         row_scale = cute.make_rmem_tensor(1, Float32)
         # Tile t uses stage t of s (one per tile) and stages t, t + q_tiles, ... of stats.
-        s_state = pipeline.PipelineState(self.q_tiles, Int32(0), tile, Int32(0))
-        stats_state = pipeline.PipelineState(2 * self.q_tiles, Int32(0), tile, Int32(1))
+        s_state = pipeline.PipelineState(self.q_tiles, Int32(0), q_tile, Int32(0))
+        stats_state = pipeline.PipelineState(2 * self.q_tiles, Int32(0), q_tile, Int32(1))
+        # Blocks [full_lo, full_hi) need no element-wise mask (when the tile's rows all lie in the
+        # sequence), fixed for the tile: three scalars in the loop rather than the mask arithmetic.
+        full_lo = mask.n_block_min_full(seqlen, m_block)
+        full_hi = mask.n_block_max_full(seqlen, m_block)
+        if (m_block + 1) * cfg.tile_m > mask.rows(seqlen):
+            full_hi = full_lo
         for i in cutlass.range(num_blocks, unroll=1):
             n_block = n_block_max - 1 - i
             step = (thread, load_s, tSt, s_registers, store_p, tPt, p_registers, coords, softmax, row_scale, pipes,
                     row_stats, s_state, stats_state, seqlen, mask, m_block, n_block, score_prescale)
-            if mask.block_is_full(seqlen, m_block, n_block):
+            if n_block >= full_lo and n_block < full_hi:
                 self.softmax_step(*step, masked=False)
             else:
                 self.softmax_step(*step, masked=True)
@@ -541,7 +569,7 @@ class FlashAttentionForwardSm100:
         scores = [[self.prescaled(rS[c], score_prescale) for c in range(cute.size(rS))]]
         if cutlass.const_expr(masked):
             scores = mask.apply(scores, coords, seqlen, m_block, n_block)
-        shift = softmax.update_max(scores, row_scale, self.cfg.rescale_threshold)
+        shift = softmax.update_max(scores, row_scale, self.cfg.rescale_threshold, block_max=[row_max(scores[0])])
         pipes.stats.producer_acquire(stats_state)
         row_stats[thread, stats_state.index] = row_scale[0]
         pipes.stats.producer_commit(stats_state)
@@ -562,9 +590,9 @@ class FlashAttentionForwardSm100:
 
     # ---- correction warpgroup --------------------------------------------------------------------
     @cute.jit
-    def correction(self, tmem_ptr, tmem_layouts, pipes, row_stats, mO, seqlen: SeqlenInfo, mask: AttentionMask,
-                   m_block, head, batch, num_blocks, in_sequence):
+    def correction(self, tmem_ptr, tmem_layouts, pipes, row_stats, mO, tile: OutputTile):
         """Rescale O_t whenever softmax t moved a row maximum, then write O / rowsum."""
+        num_blocks, in_sequence = self.num_blocks(tile), tile.in_sequence()
         thread = cute.arch.thread_idx()[0] % WARPGROUP
         tOtO = [cute.make_tensor(tmem_ptr + c, tmem_layouts[1]) for c in self.tmem_o]
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2 * self.q_tiles)
@@ -588,7 +616,7 @@ class FlashAttentionForwardSm100:
             if in_sequence:
                 if num_blocks > 0:
                     pipes.o.consumer_wait(o_state)
-                self.store_o(tOtO[t], thread, t, out_scale, num_blocks > 0, mO, seqlen, mask, m_block, head, batch)
+                self.store_o(tOtO[t], thread, t, out_scale, num_blocks > 0, mO, tile)
             o_state = advanced(o_state)
 
     @cute.jit
@@ -605,8 +633,8 @@ class FlashAttentionForwardSm100:
                 r = cute.make_rmem_tensor(chunks[1], Float32)
                 cute.copy(load, chunks[0][None, None, None, c], r)
                 cute.arch.fence_view_async_tmem_load()
-                for e in cutlass.range_constexpr(cute.size(r)):
-                    r[e] = r[e] * scale
+                for e in cutlass.range_constexpr(0, cute.size(r), 2):
+                    r[e], r[e + 1] = cute.arch.mul_packed_f32x2((r[e], r[e + 1]), (scale, scale))
                 cute.copy(store, r, chunks[2][None, None, None, c])
             cute.arch.fence_view_async_tmem_store()  # O is rescaled before the MMA adds to it
 
@@ -626,12 +654,12 @@ class FlashAttentionForwardSm100:
         return load, store, (src, registers, dst)
 
     @cute.jit
-    def store_o(self, tOtO, thread, t: cutlass.Constexpr[int], out_scale: Float32, has_o, mO, seqlen: SeqlenInfo,
-                mask: AttentionMask, m_block, head, batch):
+    def store_o(self, tOtO, thread, t: cutlass.Constexpr[int], out_scale: Float32, has_o, mO, tile: OutputTile):
         """O / rowsum of this thread's row into global memory (rows past the sequence are not
         written; a tile whose rows saw no key writes zeros). Every thread of the warpgroup loads its
         lane (tcgen05.ld is warp-collective); only the global stores are predicated."""
         cfg = self.cfg
+        seqlen, mask, m_block, head, batch = tile.seqlen, tile.mask, tile.m_block, tile.head, tile.batch
         row = t * TILE_M + thread
         row_inside = row < mask.rows(seqlen) - m_block * cfg.tile_m
         gO = cute.local_tile(head_rows(mO, mask.rows_before(seqlen), head, batch, cfg.varlen),
@@ -639,22 +667,33 @@ class FlashAttentionForwardSm100:
         load, _, chunks = self.o_chunk_copies(tOtO, thread)
         chunk = self.o_chunk()
         gO_row = cute.flat_divide(gO[row, None], (chunk,))  # (chunk, chunks)
-        for c in cutlass.range_constexpr(cute.size(chunks[0], mode=[3])):
-            r = cute.make_rmem_tensor(chunks[1], Float32)
-            r.fill(0.0)
-            if has_o:
+        if has_o:
+            for c in cutlass.range_constexpr(cute.size(chunks[0], mode=[3])):
+                r = cute.make_rmem_tensor(chunks[1], Float32)
                 cute.copy(load, chunks[0][None, None, None, c], r)
                 cute.arch.fence_view_async_tmem_load()
+                for e in cutlass.range_constexpr(0, chunk, 2):
+                    r[e], r[e + 1] = cute.arch.mul_packed_f32x2((r[e], r[e + 1]), (out_scale, out_scale))
+                rO = cute.make_rmem_tensor(chunk, self.dtype)
+                rO.store(r.load().to(self.dtype))
+                if row_inside:
+                    self.store_o_chunk(rO, gO_row, c)
+        else:  # no P V ran (no key for any row): O = 0 without reading TMEM
             rO = cute.make_rmem_tensor(chunk, self.dtype)
-            for e in cutlass.range_constexpr(chunk):
-                rO[e] = (r[e] * out_scale).to(self.dtype)
+            rO.fill(0.0)
             if row_inside:
-                if cutlass.const_expr(self.hdim_v_tile == self.hdim_v):
-                    cute.autovec_copy(rO, gO_row[None, c])
-                else:
-                    for e in cutlass.range_constexpr(chunk):
-                        if c * chunk + e < self.hdim_v:  # not a zero-padding column
-                            gO_row[e, c] = rO[e]
+                for c in cutlass.range_constexpr(cute.size(chunks[0], mode=[3])):
+                    self.store_o_chunk(rO, gO_row, c)
+
+    @cute.jit
+    def store_o_chunk(self, rO, gO_row, c: cutlass.Constexpr[int]):
+        chunk = self.o_chunk()
+        if cutlass.const_expr(self.hdim_v_tile == self.hdim_v):
+            cute.autovec_copy(rO, gO_row[None, c])
+        else:
+            for e in cutlass.range_constexpr(chunk):
+                if c * chunk + e < self.hdim_v:  # not a zero-padding column
+                    gO_row[e, c] = rO[e]
 
     def o_chunk(self) -> int:
         return O_CHUNK if self.hdim_v_tile % O_CHUNK == 0 else 16
