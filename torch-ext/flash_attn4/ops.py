@@ -152,8 +152,23 @@ def fwd(
         _fill_empty_keys(out, lse, learnable_sink, varlen)
         return out, lse
 
+    kernel = _kernel_for(
+        q, v, causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
+        varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
+        qhead_per_kvhead=q.shape[-2] // k.shape[-2],
+    )
+    _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
+                    softcap, window_left, window_right, max_seqlen_q)
+    return out, lse
+
+
+def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q) -> None:
+    """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller): the layout
+    fixes, the optional varlen value check and the launch on the current stream of q's device.
+    Every forward launch goes through here."""
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
-    if varlen:
+    if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
         cu_seqlens_k = cu_seqlens_k.contiguous()
         if (settings.check_cu_seqlens()
@@ -164,16 +179,9 @@ def fwd(
         seqused_k = seqused_k.contiguous()
     if learnable_sink is not None:
         learnable_sink = learnable_sink.contiguous()
-
-    kernel = _kernel_for(
-        q, v, causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
-        varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
-        qhead_per_kvhead=q.shape[-2] // k.shape[-2],
-    )
     with _device_guard(q.device):
         kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
-    return out, lse
 
 
 def _device_guard(device: torch.device):
