@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import compile_cache, dispatch, settings, validate
+from . import compile_cache, dispatch, selfcheck, settings, validate
 from ._ops import add_op_namespace_prefix
 
 # The ops are defined with torch.library's low-level API rather than torch.library.custom_op: that
@@ -94,7 +94,8 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 
 def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
                 varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int):
-    """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace)."""
+    """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
+    on its first use where selfcheck asks for it."""
     arch = dispatch.arch_for_device(q.device)
     cfg = dispatch.forward_config(
         arch, dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal, local=local,
@@ -105,7 +106,11 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
         # The kernel folds exactly pack_gqa query heads into each KV head's rows.
         raise ValueError(f"ForwardConfig.pack_gqa={cfg.pack_gqa} but the inputs have {qhead_per_kvhead} query "
                          f"heads per KV head")
-    return compile_cache.get_forward_kernel(cfg)
+    kernel = compile_cache.get_forward_kernel(cfg)
+    # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
+    # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
+    selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+    return kernel
 
 
 def _fill_empty_keys(out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optional[torch.Tensor],
@@ -166,7 +171,7 @@ def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sequs
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q) -> None:
     """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller): the layout
     fixes, the optional varlen value check and the launch on the current stream of q's device.
-    Every forward launch goes through here."""
+    ``fwd`` and the first-use self-check (selfcheck.py) both launch through here."""
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
     if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
