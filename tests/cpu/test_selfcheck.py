@@ -6,7 +6,7 @@ tensors are let through the device check, as in test_ops.py. A correct stand-in 
 stand-ins that are wrong in the ways kernels go wrong (one row off, one varlen sequence reading the
 wrong keys, NaN or a finite LSE in rows that see no key, rows left unwritten, a feature ignored) must
 make the first call raise, naming the configuration. What this does not show: that a real kernel
-launched on a GPU is checked correctly (tests/gpu/test_selfcheck.py does that on the H200).
+launched on a GPU is checked correctly (tests/gpu/test_selfcheck_gpu.py does that on the H200).
 """
 
 from __future__ import annotations
