@@ -1,10 +1,10 @@
-"""CPU cost of the first-use self-check (flash_attn4/selfcheck.py): building the problem and the
-PyTorch reference and comparing, per forward configuration, in one fresh process (the first check
-also pays the CPU math libraries' warm-up). No GPU needed: the kernel's output is stood in for by the
-reference itself, so the times are the check's CPU side only (on a GPU the reference is computed
-while the kernel runs).
+"""Cost of the first-use self-check (flash_attn4/selfcheck.py) without its kernel launch: building
+the problem (always on the CPU), computing the references and comparing, per forward configuration,
+on ``--device`` (the check itself uses the kernel's device: cuda there), in one fresh process, so
+the first configuration also pays the math libraries' warm-up. The kernel's output is stood in for by
+the reference itself. Prints wall ms and, in brackets, the process's CPU ms.
 
-    python scripts/selfcheck_cost.py [--arch sm_90a] [--repeat 3]
+    python scripts/selfcheck_cost.py [--device cuda] [--threads 1] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -38,10 +38,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="where the references and the comparison run")
     args = parser.parse_args()
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; wall ms (process CPU ms)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, references on {device}; "
+          f"wall ms (process CPU ms)")
     print(f"{'configuration':32s} {'problem, q/kv heads':>20s} {'build':>15s} {'reference':>17s} {'compare':>15s}")
     for label, d, dv, ratio, flags in CASES:
         base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
@@ -52,14 +55,20 @@ def main() -> None:
             clock = (time.perf_counter(), time.process_time())
             p = selfcheck.build_forward_problem(cfg)
             clock = _lap(clock, times)
-            ref = selfcheck.reference_forward(p)
+            ref = selfcheck.reference_forward(p, device)
+            _sync(device)
             clock = _lap(clock, times)
-            out_shape, lse_shape = p.output_shapes()
             selfcheck.compare_forward(p, ref.out.to(p.q.dtype), ref.lse.float(), ref)
+            _sync(device)
             _lap(clock, times)
             shape = f"{tuple(p.q.shape[:-2])} {p.q.shape[-2]}/{p.k.shape[-2]}"
             cells = [f"{w * 1e3:6.1f} ({c * 1e3:6.1f})" for w, c in times]
             print(f"{label if rep == 0 else '':32s} {shape:>20s} " + " ".join(f"{x:>16s}" for x in cells))
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _lap(clock, times):

@@ -275,14 +275,15 @@ def test_wrong_kernel_raises_naming_the_configuration(fake_gpu, name):
     hq, hk, d = 2 * ratio, 2, 128
     if varlen:
         cu = torch.tensor([0, 20, 45], dtype=torch.int32)
-        q, k, v = torch.randn(45, hq, d, dtype=BF16), torch.randn(45, hk, d, dtype=BF16), torch.randn(45, hk, d, dtype=BF16)
+        q, k, v = (torch.randn(45, h, d, dtype=BF16) for h in (hq, hk, hk))
         used = torch.tensor([20, 25], dtype=torch.int32) if cfg.has_seqused_k else None
         call = lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqused_k=used, causal=cfg.causal,  # noqa: E731
                                               window_size=(9, 4) if cfg.local else (-1, -1))
     else:
         q, k, v = rand_qkv(hq=hq, hk=hk, d=d)
         sink = torch.randn(hq) if cfg.has_sink else None
-        call = lambda: flash_attn_func(q, k, v, causal=cfg.causal, window_size=(9, 4) if cfg.local else (-1, -1),  # noqa: E731
+        window = (9, 4) if cfg.local else (-1, -1)
+        call = lambda: flash_attn_func(q, k, v, causal=cfg.causal, window_size=window,  # noqa: E731
                                        softcap=2.0 if cfg.has_softcap else 0.0, learnable_sink=sink)
     with pytest.raises(selfcheck.SelfCheckError) as info:
         call()

@@ -79,10 +79,11 @@ def test_real_sm90_configurations_pass(monkeypatch, name):
     assert len(cfgs) == 1, selfcheck._verdicts
     report = selfcheck.report(cfgs[0], q.device)
     assert report.ok and report.out_err <= report.out_allowed and report.lse_err <= report.lse_allowed
-    print(f"\n[selfcheck] {name}: plain first call {plain_first * 1e3:.0f} ms (compile/load + launch), steady "
-          f"{steady * 1e3:.2f} ms, first call with the check {checked_first * 1e3:.0f} ms; check {report.total_s * 1e3:.0f} ms "
-          f"(CPU: problem {report.build_s * 1e3:.0f} ms, reference {report.reference_s * 1e3:.0f} ms); "
-          f"{report.summary()}; {report.problem}")
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    print(f"\n[selfcheck] {name}: plain first call {ms(plain_first)} (compile or load, launch), steady "
+          f"{ms(steady)}, first call with the check {ms(checked_first)}; the check {ms(report.total_s)} "
+          f"(problem {ms(report.build_s)}, references queued {ms(report.reference_s)}, comparison "
+          f"{ms(report.compare_s)}); {report.summary()}; {report.problem}")
     call()  # settled: no second check
     assert len(selfcheck._reports) == 1
     # and the caller's own result is right

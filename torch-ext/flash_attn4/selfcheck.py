@@ -34,12 +34,12 @@ through ``ops._launch_forward``, the function every forward call launches throug
 filled with NaN (out) and +inf (lse) so that anything left unwritten fails.
 
 The comparison (:func:`compare_forward`) is the GPU test suite's rule, against a reference computed
-on the CPU in float64 (so no TF32 or reduced-precision matmul setting can loosen it) and the same
-computation in the input dtype: ``max|out - ref| <= 2 * max|out_lowp - ref| + atol`` with ``atol``
-twice the rounding of the exact result to the input dtype plus :data:`ATOL`; every output finite;
-``|lse - ref| <= LSE_ATOL`` (plus ``softcap * 1e-3`` with softcap: the kernels' approximate tanh)
-where the reference is finite; lse -inf exactly where the reference is; out exactly 0 in rows
-that see no key.
+on the kernel's device with float64 GEMMs (so no TF32 or reduced-precision setting can loosen it;
+:func:`reference_forward`) and the same computation with the input dtype's roundings:
+``max|out - ref| <= 2 * max|out_lowp - ref| + atol`` with ``atol`` twice the rounding of the exact
+result to the input dtype plus :data:`ATOL`; every output finite; ``|lse - ref| <= LSE_ATOL`` (plus
+``softcap * 1e-3`` with softcap: the kernels' approximate tanh) where the reference is finite; lse
+-inf exactly where the reference is; out exactly 0 in rows that see no key.
 
 Policy on a mismatch: never return wrong numbers. :class:`SelfCheckError` (a RuntimeError) is raised,
 naming the configuration (all its fields), the errors measured against what is allowed and where,
@@ -56,9 +56,13 @@ torch.cuda.make_graphed_callables run eagerly before capturing). Skipping the ch
 would bake an unchecked kernel into a graph that may replay forever. torch.compile's tracing runs the
 op's fake implementation, which launches nothing; the compiled graph's real calls are eager.
 
-Cost: one extra launch of a small problem per (device, configuration) per process, plus building the
-problem and the CPU reference (computed while the GPU runs the kernel). Measured on the development
-CPU: see :func:`check_forward`'s report (``build_s``, ``reference_s``) and the README.
+Cost: once per (device, configuration) per process, building the problem on the CPU (2-10 ms of
+one core on the development machine), one launch of the kernel on it, and the references' few dozen
+small kernels on the same device (float64 GEMMs of about 0.5 GFLOP); ``scripts/selfcheck_cost.py``
+times the CPU side, tests/gpu/test_selfcheck_gpu.py the whole check on a GPU, and each check's
+:class:`CheckReport` (:func:`report`) holds its own times. The reference runs on the GPU rather than
+the CPU because, on the CPU, it took 30-150 ms of one core but 0.3-0.9 s with two threads on a
+contended machine, as a node whose ranks all start at once would be.
 """
 
 from __future__ import annotations
@@ -184,9 +188,8 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
             (sq, sk if used else 0, sk if used else 0) for sq, sk, used in VARLEN_LENGTHS)
         total_q, total_k = sum(x[0] for x in lengths), sum(x[1] for x in lengths)
         q_shape, k_shape, v_shape = (total_q, hq, d), (total_k, hk, d), (total_k, hk, dv)
-        cu = lambda i: torch.tensor([0] + [sum(x[i] for x in lengths[:j + 1]) for j in range(len(lengths))],  # noqa: E731
-                                    dtype=torch.int32)
-        cu_q, cu_k = cu(0), cu(1)
+        cu_q, cu_k = (torch.tensor([0] + [sum(x[i] for x in lengths[:j + 1]) for j in range(len(lengths))],
+                                   dtype=torch.int32) for i in (0, 1))
         max_seqlen_q = max(x[0] for x in lengths)
     else:
         sq, sk = BATCHED_LENGTHS[::-1] if masked else BATCHED_LENGTHS
@@ -214,12 +217,12 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
 # ---- the reference ----
 
 
-def _visible(sq: int, sk: int, causal: bool, left: int, right: int) -> torch.Tensor:
+def _visible(sq: int, sk: int, causal: bool, left: int, right: int, device) -> torch.Tensor:
     """(sq, sk) bool: query i sees key j (bottom-right aligned; -1 = that side unbounded)."""
-    i = torch.arange(sq)[:, None]
-    j = torch.arange(sk)[None, :]
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
     diag = i + sk - sq
-    visible = torch.ones(sq, sk, dtype=torch.bool)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
         right = 0
     if left >= 0 and not causal:
@@ -229,16 +232,16 @@ def _visible(sq: int, sk: int, causal: bool, left: int, right: int) -> torch.Ten
     return visible
 
 
-def _attend(q, k, v, p: ForwardProblem, exact: bool):
-    """One sequence: q (sq, hq, d), k (sk, hk, d), v (sk, hk, dv) -> out (sq, hq, dv), lse (hq, sq),
-    empty (sq,) rows that see no key. exact: float64 throughout; else the input dtype for the
-    GEMMs and P, float32 for the softmax (a plain low-precision implementation)."""
+def _attend(q, k, v, sink, p: ForwardProblem, exact: bool):
+    """One sequence, inputs in float64 holding the input dtype's values: q (sq, hq, d), k (sk, hk, d),
+    v (sk, hk, dv) -> out (sq, hq, dv), lse (hq, sq) in float64, empty (sq,) rows that see no key.
+    exact: float64 throughout. Else a plain low-precision implementation: GEMM results and P rounded
+    to the input dtype (a float64 GEMM rounded once is what a 16-bit GEMM accumulating in float32
+    gives, to within its accumulation error) and the softmax in float32. Every GEMM is float64, so
+    no TF32 or reduced-precision setting of the caller's can change the reference."""
     sq, hq = q.shape[:2]
     sk, hk = k.shape[:2]
-    dtype = q.dtype
-    # The low-precision GEMMs run as float32 GEMMs of the same inputs with the result rounded to the
-    # input dtype: what a bf16/fp16 GEMM with float32 accumulation gives, at float32 speed on a CPU.
-    q, k, v = (t.to(torch.float64 if exact else torch.float32) for t in (q, k, v))
+    dtype = p.q.dtype
     k = k.repeat_interleave(hq // hk, dim=1)
     v = v.repeat_interleave(hq // hk, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k)
@@ -248,21 +251,21 @@ def _attend(q, k, v, p: ForwardProblem, exact: bool):
     if p.softcap:
         scores = p.softcap * torch.tanh(scores / p.softcap)
     scores = scores.to(torch.float64 if exact else torch.float32)
-    visible = _visible(sq, sk, p.causal, p.window_left, p.window_right)
+    visible = _visible(sq, sk, p.causal, p.window_left, p.window_right, q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
     logits = scores
-    if p.learnable_sink is not None:
-        logits = torch.cat([scores, p.learnable_sink.to(scores.dtype)[:, None, None].expand(hq, sq, 1)], dim=-1)
+    if sink is not None:
+        logits = torch.cat([scores, sink.to(scores.dtype)[:, None, None].expand(hq, sq, 1)], dim=-1)
     if logits.shape[-1]:
         lse = torch.logsumexp(logits, dim=-1)
     else:
-        lse = torch.full((hq, sq), float("-inf"), dtype=scores.dtype)
+        lse = torch.full((hq, sq), float("-inf"), dtype=scores.dtype, device=q.device)
     finite = torch.isfinite(lse)
     probs = torch.exp(scores - torch.where(finite, lse, 0.0)[..., None])
     probs = torch.where(finite[..., None], probs, 0.0)
     if not exact:
-        probs = probs.to(dtype).float()
-    out = torch.einsum("hqk,khd->qhd", probs, v)
+        probs = probs.to(dtype)
+    out = torch.einsum("hqk,khd->qhd", probs.double(), v)
     if not exact:
         out = out.to(dtype)
     return out.double(), lse.double(), ~visible.any(dim=-1)
@@ -276,31 +279,33 @@ class ForwardReference:
     empty: torch.Tensor  # bool, the out layout without the last two dims: rows that see no key
 
 
-def reference_forward(p: ForwardProblem) -> ForwardReference:
-    """Exact (float64) and low-precision results of ``p`` on the CPU, in the kernel's layouts."""
-    with torch.autocast("cpu", enabled=False):  # a caller's CPU autocast region must not round the reference
-        return _reference_forward(p)
+def reference_forward(p: ForwardProblem, device=None) -> ForwardReference:
+    """Exact (float64) and low-precision results of ``p``, in the kernel's layouts, computed on
+    ``device`` (default: the CPU; the check uses the kernel's device: a few milliseconds on a GPU,
+    and no CPU threads contended by other processes of the node)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    with torch.autocast(device.type, enabled=False):  # a caller's autocast region must not round it
+        return _reference_forward(p, device)
 
 
-def _reference_forward(p: ForwardProblem) -> ForwardReference:
+def _reference_forward(p: ForwardProblem, device: torch.device) -> ForwardReference:
     out_shape, lse_shape = p.output_shapes()
-    out = torch.zeros(out_shape, dtype=torch.float64)
+    q, k, v = (t.to(device=device, dtype=torch.float64) for t in (p.q, p.k, p.v))
+    sink = None if p.learnable_sink is None else p.learnable_sink.to(device)
+    out = torch.zeros(out_shape, dtype=torch.float64, device=device)
     out_lowp = torch.zeros_like(out)
-    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float64)
-    empty = torch.zeros(out_shape[:-2], dtype=torch.bool)
+    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float64, device=device)
+    empty = torch.zeros(out_shape[:-2], dtype=torch.bool, device=device)
     if p.varlen:
         cq, ck = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
         for b, (_, _, used) in enumerate(p.lengths):
-            rows, k0 = slice(cq[b], cq[b + 1]), ck[b]
-            keys = slice(k0, k0 + used)
-            o, l, e = _attend(p.q[rows], p.k[keys], p.v[keys], p, exact=True)
-            out[rows], lse[:, rows], empty[rows] = o, l, e
-            out_lowp[rows] = _attend(p.q[rows], p.k[keys], p.v[keys], p, exact=False)[0]
+            rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + used)
+            out[rows], lse[:, rows], empty[rows] = _attend(q[rows], k[keys], v[keys], sink, p, exact=True)
+            out_lowp[rows] = _attend(q[rows], k[keys], v[keys], sink, p, exact=False)[0]
     else:
         for b, (_, _, used) in enumerate(p.lengths):
-            o, l, e = _attend(p.q[b], p.k[b, :used], p.v[b, :used], p, exact=True)
-            out[b], lse[b], empty[b] = o, l, e
-            out_lowp[b] = _attend(p.q[b], p.k[b, :used], p.v[b, :used], p, exact=False)[0]
+            out[b], lse[b], empty[b] = _attend(q[b], k[b, :used], v[b, :used], sink, p, exact=True)
+            out_lowp[b] = _attend(q[b], k[b, :used], v[b, :used], sink, p, exact=False)[0]
     return ForwardReference(out=out, lse=lse, out_lowp=out_lowp, empty=empty)
 
 
@@ -317,9 +322,13 @@ class CheckReport:
     lse_err: float = float("nan")
     lse_allowed: float = float("nan")
     problem: str = ""
-    build_s: float = 0.0  # CPU: building the problem
-    reference_s: float = 0.0  # CPU: both references
-    total_s: float = 0.0  # the whole check, launch and synchronisation included
+    # wall seconds: building the problem (CPU) and moving it to the device; computing both references
+    # (on a GPU: queueing their kernels); comparing (on a GPU: waiting for the kernel and the
+    # references too); the whole check
+    build_s: float = 0.0
+    reference_s: float = 0.0
+    compare_s: float = 0.0
+    total_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -350,12 +359,13 @@ def _first(mask: torch.Tensor) -> tuple:
 
 def compare_forward(p: ForwardProblem, out: torch.Tensor, lse: torch.Tensor,
                     ref: Optional[ForwardReference] = None) -> CheckReport:
-    """The kernel's ``out``/``lse`` (any device) against the reference, under the module docstring's
-    rule. Never raises for a mismatch: the report lists every failed condition."""
-    ref = reference_forward(p) if ref is None else ref
+    """The kernel's ``out``/``lse`` against the reference (computed on out's device when not
+    given), under the module docstring's rule, on the reference's device: only numbers come back.
+    Never raises for a mismatch: the report lists every failed condition."""
+    ref = reference_forward(p, out.device) if ref is None else ref
     report = CheckReport(problem=p.describe())
     fail = report.failures.append
-    out, lse = out.detach().to("cpu", torch.float64), lse.detach().to("cpu", torch.float64)
+    out, lse = (t.detach().to(ref.out.device, torch.float64) for t in (out, lse))
     dtype = p.q.dtype
     if out.shape != ref.out.shape or lse.shape != ref.lse.shape:
         fail(f"output shapes out {tuple(out.shape)} lse {tuple(lse.shape)}, expected {tuple(ref.out.shape)} and "
@@ -405,7 +415,8 @@ Launch = Callable[..., None]  # ops._launch_forward's signature: (kernel, q, k, 
 
 def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Optional[int] = None) -> CheckReport:
     """Run ``kernel`` (``cfg``'s compiled forward) on the problem of ``cfg`` through ``launch`` on
-    ``device``'s current stream and compare. The CPU reference is computed while the device runs."""
+    ``device``'s current stream, compute the reference on the same device and compare (the
+    comparison's reductions wait for the kernel)."""
     t0 = time.perf_counter()
     p = build_forward_problem(cfg, seed)
     (q, k, v), rest = p.launch_args(device)
@@ -415,10 +426,12 @@ def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Opti
     t1 = time.perf_counter()
     launch(kernel, q, k, v, out, lse, *rest)
     t2 = time.perf_counter()
-    ref = reference_forward(p)
+    ref = reference_forward(p, device)
     t3 = time.perf_counter()
-    report = compare_forward(p, out, lse, ref)  # copies out and lse to the CPU: waits for the kernel
-    report.build_s, report.reference_s, report.total_s = t1 - t0, t3 - t2, time.perf_counter() - t0
+    report = compare_forward(p, out, lse, ref)
+    report.build_s, report.reference_s = t1 - t0, t3 - t2
+    report.compare_s = time.perf_counter() - t3
+    report.total_s = time.perf_counter() - t0
     return report
 
 
@@ -487,9 +500,9 @@ def _first_use(cfg, device, kernel, launch: Launch) -> None:
             report = check(cfg, kernel, launch, device)
         _reports[key] = report
         if report.ok:
-            log.info("flash-attn4 self-check passed on %s in %.3f s (CPU: problem %.3f s, reference %.3f s): %s; %s",
-                     _describe_device(device), report.total_s, report.build_s, report.reference_s,
-                     _describe_cfg(cfg), report.summary())
+            log.info("flash-attn4 self-check passed on %s in %.3f s (problem %.3f s, references %.3f s, comparison "
+                     "%.3f s): %s; %s", _describe_device(device), report.total_s, report.build_s, report.reference_s,
+                     report.compare_s, _describe_cfg(cfg), report.summary())
             _settle(key, kernel, "passed")
             return
         message = _failure_message(cfg, device, report)
