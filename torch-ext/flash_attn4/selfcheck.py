@@ -193,7 +193,7 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
         max_seqlen_q = max(x[0] for x in lengths)
     else:
         sq, sk = BATCHED_LENGTHS[::-1] if masked else BATCHED_LENGTHS
-        used = (sk - 43, 0)[:BATCH] if cfg.has_seqused_k else (sk,) * BATCH
+        used = (sk - 43, 0) if cfg.has_seqused_k else (sk,) * BATCH
         lengths = tuple((sq, sk, u) for u in used)
         q_shape, k_shape, v_shape = (BATCH, sq, hq, d), (BATCH, sk, hk, d), (BATCH, sk, hk, dv)
         cu_q = cu_k = None
@@ -548,8 +548,9 @@ def _failure_message(cfg, device, report: CheckReport) -> str:
         + "".join(f"  error: {f}\n" for f in report.failures)
         + f"  measured: {report.summary()}\n"
         f"  versions: {_versions()}\n"
-        f"This architecture's kernels have not been run by the flash-attn4 developers. Please report this "
-        f"message at {ISSUE_TRACKER}.\n"
+        + ("This architecture's kernels have not been run by the flash-attn4 developers. " if cfg.arch in
+           UNVERIFIED_ARCHS else f"(The check ran because {settings.SELF_CHECK} forces it on.) ")
+        + f"Please report this message at {ISSUE_TRACKER}.\n"
         f"To use the kernel anyway, at your own risk (its results were wrong here), set the environment "
         f"variable FLASH_ATTN4_SELF_CHECK=0."
     )
