@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import compile_cache, dispatch, settings, validate
+from . import compile_cache, dispatch, selfcheck, settings, validate
 from ._ops import add_op_namespace_prefix
 from .fa4_kernels.arch import kernels_for
 
@@ -95,7 +95,8 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 
 def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
                 varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int):
-    """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace)."""
+    """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
+    on its first use where selfcheck asks for it."""
     arch = dispatch.arch_for_device(q.device)
     cfg = dispatch.forward_config(
         arch, dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal, local=local,
@@ -106,7 +107,11 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
         # The kernel folds exactly pack_gqa query heads into each KV head's rows.
         raise ValueError(f"ForwardConfig.pack_gqa={cfg.pack_gqa} but the inputs have {qhead_per_kvhead} query "
                          f"heads per KV head")
-    return compile_cache.get_forward_kernel(cfg)
+    kernel = compile_cache.get_forward_kernel(cfg)
+    # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
+    # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
+    selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+    return kernel
 
 
 def _fill_empty_keys(out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optional[torch.Tensor],
@@ -153,8 +158,23 @@ def fwd(
         _fill_empty_keys(out, lse, learnable_sink, varlen)
         return out, lse
 
+    kernel = _kernel_for(
+        q, v, causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
+        varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
+        qhead_per_kvhead=q.shape[-2] // k.shape[-2],
+    )
+    _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
+                    softcap, window_left, window_right, max_seqlen_q)
+    return out, lse
+
+
+def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q) -> None:
+    """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller): the layout
+    fixes, the optional varlen value check and the launch on the current stream of q's device.
+    ``fwd`` and the first-use self-check (selfcheck.py) both launch through here."""
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
-    if varlen:
+    if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
         cu_seqlens_k = cu_seqlens_k.contiguous()
         if (settings.check_cu_seqlens()
@@ -165,16 +185,9 @@ def fwd(
         seqused_k = seqused_k.contiguous()
     if learnable_sink is not None:
         learnable_sink = learnable_sink.contiguous()
-
-    kernel = _kernel_for(
-        q, v, causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
-        varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
-        qhead_per_kvhead=q.shape[-2] // k.shape[-2],
-    )
     with _device_guard(q.device):
         kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
-    return out, lse
 
 
 def _device_guard(device: torch.device):

@@ -21,6 +21,16 @@ variable                            default    effect
                                                left alone, i.e. quiet except for warnings.
 ``FLASH_ATTN4_SLOW_COMPILE_S``      ``1.0``    a kernel compile taking at least this many seconds is
                                                logged at WARNING (visible by default); faster ones at INFO
+``FLASH_ATTN4_SELF_CHECK``          (unset)    first-use self-check of a compiled kernel against a PyTorch
+                                               reference (``selfcheck``). Unset (or ``auto``): only on
+                                               architectures we have not run ourselves
+                                               (``selfcheck.UNVERIFIED_ARCHS``: sm_100 family).
+                                               ``1``/``true``/``yes``/``on``: on every architecture.
+                                               ``0``/``false``/``no``/``off``: never, at your own risk.
+                                               Read when a kernel configuration is first used on a
+                                               device; the decision then holds for that configuration
+                                               for the process. A failed check raises RuntimeError
+                                               (never wrong numbers) on every call until turned off.
 ==================================  =========  ===============================================================
 
 Where these are read inside ``torch.compile``-d code they would be frozen at trace time, so they are
@@ -40,8 +50,9 @@ DISABLE_DISK_CACHE = "FLASH_ATTN4_DISABLE_DISK_CACHE"
 CHECK_CU_SEQLENS = "FLASH_ATTN4_CHECK_CU_SEQLENS"
 LOG_LEVEL = "FLASH_ATTN4_LOG_LEVEL"
 SLOW_COMPILE_S = "FLASH_ATTN4_SLOW_COMPILE_S"
+SELF_CHECK = "FLASH_ATTN4_SELF_CHECK"
 
-ALL = (CACHE_DIR, DISABLE_DISK_CACHE, CHECK_CU_SEQLENS, LOG_LEVEL, SLOW_COMPILE_S)
+ALL = (CACHE_DIR, DISABLE_DISK_CACHE, CHECK_CU_SEQLENS, LOG_LEVEL, SLOW_COMPILE_S, SELF_CHECK)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -72,6 +83,20 @@ def disk_cache_enabled() -> bool:
 
 def check_cu_seqlens() -> bool:
     return _flag(CHECK_CU_SEQLENS)
+
+
+def self_check() -> bool | None:
+    """FLASH_ATTN4_SELF_CHECK: True (on everywhere), False (off), None (unset/auto: the default,
+    unverified architectures only)."""
+    raw = os.environ.get(SELF_CHECK, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{SELF_CHECK}={os.environ[SELF_CHECK]!r}: expected unset, 'auto', one of {_TRUE} (on "
+                     f"every architecture) or one of {_FALSE[1:]} (off)")
 
 
 def slow_compile_seconds() -> float:

@@ -1,0 +1,550 @@
+"""The first-use self-check (flash_attn4/selfcheck.py) on the CPU, with injected fake kernels.
+
+The real kernels need a GPU; here the compile step yields a torch stand-in with the compiled kernel's
+call convention (ForwardConfig's docstring) computing attention with tests/reference.py, and CPU
+tensors are let through the device check, as in test_ops.py. A correct stand-in must pass the check;
+stand-ins that are wrong in the ways kernels go wrong (one row off, one varlen sequence reading the
+wrong keys, NaN or a finite LSE in rows that see no key, rows left unwritten, a feature ignored) must
+make the first call raise, naming the configuration. What this does not show: that a real kernel
+launched on a GPU is checked correctly (tests/gpu/test_selfcheck_gpu.py does that on the H200).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_func, flash_attn_varlen_func, ops
+from flash_attn4 import selfcheck, settings, validate
+from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.config import ForwardConfig
+from tests.reference import attention_ref
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def seed(monkeypatch):
+    """Fresh inputs for the check's problem every run (the seed is printed for a rerun)."""
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"selfcheck seed={s}")
+    monkeypatch.setattr(selfcheck, "SEED", s)
+    torch.manual_seed(s)
+    return s
+
+
+def reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right, key_shift=None):
+    """The kernel's job done by tests/reference.py (key_shift: (sequence, shift) reads that varlen
+    sequence's keys ``shift`` tokens off, a cu_seqlens_k offset bug)."""
+    window = (left, right) if cfg.local else (-1, -1)
+    kwargs = dict(softmax_scale=scale, causal=cfg.causal, window_size=window,
+                  softcap=softcap if cfg.has_softcap else 0.0, learnable_sink=sink)
+    o, l = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, **kwargs)
+    if key_shift is not None:
+        b, shift = key_shift
+        q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]) + shift
+        k1 = k0 + (int(used[b]) if used is not None else int(cu_k[b + 1] - cu_k[b]))
+        ob, lb = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kwargs)
+        o[q0:q1], l[:, q0:q1] = ob[0], lb[0]
+    out.copy_(o)
+    lse.copy_(l)
+
+
+class FakeKernel:
+    """compile_forward(cfg)'s stand-in; ``mutate(cfg, out, lse, args)`` makes it wrong."""
+
+    def __init__(self, cfg, calls, mutate=None):
+        self.cfg, self.calls, self.mutate = cfg, calls, mutate
+
+    def __call__(self, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right, max_seqlen_q):
+        cfg = self.cfg
+        self.calls.append(tuple(q.shape))
+        # the call convention ops promises (ForwardConfig's docstring)
+        assert isinstance(scale, float) and isinstance(softcap, float)
+        assert all(type(x) is int for x in (left, right, max_seqlen_q))
+        assert (cu_q is not None) == (cu_k is not None) == cfg.varlen
+        assert (used is not None) == cfg.has_seqused_k and (sink is not None) == cfg.has_sink
+        assert sink is None or sink.dtype == torch.float32
+        assert out.is_contiguous() and lse.dtype == torch.float32 and q.dtype == torch.bfloat16
+        assert q.shape[-2] // k.shape[-2] == cfg.pack_gqa or cfg.pack_gqa == 1
+        args = (q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right)
+        if self.mutate is None:
+            reference_into(cfg, *args)
+        else:
+            self.mutate(cfg, *args)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, seed):
+    """CPU tensors pass validation; the device is ``state["arch"]`` (sm_100a unless a test sets it);
+    compiling yields a FakeKernel with ``state["mutate"]``. Returns the state, whose "calls" lists
+    the q shape of every kernel call."""
+    state = {"arch": Arch.SM100, "mutate": None, "calls": []}
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": state["arch"])
+    sm90_config = dispatch.forward_config  # no sm100 tile table yet: sm90's choices, relabelled
+
+    def forward_config(arch, *args, **kwargs):
+        return sm90_config(Arch.SM90, *args, **kwargs).replace(arch=arch)
+
+    monkeypatch.setattr(dispatch, "forward_config", forward_config)
+    monkeypatch.setattr(compile_cache, "_compile_forward",
+                        lambda cfg, **_: FakeKernel(cfg, state["calls"], state["mutate"]))
+    monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
+    monkeypatch.delenv(settings.SELF_CHECK, raising=False)
+    compile_cache.clear()
+    selfcheck.clear()
+    yield state
+    compile_cache.clear()
+    selfcheck.clear()
+
+
+def config(arch=Arch.SM100, d=128, dv=None, ratio=1, **flags):
+    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
+    base.update(flags)
+    dv = d if dv is None else dv
+    return dispatch.forward_config(Arch.SM90, "bfloat16", d, dv, qhead_per_kvhead=ratio, **base).replace(arch=arch)
+
+
+def rand_qkv(b=2, sq=37, sk=51, hq=4, hk=2, d=128):
+    return (torch.randn(b, sq, hq, d, dtype=BF16), torch.randn(b, sk, hk, d, dtype=BF16),
+            torch.randn(b, sk, hk, d, dtype=BF16))
+
+
+def problem_shape(cfg):
+    return tuple(selfcheck.build_forward_problem(cfg).q.shape)
+
+
+# ---- a correct kernel ----
+
+
+def test_correct_kernel_is_checked_once_then_cached(fake_gpu):
+    q, k, v = rand_qkv()
+    cfg = config(causal=True, ratio=2)
+    outs = [flash_attn_func(q, k, v, causal=True, return_lse=True) for _ in range(2)]
+    # one check launch, before the first user launch, then the two user launches
+    assert fake_gpu["calls"] == [problem_shape(cfg), tuple(q.shape), tuple(q.shape)]
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+    report = selfcheck.report(cfg, "cpu")
+    assert report.ok and report.out_err <= report.out_allowed and report.lse_err <= report.lse_allowed
+    ref, ref_lse = attention_ref(q, k, v, causal=True)
+    for out, lse in outs:
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(lse, ref_lse)
+
+
+def test_each_configuration_is_checked_on_its_first_use(fake_gpu):
+    q, k, v = rand_qkv()
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v, causal=True)
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v, causal=True)
+    plain, causal = config(ratio=2), config(ratio=2, causal=True)
+    user = tuple(q.shape)
+    assert fake_gpu["calls"] == [problem_shape(plain), user, problem_shape(causal), user, user, user]
+    assert selfcheck.verdict(plain, "cpu") == selfcheck.verdict(causal, "cpu") == "passed"
+
+
+def test_varlen_with_every_feature_passes(fake_gpu):
+    hq, hk, d = 8, 2, 64
+    cu_q = torch.tensor([0, 5, 5, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 30, 61], dtype=torch.int32)
+    q, k, v = torch.randn(40, hq, d, dtype=BF16), torch.randn(61, hk, d, dtype=BF16), torch.randn(61, hk, d, dtype=BF16)
+    used = torch.tensor([9, 0, 17], dtype=torch.int32)
+    sink = torch.randn(hq)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_k=used, window_size=(7, 3), softcap=5.0,
+                                 learnable_sink=sink)
+    cfg = config(d=d, ratio=4, local=True, varlen=True, has_seqused_k=True, has_softcap=True, has_sink=True)
+    assert cfg.pack_gqa == 4
+    assert fake_gpu["calls"] == [problem_shape(cfg), tuple(q.shape)]
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+    ref, _ = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, window_size=(7, 3),
+                           softcap=5.0, learnable_sink=sink)
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("d,dv,ratio,flags", [
+    (64, 64, 1, dict()), (128, 128, 4, dict(causal=True)), (192, 128, 8, dict(local=True)),
+    (256, 256, 16, dict(has_softcap=True, has_sink=True)), (128, 128, 1, dict(varlen=True)),
+    (64, 64, 2, dict(varlen=True, has_seqused_k=True, causal=True)),
+    (256, 256, 4, dict(varlen=True, local=True, has_seqused_k=True, has_sink=True, has_softcap=True)),
+    (96, 96, 6, dict(has_seqused_k=True, local=True))])
+def test_correct_kernel_passes_every_configuration(seed, d, dv, ratio, flags):
+    """check_forward directly: the correct stand-in passes for every feature combination, so the
+    check's reference and tolerances agree with tests/reference.py."""
+    cfg = config(d=d, dv=dv, ratio=ratio, **flags)
+    calls = []
+    report = selfcheck.check_forward(cfg, FakeKernel(cfg, calls), ops._launch_forward, torch.device("cpu"))
+    assert report.ok, report.failures
+    assert calls == [problem_shape(cfg)]
+    assert 0 < report.out_err <= report.out_allowed and report.lse_err <= report.lse_allowed
+
+
+# ---- wrong kernels ----
+
+
+def off_in_one_row(amount):
+    def mutate(cfg, q, k, v, out, lse, *rest):
+        reference_into(cfg, q, k, v, out, lse, *rest)
+        rows = torch.isfinite(lse).transpose(-1, -2)  # (.., s, h) for batched (b, h, s), varlen (h, t)
+        last = rows.nonzero()[-1].tolist()  # the last (row, head) that sees a key
+        out[tuple(last)][0] += amount
+
+    return mutate
+
+
+def second_sequence_reads_keys_one_early(cfg, q, k, v, out, lse, cu_q, cu_k, *rest):
+    reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, *rest, key_shift=(3, -1))
+
+
+def nan_where_no_key(cfg, q, k, v, out, lse, *rest):
+    reference_into(cfg, q, k, v, out, lse, *rest)
+    out[torch.isneginf(lse).transpose(-1, -2)] = float("nan")  # the check's problem has such rows
+
+
+def finite_lse_where_no_key(cfg, q, k, v, out, lse, *rest):
+    reference_into(cfg, q, k, v, out, lse, *rest)
+    lse[torch.isneginf(lse)] = 0.0
+
+
+def lse_without_sink(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, *rest):
+    reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, *rest)
+    no_sink = torch.empty_like(lse)
+    reference_into(cfg, q, k, v, out.clone(), no_sink, cu_q, cu_k, used, None, *rest)
+    lse.copy_(no_sink)
+
+
+def last_tile_unwritten(cfg, q, k, v, out, lse, *rest):
+    """Rows from 256 on of each batch element left as they were (a missing partial tile)."""
+    full_o, full_l = torch.empty_like(out), torch.empty_like(lse)
+    reference_into(cfg, q, k, v, full_o, full_l, *rest)
+    out[:, :256].copy_(full_o[:, :256])
+    lse[..., :256].copy_(full_l[..., :256])
+
+
+def softcap_ignored(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right):
+    reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, 0.0, left, right)
+
+
+def window_right_ignored(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right):
+    reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, -1)
+
+
+def seqused_ignored(cfg, q, k, v, out, lse, cu_q, cu_k, used, *rest):
+    reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, None, *rest)
+
+
+def kv_head_modulo(cfg, q, k, v, out, lse, *rest):
+    """Query head h reads KV head h % hk instead of h // (hq // hk)."""
+    hq, hk = q.shape[-2], k.shape[-2]
+    order = torch.arange(hq) % hk
+    perm = torch.argsort(order, stable=True)  # query heads grouped by the KV head they wrongly read
+    inverse = torch.argsort(perm)
+    o, l = torch.empty_like(out), torch.empty_like(lse)
+    reference_into(cfg, q[..., perm, :], k, v, o, l, *rest)
+    out.copy_(o[..., inverse, :])
+    lse.copy_(l[..., inverse, :] if l.dim() == 3 else l[inverse])
+
+
+WRONG = {
+    "one row off by 0.2": (off_in_one_row(0.2), dict(causal=True)),
+    "varlen: the last sequence reads its keys one token early":
+        (second_sequence_reads_keys_one_early, dict(varlen=True, causal=True)),
+    "NaN in rows that see no key": (nan_where_no_key, dict(causal=True)),
+    "NaN in rows past seqused_k = 0": (nan_where_no_key, dict(varlen=True, has_seqused_k=True)),
+    "finite lse in rows that see no key": (finite_lse_where_no_key, dict(local=True, varlen=True)),
+    "sink left out of lse": (lse_without_sink, dict(has_sink=True)),
+    "last partial tile unwritten": (last_tile_unwritten, dict()),
+    "softcap ignored": (softcap_ignored, dict(has_softcap=True)),
+    "window_right ignored": (window_right_ignored, dict(local=True)),
+    "seqused_k ignored": (seqused_ignored, dict(varlen=True, has_seqused_k=True)),
+    "GQA: wrong KV head": (kv_head_modulo, dict(pack_ratio=4)),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_kernel_raises_naming_the_configuration(fake_gpu, name):
+    mutate, flags = WRONG[name]
+    flags = dict(flags)
+    ratio = flags.pop("pack_ratio", 2)
+    fake_gpu["mutate"] = mutate
+    cfg = config(ratio=ratio, **flags)
+    varlen = cfg.varlen
+    hq, hk, d = 2 * ratio, 2, 128
+    if varlen:
+        cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+        q, k, v = (torch.randn(45, h, d, dtype=BF16) for h in (hq, hk, hk))
+        used = torch.tensor([20, 25], dtype=torch.int32) if cfg.has_seqused_k else None
+        call = lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqused_k=used, causal=cfg.causal,  # noqa: E731
+                                              window_size=(9, 4) if cfg.local else (-1, -1))
+    else:
+        q, k, v = rand_qkv(hq=hq, hk=hk, d=d)
+        sink = torch.randn(hq) if cfg.has_sink else None
+        window = (9, 4) if cfg.local else (-1, -1)
+        call = lambda: flash_attn_func(q, k, v, causal=cfg.causal, window_size=window,  # noqa: E731
+                                       softcap=2.0 if cfg.has_softcap else 0.0, learnable_sink=sink)
+    with pytest.raises(selfcheck.SelfCheckError) as info:
+        call()
+    message = str(info.value)
+    assert "self-check FAILED" in message and "not used" in message
+    assert f"ForwardConfig({', '.join(cfg.key()[1:])})" in message  # every field of the configuration
+    assert "arch=sm_100a" in message and f"pack_gqa={ratio}" in message
+    assert "on cpu" in message  # the device (a GPU's name and capability on a GPU)
+    assert selfcheck.ISSUE_TRACKER in message and "FLASH_ATTN4_SELF_CHECK=0" in message
+    assert "error: " in message and "measured: out max|out - ref|" in message
+    assert f"seed {selfcheck.SEED}" in message
+    # the check ran; the caller's launch never happened
+    assert fake_gpu["calls"] == [problem_shape(cfg)]
+    assert selfcheck.verdict(cfg, "cpu") == "failed"
+
+
+def test_small_perturbation_within_the_rule_passes(fake_gpu):
+    """The other side of 'one row off': an error well inside the FA rule is not a failure."""
+    fake_gpu["mutate"] = off_in_one_row(0.002)
+    q, k, v = rand_qkv()
+    flash_attn_func(q, k, v, causal=True)
+    assert selfcheck.verdict(config(causal=True, ratio=2), "cpu") == "passed"
+
+
+def test_error_names_what_was_wrong_and_where(fake_gpu):
+    fake_gpu["mutate"] = second_sequence_reads_keys_one_early
+    cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+    q, k, v = torch.randn(45, 4, 64, dtype=BF16), torch.randn(45, 2, 64, dtype=BF16), torch.randn(45, 2, 64, dtype=BF16)
+    with pytest.raises(selfcheck.SelfCheckError, match=r"exceeds 2 \* max\|out_bfloat16 - ref\|") as info:
+        flash_attn_varlen_func(q, k, v, cu, cu)
+    assert "at sequence 3 query row" in str(info.value)  # only that sequence is wrong
+
+
+def test_failure_is_kept_and_raised_again_until_switched_off(fake_gpu, monkeypatch, caplog):
+    fake_gpu["mutate"] = nan_where_no_key
+    q, k, v = rand_qkv()
+    for _ in range(2):
+        with pytest.raises(selfcheck.SelfCheckError):
+            flash_attn_func(q, k, v, causal=True)
+    assert len(fake_gpu["calls"]) == 1  # the second call raised without running the check again
+    monkeypatch.setenv(settings.SELF_CHECK, "0")
+    with caplog.at_level("WARNING", logger=settings.LOGGER_NAME):
+        out = flash_attn_func(q, k, v, causal=True)  # at the user's own risk
+    assert "failed its self-check" in caplog.text
+    assert out.shape == q.shape and fake_gpu["calls"][1:] == [tuple(q.shape)]
+    assert selfcheck.verdict(config(causal=True, ratio=2), "cpu") == "off"
+
+
+def test_a_new_kernel_object_is_checked_again(fake_gpu):
+    """The verdict holds for the kernel object it was made for (a cleared compile cache compiles a new one)."""
+    q, k, v = rand_qkv()
+    flash_attn_func(q, k, v)
+    compile_cache.clear()
+    flash_attn_func(q, k, v)
+    check, user = problem_shape(config(ratio=2)), tuple(q.shape)
+    assert fake_gpu["calls"] == [check, user, check, user]
+
+
+# ---- when the check runs ----
+
+
+def test_off_skips_the_check(fake_gpu, monkeypatch):
+    monkeypatch.setenv(settings.SELF_CHECK, "off")
+    fake_gpu["mutate"] = off_in_one_row(1.0)  # would fail
+    q, k, v = rand_qkv()
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v)
+    assert fake_gpu["calls"] == [tuple(q.shape)] * 2
+    assert selfcheck.verdict(config(ratio=2), "cpu") == "off"
+
+
+def test_default_checks_unverified_archs_only(fake_gpu):
+    assert Arch.SM100 in selfcheck.UNVERIFIED_ARCHS and Arch.SM90 not in selfcheck.UNVERIFIED_ARCHS
+    fake_gpu["arch"] = Arch.SM90
+    fake_gpu["mutate"] = off_in_one_row(1.0)  # not checked: it is used as it is
+    q, k, v = rand_qkv()
+    flash_attn_func(q, k, v)
+    assert fake_gpu["calls"] == [tuple(q.shape)]
+    assert selfcheck.verdict(config(Arch.SM90, ratio=2), "cpu") == "not required"
+
+
+@pytest.mark.parametrize("value", ["1", "on", "true", "YES"])
+def test_forced_on_checks_sm90(fake_gpu, monkeypatch, value):
+    monkeypatch.setenv(settings.SELF_CHECK, value)
+    fake_gpu["arch"] = Arch.SM90
+    q, k, v = rand_qkv()
+    flash_attn_func(q, k, v, causal=True)
+    cfg = config(Arch.SM90, causal=True, ratio=2)
+    assert fake_gpu["calls"] == [problem_shape(cfg), tuple(q.shape)]
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+    fake_gpu["mutate"] = off_in_one_row(1.0)
+    with pytest.raises(selfcheck.SelfCheckError, match="arch=sm_90a"):
+        flash_attn_func(q, k, v)  # a new configuration (no mask): checked and wrong
+
+
+@pytest.mark.parametrize("value,expected", [("", None), ("auto", None), (" 1 ", True), ("0", False),
+                                            ("off", False), ("No", False)])
+def test_setting_values(monkeypatch, value, expected):
+    monkeypatch.setenv(settings.SELF_CHECK, value)
+    assert settings.self_check() is expected
+    assert settings.SELF_CHECK in settings.ALL and settings.SELF_CHECK in settings.__doc__
+
+
+def test_bad_setting_value_raises(fake_gpu, monkeypatch):
+    monkeypatch.setenv(settings.SELF_CHECK, "sometimes")
+    with pytest.raises(ValueError, match="FLASH_ATTN4_SELF_CHECK='sometimes'"):
+        flash_attn_func(*rand_qkv())
+
+
+def test_settled_configurations_cost_a_dict_lookup(fake_gpu, monkeypatch):
+    """After the first verdict neither the environment nor the check is consulted again."""
+    q, k, v = rand_qkv()
+    flash_attn_func(q, k, v)
+
+    def forbidden(*_):
+        raise AssertionError("consulted after the verdict")
+
+    monkeypatch.setattr(settings, "self_check", forbidden)
+    monkeypatch.setattr(selfcheck, "check_forward", forbidden)
+    monkeypatch.setitem(selfcheck._CHECKS, ForwardConfig, forbidden)
+    flash_attn_func(q, k, v)
+    assert len(fake_gpu["calls"]) == 3
+
+
+def test_check_launches_through_ops_launch_path(fake_gpu, monkeypatch):
+    """The check and the caller's call go through the same launch function, the check first."""
+    launched = []
+    real = ops._launch_forward
+
+    def spy(kernel, q, *args):
+        launched.append(tuple(q.shape))
+        return real(kernel, q, *args)
+
+    monkeypatch.setattr(ops, "_launch_forward", spy)
+    q, k, v = rand_qkv()
+    flash_attn_func(q, k, v, causal=True)
+    assert launched == fake_gpu["calls"] == [problem_shape(config(causal=True, ratio=2)), tuple(q.shape)]
+
+
+def test_check_leaves_the_callers_rng_alone(fake_gpu):
+    q, k, v = rand_qkv()
+    state = torch.get_rng_state()
+    flash_attn_func(q, k, v)
+    assert len(fake_gpu["calls"]) == 2 and torch.equal(torch.get_rng_state(), state)
+
+
+def test_first_use_during_cuda_graph_capture_raises(monkeypatch, seed):
+    """A kernel cannot be run and waited for inside a capture: the error asks for a warm-up call."""
+    selfcheck.clear()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(device_info, "get_device_info",
+                        lambda device: device_info.DeviceInfo(0, "NVIDIA B200", (10, 0), 148))
+    cfg, calls = config(), []
+    with pytest.raises(RuntimeError, match="during CUDA graph capture.*once outside the capture") as info:
+        selfcheck.ensure_checked(cfg, torch.device("cuda", 0), FakeKernel(cfg, calls), ops._launch_forward)
+    assert "NVIDIA B200" in str(info.value) and "FLASH_ATTN4_SELF_CHECK=0" in str(info.value)
+    assert calls == [] and selfcheck.verdict(cfg, 0) is None  # decided at the next (eager) call
+    selfcheck.clear()
+
+
+# ---- the problem covers the configuration ----
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4, 8, 16, 32])
+def test_problem_head_ratio(ratio):
+    cfg = config(ratio=ratio)
+    p = selfcheck.build_forward_problem(cfg)
+    hq, hk = p.q.shape[-2], p.k.shape[-2]
+    assert hq % hk == 0 and hk == p.v.shape[-2]
+    if cfg.pack_gqa > 1:
+        assert cfg.pack_gqa == ratio and hq // hk == ratio  # the ratio the kernel packs
+    else:
+        assert hq // hk == selfcheck.UNPACKED_HEAD_RATIO > 1  # GQA indexing without packing
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (192, 128), (256, 256), (72, 72)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_problem_dtype_and_head_dims(d, dv, dtype):
+    cfg = config(d=d, dv=dv).replace(dtype=dtype)
+    p = selfcheck.build_forward_problem(cfg)
+    assert p.q.dtype == p.k.dtype == p.v.dtype == getattr(torch, dtype)
+    assert p.q.shape[-1] == p.k.shape[-1] == d and p.v.shape[-1] == dv
+    assert p.softmax_scale != d ** -0.5  # a scale the kernel must take from its argument
+
+
+def test_problem_batched_has_partial_tiles():
+    for flags in (dict(), dict(causal=True), dict(local=True)):
+        cfg = config(**flags)
+        p = selfcheck.build_forward_problem(cfg)
+        b, sq, _, _ = p.q.shape
+        sk = p.k.shape[1]
+        assert b >= 2 and p.cu_seqlens_q is None and p.max_seqlen_q == sq
+        assert sq % cfg.tile_m and sk % cfg.tile_n and sq % 128 and sk % 128 and min(sq, sk) > 256
+        ref = selfcheck.reference_forward(p)
+        assert ref.empty.any() == (cfg.causal or cfg.local)  # more queries than keys: first rows see none
+
+
+def test_problem_varlen_is_ragged():
+    for flags in (dict(), dict(has_seqused_k=True), dict(causal=True), dict(local=True, has_seqused_k=True)):
+        cfg = config(varlen=True, **flags)
+        p = selfcheck.build_forward_problem(cfg)
+        lens_q = (p.cu_seqlens_q[1:] - p.cu_seqlens_q[:-1]).tolist()
+        lens_k = (p.cu_seqlens_k[1:] - p.cu_seqlens_k[:-1]).tolist()
+        assert p.cu_seqlens_q.dtype == p.cu_seqlens_k.dtype == torch.int32
+        assert p.cu_seqlens_q[0] == p.cu_seqlens_k[0] == 0
+        assert p.cu_seqlens_q[-1] == p.q.shape[0] and p.cu_seqlens_k[-1] == p.k.shape[0]
+        assert len(lens_q) >= 3 and len(set(lens_q)) == len(lens_q)  # ragged
+        assert 0 in lens_q  # a sequence without queries
+        assert any(n > 256 and n % 128 for n in lens_k)  # keys ending in a partial block
+        assert any(q > k for q, k in zip(lens_q, lens_k))  # more queries than keys
+        assert p.max_seqlen_q == max(lens_q)
+        ref = selfcheck.reference_forward(p)
+        assert ref.empty.any()  # a sequence whose queries see no key, whatever the mask
+        if cfg.has_seqused_k:
+            used = p.seqused_k.tolist()
+            assert p.seqused_k.dtype == torch.int32 and 0 in used
+            assert all(u <= n for u, n in zip(used, lens_k)) and any(0 < u < n for u, n in zip(used, lens_k))
+        else:
+            assert p.seqused_k is None
+
+
+def test_problem_masks_softcap_sink():
+    p = selfcheck.build_forward_problem(config(local=True))
+    assert not p.causal and 0 <= p.window_left < 128 and 0 <= p.window_right < 128
+    ref = selfcheck.reference_forward(p)
+    assert ref.empty.any() and not ref.empty.all()
+    p = selfcheck.build_forward_problem(config(causal=True))
+    assert p.causal and (p.window_left, p.window_right) == (-1, 0)
+    p = selfcheck.build_forward_problem(config())
+    assert not p.causal and (p.window_left, p.window_right) == (-1, -1) and p.softcap == 0.0
+    assert p.learnable_sink is None and p.seqused_k is None
+    p = selfcheck.build_forward_problem(config(has_softcap=True, has_sink=True))
+    assert p.softcap > 0 and p.learnable_sink.dtype == torch.float32 and p.learnable_sink.shape == (p.q.shape[-2],)
+    p = selfcheck.build_forward_problem(config(has_seqused_k=True))
+    assert p.seqused_k.tolist()[1] == 0 and p.seqused_k.tolist()[0] < p.k.shape[1]
+
+
+def test_problem_inputs_are_random_and_seeded():
+    cfg = config()
+    a, b = selfcheck.build_forward_problem(cfg, seed=1), selfcheck.build_forward_problem(cfg, seed=2)
+    assert not torch.equal(a.q, b.q) and torch.equal(a.q, selfcheck.build_forward_problem(cfg, seed=1).q)
+    assert a.q.float().std() > 0.5 and (a.v != 0).all()
+
+
+@pytest.mark.parametrize("flags", [dict(causal=True, varlen=True, has_seqused_k=True),
+                                   dict(local=True, has_softcap=True, has_sink=True), dict(varlen=True, local=True)])
+def test_reference_matches_the_suites_reference(seed, flags):
+    """selfcheck's own reference (the package cannot import tests/) against tests/reference.py."""
+    cfg = config(ratio=4, **flags)
+    p = selfcheck.build_forward_problem(cfg)
+    ref = selfcheck.reference_forward(p)
+    window = (p.window_left, p.window_right) if cfg.local else (-1, -1)
+    kwargs = dict(softmax_scale=p.softmax_scale, causal=p.causal, window_size=window, softcap=p.softcap,
+                  learnable_sink=p.learnable_sink, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+                  seqused_k=p.seqused_k)
+    out, lse = attention_ref(p.q.float(), p.k.float(), p.v.float(), **kwargs)  # float32 throughout
+    assert (ref.out - out.double()).abs().max() < 1e-5
+    assert torch.equal(torch.isneginf(ref.lse), torch.isneginf(lse))
+    finite = torch.isfinite(lse)
+    assert (ref.lse[finite] - lse[finite].double()).abs().max() < 1e-4
+    out_pt, _ = attention_ref(p.q, p.k, p.v, upcast=False, **kwargs)
+    # the low-precision computation: the same kind of error as the suite's out_pt
+    base, base_pt = (ref.out_lowp - ref.out).abs().max(), (out_pt.double() - ref.out).abs().max()
+    assert 0.5 * base_pt <= base <= 2 * base_pt

@@ -1,0 +1,576 @@
+"""First-use self-check of compiled kernels on architectures we have not run ourselves.
+
+Why: the sm_100 family (B200/GB200, B300/GB300) kernels are compiled and statically checked here, but
+no Blackwell GPU has ever run them for us. So the first time a process uses a kernel configuration on
+such a GPU, that kernel computes a small problem with the same configuration and its result is
+compared with a PyTorch reference *before* the caller's call gets a result. A wrong kernel then
+fails loudly at its first call instead of returning wrong numbers.
+
+When: ``ops._kernel_for`` calls :func:`ensure_checked` after it has the compiled forward kernel for a
+(device, ForwardConfig), before the caller's launch. Which configurations are checked:
+
+* ``FLASH_ATTN4_SELF_CHECK`` unset (or ``auto``): configurations whose ``arch`` is in
+  :data:`UNVERIFIED_ARCHS` (today the sm_100 family; the one place to edit once a GPU of that
+  family has run the test suite);
+* ``1``/``true``/``yes``/``on``: every configuration on every architecture (how the H200 tests the
+  check itself, on sm90);
+* ``0``/``false``/``no``/``off``: none, at the user's own risk.
+
+The variable is read (through ``settings``) when a configuration is first used on a device; the
+decision - passed, not required, or off - is then kept per (device index, configuration) and the
+kernel object it was made for, so every later call costs one dict lookup (keyed by the device
+index and the kernel object's id, about 0.1 us). A failed configuration is
+not kept: each later call raises again (without relaunching), unless the variable has been turned
+off meanwhile. :func:`clear` forgets everything.
+
+What the check runs (:func:`build_forward_problem`): the configuration's dtype and head dims; GQA
+with pack_gqa query heads per KV head (3 where the kernel does not pack: any ratio runs there);
+ragged lengths that leave partial tiles (about 300 queries, 333 keys); varlen with four sequences
+(one with no queries, one not a multiple of 128 long, one whose queries see no keys, one with more
+queries than keys); seqused_k below the stored length and 0 for one sequence; causal or a local
+window with both sides bounded, aligned bottom-right, and with more queries than keys so that the
+first rows see no key; softcap; a learnable sink; a non-default softmax_scale. The launch goes
+through ``ops._launch_forward``, the function every forward call launches through, into outputs
+filled with NaN (out) and +inf (lse) so that anything left unwritten fails.
+
+The comparison (:func:`compare_forward`) is the GPU test suite's rule, against a reference computed
+on the kernel's device with float64 GEMMs (so no TF32 or reduced-precision setting can loosen it;
+:func:`reference_forward`) and the same computation with the input dtype's roundings:
+``max|out - ref| <= 2 * max|out_lowp - ref| + atol`` with ``atol`` twice the rounding of the exact
+result to the input dtype plus :data:`ATOL`; every output finite; ``|lse - ref| <= LSE_ATOL`` (plus
+``softcap * 1e-3`` with softcap: the kernels' approximate tanh) where the reference is finite; lse
+-inf exactly where the reference is; out exactly 0 in rows that see no key.
+
+Policy on a mismatch: never return wrong numbers. :class:`SelfCheckError` (a RuntimeError) is raised,
+naming the configuration (all its fields), the errors measured against what is allowed and where,
+the GPU and the versions, asking for a report at :data:`ISSUE_TRACKER`, and saying how to switch the
+check off (``FLASH_ATTN4_SELF_CHECK=0``) for whoever accepts the risk. Raising rather than falling
+back to a PyTorch path silently: a fallback would be orders of magnitude slower without anyone
+noticing, and a kernel that fails its check is a bug we want to hear about. An exception raised by
+the launch itself (a missing feature, a CUDA error) propagates as it is.
+
+CUDA graphs and torch.compile: a kernel cannot be run and waited for while a CUDA graph is being
+captured, so a configuration whose first use falls inside a capture raises a RuntimeError asking for
+one eager call first (the usual warm-up; torch.compile's mode="reduce-overhead" and
+torch.cuda.make_graphed_callables run eagerly before capturing). Skipping the check there instead
+would bake an unchecked kernel into a graph that may replay forever. torch.compile's tracing runs the
+op's fake implementation, which launches nothing; the compiled graph's real calls are eager.
+
+Cost: once per (device, configuration) per process, building the problem on the CPU (2-10 ms of
+one core on the development machine), one launch of the kernel on it, and the references' few dozen
+small kernels on the same device (float64 GEMMs of about 0.5 GFLOP); ``scripts/selfcheck_cost.py``
+times the CPU side, tests/gpu/test_selfcheck_gpu.py the whole check on a GPU, and each check's
+:class:`CheckReport` (:func:`report`) holds its own times. The reference runs on the GPU rather than
+the CPU because, on the CPU, it took 30-150 ms of one core but 0.3-0.9 s with two threads on a
+contended machine, as a node whose ranks all start at once would be.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from . import settings
+from .fa4_kernels.arch import Arch
+from .fa4_kernels.config import ForwardConfig
+
+# Architectures whose kernels have never been run by us: checked by default (FLASH_ATTN4_SELF_CHECK
+# unset). Remove an arch once a GPU of its family has passed the GPU test suite.
+UNVERIFIED_ARCHS = frozenset({Arch.SM100})
+
+ISSUE_TRACKER = "https://huggingface.co/flash-attn4-org/flash-attn4/discussions"
+
+SEED = 20  # the check's inputs: fixed, so that a failure is the same on every run (and reproducible)
+ATOL = 1e-3  # added to the output tolerance, beyond twice the rounding to the input dtype
+LSE_ATOL = 2e-3
+SOFTCAP = 3.0  # scores of the problem are about N(0, 1.25^2): tanh bends them noticeably
+SINK_MEAN = 3.0  # sink logits about as large as a row's largest scores, so the sink weighs in
+WINDOW = (70, 5)  # local: narrower than a key block, so whole blocks are skipped on both sides
+UNPACKED_HEAD_RATIO = 3  # q heads per KV head where the kernel does not pack (any ratio runs there)
+# (seqlen_q, seqlen_k stored, seqlen_k used) per varlen sequence; the third one's keys are 0 long
+# without seqused_k, so that its rows see no key either way.
+VARLEN_LENGTHS = ((300, 333, 290), (0, 40, 40), (129, 256, 0), (100, 61, 61))
+BATCHED_LENGTHS = (300, 333)  # (sq, sk); swapped for causal/local, so the first rows see no key
+BATCH = 2
+
+
+class SelfCheckError(RuntimeError):
+    """A kernel configuration gave wrong results in its first-use self-check."""
+
+
+# ---- the problem ----
+
+
+@dataclass
+class ForwardProblem:
+    """A small forward problem on the CPU in the kernel's call convention (ForwardConfig's
+    docstring), with the canonical mask arguments ops passes (causal: window (-1, 0))."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_k: Optional[torch.Tensor]
+    seqused_k: Optional[torch.Tensor]
+    learnable_sink: Optional[torch.Tensor]
+    softmax_scale: float
+    softcap: float
+    causal: bool
+    window_left: int
+    window_right: int
+    max_seqlen_q: int
+    seed: int
+    # per varlen sequence or batch element: (seqlen_q, seqlen_k stored, seqlen_k used)
+    lengths: tuple = ()
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def launch_args(self, device) -> tuple:
+        """(q, k, v), then (cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
+        softcap, window_left, window_right, max_seqlen_q) on ``device``: the arguments around out and
+        lse in the kernel's (and ops._launch_forward's) order."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        tensors = (self.q, self.k, self.v)
+        rest = (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, self.learnable_sink)
+        return (tuple(move(t) for t in tensors),
+                tuple(move(t) for t in rest) + (self.softmax_scale, self.softcap, self.window_left,
+                                                self.window_right, self.max_seqlen_q))
+
+    def output_shapes(self) -> tuple[tuple, tuple]:
+        hq, dv = self.q.shape[-2], self.v.shape[-1]
+        if self.varlen:
+            return (self.q.shape[0], hq, dv), (hq, self.q.shape[0])
+        b, sq = self.q.shape[:2]
+        return (b, sq, hq, dv), (b, hq, sq)
+
+    def describe(self) -> str:
+        hq, hk = self.q.shape[-2], self.k.shape[-2]
+        layout = (f"varlen, {len(self.lengths)} sequences" if self.varlen
+                  else f"batched, batch {self.q.shape[0]}")
+        mask = ("causal" if self.causal else
+                f"local window ({self.window_left}, {self.window_right})" if self.window_left >= 0
+                or self.window_right >= 0 else "no mask")
+        parts = [layout, "(seqlen_q, seqlen_k, seqused_k) = " + ", ".join(map(str, self.lengths)),
+                 f"heads q/kv {hq}/{hk}", f"head_dim {self.q.shape[-1]}/{self.v.shape[-1]}", str(self.q.dtype),
+                 mask, f"softmax_scale {self.softmax_scale:.6g}"]
+        if self.softcap:
+            parts.append(f"softcap {self.softcap}")
+        if self.learnable_sink is not None:
+            parts.append("learnable sink")
+        parts.append(f"seed {self.seed}")
+        return ", ".join(parts)
+
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> ForwardProblem:
+    """A problem on the CPU that takes ``cfg``'s paths (the module docstring lists them); random
+    inputs from ``seed`` (default: SEED) drawn from a private generator, so the caller's RNG state is
+    left alone."""
+    seed = SEED if seed is None else seed
+    gen = torch.Generator().manual_seed(seed)
+    dtype = _TORCH_DTYPES[cfg.dtype]
+    ratio = cfg.pack_gqa if cfg.pack_gqa > 1 else UNPACKED_HEAD_RATIO
+    hk = 2 if ratio <= 8 else 1
+    hq = ratio * hk
+    d, dv = cfg.head_dim, cfg.head_dim_v
+    masked = cfg.causal or cfg.local
+    if cfg.varlen:
+        lengths = VARLEN_LENGTHS if cfg.has_seqused_k else tuple(
+            (sq, sk if used else 0, sk if used else 0) for sq, sk, used in VARLEN_LENGTHS)
+        total_q, total_k = sum(x[0] for x in lengths), sum(x[1] for x in lengths)
+        q_shape, k_shape, v_shape = (total_q, hq, d), (total_k, hk, d), (total_k, hk, dv)
+        cu_q, cu_k = (torch.tensor([0] + [sum(x[i] for x in lengths[:j + 1]) for j in range(len(lengths))],
+                                   dtype=torch.int32) for i in (0, 1))
+        max_seqlen_q = max(x[0] for x in lengths)
+    else:
+        sq, sk = BATCHED_LENGTHS[::-1] if masked else BATCHED_LENGTHS
+        used = (sk - 43, 0) if cfg.has_seqused_k else (sk,) * BATCH
+        lengths = tuple((sq, sk, u) for u in used)
+        q_shape, k_shape, v_shape = (BATCH, sq, hq, d), (BATCH, sk, hk, d), (BATCH, sk, hk, dv)
+        cu_q = cu_k = None
+        max_seqlen_q = sq
+    randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float32)  # noqa: E731
+    q, k, v = (randn(*s).to(dtype) for s in (q_shape, k_shape, v_shape))
+    seqused_k = torch.tensor([x[2] for x in lengths], dtype=torch.int32) if cfg.has_seqused_k else None
+    sink = randn(hq) + SINK_MEAN if cfg.has_sink else None
+    if cfg.causal:
+        left, right = -1, 0
+    elif cfg.local:
+        left, right = WINDOW
+    else:
+        left, right = -1, -1
+    return ForwardProblem(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
+                          learnable_sink=sink, softmax_scale=1.25 / math.sqrt(d),
+                          softcap=SOFTCAP if cfg.has_softcap else 0.0, causal=cfg.causal, window_left=left,
+                          window_right=right, max_seqlen_q=max_seqlen_q, seed=seed, lengths=lengths)
+
+
+# ---- the reference ----
+
+
+def _visible(sq: int, sk: int, causal: bool, left: int, right: int, device) -> torch.Tensor:
+    """(sq, sk) bool: query i sees key j (bottom-right aligned; -1 = that side unbounded)."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    diag = i + sk - sq
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        right = 0
+    if left >= 0 and not causal:
+        visible &= j >= diag - left
+    if right >= 0:
+        visible &= j <= diag + right
+    return visible
+
+
+def _attend(q, k, v, sink, p: ForwardProblem, exact: bool):
+    """One sequence, inputs in float64 holding the input dtype's values: q (sq, hq, d), k (sk, hk, d),
+    v (sk, hk, dv) -> out (sq, hq, dv), lse (hq, sq) in float64, empty (sq,) rows that see no key.
+    exact: float64 throughout. Else a plain low-precision implementation: GEMM results and P rounded
+    to the input dtype (a float64 GEMM rounded once is what a 16-bit GEMM accumulating in float32
+    gives, to within its accumulation error) and the softmax in float32. Every GEMM is float64, so
+    no TF32 or reduced-precision setting of the caller's can change the reference."""
+    sq, hq = q.shape[:2]
+    sk, hk = k.shape[:2]
+    dtype = p.q.dtype
+    k = k.repeat_interleave(hq // hk, dim=1)
+    v = v.repeat_interleave(hq // hk, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k)
+    if not exact:
+        scores = scores.to(dtype)
+    scores = scores * p.softmax_scale
+    if p.softcap:
+        scores = p.softcap * torch.tanh(scores / p.softcap)
+    scores = scores.to(torch.float64 if exact else torch.float32)
+    visible = _visible(sq, sk, p.causal, p.window_left, p.window_right, q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    logits = scores
+    if sink is not None:
+        logits = torch.cat([scores, sink.to(scores.dtype)[:, None, None].expand(hq, sq, 1)], dim=-1)
+    if logits.shape[-1]:
+        lse = torch.logsumexp(logits, dim=-1)
+    else:
+        lse = torch.full((hq, sq), float("-inf"), dtype=scores.dtype, device=q.device)
+    finite = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(finite, lse, 0.0)[..., None])
+    probs = torch.where(finite[..., None], probs, 0.0)
+    if not exact:
+        probs = probs.to(dtype)
+    out = torch.einsum("hqk,khd->qhd", probs.double(), v)
+    if not exact:
+        out = out.to(dtype)
+    return out.double(), lse.double(), ~visible.any(dim=-1)
+
+
+@dataclass
+class ForwardReference:
+    out: torch.Tensor  # float64, the kernel's out layout
+    lse: torch.Tensor  # float64, the kernel's lse layout
+    out_lowp: torch.Tensor  # float64 values of the input-dtype computation
+    empty: torch.Tensor  # bool, the out layout without the last two dims: rows that see no key
+
+
+def reference_forward(p: ForwardProblem, device=None) -> ForwardReference:
+    """Exact (float64) and low-precision results of ``p``, in the kernel's layouts, computed on
+    ``device`` (default: the CPU; the check uses the kernel's device: a few milliseconds on a GPU,
+    and no CPU threads contended by other processes of the node)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    with torch.autocast(device.type, enabled=False):  # a caller's autocast region must not round it
+        return _reference_forward(p, device)
+
+
+def _reference_forward(p: ForwardProblem, device: torch.device) -> ForwardReference:
+    out_shape, lse_shape = p.output_shapes()
+    q, k, v = (t.to(device=device, dtype=torch.float64) for t in (p.q, p.k, p.v))
+    sink = None if p.learnable_sink is None else p.learnable_sink.to(device)
+    out = torch.zeros(out_shape, dtype=torch.float64, device=device)
+    out_lowp = torch.zeros_like(out)
+    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float64, device=device)
+    empty = torch.zeros(out_shape[:-2], dtype=torch.bool, device=device)
+    if p.varlen:
+        cq, ck = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
+        for b, (_, _, used) in enumerate(p.lengths):
+            rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + used)
+            out[rows], lse[:, rows], empty[rows] = _attend(q[rows], k[keys], v[keys], sink, p, exact=True)
+            out_lowp[rows] = _attend(q[rows], k[keys], v[keys], sink, p, exact=False)[0]
+    else:
+        for b, (_, _, used) in enumerate(p.lengths):
+            out[b], lse[b], empty[b] = _attend(q[b], k[b, :used], v[b, :used], sink, p, exact=True)
+            out_lowp[b] = _attend(q[b], k[b, :used], v[b, :used], sink, p, exact=False)[0]
+    return ForwardReference(out=out, lse=lse, out_lowp=out_lowp, empty=empty)
+
+
+# ---- the comparison ----
+
+
+@dataclass
+class CheckReport:
+    """What a check measured. ``failures`` empty means passed."""
+
+    failures: list = field(default_factory=list)
+    out_err: float = float("nan")
+    out_allowed: float = float("nan")
+    lse_err: float = float("nan")
+    lse_allowed: float = float("nan")
+    problem: str = ""
+    # wall seconds: building the problem (CPU) and moving it to the device; computing both references
+    # (on a GPU: queueing their kernels); comparing (on a GPU: waiting for the kernel and the
+    # references too); the whole check
+    build_s: float = 0.0
+    reference_s: float = 0.0
+    compare_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        return (f"out max|out - ref| = {self.out_err:.3e} (allowed {self.out_allowed:.3e}); "
+                f"lse max|lse - ref| = {self.lse_err:.3e} (allowed {self.lse_allowed:.3e})")
+
+
+def _where(p: ForwardProblem, index: tuple, lse_layout: bool = False) -> str:
+    """Human words for an element index of out (or of lse)."""
+    if p.varlen:
+        head, token = (index[0], index[1]) if lse_layout else (index[1], index[0])
+        cq = p.cu_seqlens_q.tolist()
+        seq = max(b for b in range(len(cq) - 1) if cq[b] <= token) if len(cq) > 1 else 0
+        return f"sequence {seq} query row {token - cq[seq]} head {head}"
+    if lse_layout:
+        b, head, row = index[:3]
+    else:
+        b, row, head = index[:3]
+    return f"batch {b} query row {row} head {head}"
+
+
+def _first(mask: torch.Tensor) -> tuple:
+    return tuple(int(x) for x in mask.nonzero()[0])
+
+
+def compare_forward(p: ForwardProblem, out: torch.Tensor, lse: torch.Tensor,
+                    ref: Optional[ForwardReference] = None) -> CheckReport:
+    """The kernel's ``out``/``lse`` against the reference (computed on out's device when not
+    given), under the module docstring's rule, on the reference's device: only numbers come back.
+    Never raises for a mismatch: the report lists every failed condition."""
+    ref = reference_forward(p, out.device) if ref is None else ref
+    report = CheckReport(problem=p.describe())
+    fail = report.failures.append
+    out, lse = (t.detach().to(ref.out.device, torch.float64) for t in (out, lse))
+    dtype = p.q.dtype
+    if out.shape != ref.out.shape or lse.shape != ref.lse.shape:
+        fail(f"output shapes out {tuple(out.shape)} lse {tuple(lse.shape)}, expected {tuple(ref.out.shape)} and "
+             f"{tuple(ref.lse.shape)}")
+        return report
+
+    bad = ~torch.isfinite(out)
+    if bad.any():
+        fail(f"out: {int(bad.sum())} of {out.numel()} values are NaN or infinite (first at "
+             f"{_where(p, _first(bad))})")
+    rounding = float((ref.out.to(dtype).double() - ref.out).abs().max()) if out.numel() else 0.0
+    base = float((ref.out_lowp - ref.out).abs().max()) if out.numel() else 0.0
+    report.out_allowed = 2 * base + 2 * rounding + ATOL
+    diff = torch.nan_to_num((out - ref.out).abs(), nan=math.inf)
+    report.out_err = float(diff.max()) if diff.numel() else 0.0
+    if report.out_err > report.out_allowed:
+        where = _where(p, tuple(int(x) for x in torch.unravel_index(diff.argmax(), diff.shape)))
+        fail(f"out: max|out - ref| = {report.out_err:.3e} at {where} exceeds 2 * max|out_{str(dtype)[6:]} - ref| + "
+             f"atol = 2 * {base:.3e} + {2 * rounding + ATOL:.3e}")
+    nonzero = (out != 0).any(-1) & ref.empty[..., None]  # (.., rows, heads)
+    if nonzero.any():
+        fail(f"out: {int(nonzero.sum())} rows that see no key are not 0 (first at {_where(p, _first(nonzero))})")
+
+    bad = torch.isnan(lse) | torch.isposinf(lse)
+    if bad.any():
+        fail(f"lse: {int(bad.sum())} values are NaN or +inf, i.e. wrong or unwritten (first at "
+             f"{_where(p, _first(bad), lse_layout=True)})")
+    pattern = torch.isneginf(lse) != torch.isneginf(ref.lse)
+    if pattern.any():
+        fail(f"lse: -inf at {int(pattern.sum())} places where the reference differs (first at "
+             f"{_where(p, _first(pattern), lse_layout=True)}: {float(lse[_first(pattern)])} vs "
+             f"{float(ref.lse[_first(pattern)])})")
+    report.lse_allowed = LSE_ATOL + (p.softcap * 1e-3 if p.softcap else 0.0)
+    both = torch.isfinite(ref.lse) & torch.isfinite(lse)
+    lse_diff = torch.where(both, (lse - ref.lse).abs(), 0.0)
+    report.lse_err = float(lse_diff.max()) if lse_diff.numel() else 0.0
+    if report.lse_err > report.lse_allowed:
+        where = _where(p, tuple(int(x) for x in torch.unravel_index(lse_diff.argmax(), lse_diff.shape)), True)
+        fail(f"lse: max|lse - ref| = {report.lse_err:.3e} at {where} exceeds {report.lse_allowed:.1e}")
+    return report
+
+
+# ---- running a check ----
+
+Launch = Callable[..., None]  # ops._launch_forward's signature: (kernel, q, k, v, out, lse, cu_q, ...)
+
+
+def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Optional[int] = None) -> CheckReport:
+    """Run ``kernel`` (``cfg``'s compiled forward) on the problem of ``cfg`` through ``launch`` on
+    ``device``'s current stream, compute the reference on the same device and compare (the
+    comparison's reductions wait for the kernel)."""
+    t0 = time.perf_counter()
+    p = build_forward_problem(cfg, seed)
+    (q, k, v), rest = p.launch_args(device)
+    out_shape, lse_shape = p.output_shapes()
+    out = torch.full(out_shape, float("nan"), dtype=q.dtype, device=device)
+    lse = torch.full(lse_shape, float("inf"), dtype=torch.float32, device=device)
+    t1 = time.perf_counter()
+    launch(kernel, q, k, v, out, lse, *rest)
+    t2 = time.perf_counter()
+    ref = reference_forward(p, device)
+    t3 = time.perf_counter()
+    report = compare_forward(p, out, lse, ref)
+    report.build_s, report.reference_s = t1 - t0, t3 - t2
+    report.compare_s = time.perf_counter() - t3
+    report.total_s = time.perf_counter() - t0
+    return report
+
+
+_CHECKS = {ForwardConfig: check_forward}  # BackwardConfig joins with its problem, reference and launch
+
+# (device index, id(kernel)) -> kernel, for kernels whose use is decided: the hot path's one lookup
+# (a pair of ints hashes faster than a config; the value keeps the kernel, and so its id, alive)
+_settled: dict = {}
+_verdicts: dict = {}  # (device index, cfg) -> "passed" | "not required" | "off" | "failed"
+_reports: dict = {}  # (device index, cfg) -> CheckReport of checks that ran
+_failed: dict = {}  # (device index, cfg) -> (kernel, message)
+_lock = threading.RLock()
+
+
+def required(cfg) -> bool:
+    """Whether a configuration's first use is checked now (FLASH_ATTN4_SELF_CHECK, read now)."""
+    mode = settings.self_check()
+    return cfg.arch in UNVERIFIED_ARCHS if mode is None else mode
+
+
+def ensure_checked(cfg, device: torch.device, kernel, launch: Launch) -> None:
+    """Return once ``kernel`` (compiled for ``cfg``) may run on ``device``; on its first use there,
+    run its self-check where it is required, raising SelfCheckError if it fails. After the first
+    decision: one dict lookup."""
+    if (device.index, id(kernel)) in _settled:
+        return
+    _first_use(cfg, device, kernel, launch)
+
+
+def _settle(key, kernel, verdict: str) -> None:
+    _settled[(key[0], id(kernel))] = kernel
+    _verdicts[key] = verdict
+
+
+def _first_use(cfg, device, kernel, launch: Launch) -> None:
+    log = settings.get_logger()
+    key = (device.index, cfg)
+    with _lock:  # one check at a time; a second thread waits for the first one's verdict
+        if (device.index, id(kernel)) in _settled:
+            return
+        failed = _failed.get(key)
+        failed = failed[1] if failed is not None and failed[0] is kernel else None
+        mode = settings.self_check()
+        if mode is False:
+            if failed is not None:
+                log.warning("flash-attn4: FLASH_ATTN4_SELF_CHECK is off: using a kernel configuration that failed "
+                            "its self-check (%s)", _describe_cfg(cfg))
+            _settle(key, kernel, "off")
+            return
+        if not (mode or cfg.arch in UNVERIFIED_ARCHS):
+            _settle(key, kernel, "not required")
+            return
+        if failed is not None:
+            raise SelfCheckError(failed)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"flash-attn4: the first use of a kernel configuration on {_describe_device(device)} happens "
+                f"during CUDA graph capture, where its self-check (a launch of a small problem and a wait for its "
+                f"result) cannot run. Call the function once outside the capture with inputs of the same kind "
+                f"(dtype, head dims, mask, varlen, GQA ratio) before capturing, as a warm-up; or set "
+                f"FLASH_ATTN4_SELF_CHECK=0 to skip the check at your own risk. Configuration: {_describe_cfg(cfg)}")
+        check = _CHECKS.get(type(cfg))
+        if check is None:
+            raise NotImplementedError(f"flash-attn4: no self-check for {type(cfg).__name__} yet")
+        with torch.no_grad():
+            report = check(cfg, kernel, launch, device)
+        _reports[key] = report
+        if report.ok:
+            log.info("flash-attn4 self-check passed on %s in %.3f s (problem %.3f s, references %.3f s, comparison "
+                     "%.3f s): %s; %s", _describe_device(device), report.total_s, report.build_s, report.reference_s,
+                     report.compare_s, _describe_cfg(cfg), report.summary())
+            _settle(key, kernel, "passed")
+            return
+        message = _failure_message(cfg, device, report)
+        _failed[key] = (kernel, message)
+        _verdicts[key] = "failed"
+        raise SelfCheckError(message)
+
+
+def _describe_cfg(cfg) -> str:
+    return f"{type(cfg).__name__}(" + ", ".join(cfg.key()[1:]) + ")"
+
+
+def _describe_device(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    from . import device_info
+
+    info = device_info.get_device_info(device)
+    return f"{info.name} (cuda:{info.index}, compute capability {info.capability_str})"
+
+
+def _versions() -> str:
+    import importlib.metadata
+
+    from . import __version__
+
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    return (f"flash-attn4 {__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}")
+
+
+def _failure_message(cfg, device, report: CheckReport) -> str:
+    return (
+        f"flash-attn4 self-check FAILED: the compiled kernel for this configuration gave wrong results on "
+        f"{_describe_device(device)}, so it was not used (no result was returned).\n"
+        f"  configuration: {_describe_cfg(cfg)}\n"
+        f"  check problem: {report.problem}\n"
+        + "".join(f"  error: {f}\n" for f in report.failures)
+        + f"  measured: {report.summary()}\n"
+        f"  versions: {_versions()}\n"
+        + ("This architecture's kernels have not been run by the flash-attn4 developers. " if cfg.arch in
+           UNVERIFIED_ARCHS else f"(The check ran because {settings.SELF_CHECK} forces it on.) ")
+        + f"Please report this message at {ISSUE_TRACKER}.\n"
+        f"To use the kernel anyway, at your own risk (its results were wrong here), set the environment "
+        f"variable FLASH_ATTN4_SELF_CHECK=0."
+    )
+
+
+def verdict(cfg, device) -> Optional[str]:
+    """"passed", "not required", "off", "failed", or None before the configuration's first use on
+    ``device`` (a torch.device or a device index)."""
+    index = device if isinstance(device, int) or device is None else torch.device(device).index
+    return _verdicts.get((index, cfg))
+
+
+def report(cfg, device) -> Optional[CheckReport]:
+    """The report of the check that ran for (device, cfg), if one ran."""
+    index = device if isinstance(device, int) or device is None else torch.device(device).index
+    return _reports.get((index, cfg))
+
+
+def clear() -> None:
+    """Forget every verdict: each configuration is decided (and checked where required) again."""
+    with _lock:
+        for d in (_settled, _verdicts, _reports, _failed):
+            d.clear()
