@@ -32,7 +32,7 @@ from flash_attn4 import flash_attn_func, flash_attn_varlen_func, ops
 from tests.gpu.helpers import DEVICE, HEADS, rand, random_lengths, seed_from_urandom
 from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.backward]
 
 
 

@@ -73,8 +73,17 @@ def override_forward_config(monkeypatch, **overrides):
     earlier choices stay cached under their own configs)."""
     from flash_attn4 import dispatch
 
+    arch = dispatch.arch_for_device(torch.device(DEVICE))
+    hopper_only = sorted(k for k, v in overrides.items() if k in HOPPER_SWITCHES and v != HOPPER_SWITCHES[k])
+    if hopper_only and arch.value != "sm_90a":
+        pytest.skip(f"{', '.join(hopper_only)}: schedule switches of the sm90 kernel; this GPU runs {arch.value}")
     chosen = dispatch.forward_config
     monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(**overrides))
+
+
+# ForwardConfig fields only the sm90 forward reads (sm90/tiles.py), with the value that means "off".
+HOPPER_SWITCHES = dict(tma_store_o=False, rescale_o_before_pv=False, pingpong=True, persistent_ctas=0,
+                       whole_k_gemms=False)
 
 
 # ---- batched: the main grid ----
@@ -239,6 +248,10 @@ def persistent(monkeypatch):
     d = 192 O goes out from registers: the TMA epilogue would stage it in Q's buffer, which a
     persistent CTA needs for its next tile (the kernel refuses the pair)."""
     from flash_attn4 import dispatch
+
+    arch = dispatch.arch_for_device(torch.device(DEVICE))
+    if arch.value != "sm_90a":
+        pytest.skip(f"persistent_ctas: a schedule switch of the sm90 kernel; this GPU runs {arch.value}")
 
     def chosen(*args, **kwargs):
         cfg = dispatch_forward_config(*args, **kwargs)

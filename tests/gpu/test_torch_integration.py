@@ -158,6 +158,7 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+@pytest.mark.backward
 def test_backward_runs_and_forward_matches_inference():
     """Training works out of the box; the forward with requires_grad inputs gives the same output as
     without autograd."""
@@ -171,6 +172,7 @@ def test_backward_runs_and_forward_matches_inference():
         assert torch.equal(flash_attn_func(q, k, v, causal=True), out.detach())
 
 
+@pytest.mark.backward
 def test_torch_compile_fullgraph_backward_matches_eager():
     """A compiled attention block (fused QKV projection -> flash_attn_func -> output projection -> loss),
     fullgraph, then .backward(): AOTAutograd traces the op's backward. Every gradient must match eager
@@ -224,6 +226,7 @@ def test_torch_compile_fullgraph_backward_matches_eager():
         assert_close_fa_rule(got, want, refs[False][i], atol=atol, name=name)
 
 
+@pytest.mark.backward
 def test_torch_compile_fullgraph_varlen_backward_matches_eager():
     torch._dynamo.reset()
     cu = torch.tensor([0, 100, 100, 400], dtype=torch.int32, device=DEVICE)

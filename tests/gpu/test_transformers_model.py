@@ -214,6 +214,7 @@ def _assert_training_step_close(ref32, ref16, ours, ref_pieces, our_pieces=None)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.backward
 def test_training_step_plain_batch(head_dim):
     seed = _seed_from_urandom()
     ref32, ref16, ours = _models(_llama_config(head_dim), seed=seed)
@@ -222,6 +223,7 @@ def test_training_step_plain_batch(head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.backward
 def test_training_step_left_padded_batch(head_dim):
     """attention_mask with left padding; labels -100 on padding and on the first real token of each row
     (its prediction would come from a padded position), so no padded position's output enters the loss."""
@@ -235,6 +237,7 @@ def test_training_step_left_padded_batch(head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.backward
 def test_training_step_packed_sequences(head_dim):
     """Several sequences in one row with position_ids restarting at 0 (fa4 runs them as varlen); the
     references run each sequence on its own. Labels -100 at each sequence start so no target crosses a
