@@ -1,85 +1,153 @@
 #!/usr/bin/env python3
-"""What a kernel configuration compiles to, without a GPU: spilled registers, WGMMAs, exponentials.
+"""What a kernel configuration compiles to, without a GPU: MMAs, exponentials, spills, registers,
+shared and tensor memory, register budgets, 2-CTA; and what the DSL's verifier says about it.
 
     python scripts/sass_report.py bwd d=128 d=128,causal=true d=128,tile_m=80
     python scripts/sass_report.py fwd d=64,causal=true,exp2_emulated_eighths=2 --arch sm_90a
     python scripts/sass_report.py bwd d=64 d=128 --dump before/   # normalised SASS, one file each
+    python scripts/sass_report.py fwd d=128 d=128,causal=true --arch sm_100a --flavour both
+    python scripts/sass_report.py fwd d=128 --arch sm_100a --direct tile_m=128   # bypass dispatch
+    python scripts/sass_report.py fwd d=128 --arch sm_100a --verify      # + CUTE_DSL_COMPILER_OPT=warnings
+    python scripts/sass_report.py fwd d=192,dv=128 --json                # the full statistics dicts
+    python scripts/sass_report.py dumps /tmp/anchors/cu13/main           # existing KEEP dumps (upstream's)
 
 A spec is ``d=<head_dim>[,dv=<head_dim_v>]`` plus Forward/BackwardConfig fields (``causal=true``,
-``tile_m=80``, ...). The base configuration is the one dispatch picks for those head dims and mask
-flags, so a spec names only what differs. Each spec compiles in its own process (the DSL reads its
-dump settings at import) and is disassembled with nvdisasm (pip install nvidia-cuda-nvdisasm).
+``tile_m=80``, ...), ``dtype=float16`` and, forward, ``qhead_per_kvhead=<n>`` (GQA ratio, which
+dispatch turns into packing). The base configuration is the one dispatch picks for those head dims
+and mask flags, so a spec names only what differs. Where dispatch has no rule for the arch yet
+(sm_100a before its tile table exists), or with ``--direct``, the config is built directly:
+``ForwardConfig(arch, dtype, head_dim, head_dim_v, <flags>, <fields>)`` with the class defaults
+for every field the spec does not name (say so with the fields, e.g. tile_m=128,tile_n=128).
+
+Each spec compiles in its own process (the DSL reads its dump settings and picks its toolkit at
+import), with CUTE_DSL_KEEP=ptx,cubin, and the cubin is disassembled with nvdisasm -c
+(pip install nvidia-cuda-nvdisasm). ``--flavour cu12|cu13|auto|both`` picks the ptxas the DSL
+embeds: cu12 = CUDA 12.9 (plain ``pip install nvidia-cutlass-dsl`` on a 12.x driver), cu13 = 13.4
+(the ``[cu13]`` extra, CUDA-13 drivers, our H200 bundle); auto = what the DSL picks here (without a
+driver: the newest installed). Both flavours must be installed for cu12/cu13 to differ.
+
+Per kernel it prints: SASS instructions; tensor-core MMAs (UTC*MMA on sm_100, HGMMA on sm_90);
+MUFU.EX2; packed FP32 FFMA2/FMUL2/FADD2; LDTM/STTM; LDL/STL (local memory: spills) and the stack
+frame; registers; static shared memory (dynamic shared memory is a launch value); TMEM columns and
+cta_group (the PTX's tcgen05.alloc); 2-CTA (.2CTA opcodes in SASS, cta_group::2 in PTX);
+USETMAXREG (SASS) next to setmaxnreg (PTX); .reqntid; and, on sm_90, WARPGROUP.ARRIVE and
+BRA.U.ANY (uniformity loops). The keys are documented in scripts/sass_stats_lib.py.
 
 ``--dump DIR`` writes each kernel's SASS with addresses, labels and constant-bank offsets removed,
 so that two dumps diff cleanly: a refactor that should not change the code must leave them equal.
+File names: ``<kind>_<spec>.sass`` (``_<flavour>`` appended when several flavours run).
+
+``--verify`` compiles once more with CUTE_DSL_COMPILER_OPT=warnings (``--verify-options`` to
+change it, e.g. 'remarks{ptx}' for ptxas spill remarks; 4.8.1 shows only the remarks when both are
+given in one string) and lists the verifier's diagnostics: C3 (mbarrier arrive count vs init
+count), W0014 (TMEM load reaching a release without tcgen05.wait), ... The exit status is 1 if any
+spec failed to compile.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import os
+import json
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-# Compiles one configuration (argv: kind, arch, spec) in a fresh process.
-_COMPILE = r"""
-import sys
-sys.path.insert(0, sys.argv[4])
-from flash_attn4 import dispatch
-from flash_attn4.fa4_kernels.arch import Arch
-from flash_attn4.fa4_kernels import compile as kc
-from flash_attn4.fa4_kernels.config import parse_overrides
+from scripts import sass_stats_lib as lib  # noqa: E402  (standard library only at import)
 
-kind, arch, spec = sys.argv[1:4]
-fields = parse_overrides(spec)
-d = fields.pop("d")
-dv = fields.pop("dv", d)
-flags = {k: fields.pop(k, False) for k in ("causal", "local", "has_softcap", "varlen", "has_seqused_k")}
-arch = Arch(arch)
-if kind == "fwd":
-    cfg = dispatch.forward_config(arch, "bfloat16", d, dv, has_sink=fields.pop("has_sink", False), **flags)
-    kc.compile_forward(cfg.replace(**fields))
-else:
-    cfg = dispatch.backward_config(arch, "bfloat16", d, dv, deterministic=fields.pop("deterministic", False),
-                                   **flags)
-    kc.compile_backward(cfg.replace(**fields))
-"""
+MASK_FLAGS = ("causal", "local", "has_softcap", "varlen", "has_seqused_k")
 
 
 def find_nvdisasm() -> str | None:
-    """nvdisasm from the nvidia-cuda-nvdisasm wheel, else from PATH; None if neither has it."""
-    try:
-        import nvidia.cu13  # the nvidia-cuda-nvdisasm wheel
-
-        path = Path(list(nvidia.cu13.__path__)[0]) / "bin" / "nvdisasm"
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    return shutil.which("nvdisasm")
+    """nvdisasm from $NVDISASM, the nvidia-cuda-nvdisasm wheel, else PATH; None if none has it."""
+    return lib.find_nvdisasm()
 
 
-def compile_sass(kind: str, arch: str, spec: str) -> str:
+def _ensure_import_path() -> None:
+    for path in (str(ROOT / "torch-ext"), str(ROOT)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def build_config(kind: str, arch: str, spec: str, direct: bool = False):
+    """The configuration a spec names (module docstring): dispatch's for its problem class plus
+    the spec's fields, or, with ``direct`` or where dispatch has no rule for ``arch`` yet, the
+    config class built from the spec alone. Returns (config, how) with how 'dispatch' or 'direct'."""
+    _ensure_import_path()
+    from flash_attn4.fa4_kernels import config as config_mod
+    from flash_attn4.fa4_kernels.arch import Arch
+
+    dtype = "bfloat16"
+    found = re.search(r"(?:^|,)dtype=(\w+)", spec)
+    if found:
+        dtype = found.group(1)
+        spec = re.sub(r"(?:^|,)dtype=\w+", "", spec)
+    fields = config_mod.parse_overrides(spec)
+    d = fields.pop("d")
+    dv = fields.pop("dv", d)
+    flags = {k: fields.pop(k, False) for k in MASK_FLAGS}
+    arch_value = Arch.parse(arch) if hasattr(Arch, "parse") else Arch(arch)
+    extra = {}
+    if kind == "fwd":
+        extra["has_sink"] = fields.pop("has_sink", False)
+        qhead_per_kvhead = fields.pop("qhead_per_kvhead", 1)
+    else:
+        extra["deterministic"] = fields.pop("deterministic", False)
+    cls = config_mod.ForwardConfig if kind == "fwd" else config_mod.BackwardConfig
+    if not direct:
+        try:
+            from flash_attn4 import dispatch
+
+            if kind == "fwd":
+                base = dispatch.forward_config(arch_value, dtype, d, dv, qhead_per_kvhead=qhead_per_kvhead,
+                                               **flags, **extra)
+            else:
+                base = dispatch.backward_config(arch_value, dtype, d, dv, **flags, **extra)
+            return base.replace(**fields), "dispatch"
+        except NotImplementedError as exc:
+            print(f"# {kind} {spec} ({arch}): dispatch has no rule ({exc}); config built directly",
+                  file=sys.stderr)
+    if kind == "fwd" and qhead_per_kvhead != 1 and "pack_gqa" not in fields:
+        print(f"# {kind} {spec}: qhead_per_kvhead={qhead_per_kvhead} ignored by a direct config; "
+              "name pack_gqa=<n> to pack", file=sys.stderr)
+    return cls(arch=arch_value, dtype=dtype, head_dim=d, head_dim_v=dv, **flags, **extra, **fields), "direct"
+
+
+def compile_sass(kind: str, arch: str, spec: str, flavour: str = "auto", direct: bool = False) -> str:
+    """nvdisasm -c of the spec's kernel (the one cubin the compile leaves)."""
+    cfg, _ = build_config(kind, arch, spec, direct)
     with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, CUTE_DSL_DUMP_DIR=dump, CUTE_DSL_KEEP="cubin", CUTE_DSL_ARCH=arch)
-        proc = subprocess.run([sys.executable, "-c", _COMPILE, kind, arch, spec, str(ROOT / "torch-ext")],
-                              env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{kind} {spec}: compile failed\n{proc.stderr[-3000:]}")
-        cubins = glob.glob(os.path.join(dump, "*.cubin"))
+        result = lib.compile_config(cfg, flavour, dump, keep="cubin")
+        if result.returncode != 0:
+            raise RuntimeError(f"{kind} {spec}: compile failed\n{result.stderr[-3000:]}")
+        cubins = [files["cubin"] for files in result.artifacts.values() if "cubin" in files]
         if len(cubins) != 1:
             raise RuntimeError(f"{kind} {spec}: expected one cubin, found {len(cubins)}")
-        nvdisasm = find_nvdisasm()
-        if nvdisasm is None:
+        if find_nvdisasm() is None:
             sys.exit("sass_report: nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-        return subprocess.run([nvdisasm, "-c", cubins[0]], capture_output=True, text=True, check=True).stdout
+        return lib.disassemble(cubins[0])
+
+
+def compile_report(kind: str, arch: str, spec: str, flavour: str = "auto", direct: bool = False) -> tuple[dict, str]:
+    """(statistics dict, nvdisasm -c text) of the spec's kernel, from one compile."""
+    cfg, how = build_config(kind, arch, spec, direct)
+    with tempfile.TemporaryDirectory() as dump:
+        result = lib.compile_config(cfg, flavour, dump, keep="ptx,cubin")
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr)
+        modules = [files for files in result.artifacts.values() if "cubin" in files]
+        if len(modules) != 1:
+            raise RuntimeError(f"{kind} {spec}: expected one cubin, found {len(modules)}")
+        if find_nvdisasm() is None:
+            sys.exit("sass_report: nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+        sass = lib.disassemble(modules[0]["cubin"])
+        stats = lib.stats_from_files(sass=sass, cubin=modules[0]["cubin"], ptx=modules[0].get("ptx"))
+    stats.update(flavour=flavour, dsl_ir_module=result.dsl_ir_module, config=how)
+    return stats, sass
 
 
 def normalised(sass: str) -> str:
@@ -95,6 +163,7 @@ def normalised(sass: str) -> str:
 
 
 def summary(sass: str) -> dict:
+    """The few sm_90 counts this script printed first (kept as they were: tests read them)."""
     ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, flags=re.M)
     count = lambda prefix: sum(op.startswith(prefix) for op in ops)  # noqa: E731
     return {"instructions": len(ops), "STL (spill stores)": count("STL"), "LDL (spill loads)": count("LDL"),
@@ -105,21 +174,129 @@ def summary(sass: str) -> dict:
             "BRA.U.ANY (uniformity loops)": count("BRA.U.ANY")}
 
 
+def _ptxas_short(stats: dict) -> str:
+    if stats.get("ptxas"):
+        m = re.search(r"release ([\d.]+)", stats["ptxas"])
+        return f"ptxas {m.group(1)}" if m else stats["ptxas"]
+    module = stats.get("dsl_ir_module") or ""
+    m = re.search(r"\.(cu\d+)\.", module)
+    return f"{m.group(1)} ptxas (not recorded in the cubin)" if m else "ptxas ?"
+
+
+def format_stats(stats: dict) -> list[str]:
+    """Human-readable lines for one kernel."""
+    mma_name = "UTC*MMA" if stats["utcmma"] else "HGMMA" if stats["gmma"] else "MMA"
+    ptx = stats.get("ptx") or {}
+    sass_regs, ptx_regs = lib.setmaxreg_summary(stats["usetmaxreg"]), lib.setmaxreg_summary(stats.get("setmaxnreg"))
+    match = "" if ptx.get("setmaxnreg") is None else (
+        "equal" if sorted(stats["usetmaxreg"]) == sorted(ptx["setmaxnreg"]) else "DIFFER")
+    allocs = ptx.get("tmem_alloc") or []
+    tmem = ("-" if not allocs else ", ".join(f"{a['columns']} (cta_group::{a['cta_group']})" for a in allocs)
+            + f"; dealloc {len(ptx.get('tmem_dealloc', []))}, relinquish {len(ptx.get('tmem_relinquish', []))}")
+    two_cta = "yes" if stats["two_cta"] or stats.get("two_cta_ptx") else "no"
+    if stats.get("two_cta_ptx") is not None and stats["two_cta"] != stats["two_cta_ptx"]:
+        two_cta += f" (SASS .2CTA {stats['two_cta']}, PTX cta_group::2 {stats['two_cta_ptx']}: DIFFER)"
+    reqntid = "x".join(map(str, (ptx.get("reqntid") or stats.get("reqntid") or ["?"])))
+    lines = [
+        f"  instructions {stats['instructions']}, {mma_name} {stats['mma']}, MUFU.EX2 {stats['mufu_ex2']}, "
+        f"FFMA2/FMUL2/FADD2 {stats['ffma2']}/{stats['fmul2']}/{stats['fadd2']}, LDTM/STTM {stats['ldtm']}/{stats['sttm']}",
+        f"  LDL/STL {stats['ldl']}/{stats['stl']} (stack frame {stats.get('frame_bytes')} B), regs {stats.get('regs')}, "
+        f"static smem {stats.get('static_smem')} B, .reqntid {reqntid}",
+        f"  TMEM {tmem}; 2-CTA {two_cta}",
+        f"  USETMAXREG {sass_regs} | PTX setmaxnreg {ptx_regs}" + (f" ({match})" if match else ""),
+    ]
+    if stats["gmma"] or stats.get("target", "") == "sm_90a":
+        lines.append(f"  WARPGROUP.ARRIVE {stats['warpgroup_arrive']}, BRA.U.ANY {stats['bra_u_any']}, "
+                     f"FFMA {stats['ffma']}")
+    return lines
+
+
+def format_diagnostics(diags: list[dict]) -> list[str]:
+    if not diags:
+        return ["  verifier: no diagnostics"]
+    out = [f"  verifier: {len(diags)} diagnostic(s)"]
+    for d in diags:
+        where = f"{Path(d['file']).name}:{d['line']}" if d.get("file") else "?"
+        out.append(f"    {d['severity']}[{d['code']}] {d['message']}  ({where} in {d.get('function') or '?'})")
+    return out
+
+
+def _spec_file_name(kind: str, spec: str, flavour: str | None) -> str:
+    stem = f"{kind}_{re.sub(r'[^A-Za-z0-9]+', '_', spec)}"
+    return f"{stem}_{flavour}.sass" if flavour else f"{stem}.sass"
+
+
+def report_dumps(paths: list[str], as_json: bool) -> int:
+    """Statistics of existing CUTE_DSL_KEEP dumps (X.sass / X.<arch>.cubin / X.<arch>.ptx)."""
+    rows = []
+    for path in map(Path, paths):
+        for stem, stats in lib.stats_from_dump_dir(path).items():
+            stats["file"] = str(path / stem)
+            rows.append(stats)
+    if as_json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return 0
+    for stats in rows:
+        print(f"{stats['file']} [{stats.get('target')}, {_ptxas_short(stats)}]")
+        print("\n".join(format_stats(stats)))
+    return 0
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("kind", choices=("fwd", "bwd"))
-    p.add_argument("specs", nargs="+", help="d=128,causal=true,... (see the module docstring)")
-    p.add_argument("--arch", default="sm_90a")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="See the module docstring for the spec syntax and every option.")
+    p.add_argument("kind", choices=("fwd", "bwd", "dumps"), help="'dumps': report existing KEEP dump folders")
+    p.add_argument("specs", nargs="+", help="d=128,causal=true,... (see the module docstring), or folders")
+    p.add_argument("--arch", default="sm_90a", help="sm_90a or sm_100a")
+    p.add_argument("--flavour", default="auto", choices=("auto", "cu12", "cu13", "both"),
+                   help="the DSL's embedded ptxas: cu12 (12.9), cu13 (13.4), auto (the DSL's pick), both")
+    p.add_argument("--direct", action="store_true", help="build the config from the spec, not dispatch")
     p.add_argument("--dump", type=Path, help="write each kernel's normalised SASS into this folder")
+    p.add_argument("--verify", action="store_true", help="also list the DSL verifier's diagnostics")
+    p.add_argument("--verify-options", default="warnings", help="CUTE_DSL_COMPILER_OPT for --verify")
+    p.add_argument("--json", action="store_true", help="print the statistics dicts as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="the end of a failed compile's traceback")
     args = p.parse_args(argv)
+    if args.kind == "dumps":
+        return report_dumps(args.specs, args.json)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
+    flavours = ["cu12", "cu13"] if args.flavour == "both" else [args.flavour]
+    failures, rows = 0, []
     for spec in args.specs:
-        sass = compile_sass(args.kind, args.arch, spec)
-        print(f"{args.kind} {spec}: " + ", ".join(f"{k} {v}" for k, v in summary(sass).items()), flush=True)
-        if args.dump:
-            (args.dump / f"{args.kind}_{re.sub(r'[^A-Za-z0-9]+', '_', spec)}.sass").write_text(normalised(sass))
-    return 0
+        for flavour in flavours:
+            try:
+                stats, sass = compile_report(args.kind, args.arch, spec, flavour, args.direct)
+            except Exception as exc:  # report every failing spec, then fail
+                failures += 1
+                lines = [ln for ln in str(exc).splitlines() if ln.strip()] or [repr(exc)]
+                detail = "\n".join(lines[-40:]) if args.verbose else lines[-1]
+                print(f"{args.kind} {spec} [{args.arch}, {flavour}]: FAILED: {detail}", flush=True)
+                continue
+            stats["spec"] = f"{args.kind} {spec}"
+            if args.verify:
+                cfg, _ = build_config(args.kind, args.arch, spec, args.direct)
+                stats["diagnostics"] = lib.verifier_diagnostics(cfg, flavour, args.verify_options)
+            if args.json:
+                rows.append(stats)
+            else:
+                where = f"[{args.arch}, {flavour}, {_ptxas_short(stats)}, config {stats['config']}]"
+                if stats.get("target") == "sm_90a":  # the line this script always printed for sm_90a first
+                    print(f"{args.kind} {spec}: " + ", ".join(f"{k} {v}" for k, v in summary(sass).items()))
+                    print(f"  {where}")
+                else:
+                    print(f"{args.kind} {spec} {where}:")
+                print("\n".join(format_stats(stats) + (format_diagnostics(stats["diagnostics"])
+                                                       if args.verify else [])), flush=True)
+            if args.dump:
+                name = _spec_file_name(args.kind, spec, flavour if len(flavours) > 1 else None)
+                (args.dump / name).write_text(normalised(sass))
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
