@@ -4,6 +4,7 @@ the DSL verifier's diagnostics. Used by scripts/sass_report.py and the CPU tests
 Entry points (everything below them is reusable on its own):
 
     kernel_stats(cfg, flavour="auto")          -> dict   (cached per (cfg.key(), flavour))
+    kernel_artifacts(cfg, flavour="auto")      -> {cubin, sass, ptx: Path, dsl_ir_module}   (the same compile)
     verifier_diagnostics(cfg, flavour="auto")  -> list[dict]   (cached likewise)
     compile_config(cfg, flavour, out_dir, keep=..., compiler_opt=...) -> CompileResult
     stats_from_files(sass=..., cubin=..., ptx=...) -> dict
@@ -651,22 +652,52 @@ def _config_cache_key(cfg) -> tuple:
     return cfg.key() if hasattr(cfg, "key") else (type(cfg).__name__, repr(cfg))
 
 
+_SESSION_DIR: Path | None = None
+
+
+def _session_dir() -> Path:
+    """One temp folder per process for cached compiles' files, removed at exit."""
+    global _SESSION_DIR
+    if _SESSION_DIR is None:
+        import atexit
+
+        _SESSION_DIR = Path(tempfile.mkdtemp(prefix="fa4_sass_session_"))
+        atexit.register(shutil.rmtree, _SESSION_DIR, True)
+    return _SESSION_DIR
+
+
 @functools.lru_cache(maxsize=None)
-def _cached_stats(key: tuple, flavour: str, cfg_blob: bytes) -> dict:
+def _cached_artifacts(key: tuple, flavour: str, cfg_blob: bytes) -> tuple[str, str, str | None, str | None]:
     cfg = pickle.loads(cfg_blob)
-    with tempfile.TemporaryDirectory(prefix="fa4_sass_") as tmp:
-        result = compile_config(cfg, flavour, tmp, keep="ptx,cubin").check(f"compile of {key}")
-        files = _main_module(result)
-        stats = stats_from_files(sass=disassemble(files["cubin"]), cubin=files["cubin"], ptx=files.get("ptx"))
-    stats.update(flavour=flavour, dsl_ir_module=result.dsl_ir_module)
-    return stats
+    out = Path(tempfile.mkdtemp(prefix=f"{flavour}_", dir=_session_dir()))
+    result = compile_config(cfg, flavour, out, keep="ptx,cubin").check(f"compile of {key}")
+    files = _main_module(result)
+    sass = out / (files["cubin"].name.rsplit(".", 2)[0] + ".nvdisasm.sass")
+    sass.write_text(disassemble(files["cubin"]))
+    ptx = files.get("ptx")
+    return str(files["cubin"]), str(sass), str(ptx) if ptx else None, result.dsl_ir_module
+
+
+def kernel_artifacts(cfg, flavour: str = "auto") -> dict:
+    """{cubin, sass (nvdisasm -c), ptx: Path, dsl_ir_module: str} of ``cfg``'s kernel compiled
+    with ``flavour``: files in a per-process temp folder, compiled once per (cfg.key(), flavour)
+    for the process (kernel_stats reads the same files). Read them; do not modify them."""
+    cubin, sass, ptx, module = _cached_artifacts(_config_cache_key(cfg), flavour, pickle.dumps(cfg))
+    return {"cubin": Path(cubin), "sass": Path(sass), "ptx": Path(ptx) if ptx else None, "dsl_ir_module": module}
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_stats(key: tuple, flavour: str, cfg_blob: bytes) -> str:
+    files = kernel_artifacts(pickle.loads(cfg_blob), flavour)
+    stats = stats_from_files(sass=files["sass"], cubin=files["cubin"], ptx=files["ptx"])
+    stats.update(flavour=flavour, dsl_ir_module=files["dsl_ir_module"])
+    return json.dumps(stats)
 
 
 def kernel_stats(cfg, flavour: str = "auto") -> dict:
     """The statistics dict (module docstring) of ``cfg``'s kernel compiled with ``flavour``'s ptxas.
-    Cached per (cfg.key(), flavour) for the process: tests share one compile. A copy is returned."""
-    stats = _cached_stats(_config_cache_key(cfg), flavour, pickle.dumps(cfg))
-    return json.loads(json.dumps(stats))
+    Cached per (cfg.key(), flavour) for the process: tests share one compile. A fresh copy each call."""
+    return json.loads(_cached_stats(_config_cache_key(cfg), flavour, pickle.dumps(cfg)))
 
 
 @functools.lru_cache(maxsize=None)
