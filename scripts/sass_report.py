@@ -10,6 +10,7 @@ shared and tensor memory, register budgets, 2-CTA; and what the DSL's verifier s
     python scripts/sass_report.py fwd d=128 --arch sm_100a --verify      # + CUTE_DSL_COMPILER_OPT=warnings
     python scripts/sass_report.py fwd d=192,dv=128 --json                # the full statistics dicts
     python scripts/sass_report.py dumps /tmp/anchors/cu13/main           # existing KEEP dumps (upstream's)
+    python scripts/sass_report.py fwd d=128 --arch sm_100a --flavour both --anchors /tmp/anchors   # vs upstream
 
 A spec is ``d=<head_dim>[,dv=<head_dim_v>]`` plus Forward/BackwardConfig fields (``causal=true``,
 ``tile_m=80``, ...), ``dtype=float16`` and, forward, ``qhead_per_kvhead=<n>`` (GQA ratio, which
@@ -36,6 +37,12 @@ BRA.U.ANY (uniformity loops). The keys are documented in scripts/sass_stats_lib.
 ``--dump DIR`` writes each kernel's SASS with addresses, labels and constant-bank offsets removed,
 so that two dumps diff cleanly: a refactor that should not change the code must leave them equal.
 File names: ``<kind>_<spec>.sass`` (``_<flavour>`` appended when several flavours run).
+
+``--anchors DIR`` (compile_anchor.py's ``--out``) adds upstream's numbers for the same problem
+class (fwd_d128, fwd_d128_causal, fwd_d192_dv128, ..._varlen, ..._local256_0, ..._gqa32_8 for
+pack_gqa=4) from the anchors.json of the flavour our compile used: instruction count ratio, and
+instructions per MMA where the tile shapes differ. The anchors are made in their own venv:
+``/tmp/sm100venv/bin/python ../shared/sm100/compile_anchor.py --out /tmp/anchors`` (see there).
 
 ``--verify`` compiles once more with CUTE_DSL_COMPILER_OPT=warnings (``--verify-options`` to
 change it, e.g. 'remarks{ptx}' for ptxas spill remarks; 4.8.1 shows only the remarks when both are
@@ -226,6 +233,53 @@ def _spec_file_name(kind: str, spec: str, flavour: str | None) -> str:
     return f"{stem}_{flavour}.sass" if flavour else f"{stem}.sass"
 
 
+def anchor_name(kind: str, cfg) -> str:
+    """compile_anchor.py's name for the problem class of ``cfg`` (its shapes: batch 2, seqlen 4096,
+    16 heads, GQA 32/8, local window (256, 0)); the name may have no anchor."""
+    name = f"{kind}_d{cfg.head_dim}" + (f"_dv{cfg.head_dim_v}" if cfg.head_dim_v != cfg.head_dim else "")
+    for flag, suffix in (("causal", "_causal"), ("varlen", "_varlen"), ("local", "_local256_0")):
+        if getattr(cfg, flag, False):
+            name += suffix
+    if getattr(cfg, "pack_gqa", 1) == 4:
+        name += "_gqa32_8"
+    return name
+
+
+def anchor_comparison(anchor_dir: Path, kind: str, cfg, stats: dict) -> dict | None:
+    """Upstream's numbers for the same problem class, from compile_anchor.py's ``anchors.json``
+    of the flavour our compile used, with our/upstream ratios; None where there is no anchor."""
+    module = stats.get("dsl_ir_module") or ""
+    flavour = next((f for f in ("cu12", "cu13") if f".{f}." in module), None)
+    table = anchor_dir / (flavour or "") / "anchors.json"
+    if flavour is None or not table.exists():
+        return None
+    data = json.loads(table.read_text())
+    if data.get("arch") != stats.get("target"):
+        return None  # upstream's sm_100a kernels say nothing about an sm_90a one
+    name = anchor_name(kind, cfg)
+    rec = next((r for r in data["configs"] if r["config"] == name), None)
+    if rec is None or rec.get("status") != "ok":
+        return None
+    up = rec["sass"]
+    up_mma = up["utcmma"] or up["gmma"]
+    out = {"config": name, "flavour": flavour, "instructions": up["instructions"], "mma": up_mma,
+           "instructions_ratio": stats["instructions"] / up["instructions"]}
+    if up_mma and stats["mma"]:
+        # where the tiles differ: instructions per MMA the SASS issues
+        out["per_mma_ratio"] = (stats["instructions"] / stats["mma"]) / (up["instructions"] / up_mma)
+    return out
+
+
+def format_anchor(cmp: dict | None) -> list[str]:
+    if cmp is None:
+        return ["  upstream anchor: none for this arch / problem class / flavour"]
+    line = (f"  upstream {cmp['config']} [{cmp['flavour']}]: instructions {cmp['instructions']} "
+            f"(ours {cmp['instructions_ratio']:.3f}x), MMA {cmp['mma']}")
+    if "per_mma_ratio" in cmp:
+        line += f", instructions per MMA ours {cmp['per_mma_ratio']:.3f}x"
+    return [line]
+
+
 def report_dumps(paths: list[str], as_json: bool) -> int:
     """Statistics of existing CUTE_DSL_KEEP dumps (X.sass / X.<arch>.cubin / X.<arch>.ptx)."""
     rows = []
@@ -257,6 +311,8 @@ def main(argv=None) -> int:
     p.add_argument("--verify", action="store_true", help="also list the DSL verifier's diagnostics")
     p.add_argument("--verify-options", default="warnings", help="CUTE_DSL_COMPILER_OPT for --verify")
     p.add_argument("--json", action="store_true", help="print the statistics dicts as JSON")
+    p.add_argument("--anchors", type=Path, metavar="DIR",
+                   help="compare with upstream's numbers in compile_anchor.py's --out DIR (same ptxas flavour)")
     p.add_argument("-v", "--verbose", action="store_true", help="the end of a failed compile's traceback")
     args = p.parse_args(argv)
     if args.kind == "dumps":
@@ -276,9 +332,11 @@ def main(argv=None) -> int:
                 print(f"{args.kind} {spec} [{args.arch}, {flavour}]: FAILED: {detail}", flush=True)
                 continue
             stats["spec"] = f"{args.kind} {spec}"
+            cfg, _ = build_config(args.kind, args.arch, spec, args.direct)
             if args.verify:
-                cfg, _ = build_config(args.kind, args.arch, spec, args.direct)
                 stats["diagnostics"] = lib.verifier_diagnostics(cfg, flavour, args.verify_options)
+            if args.anchors:
+                stats["anchor"] = anchor_comparison(args.anchors, args.kind, cfg, stats)
             if args.json:
                 rows.append(stats)
             else:
@@ -288,8 +346,10 @@ def main(argv=None) -> int:
                     print(f"  {where}")
                 else:
                     print(f"{args.kind} {spec} {where}:")
-                print("\n".join(format_stats(stats) + (format_diagnostics(stats["diagnostics"])
-                                                       if args.verify else [])), flush=True)
+                lines = format_stats(stats)
+                lines += format_diagnostics(stats["diagnostics"]) if args.verify else []
+                lines += format_anchor(stats["anchor"]) if args.anchors else []
+                print("\n".join(lines), flush=True)
             if args.dump:
                 name = _spec_file_name(args.kind, spec, flavour if len(flavours) > 1 else None)
                 (args.dump / name).write_text(normalised(sass))

@@ -320,6 +320,31 @@ def test_sass_report_builds_sm100_configs_directly_while_dispatch_has_no_rule():
     assert how == "direct" and direct.dtype == "float16" and direct.arch is Arch.SM90
 
 
+def test_anchor_names_and_comparison(tmp_path):
+    """sass_report --anchors: our config -> compile_anchor.py's config name, and the ratios against
+    the anchors.json of the flavour and arch our compile used."""
+    report = _sass_report()
+    fwd = lambda **kw: ForwardConfig(arch=Arch.SM100, dtype="bfloat16", **{"head_dim": 128, "head_dim_v": 128, **kw})  # noqa: E731
+    assert report.anchor_name("fwd", fwd()) == "fwd_d128"
+    assert report.anchor_name("fwd", fwd(head_dim=192)) == "fwd_d192_dv128"
+    assert report.anchor_name("fwd", fwd(causal=True)) == "fwd_d128_causal"
+    assert report.anchor_name("fwd", fwd(varlen=True)) == "fwd_d128_varlen"
+    assert report.anchor_name("fwd", fwd(local=True)) == "fwd_d128_local256_0"
+    assert report.anchor_name("fwd", fwd(pack_gqa=4)) == "fwd_d128_gqa32_8"
+    (tmp_path / "cu13").mkdir()
+    (tmp_path / "cu13" / "anchors.json").write_text(json.dumps({"arch": "sm_100a", "configs": [
+        {"config": "fwd_d128_causal", "status": "ok", "sass": {"instructions": 4000, "utcmma": 64, "gmma": 0}}]}))
+    ours = {"dsl_ir_module": "_cutlass_ir.cu13.cpython-311-x86_64-linux-gnu.so", "target": "sm_100a",
+            "instructions": 4200, "mma": 32}
+    cmp = report.anchor_comparison(tmp_path, "fwd", fwd(causal=True), ours)
+    assert (cmp["config"], cmp["flavour"], cmp["instructions"], cmp["mma"]) == ("fwd_d128_causal", "cu13", 4000, 64)
+    assert cmp["instructions_ratio"] == pytest.approx(1.05) and cmp["per_mma_ratio"] == pytest.approx(2.1)
+    assert report.anchor_comparison(tmp_path, "fwd", fwd(), ours) is None  # no such anchor
+    assert report.anchor_comparison(tmp_path, "fwd", fwd(causal=True), {**ours, "target": "sm_90a"}) is None
+    cu12 = {**ours, "dsl_ir_module": "_cutlass_ir.cu12.cpython-311-x86_64-linux-gnu.so"}
+    assert report.anchor_comparison(tmp_path, "fwd", fwd(causal=True), cu12) is None  # no cu12 table here
+
+
 # --- our compiled sm90 kernels ---------------------------------------------------------------------
 
 def _sm90_forward(d=64, **fields) -> ForwardConfig:
@@ -365,6 +390,35 @@ def test_compiled_sm90_forward_agrees_with_the_reference_tool():
     # compile.py compiles without the JIT engine, and then 4.8.1 keeps PTX and cubin but writes no
     # .sass even with KEEP=sass: the tools disassemble the cubin (nvdisasm -c), as sass_report did
     assert files["sass"].read_text() == lib.disassemble(files["cubin"])
+
+
+@pytest.mark.slow
+def test_sm100_target_through_an_arch_neutral_kernel():
+    """The sm_100a path end to end before the Blackwell forward exists: the backward's
+    architecture-independent preprocessing kernel compiled for sm_100a."""
+    _need_nvdisasm()
+    from flash_attn4.fa4_kernels.config import PreprocessConfig
+
+    stats = lib.kernel_stats(PreprocessConfig(arch=Arch.SM100, dtype="bfloat16", head_dim_v=128))
+    assert stats["target"] == "sm_100a" and stats["ptx"]["target"] == "sm_100a"
+    assert stats["instructions"] > 0 and stats["mma"] == 0 and stats["ldl"] == stats["stl"] == 0
+    assert stats["tmem_columns"] is None and stats["tcgen05_cta_used"] is None and not stats["two_cta"]
+
+
+@pytest.mark.slow
+def test_sass_report_dumps_mode_reads_a_dump_folder(tmp_path, capsys):
+    _need_nvdisasm()
+    import shutil
+
+    cfg = _sm90_forward(64)
+    files = lib.kernel_artifacts(cfg)
+    for key in ("cubin", "ptx", "sass"):
+        shutil.copy(files[key], tmp_path / {"cubin": "k.sm_90a.cubin", "ptx": "k.sm_90a.ptx", "sass": "k.sass"}[key])
+    assert _sass_report().main(["dumps", str(tmp_path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    expected = lib.kernel_stats(cfg)
+    assert {k: row[k] for k in ("instructions", "gmma", "regs", "usetmaxreg", "setmaxnreg")} == {
+        k: expected[k] for k in ("instructions", "gmma", "regs", "usetmaxreg", "setmaxnreg")}
 
 
 def _installed(dist: str) -> bool:
