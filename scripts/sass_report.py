@@ -206,9 +206,10 @@ def format_stats(stats: dict) -> list[str]:
     reqntid = "x".join(map(str, (ptx.get("reqntid") or stats.get("reqntid") or ["?"])))
     lines = [
         f"  instructions {stats['instructions']}, {mma_name} {stats['mma']}, MUFU.EX2 {stats['mufu_ex2']}, "
-        f"FFMA2/FMUL2/FADD2 {stats['ffma2']}/{stats['fmul2']}/{stats['fadd2']}, LDTM/STTM {stats['ldtm']}/{stats['sttm']}",
-        f"  LDL/STL {stats['ldl']}/{stats['stl']} (stack frame {stats.get('frame_bytes')} B), regs {stats.get('regs')}, "
-        f"static smem {stats.get('static_smem')} B, .reqntid {reqntid}",
+        f"FFMA2/FMUL2/FADD2 {stats['ffma2']}/{stats['fmul2']}/{stats['fadd2']}, "
+        f"LDTM/STTM {stats['ldtm']}/{stats['sttm']}",
+        f"  LDL/STL {stats['ldl']}/{stats['stl']} (stack frame {stats.get('frame_bytes')} B), "
+        f"regs {stats.get('regs')}, static smem {stats.get('static_smem')} B, .reqntid {reqntid}",
         f"  TMEM {tmem}; 2-CTA {two_cta}",
         f"  USETMAXREG {sass_regs} | PTX setmaxnreg {ptx_regs}" + (f" ({match})" if match else ""),
     ]

@@ -485,7 +485,8 @@ def stats_from_dump_dir(folder: Path | str) -> dict[str, dict]:
 # ---------------------------------------------------------------------------------------------
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_DIAG_HEADLINE = re.compile(r"^(?P<severity>warning|error|remark)\[(?:(?P<ns>[\w-]+):)?(?P<code>[^\]]+)\]:\s*(?P<msg>.*)$")
+_DIAG_HEADLINE = re.compile(
+    r"^(?P<severity>warning|error|remark)\[(?:(?P<ns>[\w-]+):)?(?P<code>[^\]]+)\]:\s*(?P<msg>.*)$")
 _DIAG_LOCATION = re.compile(r"^\s*-->\s*(?P<loc>\S+?)(?::(?P<line>\d+):(?P<col>\d+))?\s*$")
 _DIAG_FUNCTION = re.compile(r"^\s*in function `(?P<fn>[^`(]+)")
 _DIAG_LABEL = re.compile(r"^\s*(?P<label>warning|error|remark|suggestion|note):\s*(?P<text>.*)$")
@@ -604,7 +605,8 @@ def _import_paths() -> list[str]:
 
 
 def compile_config(cfg, flavour: str = "auto", out_dir: Path | str | None = None, *, keep: str = "ptx,cubin",
-                   compiler_opt: str | None = None, timeout: float = 900, extra_env: dict | None = None) -> CompileResult:
+                   compiler_opt: str | None = None, timeout: float = 900,
+                   extra_env: dict | None = None) -> CompileResult:
     """Compile ``cfg`` in a fresh interpreter with CUTE_DSL_KEEP=``keep`` into ``out_dir`` (a new
     temp folder when None; the caller owns it). ``compiler_opt``: CUTE_DSL_COMPILER_OPT (e.g.
     'warnings', 'remarks{ptx}'). The target is ``cfg.arch`` (CUTE_DSL_ARCH is set from it too)."""

@@ -267,8 +267,10 @@ def test_sass_counts_agree_with_the_reference_tool_on_the_hand_written_listing(t
 
 
 # Two C3 and one W0014 as CuTe DSL 4.8.1 prints them (colours included), made-up sources.
-VERIFIER_SAMPLE = """\
-\x1b[93mwarning[nvvm-diag:C3]:\x1b[0m mbarrier arrive count may not match the mbarrier.init count (statically-visible or effective count: 32)
+C3_HEAD = ("\x1b[93mwarning[nvvm-diag:C3]:\x1b[0m mbarrier arrive count may not match the mbarrier.init count "
+           "(statically-visible or effective count: 32)")
+VERIFIER_SAMPLE = f"""\
+{C3_HEAD}
 
   --> /src/pkg/pipeline.py:26:14
       in function `\x1b[92mcreate\x1b[0m(...)`:
@@ -281,7 +283,7 @@ VERIFIER_SAMPLE = """\
   \x1b[92msuggestion:\x1b[0m set the init count to 32
   \x1b[94mnote:\x1b[0m PTX ISA mbarrier.init
 
-\x1b[93mwarning[nvvm-diag:C3]:\x1b[0m mbarrier arrive count may not match the mbarrier.init count (statically-visible or effective count: 32)
+{C3_HEAD}
 
   --> /src/pkg/pipeline.py:236:14
       in function `\x1b[92mcreate\x1b[0m(...)`:
@@ -324,7 +326,9 @@ def test_anchor_names_and_comparison(tmp_path):
     """sass_report --anchors: our config -> compile_anchor.py's config name, and the ratios against
     the anchors.json of the flavour and arch our compile used."""
     report = _sass_report()
-    fwd = lambda **kw: ForwardConfig(arch=Arch.SM100, dtype="bfloat16", **{"head_dim": 128, "head_dim_v": 128, **kw})  # noqa: E731
+    def fwd(**fields):
+        return ForwardConfig(arch=Arch.SM100, dtype="bfloat16", **{"head_dim": 128, "head_dim_v": 128, **fields})
+
     assert report.anchor_name("fwd", fwd()) == "fwd_d128"
     assert report.anchor_name("fwd", fwd(head_dim=192)) == "fwd_d192_dv128"
     assert report.anchor_name("fwd", fwd(causal=True)) == "fwd_d128_causal"
