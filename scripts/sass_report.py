@@ -10,6 +10,7 @@ shared and tensor memory, register budgets, 2-CTA; and what the DSL's verifier s
     python scripts/sass_report.py fwd d=128 --arch sm_100a --verify      # + CUTE_DSL_COMPILER_OPT=warnings
     python scripts/sass_report.py fwd d=192,dv=128 --json                # the full statistics dicts
     python scripts/sass_report.py dumps /tmp/anchors/cu13/main           # existing KEEP dumps (upstream's)
+    python scripts/sass_report.py set --arch sm_100a --flavour both --verify   # the CI kernel set of an arch
     python scripts/sass_report.py fwd d=128 --arch sm_100a --flavour both --anchors /tmp/anchors   # vs upstream
 
 A spec is ``d=<head_dim>[,dv=<head_dim_v>]`` plus Forward/BackwardConfig fields (``causal=true``,
@@ -33,6 +34,10 @@ frame; registers; static shared memory (dynamic shared memory is a launch value)
 cta_group (the PTX's tcgen05.alloc); 2-CTA (.2CTA opcodes in SASS, cta_group::2 in PTX);
 USETMAXREG (SASS) next to setmaxnreg (PTX); .reqntid; and, on sm_90, WARPGROUP.ARRIVE and
 BRA.U.ANY (uniformity loops). The keys are documented in scripts/sass_stats_lib.py.
+
+``set`` reports every configuration ``python -m fa4_kernels.compile --arch ARCH`` compiles
+(fa4_kernels.compile.kernel_set and backward_kernel_set); an arch whose set is empty is an error
+(exit 1), as is any configuration that fails to compile.
 
 ``--dump DIR`` writes each kernel's SASS with addresses, labels and constant-bank offsets removed,
 so that two dumps diff cleanly: a refactor that should not change the code must leave them equal.
@@ -139,22 +144,56 @@ def compile_sass(kind: str, arch: str, spec: str, flavour: str = "auto", direct:
         return lib.disassemble(cubins[0])
 
 
-def compile_report(kind: str, arch: str, spec: str, flavour: str = "auto", direct: bool = False) -> tuple[dict, str]:
-    """(statistics dict, nvdisasm -c text) of the spec's kernel, from one compile."""
-    cfg, how = build_config(kind, arch, spec, direct)
+def report_config(cfg, flavour: str = "auto") -> tuple[dict, str]:
+    """(statistics dict, nvdisasm -c text) of a configuration's kernel, from one compile."""
     with tempfile.TemporaryDirectory() as dump:
         result = lib.compile_config(cfg, flavour, dump, keep="ptx,cubin")
         if result.returncode != 0:
             raise RuntimeError(result.stderr)
         modules = [files for files in result.artifacts.values() if "cubin" in files]
         if len(modules) != 1:
-            raise RuntimeError(f"{kind} {spec}: expected one cubin, found {len(modules)}")
+            raise RuntimeError(f"expected one cubin, found {len(modules)}")
         if find_nvdisasm() is None:
             sys.exit("sass_report: nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
         sass = lib.disassemble(modules[0]["cubin"])
         stats = lib.stats_from_files(sass=sass, cubin=modules[0]["cubin"], ptx=modules[0].get("ptx"))
-    stats.update(flavour=flavour, dsl_ir_module=result.dsl_ir_module, config=how)
+    stats.update(flavour=flavour, dsl_ir_module=result.dsl_ir_module)
     return stats, sass
+
+
+def compile_report(kind: str, arch: str, spec: str, flavour: str = "auto", direct: bool = False) -> tuple[dict, str]:
+    """(statistics dict, nvdisasm -c text) of the spec's kernel, from one compile."""
+    cfg, how = build_config(kind, arch, spec, direct)
+    stats, sass = report_config(cfg, flavour)
+    stats["config"] = how
+    return stats, sass
+
+
+def kernel_set_jobs(arch: str) -> list[tuple[str, str, object]]:
+    """(kind, label, config) for every configuration ``python -m fa4_kernels.compile --arch`` compiles."""
+    _ensure_import_path()
+    from flash_attn4.fa4_kernels import compile as compile_mod
+    from flash_attn4.fa4_kernels.arch import Arch
+
+    arch_value = Arch.parse(arch)
+    configs = list(compile_mod.kernel_set(arch_value))
+    configs += list(getattr(compile_mod, "backward_kernel_set", lambda a: [])(arch_value))
+    kinds = {"ForwardConfig": "fwd", "BackwardConfig": "bwd", "PreprocessConfig": "bwd_pre",
+             "PostprocessConfig": "bwd_post"}
+    return [(kinds.get(type(c).__name__, type(c).__name__), config_label(c), c) for c in configs]
+
+
+def config_label(cfg) -> str:
+    """'dtype=bfloat16,head_dim=128,...': every field but the arch that is not at its default (the
+    fields without one included), so distinct configurations get distinct labels and dump names."""
+    import dataclasses
+
+    parts = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name != "arch" and (f.default is dataclasses.MISSING or value != f.default):
+            parts.append(f"{f.name}={value}")
+    return ",".join(parts)
 
 
 def normalised(sass: str) -> str:
@@ -302,8 +341,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="See the module docstring for the spec syntax and every option.")
-    p.add_argument("kind", choices=("fwd", "bwd", "dumps"), help="'dumps': report existing KEEP dump folders")
-    p.add_argument("specs", nargs="+", help="d=128,causal=true,... (see the module docstring), or folders")
+    p.add_argument("kind", choices=("fwd", "bwd", "set", "dumps"),
+                   help="'set': the arch's CI kernel set (fa4_kernels.compile); 'dumps': existing KEEP folders")
+    p.add_argument("specs", nargs="*", help="d=128,causal=true,... (see the module docstring), or folders")
     p.add_argument("--arch", default="sm_90a", help="sm_90a or sm_100a")
     p.add_argument("--flavour", default="auto", choices=("auto", "cu12", "cu13", "both"),
                    help="the DSL's embedded ptxas: cu12 (12.9), cu13 (13.4), auto (the DSL's pick), both")
@@ -318,41 +358,60 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.kind == "dumps":
         return report_dumps(args.specs, args.json)
+    if args.kind in ("fwd", "bwd") and not args.specs:
+        p.error(f"{args.kind} needs at least one spec (d=128,...)")
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
     flavours = ["cu12", "cu13"] if args.flavour == "both" else [args.flavour]
     failures, rows = 0, []
-    for spec in args.specs:
+    if args.kind == "set":
+        jobs = [(kind, label, cfg, "kernel set", _spec_file_name(kind, label, None)[:-5])
+                for kind, label, cfg in kernel_set_jobs(args.arch)]
+        if not jobs:
+            print(f"sass_report: no kernels in the {args.arch} kernel set", file=sys.stderr)
+            return 1
+    else:
+        jobs = []
+        for spec in args.specs:
+            try:
+                cfg, how = build_config(args.kind, args.arch, spec, args.direct)
+            except Exception as exc:  # a spec that names no valid configuration
+                failures += 1
+                print(f"{args.kind} {spec} [{args.arch}]: INVALID: {type(exc).__name__}: {exc}", flush=True,
+                      file=sys.stderr if args.json else sys.stdout)
+                continue
+            jobs.append((args.kind, spec, cfg, how, _spec_file_name(args.kind, spec, None)[:-5]))
+    for kind, label, cfg, how, stem in jobs:
         for flavour in flavours:
             try:
-                stats, sass = compile_report(args.kind, args.arch, spec, flavour, args.direct)
-            except Exception as exc:  # report every failing spec, then fail
+                stats, sass = report_config(cfg, flavour)
+            except Exception as exc:  # report every failing config, then fail
                 failures += 1
                 lines = [ln for ln in str(exc).splitlines() if ln.strip()] or [repr(exc)]
                 detail = "\n".join(lines[-40:]) if args.verbose else lines[-1]
-                print(f"{args.kind} {spec} [{args.arch}, {flavour}]: FAILED: {detail}", flush=True)
+                print(f"{kind} {label} [{args.arch}, {flavour}]: FAILED: {detail}", flush=True,
+                      file=sys.stderr if args.json else sys.stdout)
                 continue
-            stats["spec"] = f"{args.kind} {spec}"
-            cfg, _ = build_config(args.kind, args.arch, spec, args.direct)
+            stats.update(spec=f"{kind} {label}", config=how)
             if args.verify:
                 stats["diagnostics"] = lib.verifier_diagnostics(cfg, flavour, args.verify_options)
             if args.anchors:
-                stats["anchor"] = anchor_comparison(args.anchors, args.kind, cfg, stats)
+                stats["anchor"] = anchor_comparison(args.anchors, kind, cfg, stats) if kind in ("fwd", "bwd") else None
             if args.json:
                 rows.append(stats)
             else:
-                where = f"[{args.arch}, {flavour}, {_ptxas_short(stats)}, config {stats['config']}]"
+                where = f"[{args.arch}, {flavour}, {_ptxas_short(stats)}, config {how}]"
                 if stats.get("target") == "sm_90a":  # the line this script always printed for sm_90a first
-                    print(f"{args.kind} {spec}: " + ", ".join(f"{k} {v}" for k, v in summary(sass).items()))
+                    print(f"{kind} {label}: " + ", ".join(f"{k} {v}" for k, v in summary(sass).items()))
                     print(f"  {where}")
                 else:
-                    print(f"{args.kind} {spec} {where}:")
+                    print(f"{kind} {label} {where}:")
                 lines = format_stats(stats)
                 lines += format_diagnostics(stats["diagnostics"]) if args.verify else []
                 lines += format_anchor(stats["anchor"]) if args.anchors else []
                 print("\n".join(lines), flush=True)
             if args.dump:
-                name = _spec_file_name(args.kind, spec, flavour if len(flavours) > 1 else None)
+                name = f"{stem}_{flavour}.sass" if len(flavours) > 1 else f"{stem}.sass"
                 (args.dump / name).write_text(normalised(sass))
     if args.json:
         json.dump(rows, sys.stdout, indent=1)

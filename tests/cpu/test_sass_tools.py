@@ -349,6 +349,20 @@ def test_anchor_names_and_comparison(tmp_path):
     assert report.anchor_comparison(tmp_path, "fwd", fwd(causal=True), cu12) is None  # no cu12 table here
 
 
+def test_sass_report_set_mode_lists_the_ci_kernel_set(monkeypatch, capsys):
+    report = _sass_report()
+    jobs = report.kernel_set_jobs("sm_90a")
+    kinds = Counter(kind for kind, _, _ in jobs)
+    assert kinds["fwd"] > 0 and kinds["bwd"] > 0 and all(label for _, label, _ in jobs)
+    assert all(cfg.arch is Arch.SM90 for _, _, cfg in jobs)
+    assert len({(kind, label) for kind, label, _ in jobs}) == len(jobs)  # distinct labels, distinct dump files
+    assert report.config_label(ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=64, head_dim_v=64,
+                                             causal=True)) == "dtype=bfloat16,head_dim=64,head_dim_v=64,causal=True"
+    monkeypatch.setattr(report, "kernel_set_jobs", lambda arch: [])
+    assert report.main(["set", "--arch", "sm_100a"]) == 1  # an arch without kernels is an error
+    assert "no kernels" in capsys.readouterr().err
+
+
 # --- our compiled sm90 kernels ---------------------------------------------------------------------
 
 def _sm90_forward(d=64, **fields) -> ForwardConfig:
