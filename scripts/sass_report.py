@@ -5,6 +5,7 @@ shared and tensor memory, register budgets, 2-CTA; and what the DSL's verifier s
     python scripts/sass_report.py bwd d=128 d=128,causal=true d=128,tile_m=80
     python scripts/sass_report.py fwd d=64,causal=true,exp2_emulated_eighths=2 --arch sm_90a
     python scripts/sass_report.py bwd d=64 d=128 --dump before/   # normalised SASS, one file each
+    python scripts/sass_report.py bwd_post d=128 d=64,varlen=true     # the backward's dQ postprocessing
     python scripts/sass_report.py fwd d=128 d=128,causal=true --arch sm_100a --flavour both
     python scripts/sass_report.py fwd d=128 --arch sm_100a --direct tile_m=128   # bypass dispatch
     python scripts/sass_report.py fwd d=128 --arch sm_100a --verify      # + CUTE_DSL_COMPILER_OPT=warnings
@@ -15,7 +16,8 @@ shared and tensor memory, register budgets, 2-CTA; and what the DSL's verifier s
 
 A spec is ``d=<head_dim>[,dv=<head_dim_v>]`` plus Forward/BackwardConfig fields (``causal=true``,
 ``tile_m=80``, ...), ``dtype=float16`` and, forward, ``qhead_per_kvhead=<n>`` (GQA ratio, which
-dispatch turns into packing). The base configuration is the one dispatch picks for those head dims
+dispatch turns into packing); ``bwd_pre`` reads only dv, ``bwd_post`` compiles the postprocessing
+kernel of the backward the spec names. The base configuration is the one dispatch picks for those head dims
 and mask flags, so a spec names only what differs. Where dispatch has no rule for the arch yet
 (sm_100a before its tile table exists), or with ``--direct``, the config is built directly:
 ``ForwardConfig(arch, dtype, head_dim, head_dim_v, <flags>, <fields>)`` with the class defaults
@@ -88,7 +90,9 @@ def _ensure_import_path() -> None:
 def build_config(kind: str, arch: str, spec: str, direct: bool = False):
     """The configuration a spec names (module docstring): dispatch's for its problem class plus
     the spec's fields, or, with ``direct`` or where dispatch has no rule for ``arch`` yet, the
-    config class built from the spec alone. Returns (config, how) with how 'dispatch' or 'direct'."""
+    config class built from the spec alone. ``bwd_pre``: the backward's preprocessing kernel for
+    dv; ``bwd_post``: the postprocessing kernel of the backward the spec names. Returns (config,
+    how) with how 'dispatch' or 'direct'."""
     _ensure_import_path()
     from flash_attn4.fa4_kernels import config as config_mod
     from flash_attn4.fa4_kernels.arch import Arch
@@ -101,32 +105,45 @@ def build_config(kind: str, arch: str, spec: str, direct: bool = False):
     fields = config_mod.parse_overrides(spec)
     d = fields.pop("d")
     dv = fields.pop("dv", d)
-    flags = {k: fields.pop(k, False) for k in MASK_FLAGS}
     arch_value = Arch.parse(arch) if hasattr(Arch, "parse") else Arch(arch)
-    extra = {}
+    if kind == "bwd_pre":
+        return _with_fallback(
+            lambda dispatch: dispatch.preprocess_config(arch_value, dtype, dv),
+            lambda: config_mod.PreprocessConfig(arch=arch_value, dtype=dtype, head_dim_v=dv), kind, spec, direct)
+    flags = {k: fields.pop(k, False) for k in MASK_FLAGS}
     if kind == "fwd":
-        extra["has_sink"] = fields.pop("has_sink", False)
-        qhead_per_kvhead = fields.pop("qhead_per_kvhead", 1)
-    else:
-        extra["deterministic"] = fields.pop("deterministic", False)
-    cls = config_mod.ForwardConfig if kind == "fwd" else config_mod.BackwardConfig
+        sink, qhead_per_kvhead = fields.pop("has_sink", False), fields.pop("qhead_per_kvhead", 1)
+
+        def forward_directly():
+            if qhead_per_kvhead != 1 and "pack_gqa" not in fields:
+                print(f"# {kind} {spec}: qhead_per_kvhead={qhead_per_kvhead} ignored by a direct config; "
+                      "name pack_gqa=<n> to pack", file=sys.stderr)
+            return config_mod.ForwardConfig(arch=arch_value, dtype=dtype, head_dim=d, head_dim_v=dv, has_sink=sink,
+                                            **flags, **fields)
+
+        return _with_fallback(
+            lambda dispatch: dispatch.forward_config(arch_value, dtype, d, dv, qhead_per_kvhead=qhead_per_kvhead,
+                                                     has_sink=sink, **flags).replace(**fields),
+            forward_directly, kind, spec, direct)
+    deterministic = fields.pop("deterministic", False)
+    cfg, how = _with_fallback(
+        lambda dispatch: dispatch.backward_config(arch_value, dtype, d, dv, deterministic=deterministic,
+                                                  **flags).replace(**fields),
+        lambda: config_mod.BackwardConfig(arch=arch_value, dtype=dtype, head_dim=d, head_dim_v=dv,
+                                          deterministic=deterministic, **flags, **fields), kind, spec, direct)
+    return (cfg.postprocess(), how) if kind == "bwd_post" else (cfg, how)
+
+
+def _with_fallback(from_dispatch, built_directly, kind: str, spec: str, direct: bool):
+    """(config, how): dispatch's unless ``direct`` or dispatch has no rule for the arch yet."""
     if not direct:
         try:
             from flash_attn4 import dispatch
 
-            if kind == "fwd":
-                base = dispatch.forward_config(arch_value, dtype, d, dv, qhead_per_kvhead=qhead_per_kvhead,
-                                               **flags, **extra)
-            else:
-                base = dispatch.backward_config(arch_value, dtype, d, dv, **flags, **extra)
-            return base.replace(**fields), "dispatch"
+            return from_dispatch(dispatch), "dispatch"
         except NotImplementedError as exc:
-            print(f"# {kind} {spec} ({arch}): dispatch has no rule ({exc}); config built directly",
-                  file=sys.stderr)
-    if kind == "fwd" and qhead_per_kvhead != 1 and "pack_gqa" not in fields:
-        print(f"# {kind} {spec}: qhead_per_kvhead={qhead_per_kvhead} ignored by a direct config; "
-              "name pack_gqa=<n> to pack", file=sys.stderr)
-    return cls(arch=arch_value, dtype=dtype, head_dim=d, head_dim_v=dv, **flags, **extra, **fields), "direct"
+            print(f"# {kind} {spec}: dispatch has no rule ({exc}); config built directly", file=sys.stderr)
+    return built_directly(), "direct"
 
 
 def compile_sass(kind: str, arch: str, spec: str, flavour: str = "auto", direct: bool = False) -> str:
@@ -341,7 +358,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="See the module docstring for the spec syntax and every option.")
-    p.add_argument("kind", choices=("fwd", "bwd", "set", "dumps"),
+    p.add_argument("kind", choices=("fwd", "bwd", "bwd_pre", "bwd_post", "set", "dumps"),
                    help="'set': the arch's CI kernel set (fa4_kernels.compile); 'dumps': existing KEEP folders")
     p.add_argument("specs", nargs="*", help="d=128,causal=true,... (see the module docstring), or folders")
     p.add_argument("--arch", default="sm_90a", help="sm_90a or sm_100a")
@@ -358,7 +375,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.kind == "dumps":
         return report_dumps(args.specs, args.json)
-    if args.kind in ("fwd", "bwd") and not args.specs:
+    if args.kind not in ("set", "dumps") and not args.specs:
         p.error(f"{args.kind} needs at least one spec (d=128,...)")
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
