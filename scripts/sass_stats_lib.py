@@ -10,6 +10,7 @@ Entry points (everything below them is reusable on its own):
     stats_from_files(sass=..., cubin=..., ptx=...) -> dict
     sass_kernels(text) / sass_counts(instructions) / ptx_facts(text) / cubin_resources(data)
     parse_verifier_output(stderr_text) -> list[dict]
+    static_problems(stats) -> list[str]   (spills, USETMAXREG vs setmaxnreg, TMEM alloc/free, 2-CTA views)
 
 ``cfg`` is any fa4_kernels configuration object (ForwardConfig, BackwardConfig, PreprocessConfig,
 PostprocessConfig, or a future class): it is pickled to a fresh interpreter, which imports the
@@ -719,6 +720,51 @@ def verifier_diagnostics(cfg, flavour: str = "auto", options: str = "warnings") 
     options)."""
     blob = pickle.dumps(cfg)
     return [json.loads(d) for d in _cached_diagnostics(_config_cache_key(cfg), flavour, options, blob)]
+
+
+TMEM_COLUMNS = 512  # tensor memory per SM (sm_100): 128 lanes x 512 32-bit columns
+
+
+def static_problems(stats: dict, *, allow_spills: bool = False) -> list[str]:
+    """What the statistics dict says is wrong or inconsistent, as sentences (empty: nothing):
+    local-memory traffic (spills, unless ``allow_spills``); USETMAXREG in SASS not the PTX's
+    setmaxnreg list; .reqntid of the cubin not the PTX's; and, where the PTX uses tcgen05, not
+    exactly one alloc, relinquish and dealloc of one cta_group, a TMEM allocation that is not a
+    power of two in [32, 512] columns, dealloc columns != alloc columns, or 2-CTA disagreeing
+    between SASS (.2CTA), PTX (cta_group::2) and the cubin (TCGEN05_2CTA_USED)."""
+    problems = []
+    if not allow_spills and (stats["ldl"] or stats["stl"] or stats.get("frame_bytes")):
+        frame = stats.get("frame_bytes")
+        problems.append(f"local memory: {stats['ldl']} LDL / {stats['stl']} STL, stack frame "
+                        f"{'?' if frame is None else frame} B")
+    ptx = stats.get("ptx")
+    if ptx is None:
+        return problems
+    if sorted(stats["usetmaxreg"]) != sorted(ptx["setmaxnreg"]):
+        problems.append(f"USETMAXREG {stats['usetmaxreg']} != PTX setmaxnreg {ptx['setmaxnreg']}")
+    if stats.get("reqntid") and ptx["reqntid"] and list(stats["reqntid"]) != list(ptx["reqntid"]):
+        problems.append(f".reqntid: cubin {stats['reqntid']} != PTX {ptx['reqntid']}")
+    allocs, deallocs, relinquish = ptx["tmem_alloc"], ptx["tmem_dealloc"], ptx["tmem_relinquish"]
+    if allocs or deallocs or relinquish:
+        if (len(allocs), len(relinquish), len(deallocs)) != (1, 1, 1):
+            problems.append(f"TMEM: {len(allocs)} alloc, {len(relinquish)} relinquish, {len(deallocs)} dealloc "
+                            "(one each expected)")
+        if len(ptx["cta_groups"]) != 1:
+            problems.append(f"tcgen05 instructions of several cta_groups: {ptx['cta_groups']}")
+        for a in allocs:
+            cols = a["columns"]
+            if not isinstance(cols, int) or cols < 32 or cols > TMEM_COLUMNS or cols & (cols - 1):
+                problems.append(f"TMEM alloc of {cols} columns (a power of two in [32, {TMEM_COLUMNS}] expected)")
+        if [a["columns"] for a in allocs] != [d["columns"] for d in deallocs]:
+            problems.append(f"TMEM dealloc columns {[d['columns'] for d in deallocs]} != alloc "
+                            f"{[a['columns'] for a in allocs]}")
+        cubin_2cta = stats.get("tcgen05_cta_used")
+        views = {"SASS .2CTA": stats["two_cta"], "PTX cta_group::2": ptx["two_cta"]}
+        if cubin_2cta in (1, 2):
+            views["cubin TCGEN05_2CTA_USED"] = cubin_2cta == 2
+        if len(set(views.values())) > 1:
+            problems.append(f"2-CTA disagrees: {views}")
+    return problems
 
 
 def setmaxreg_summary(values: list[str] | None) -> str:

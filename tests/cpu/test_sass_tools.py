@@ -205,6 +205,29 @@ def test_ptx_facts_of_a_hand_written_sample():
     assert one_cta["tmem_alloc"] == [{"cta_group": 1, "columns": 128}] and not one_cta["two_cta"]
 
 
+def test_static_problems_name_each_inconsistency():
+    stats = lib.stats_from_files(sass=SASS_SAMPLE, ptx=PTX_SAMPLE)
+    assert lib.static_problems(stats) == [
+        "local memory: 2 LDL / 1 STL, stack frame ? B",  # no cubin: no frame size
+        "USETMAXREG ['+192', '-64'] != PTX setmaxnreg ['-64', '+192', '-64']",
+        "TMEM dealloc columns [512] != alloc [256]",
+    ]
+    third_dec = "\tsetmaxnreg.dec.sync.aligned.u32 \t64;\n\ttcgen05.rel"
+    fixed = PTX_SAMPLE.replace("%r518, 512", "%r518, 256").replace(third_dec, "\ttcgen05.rel")
+    clean = lib.stats_from_files(sass=SASS_SAMPLE, ptx=fixed)
+    assert lib.static_problems(clean, allow_spills=True) == []
+    one_cta = fixed.replace("cta_group::2", "cta_group::1")  # while the SASS still has .2CTA opcodes
+    assert lib.static_problems(lib.stats_from_files(sass=SASS_SAMPLE, ptx=one_cta), allow_spills=True) == [
+        "2-CTA disagrees: {'SASS .2CTA': True, 'PTX cta_group::2': False}"]
+    twice = fixed.replace("\tret;", "\tmov.b32 \t%r7, 100;\n\ttcgen05.alloc.cta_group::2.sync.aligned.shared::cta.b32 "
+                                     "\t[%r2], %r7;\n\tret;")
+    assert lib.static_problems(lib.stats_from_files(sass=SASS_SAMPLE, ptx=twice), allow_spills=True) == [
+        "TMEM: 2 alloc, 1 relinquish, 1 dealloc (one each expected)",
+        "TMEM alloc of 100 columns (a power of two in [32, 512] expected)",
+        "TMEM dealloc columns [256] != alloc [256, 100]",
+    ]
+
+
 def _tiny_cubin() -> bytes:
     """A minimal ELF64 with the pieces a cubin's resources come from: one kernel 'k' (168 registers,
     16-byte frame, 384 threads, 2-CTA tcgen05, 3 barriers, 2 KiB static shared memory)."""
@@ -387,6 +410,7 @@ def test_compiled_sm90_forward_statistics():
     assert sorted(stats["usetmaxreg"]) == sorted(stats["setmaxnreg"]) and stats["usetmaxreg"]
     assert stats["tmem_columns"] is None and stats["cta_group"] is None and not stats["two_cta"]
     assert stats["packed_fp32"] == 0  # f32x2 arithmetic does not exist on sm_90
+    assert lib.static_problems(stats) == []
     # one compile per (config, flavour) in a process
     hits = lib._cached_stats.cache_info().hits
     again = lib.kernel_stats(cfg)
@@ -537,6 +561,9 @@ def test_anchor_dumps_agree_with_their_recorded_table():
             assert len(ours["ptx"]["tmem_relinquish"]) == 1
             assert sorted(ours["usetmaxreg"]) == sorted(ours["setmaxnreg"])
             assert ours["mma"] == ours["utcmma"] > 0
+            assert lib.static_problems(ours, allow_spills=True) == []
+            spills = ours["ldl"] + ours["stl"] > 0
+            assert bool(lib.static_problems(ours)) == spills  # upstream spills at d=192 (and cu12 bwd d=128)
 
 
 @pytest.mark.slow
