@@ -35,7 +35,9 @@ MUFU.EX2; packed FP32 FFMA2/FMUL2/FADD2; LDTM/STTM; LDL/STL (local memory: spill
 frame; registers; static shared memory (dynamic shared memory is a launch value); TMEM columns and
 cta_group (the PTX's tcgen05.alloc); 2-CTA (.2CTA opcodes in SASS, cta_group::2 in PTX);
 USETMAXREG (SASS) next to setmaxnreg (PTX); .reqntid; and, on sm_90, WARPGROUP.ARRIVE and
-BRA.U.ANY (uniformity loops). The keys are documented in scripts/sass_stats_lib.py.
+BRA.U.ANY (uniformity loops); then sass_stats_lib.static_problems' verdict (spills, USETMAXREG vs
+setmaxnreg, one TMEM alloc/relinquish/dealloc of one cta_group within 512 columns, 2-CTA agreeing
+between SASS, PTX and cubin). The keys are documented in scripts/sass_stats_lib.py.
 
 ``set`` reports every configuration ``python -m fa4_kernels.compile --arch ARCH`` compiles
 (fa4_kernels.compile.kernel_set and backward_kernel_set); an arch whose set is empty is an error
@@ -55,7 +57,7 @@ instructions per MMA where the tile shapes differ. The anchors are made in their
 change it, e.g. 'remarks{ptx}' for ptxas spill remarks; 4.8.1 shows only the remarks when both are
 given in one string) and lists the verifier's diagnostics: C3 (mbarrier arrive count vs init
 count), W0014 (TMEM load reaching a release without tcgen05.wait), ... The exit status is 1 if any
-spec failed to compile.
+spec failed to compile, and with ``--strict`` also if any kernel's static checks found a problem.
 """
 
 from __future__ import annotations
@@ -269,6 +271,8 @@ def format_stats(stats: dict) -> list[str]:
         f"  TMEM {tmem}; 2-CTA {two_cta}",
         f"  USETMAXREG {sass_regs} | PTX setmaxnreg {ptx_regs}" + (f" ({match})" if match else ""),
     ]
+    problems = lib.static_problems(stats)
+    lines.append("  static checks: " + ("ok" if not problems else "; ".join(problems)))
     if stats["gmma"] or stats.get("target", "") == "sm_90a":
         lines.append(f"  WARPGROUP.ARRIVE {stats['warpgroup_arrive']}, BRA.U.ANY {stats['bra_u_any']}, "
                      f"FFMA {stats['ffma']}")
@@ -371,6 +375,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the statistics dicts as JSON")
     p.add_argument("--anchors", type=Path, metavar="DIR",
                    help="compare with upstream's numbers in compile_anchor.py's --out DIR (same ptxas flavour)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a kernel's static checks find a problem")
     p.add_argument("-v", "--verbose", action="store_true", help="the end of a failed compile's traceback")
     args = p.parse_args(argv)
     if args.kind == "dumps":
@@ -410,6 +415,8 @@ def main(argv=None) -> int:
                       file=sys.stderr if args.json else sys.stdout)
                 continue
             stats.update(spec=f"{kind} {label}", config=how)
+            if args.strict and lib.static_problems(stats):
+                failures += 1
             if args.verify:
                 stats["diagnostics"] = lib.verifier_diagnostics(cfg, flavour, args.verify_options)
             if args.anchors:
