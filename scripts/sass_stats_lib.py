@@ -5,7 +5,8 @@ Entry points (everything below them is reusable on its own):
 
     kernel_stats(cfg, flavour="auto")          -> dict   (cached per (cfg.key(), flavour))
     kernel_artifacts(cfg, flavour="auto")      -> {cubin, sass, ptx: Path, dsl_ir_module}   (the same compile)
-    verifier_diagnostics(cfg, flavour="auto")  -> list[dict]   (cached likewise)
+    verifier_diagnostics(cfg, flavour="auto", options="warnings") -> list[dict]   (cached likewise)
+    diagnostic_key(diag) -> str   ('code | message | file name | function': what a baseline compares)
     compile_config(cfg, flavour, out_dir, keep=..., compiler_opt=...) -> CompileResult
     stats_from_files(sass=..., cubin=..., ptx=...) -> dict
     sass_kernels(text) / sass_counts(instructions) / ptx_facts(text) / cubin_resources(data)
@@ -38,12 +39,14 @@ The statistics dict (``kernel_stats`` / ``stats_from_files``), one kernel (the l
   two_cta: any opcode with a .2CTA modifier; two_cta_ptx: cta_group::2 anywhere in the PTX
   regs, static_smem (bytes of .nv.shared.<kernel>; dynamic shared memory is a launch value),
   reserved_smem, reqntid ([x, y, z] from the cubin), max_threads, num_barriers, num_mbarriers,
-  tcgen05_cta_used (1 / 2 / None: the cubin's TCGEN05_1CTA/2CTA_USED attribute)
+  tcgen05_cta_used (1 / 2 / None: the cubin's TCGEN05_1CTA/2CTA_USED attribute), maxreg_count
+  (the cubin's register cap: 65536 / threads when the kernel sets its budgets with setmaxnreg)
   ptx: {target, reqntid, maxnreg, cluster, setmaxnreg: ["+240", ...], tmem_alloc: [{cta_group,
   columns}], tmem_dealloc: [...], tmem_relinquish: [cta_group, ...], cta_groups: sorted set,
   mbarrier_inits: [count or register, ...]}
-  tmem_columns: the alloc operands summed (None without tcgen05.alloc); cta_group: the one cta_group
-  of the TMEM instructions (None without, a list if mixed)
+  setmaxnreg (= ptx.setmaxnreg); tmem_columns: the alloc operands summed (None without
+  tcgen05.alloc); cta_group: the one cta_group of the tcgen05 instructions (None without, a list if
+  mixed)
   opcodes: {opcode: count}, most frequent first
 """
 
