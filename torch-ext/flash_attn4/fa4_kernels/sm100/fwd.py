@@ -61,7 +61,7 @@ from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax
 from ..tile_work import OutputTile
-from .softmax_row import row_max, row_probabilities
+from .softmax_row import row_max, row_probabilities, row_sums_init, row_sums_total
 from .tiles import L2_BUDGET_BYTES, TILE_M, TILE_N, query_tiles
 
 WARP = 32
@@ -101,6 +101,8 @@ REGISTERS = {
 }
 LAUNCH_REGISTERS = 65536 // (NUM_WARPS * 32)
 
+# Columns of P a softmax thread computes, converts and stores to TMEM at a time.
+P_CHUNK = 32
 # Columns of O a correction thread loads, scales and stores at a time.
 O_CHUNK = 32
 
@@ -503,15 +505,19 @@ class FlashAttentionForwardSm100:
             cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32), tStS).get_slice(thread)
         tSt = load_s.partition_S(tStS)
         s_registers = load_s.partition_D(tmem_layouts[3]).shape
-        # P: the same lanes, TILE_N 16-bit values in TILE_N / 2 32-bit columns over S's upper half.
+        # P: the same lanes, TILE_N 16-bit values in TILE_N / 2 32-bit columns over S's upper half,
+        # stored P_CHUNK columns (P_CHUNK / 2 words) at a time as they are computed, so that a
+        # thread never holds the whole row of P beside its scores.
         p_words = TILE_N * self.dtype.width // 32
+        chunk_words = P_CHUNK * self.dtype.width // 32
         tStP = cute.make_tensor(tmem_ptr + q_tile * TILE_N + (TILE_N - p_words), cute.composition(
             tStS.layout, cute.make_layout((TILE_M, p_words))))
+        tStP = cute.flat_divide(tStP, (TILE_M, chunk_words))[None, None, 0, None]  # (TILE_M, words, chunks)
         store_p = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(p_words)), Float32), tStP).get_slice(thread)
-        tPt = store_p.partition_D(tStP)
-        p_registers = store_p.partition_S(cute.make_tensor(tmem_layouts[3].iterator, cute.composition(
-            tmem_layouts[3].layout, cute.make_layout((TILE_M, p_words))))).shape
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(chunk_words)), Float32),
+            tStP[None, None, 0]).get_slice(thread)
+        tPt = store_p.partition_D(tStP)  # ((words, 1), 1, 1, chunks)
+        p_registers = store_p.partition_S(cute.make_identity_tensor((TILE_M, chunk_words))).shape
         # This row's (row, key) coordinates, for the element-wise mask.
         coords = cute.local_tile(cute.make_identity_tensor((cfg.tile_m, TILE_N)), (1, TILE_N), (row, 0))
 
@@ -573,10 +579,14 @@ class FlashAttentionForwardSm100:
         pipes.stats.producer_acquire(stats_state)
         row_stats[thread, stats_state.index] = row_scale[0]
         pipes.stats.producer_commit(stats_state)
-        rP = cute.make_rmem_tensor(p_registers, Float32)
-        block_sum = row_probabilities(scores[0], softmax.scale_log2, shift[0], cute.recast_tensor(rP, self.dtype),
-                                      0 if masked else self.cfg.exp2_emulated_eighths)
-        cute.copy(store_p, rP, tPt)
+        sums = row_sums_init()
+        for k in cutlass.range_constexpr(TILE_N // P_CHUNK):
+            rP = cute.make_rmem_tensor(p_registers, Float32)
+            sums = row_probabilities(scores[0], k * P_CHUNK, P_CHUNK, softmax.scale_log2, shift[0],
+                                     cute.recast_tensor(rP, self.dtype), sums,
+                                     0 if masked else self.cfg.exp2_emulated_eighths)
+            cute.copy(store_p, rP, tPt[None, None, None, k])
+        block_sum = row_sums_total(sums)
         cute.arch.fence_view_async_tmem_store()  # P is in TMEM before the MMA may read it
         pipes.s.consumer_release(s_state)
         softmax.row_sum[0] = softmax.row_sum[0] * row_scale[0] + block_sum

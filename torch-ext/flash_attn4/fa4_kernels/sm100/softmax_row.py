@@ -35,34 +35,43 @@ def exp2_fma_x2(x0: Float32, x1: Float32):
     return e0.bitcast(Float32), e1.bitcast(Float32)
 
 
+SUM_LANES = 4  # independent packed partial sums: FADD2 chains a quarter as long
+
+
+def row_sums_init():
+    return [(Float32(0.0), Float32(0.0)) for _ in range(SUM_LANES)]
+
+
+def row_sums_total(sums) -> Float32:
+    """The row sum from the packed partial sums (plain Python at trace time: a pairwise tree)."""
+    while len(sums) > 1:
+        sums = [cute.arch.add_packed_f32x2(sums[i], sums[i + 1]) for i in range(0, len(sums), 2)]
+    return sums[0][0] + sums[0][1]
+
+
 @cute.jit
-def row_probabilities(scores: list, scale_log2: Float32, shift: Float32, probs: cute.Tensor,
-                      emulated_eighths: cutlass.Constexpr[int]) -> Float32:
-    """probs[c] = exp2(scores[c] * scale_log2 - shift) for the row, converted to probs' 16-bit type
-    32 columns at a time (paired conversions); returns the row's sum of the float32 values.
-    ``emulated_eighths`` > 0 is only valid for rows without -inf scores."""
-    n = len(scores)
-    chunk = 32 if n % 32 == 0 else n
+def row_probabilities(scores: list, first: cutlass.Constexpr[int], count: cutlass.Constexpr[int],
+                      scale_log2: Float32, shift: Float32, probs: cute.Tensor, sums: list,
+                      emulated_eighths: cutlass.Constexpr[int]) -> list:
+    """probs[c] = exp2(scores[first + c] * scale_log2 - shift) for ``count`` columns of the row,
+    converted to probs' 16-bit type (paired conversions); the float32 values are added into the
+    packed partial row sums ``sums``, returned. ``emulated_eighths`` > 0 is only valid for rows
+    without -inf scores (the column rule is exp2.emulated on the row's column index)."""
     neg_shift = -shift
-    # Four packed partial sums: independent FADD2 chains instead of one long one.
-    acc = [(Float32(0.0), Float32(0.0)) for _ in range(4)]
-    for base in cutlass.range_constexpr(0, n, chunk):
-        p32 = cute.make_rmem_tensor(chunk, Float32)
-        for c in cutlass.range_constexpr(0, chunk, 2):
-            x0, x1 = cute.arch.fma_packed_f32x2((scores[base + c], scores[base + c + 1]), (scale_log2, scale_log2),
-                                                (neg_shift, neg_shift))
-            if cutlass.const_expr(emulated(base + c, emulated_eighths)):
-                e0, e1 = exp2_fma_x2(x0, x1)
-            else:
-                e0, e1 = cute.math.exp2(x0, fastmath=True), cute.math.exp2(x1, fastmath=True)
-            p32[c], p32[c + 1] = e0, e1
-            k = (c // 2) % 4
-            acc[k] = cute.arch.add_packed_f32x2(acc[k], (e0, e1))
-        probs_chunk = cute.make_tensor(probs.iterator + base, cute.make_layout(chunk))
-        probs_chunk.store(p32.load().to(probs.element_type))
-    a = cute.arch.add_packed_f32x2(cute.arch.add_packed_f32x2(acc[0], acc[1]),
-                                   cute.arch.add_packed_f32x2(acc[2], acc[3]))
-    return a[0] + a[1]
+    p32 = cute.make_rmem_tensor(count, Float32)
+    for c in cutlass.range_constexpr(0, count, 2):
+        x0, x1 = cute.arch.fma_packed_f32x2((scores[first + c], scores[first + c + 1]), (scale_log2, scale_log2),
+                                            (neg_shift, neg_shift))
+        if cutlass.const_expr(emulated(first + c, emulated_eighths)):
+            e0, e1 = exp2_fma_x2(x0, x1)
+        else:
+            e0, e1 = cute.math.exp2(x0, fastmath=True), cute.math.exp2(x1, fastmath=True)
+        p32[c], p32[c + 1] = e0, e1
+        lane = (c // 2) % SUM_LANES
+        sums[lane] = cute.arch.add_packed_f32x2(sums[lane], (e0, e1))
+    out = cute.make_tensor(probs.iterator, cute.make_layout(count))
+    out.store(p32.load().to(probs.element_type))
+    return sums
 
 
 def row_max(scores: list):
