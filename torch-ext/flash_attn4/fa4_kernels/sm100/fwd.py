@@ -62,7 +62,7 @@ from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax
 from ..tile_work import OutputTile
 from .softmax_row import row_max, row_probabilities, row_sums_init, row_sums_total
-from .tiles import L2_BUDGET_BYTES, TILE_M, TILE_N, query_tiles
+from .tiles import L2_BUDGET_BYTES, SMEM_BYTES, TILE_M, TILE_N, query_tiles, shared_memory_bytes
 
 WARP = 32
 WARPGROUP = 128
@@ -222,6 +222,12 @@ class FlashAttentionForwardSm100:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, self.kv_stages * stage_elems], 1024]
 
+        # The plan (tiles.shared_memory_bytes, which sized the K/V ring) bounds what is allocated:
+        # the row statistics and barriers must fit its reserve.
+        planned = shared_memory_bytes(self.hdim, self.hdim_v, self.kv_stages, self.dtype.width // 8)
+        if cutlass.const_expr(SharedStorage.size_in_bytes() > planned or planned > SMEM_BYTES):
+            raise ValueError(f"sm100 forward: {SharedStorage.size_in_bytes()} bytes of shared memory (plan "
+                             f"{planned}, limit {SMEM_BYTES}) at head dims {self.hdim}/{self.hdim_v}")
         self.shared_storage = SharedStorage
 
         if cutlass.const_expr(cfg.has_softcap):

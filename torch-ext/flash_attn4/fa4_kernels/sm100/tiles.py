@@ -56,10 +56,23 @@ MAX_KV_STAGES = 6
 
 
 def kv_stages(head_dim: int, head_dim_v: int, element_bytes: int = 2) -> int:
-    """K and V tiles share one ring of stages, each as large as the larger of the two."""
+    """K and V tiles share one ring of stages, each as large as the larger of the two: as many as
+    fit beside the query tiles."""
+    q_bytes, stage_bytes = _tile_bytes(head_dim, head_dim_v, element_bytes)
+    return min(MAX_KV_STAGES, (SMEM_BYTES - SMEM_RESERVED - q_bytes) // stage_bytes)
+
+
+def shared_memory_bytes(head_dim: int, head_dim_v: int, num_stages: int, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of the sm100 forward: the query tiles, the K/V ring and (at most)
+    SMEM_RESERVED for the mbarriers, the TMEM address and the per-row statistics."""
+    q_bytes, stage_bytes = _tile_bytes(head_dim, head_dim_v, element_bytes)
+    return q_bytes + num_stages * stage_bytes + SMEM_RESERVED
+
+
+def _tile_bytes(head_dim: int, head_dim_v: int, element_bytes: int) -> tuple[int, int]:
     q_bytes = query_tiles(head_dim_v) * TILE_M * _pad16(head_dim) * element_bytes
     stage_bytes = TILE_N * max(_pad16(head_dim), _pad16(head_dim_v)) * element_bytes
-    return min(MAX_KV_STAGES, (SMEM_BYTES - SMEM_RESERVED - q_bytes) // stage_bytes)
+    return q_bytes, stage_bytes
 
 
 def check_forward(cfg) -> None:
