@@ -336,11 +336,13 @@ def test_verifier_output_parser_on_a_hand_written_sample():
     assert lib.parse_verifier_output("nothing to see\n") == []
 
 
-def test_sass_report_builds_sm100_configs_directly_while_dispatch_has_no_rule():
+def test_sass_report_builds_sm100_configs_through_dispatch():
     report = _sass_report()
-    cfg, how = report.build_config("fwd", "sm_100a", "d=128,causal=true,tile_m=128")
-    assert cfg.arch is Arch.SM100 and (cfg.head_dim, cfg.causal, cfg.tile_m) == (128, True, 128)
-    assert how in ("dispatch", "direct")
+    cfg, how = report.build_config("fwd", "sm_100a", "d=128,causal=true")
+    assert cfg.arch is Arch.SM100 and (cfg.head_dim, cfg.causal, cfg.tile_m) == (128, True, 256)
+    assert how == "dispatch"
+    with pytest.raises(ValueError, match="tiles are 256 x 128"):  # the sm100 rules refuse other tiles
+        report.build_config("fwd", "sm_100a", "d=128,causal=true,tile_m=128")
     direct, how = report.build_config("fwd", "sm_90a", "d=64,dtype=float16", direct=True)
     assert how == "direct" and direct.dtype == "float16" and direct.arch is Arch.SM90
 
@@ -350,7 +352,11 @@ def test_anchor_names_and_comparison(tmp_path):
     the anchors.json of the flavour and arch our compile used."""
     report = _sass_report()
     def fwd(**fields):
-        return ForwardConfig(arch=Arch.SM100, dtype="bfloat16", **{"head_dim": 128, "head_dim_v": 128, **fields})
+        from flash_attn4.fa4_kernels.sm100.tiles import forward_tiles
+
+        fields = {"head_dim": 128, "head_dim_v": 128, **fields}
+        tiles = forward_tiles(fields["head_dim"], fields["head_dim_v"], False, False)
+        return ForwardConfig(arch=Arch.SM100, dtype="bfloat16", **{**tiles, **fields})
 
     assert report.anchor_name("fwd", fwd()) == "fwd_d128"
     assert report.anchor_name("fwd", fwd(head_dim=192)) == "fwd_d192_dv128"
