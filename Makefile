@@ -3,7 +3,7 @@ PYTHON ?= python
 ARCH ?= sm_90a
 BUILD_DIR ?= build
 
-.PHONY: setup build compile test test-gpu demo bench clean
+.PHONY: setup build compile sass-report test test-gpu demo bench clean
 
 # torch is installed first and explicitly: `torch==2.13.0` is the CPU wheel that pip takes from
 # local disk on this project's machines. On a GPU machine, install the CUDA build of torch you want
@@ -24,6 +24,13 @@ build:
 # which works from any directory.
 compile:
 	PYTHONPATH="$(CURDIR)/torch-ext$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m flash_attn4.fa4_kernels.compile --arch $(ARCH)
+
+# Static facts of every kernel of ARCH's set under both embedded ptxas versions, no GPU: MMAs,
+# exponentials, spills, registers, TMEM, the DSL verifier; ANCHORS=DIR adds upstream's numbers
+# (../shared/sm100/compile_anchor.py --out DIR). STRICT=1 fails on a static problem (spills...).
+sass-report:
+	$(PYTHON) scripts/sass_report.py set --arch $(ARCH) --flavour both --verify \
+	  $(if $(ANCHORS),--anchors $(ANCHORS)) $(if $(STRICT),--strict)
 
 # Test processes (pytest-xdist): kernel compiles are most of both suites' time and run in parallel.
 TEST_WORKERS ?= 2
