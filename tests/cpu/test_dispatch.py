@@ -21,32 +21,18 @@ def fake_device(monkeypatch):
     return set_device
 
 
-@pytest.fixture
-def sm100_implemented(monkeypatch):
-    table = dict(arch_mod.IMPLEMENTED)
-    table[Arch.SM100] = ("forward",)
-    monkeypatch.setattr(dispatch, "IMPLEMENTED", table)
-
-
 def test_hopper_is_sm90(fake_device):
     fake_device("NVIDIA H200", (9, 0))
     assert dispatch.arch_for_device("cuda:0") is Arch.SM90
 
 
-@pytest.mark.parametrize("cap,name", [((10, 0), "NVIDIA B200"), ((10, 3), "NVIDIA B300")])
-def test_blackwell_not_implemented_yet(fake_device, cap, name):
-    if "forward" in arch_mod.IMPLEMENTED.get(Arch.SM100, ()):
-        pytest.skip("sm100 forward is implemented now; covered by test_blackwell_when_implemented")
+@pytest.mark.parametrize("cap,name,arch", [((10, 0), "NVIDIA B200", Arch.SM100), ((10, 3), "NVIDIA B300", Arch.SM103)])
+def test_blackwell_forward_compiles_for_the_exact_target(fake_device, cap, name, arch):
+    """sm_100a code does not run on sm_103 (the "a" targets are not forward compatible): each
+    Blackwell capability gets its own compile target, both with the sm100 kernels."""
     fake_device(name, cap)
-    with pytest.raises(NotImplementedError, match="Blackwell kernels are not implemented yet") as info:
-        dispatch.arch_for_device("cuda:0")
-    assert name in str(info.value) and f"{cap[0]}.{cap[1]}" in str(info.value)
-
-
-@pytest.mark.parametrize("cap", [(10, 0), (10, 3)])
-def test_blackwell_when_implemented(fake_device, sm100_implemented, cap):
-    fake_device("NVIDIA B200", cap)
-    assert dispatch.arch_for_device("cuda:0") is Arch.SM100
+    assert dispatch.arch_for_device("cuda:0") is arch
+    assert arch_mod.kernels_for(arch).forward == arch_mod.kernels_for(Arch.SM100).forward
 
 
 @pytest.mark.parametrize("cap,name", [((8, 0), "NVIDIA A100-SXM4-80GB"), ((12, 0), "NVIDIA GeForce RTX 5090"),
@@ -68,20 +54,17 @@ def test_unsupported_gpu_names_device_capability_and_support(fake_device, cap, n
 def test_supported_devices_follows_the_registry():
     assert arch_mod.supported_devices({Arch.SM90: ("forward", "backward"), Arch.SM100: ()}) == "sm_90 (H100/H200)"
     assert arch_mod.supported_devices({Arch.SM90: ("forward", "backward"), Arch.SM100: ("forward",)}) == (
-        "sm_90 (H100/H200) or sm_100 family (B200/GB200, B300/GB300) (forward only)")
+        "sm_90 (H100/H200) or sm_100 (B200/GB200) (forward only)")
+    assert arch_mod.supported_devices() == (
+        "sm_90 (H100/H200) or sm_100 (B200/GB200) (forward only) or sm_103 (B300/GB300) (forward only)")
 
 
 def test_backward_dispatch_hopper_yes_blackwell_clear_error():
     assert dispatch.arch_for_capability((9, 0), "NVIDIA H100", kernel="backward") is Arch.SM90
-    if not arch_mod.IMPLEMENTED[Arch.SM100]:
-        with pytest.raises(NotImplementedError, match="Blackwell kernels are not implemented yet"):
-            dispatch.arch_for_capability((10, 0), "NVIDIA B200", kernel="backward")
-
-
-def test_a_family_with_a_forward_only_names_the_missing_pass(sm100_implemented):
-    with pytest.raises(NotImplementedError, match="Blackwell backward kernels are not implemented yet") as info:
-        dispatch.arch_for_capability((10, 0), "NVIDIA B200", kernel="backward")
-    assert "sm_100 family (B200/GB200, B300/GB300) (forward only)" in str(info.value)
+    for cap, name, family in (((10, 0), "NVIDIA B200", "Blackwell"), ((10, 3), "NVIDIA B300", "Blackwell Ultra")):
+        with pytest.raises(NotImplementedError, match=f"{family} backward kernels are not implemented yet") as info:
+            dispatch.arch_for_capability(cap, name, kernel="backward")
+        assert name in str(info.value) and "(forward only)" in str(info.value)
 
 
 @pytest.mark.parametrize("d,dv,split,tile_m,tile_n,stages", [

@@ -84,12 +84,6 @@ def fake_gpu(monkeypatch, seed):
     state = {"arch": Arch.SM100, "mutate": None, "calls": []}
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": state["arch"])
-    sm90_config = dispatch.forward_config  # no sm100 tile table yet: sm90's choices, relabelled
-
-    def forward_config(arch, *args, **kwargs):
-        return sm90_config(Arch.SM90, *args, **kwargs).replace(arch=arch)
-
-    monkeypatch.setattr(dispatch, "forward_config", forward_config)
     monkeypatch.setattr(compile_cache, "_compile_forward",
                         lambda cfg, **_: FakeKernel(cfg, state["calls"], state["mutate"]))
     monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
@@ -105,7 +99,7 @@ def config(arch=Arch.SM100, d=128, dv=None, ratio=1, **flags):
     base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
     base.update(flags)
     dv = d if dv is None else dv
-    return dispatch.forward_config(Arch.SM90, "bfloat16", d, dv, qhead_per_kvhead=ratio, **base).replace(arch=arch)
+    return dispatch.forward_config(arch, "bfloat16", d, dv, qhead_per_kvhead=ratio, **base)
 
 
 def rand_qkv(b=2, sq=37, sk=51, hq=4, hk=2, d=128):

@@ -10,8 +10,8 @@ When: ``ops._kernel_for`` calls :func:`ensure_checked` after it has the compiled
 (device, ForwardConfig), before the caller's launch. Which configurations are checked:
 
 * ``FLASH_ATTN4_SELF_CHECK`` unset (or ``auto``): configurations whose ``arch`` is in
-  :data:`UNVERIFIED_ARCHS` (today the sm_100 family; the one place to edit once a GPU of that
-  family has run the test suite);
+  :data:`UNVERIFIED_ARCHS` (today sm_100a and sm_103a: the registry's ``run_by_us``, the one place
+  to edit once a GPU of that family has run the test suite);
 * ``1``/``true``/``yes``/``on``: every configuration on every architecture (how the H200 tests the
   check itself, on sm90);
 * ``0``/``false``/``no``/``off``: none, at the user's own risk.
@@ -76,12 +76,12 @@ from typing import Callable, Optional
 import torch
 
 from . import settings
-from .fa4_kernels.arch import Arch
+from .fa4_kernels.arch import NOT_RUN_BY_US
 from .fa4_kernels.config import ForwardConfig
 
 # Architectures whose kernels have never been run by us: checked by default (FLASH_ATTN4_SELF_CHECK
-# unset). Remove an arch once a GPU of its family has passed the GPU test suite.
-UNVERIFIED_ARCHS = frozenset({Arch.SM100})
+# unset). The registry says which (fa4_kernels/arch.py, ArchKernels.run_by_us).
+UNVERIFIED_ARCHS = NOT_RUN_BY_US
 
 ISSUE_TRACKER = "https://huggingface.co/flash-attn4-org/flash-attn4/discussions"
 

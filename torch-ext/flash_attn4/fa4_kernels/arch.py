@@ -35,6 +35,7 @@ class Arch(str, enum.Enum):
 
     SM90 = "sm_90a"
     SM100 = "sm_100a"
+    SM103 = "sm_103a"  # Blackwell Ultra: the sm100 kernels, compiled for it (sm_100a code does not run there)
 
     @classmethod
     def parse(cls, name: str) -> "Arch":
@@ -46,11 +47,7 @@ class Arch(str, enum.Enum):
     @classmethod
     def for_capability(cls, major: int, minor: int) -> "Arch | None":
         """The kernel family for a compute capability, or None where we ship none."""
-        if (major, minor) == (9, 0):
-            return cls.SM90
-        if major == 10:
-            return cls.SM100
-        return None
+        return {(9, 0): cls.SM90, (10, 0): cls.SM100, (10, 3): cls.SM103}.get((major, minor))
 
     @property
     def family(self) -> str:
@@ -67,7 +64,8 @@ class Arch(str, enum.Enum):
 
 
 _FAMILIES = {Arch.SM90: ("Hopper", "sm_90 (H100/H200)"),
-             Arch.SM100: ("Blackwell", "sm_100 family (B200/GB200, B300/GB300)")}
+             Arch.SM100: ("Blackwell", "sm_100 (B200/GB200)"),
+             Arch.SM103: ("Blackwell Ultra", "sm_103 (B300/GB300)")}
 
 
 @dataclass(frozen=True)
@@ -87,6 +85,13 @@ class ArchKernels:
     # batch)`` (a varlen sequence's first query block), ``block_order()`` (for each float of a query
     # block in order, its row * head_dim + col in the block's dQ).
     dq_accum_layout: Optional[str] = None
+    # The rules module within the package: one package's kernels can serve several targets whose
+    # rules differ (sm_103a: sm_100a's kernels, its own softmax schedule).
+    rules_module: str = "tiles"
+    # Whether the developers have run this target's kernels through the GPU test suite. Targets not
+    # run (no such GPU here) check each kernel configuration against PyTorch on first use
+    # (torch-ext/flash_attn4/selfcheck.py). Set it once a GPU of the family has passed the suite.
+    run_by_us: bool = True
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -95,7 +100,7 @@ class ArchKernels:
 
     def rules(self):
         """The arch's tiles.py (tile and schedule rules, kernel sets, config checks)."""
-        return importlib.import_module(f".{self.package}.tiles", __package__)
+        return importlib.import_module(f".{self.package}.{self.rules_module}", __package__)
 
     def load(self, name: str):
         """The object ``"module:attribute"`` of the arch's package (imports the module)."""
@@ -107,8 +112,13 @@ KERNELS: dict[Arch, ArchKernels] = {
     Arch.SM90: ArchKernels("sm90", forward="fwd:FlashAttentionForwardSm90", backward="bwd:FlashAttentionBackwardSm90",
                            bwd_postprocess="bwd_postprocess:BackwardPostprocessSm90",
                            dq_accum_layout="dq_accum:accum_layout"),
-    Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100"),
+    Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", run_by_us=False),
+    Arch.SM103: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", rules_module="tiles_sm103",
+                            run_by_us=False),
 }
+
+# Targets whose kernels have never run on a GPU of ours: the first-use self-check runs on these.
+NOT_RUN_BY_US = frozenset(arch for arch, entry in KERNELS.items() if not entry.run_by_us)
 
 # Kernel passes per arch ("forward", "backward"); empty for a target without kernels. dispatch
 # raises a clear error for those.

@@ -1,0 +1,16 @@
+"""Blackwell Ultra (sm_103a, B300/GB300) rules: the sm100 kernels and tiles, with the softmax's
+exponentials all on MUFU.
+
+sm_103 doubles the MUFU.EX2 rate of sm_100, so the exponentials of a tile no longer keep pace with
+its MMAs only thanks to the FMA pipe: the polynomial would cost FMA-pipe issue slots for nothing
+(FA4 turns its emulation off there too). Everything else is sm_100's (tiles.py). Not run by us.
+"""
+
+from __future__ import annotations
+
+from .tiles import FORWARD_KERNEL_SET, L2_BUDGET_BYTES, check_forward, forward_tiles  # noqa: F401
+from .tiles import forward_schedule as _sm100_schedule
+
+
+def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
+    return {**_sm100_schedule(head_dim, head_dim_v, varlen, qhead_per_kvhead), "exp2_emulated_eighths": 0}
