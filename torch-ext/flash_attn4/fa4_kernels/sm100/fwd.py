@@ -31,6 +31,12 @@ Synchronisation (mbarrier pipelines, cutlass.pipeline):
                              shared memory
     o[t]   MMA -> correction "O_t final" after the last P V
 
+Ordering of tensor-memory accesses across roles: every tcgen05.ld/st is followed by its wait
+(tcgen05.wait::ld/st) before the thread arrives on a barrier that hands the columns on; MMA results
+are read after a wait on the commit's barrier, directly (softmax: S; correction: the final O) or
+through the softmax's stats barrier, which it arrives on after waiting for S_t(i) (correction: O_t
+between blocks, as FA4's own kernel does).
+
 Tensor memory (512 columns, 32-bit each, lane = query row): S_t at t * 128, O_t after both S tiles;
 P_t (two 16-bit values per column) over S_t's columns 64..127, which the softmax thread has read
 into registers before it writes P.
@@ -404,6 +410,9 @@ class FlashAttentionForwardSm100:
                                         self.tma_bytes_v)
             kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_V, tVgV, tVsV, n_block_max - num_blocks,
                                     self.tma_bytes_v)
+            # Wait until the MMA warp has released every stage: its last releases are tcgen05
+            # commits, which must not arrive after the CTA has exited.
+            pipes.kv.producer_tail(kv_state)
 
     @cute.jit
     def load_kv(self, pipe, state, atom, gmem, smem, n_block, tx_bytes: cutlass.Constexpr[int]):
