@@ -129,9 +129,10 @@ def num_splits_heuristic(*, batch: int, num_heads: int, num_heads_kv: int, seqle
     (window_left and window_right >= 0) bounds the keys a tile sees.
 
     1 when the KV range is short (<= SHORT_KV_BLOCKS blocks) or the output tiles alone fill
-    FULL_SHARE of the SMs; else, among the counts s <= min(max_splits, num_sms, KV blocks) whose
-    splits are all non-empty, the smallest whose wave efficiency w / ceil(w), w = tiles * s / num_sms,
-    is within NEAR_BEST of the best. Never more splits than KV blocks.
+    FULL_SHARE of the SMs; else, among the counts s <= min(max_splits, num_sms, KV blocks), the
+    smallest whose wave efficiency w / ceil(w), w = tiles * s / num_sms, is within NEAR_BEST of the
+    best (more splits than needed to fill the waves only add partials to write and combine). Never
+    more splits than KV blocks.
     """
     keys = seqlen_k
     if window_left >= 0 and window_right >= 0:
@@ -147,10 +148,6 @@ def num_splits_heuristic(*, batch: int, num_heads: int, num_heads_kv: int, seqle
     del num_heads_kv  # the packed tiles' heads: num_heads // pack_gqa (one per KV head when packed)
     efficiency = {}
     for s in range(1, min(max_splits, num_sms, n_blocks) + 1):
-        # per = ceil(n / s) blocks each: fewer than s splits would hold them all when
-        # ceil(n / per) < s, and the rest would be launched empty.
-        if _ceil_div(n_blocks, _ceil_div(n_blocks, s)) != s:
-            continue
         waves = tiles * s / num_sms
         efficiency[s] = waves / math.ceil(waves)
     best = max(efficiency.values())
