@@ -143,12 +143,17 @@ def random_cu_seqlens(batch: int, max_len: int, *, generator=None, allow_zero: b
     return torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(device)
 
 
-def combine_ref(out_partial, lse_partial):
+def combine_ref(out_partial, lse_partial, sink=None):
     """Merge attention over disjoint key sets, the obvious way (flash_attn_combine's reference):
     out_partial (S, b, sq, h, dv), lse_partial (S, b, h, sq) -> out (b, sq, h, dv) float32, lse (b, h, sq).
     lse = log sum_s exp(lse_s); out = sum_s exp(lse_s - lse) out_s; a split with lse_s = -inf adds
-    nothing, whatever its out_s holds; rows where every split is empty give out 0, lse -inf."""
+    nothing, whatever its out_s holds; rows where every split is empty give out 0, lse -inf. A
+    learnable sink (h,) is one more split whose output is 0."""
     lse_partial = lse_partial.float()
+    if sink is not None:
+        sink_split = sink.float()[None, None, :, None].expand(1, *lse_partial.shape[1:])
+        lse_partial = torch.cat([lse_partial, sink_split])
+        out_partial = torch.cat([out_partial, out_partial.new_zeros(1, *out_partial.shape[1:])])
     lse = torch.logsumexp(lse_partial, dim=0)  # -inf where every split is -inf
     finite = torch.isfinite(lse)
     weight = torch.exp(lse_partial - torch.where(finite, lse, 0.0))  # (S, b, h, sq)

@@ -94,21 +94,22 @@ def test_num_splits_times_heads_must_fit_the_grid():
     assert validate.check_num_splits(255, 257) == 255
 
 
-def test_num_splits_with_a_sink(cpu_kernels):
-    q, k, v = q_kv(sk=2000)
-    sink = torch.randn(q.shape[2])
-    with pytest.raises(NotImplementedError, match="learnable_sink"):
-        flash_attn_func(q, k, v, learnable_sink=sink, num_splits=3)
-    out = flash_attn_func(q, k, v, learnable_sink=sink, num_splits=0)  # automatic: runs unsplit
-    assert not any(cfg.split_kv for cfg in cpu_kernels if isinstance(cfg, ForwardConfig))
-    ref, _ = attention_ref(q, k, v, learnable_sink=sink)
-    assert (out.float() - ref.float()).abs().max() < 2e-2
+@pytest.mark.parametrize("num_splits", [3, 0])
+def test_num_splits_with_a_sink(cpu_kernels, num_splits):
+    """The split kernel leaves the sink out; the combine kernel adds it to the denominator once."""
+    q, k, v = q_kv(b=2, sk=2000)
+    sink = torch.randn(q.shape[2]) * 3
+    out, lse = flash_attn_func(q, k, v, learnable_sink=sink, num_splits=num_splits, return_lse=True)
+    forward = [c for c in cpu_kernels if isinstance(c, ForwardConfig)]
+    assert len(forward) == 1 and forward[0].split_kv and not forward[0].has_sink
+    assert [c.has_sink for c in cpu_kernels if isinstance(c, CombineConfig)] == [True]
+    close_to_reference(out, lse, q, k, v, learnable_sink=sink)
 
 
 def test_split_kv_config_rules():
     base = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128)
     assert ForwardConfig(**base, split_kv=True).split_kv
-    with pytest.raises(ValueError, match="learnable sink"):
+    with pytest.raises(ValueError, match="combine kernel adds it"):
         ForwardConfig(**base, split_kv=True, has_sink=True)
     with pytest.raises(ValueError, match="persistent_ctas"):
         ForwardConfig(**base, split_kv=True, persistent_ctas=132)
@@ -175,22 +176,27 @@ def split_keys(sk, bounds):
     (200, 100, True, [0, 64, 100]),  # sq > sk: the first 100 rows see no key
     (33, 257, False, [0, 257]),  # one split: the combine is the identity
 ])
-def test_combine_reference_merges_partials_into_attention(sq, sk, causal, bounds):
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_combine_reference_merges_partials_into_attention(sq, sk, causal, bounds, with_sink):
     hq, hk, d = 6, 2, 32
     q, k, v = torch.randn(sq, hq, d), torch.randn(sk, hk, d), torch.randn(sk, hk, d)
+    sink = torch.randn(hq) * 3 if with_sink else None
     parts = [partial_attention_ref(q, k, v, keys, causal=causal) for keys in split_keys(sk, bounds)]
     out_partial = torch.stack([o for o, _ in parts])[:, None]  # (S, 1, sq, hq, d)
     lse_partial = torch.stack([lse for _, lse in parts])[:, None]  # (S, 1, hq, sq)
     # What an empty split holds is not read: garbage there must not matter.
     empty = torch.isneginf(lse_partial).transpose(-1, -2)[..., None].expand_as(out_partial)
     out_partial = out_partial.masked_fill(empty, float("nan"))
-    out, lse = combine_ref(out_partial, lse_partial)
-    ref_out, ref_lse = attention_ref(q[None], k[None], v[None], causal=causal)
+    out, lse = combine_ref(out_partial, lse_partial, sink)
+    ref_out, ref_lse = attention_ref(q[None], k[None], v[None], causal=causal, learnable_sink=sink)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     finite = torch.isfinite(ref_lse)
     assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-4
     assert (out - ref_out).abs().max() < 1e-4
     assert (out[torch.isneginf(ref_lse).transpose(-1, -2)] == 0).all()
+    if with_sink and sq > sk:  # rows without keys: out 0, lse the sink logit
+        assert (out[0, :sq - sk] == 0).all()
+        assert torch.allclose(lse[0, :, :sq - sk], sink[:, None].expand(hq, sq - sk))
 
 
 # ---- the torch layer's split path, with stand-in kernels ----
@@ -228,10 +234,11 @@ def split_kernel_stand_in(cfg, calls):
 
 
 def combine_stand_in(cfg, calls):
-    def run(out_p, lse_p, out, lse):
+    def run(out_p, lse_p, out, lse, sink):
         calls.append(cfg)
         assert out_p.dim() == 5 and lse_p.dim() == 4 and out.dim() == 4 and lse.dim() == 3
-        o, l = combine_ref(out_p, lse_p)
+        assert (sink is not None) == cfg.has_sink and (sink is None or sink.dtype == torch.float32)
+        o, l = combine_ref(out_p, lse_p, sink)
         out.copy_(o.to(out.dtype))
         lse.copy_(l)
 

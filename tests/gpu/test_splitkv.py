@@ -101,6 +101,29 @@ def test_split_forward_local_window_and_seqused_k(seed, varlen, num_splits):
              window_size=(300, 20), seqused=varlen)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("num_splits", [3, 0])
+def test_split_forward_with_sink(seed, varlen, num_splits):
+    """The splits leave the learnable sink out and the combine kernel adds it once; rows without keys
+    (causal, sq > sk) give out 0 and lse = the sink logit."""
+    hq, hk = RATIOS[4]
+    sink = torch.randn(hq, device=DEVICE, dtype=torch.float32) * 3
+    if not varlen:
+        q, k, v = rand(1, 300, hq, 64), rand(1, 2000, hk, 64), rand(1, 2000, hk, 64)
+        out, lse = flash_attn_func(q, k, v, learnable_sink=sink, num_splits=num_splits, return_lse=True)
+        check(out, lse, q, k, v, learnable_sink=sink)
+        return
+    lens_q, lens_k = [1, 200, 7], [3000, 100, 1500]
+    cu_q, cu_k = (torch.tensor([0] + list(itertools.accumulate(x)), dtype=torch.int32, device=DEVICE)
+                  for x in (lens_q, lens_k))
+    q, k, v = rand(sum(lens_q), hq, 128), rand(sum(lens_k), hk, 128), rand(sum(lens_k), hk, 128)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                      learnable_sink=sink, num_splits=num_splits, return_lse=True)
+    check(out, lse, q, k, v, causal=True, learnable_sink=sink, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    masked = out[1:101]  # sequence 2's first 100 queries see no key
+    assert (masked == 0).all() and torch.allclose(lse[:, 1:101], sink[:, None].expand(hq, 100))
+
+
 @pytest.mark.parametrize("num_splits", [3, 64])
 def test_fully_masked_rows_batched(seed, num_splits):
     """sq > sk, causal (bottom-right): the first sq - sk rows see no key in any split."""

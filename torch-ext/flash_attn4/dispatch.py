@@ -95,9 +95,10 @@ def preprocess_config(arch: Arch, dtype: str, head_dim_v: int) -> PreprocessConf
 
 
 @functools.lru_cache(maxsize=64)
-def combine_config(arch: Arch, dtype: str, head_dim_v: int) -> CombineConfig:
-    """The split-KV combine kernel for an output dtype and head dim."""
-    return CombineConfig(arch=arch, dtype=dtype, head_dim_v=head_dim_v)
+def combine_config(arch: Arch, dtype: str, head_dim_v: int, has_sink: bool = False) -> CombineConfig:
+    """The split-KV combine kernel for an output dtype and head dim (``has_sink``: it adds a learnable
+    sink to the denominator)."""
+    return CombineConfig(arch=arch, dtype=dtype, head_dim_v=head_dim_v, has_sink=has_sink)
 
 
 # ---- split-KV: how many CTAs share a tile's KV blocks ----

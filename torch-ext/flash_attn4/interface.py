@@ -72,9 +72,8 @@ def flash_attn_func(
     ``num_splits`` (split-KV, forward only): 1 (default) runs one CTA per output tile; N > 1 shares
     each tile's keys among N CTAs, whose float32 partial outputs a combine kernel merges (for few
     (batch x head) pairs and long keys: decoding); 0 chooses the count from the problem and the SM
-    count (``dispatch.num_splits_heuristic``). The result is the same attention; gradients run the
-    usual backward from it. Not with ``learnable_sink`` (NotImplementedError for N > 1; 0 runs
-    unsplit).
+    count (``dispatch.num_splits_heuristic``). The result is the same attention (a learnable sink
+    joins the denominator once, in the combine); gradients run the usual backward from it.
     """
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     validate.check_batched(q, k, v)

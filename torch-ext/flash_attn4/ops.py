@@ -179,8 +179,8 @@ def fwd(
         num_splits = _num_splits(num_splits, q, k, v.shape[-1], cu_seqlens_q, max_seqlen_q, max_seqlen_k, window_left,
                                  window_right, flags)
     if num_splits > 1:
-        _split_kv_forward(num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
-                          softcap, window_left, window_right, max_seqlen_q, flags)
+        _split_kv_forward(num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                          softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags)
         return out, lse
     kernel = _kernel_for(q, v, **flags)
     with _device_guard(q.device):
@@ -210,19 +210,15 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
                 cu_seqlens_q: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, window_left: int,
                 window_right: int, flags: dict) -> int:
     """The split count to run: an explicit one as it is (NotImplementedError where the kernel has no
-    split-KV for the problem), 0 through dispatch.num_splits_heuristic (1 where split-KV does not
-    apply: learnable sinks, an arch without it)."""
-    arch = dispatch.arch_for_device(q.device)
-    if flags["has_sink"]:
-        if num_splits == 0:
-            return 1
-        raise NotImplementedError("flash-attn4: num_splits > 1 with a learnable_sink is not supported "
-                                  "(the sink belongs in one denominator, not in every split's)")
+    split-KV for the problem), 0 through dispatch.num_splits_heuristic (1 on an arch without
+    split-KV)."""
     if num_splits > 1:
         return num_splits
+    arch = dispatch.arch_for_device(q.device)
     if not has_split_kv(arch):
         return 1
-    cfg = dispatch.forward_config(arch, dispatch.dtype_name(q.dtype), q.shape[-1], head_dim_v, **flags)
+    cfg = dispatch.forward_config(arch, dispatch.dtype_name(q.dtype), q.shape[-1], head_dim_v,
+                                  **dict(flags, has_sink=False))
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     # Varlen without max_seqlen_k: every key sequence is at most the packed total (no device sync).
@@ -234,29 +230,30 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
         window_left=window_left if flags["local"] else -1, window_right=window_right if flags["local"] else -1)
 
 
-def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
-                      softcap, window_left, window_right, max_seqlen_q, flags: dict) -> None:
+def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                      softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags: dict) -> None:
     """out, lse through the split-KV kernel's float32 partials (ForwardConfig.split_kv) and the
-    combine kernel."""
+    combine kernel, which adds a learnable sink to the denominator once (the splits leave it out)."""
     out_partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
     lse_partial = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=out.device)
     if _poison_outputs_for_tests:  # an element the split kernel leaves unwritten shows up
         out_partial.fill_(float("nan"))
         lse_partial.fill_(float("inf"))
-    kernel = _kernel_for(q, v, **flags, split_kv=True)
+    kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
     with _device_guard(q.device):
         kernel(q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
         if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
             out_partial, lse_partial, out, lse = (out_partial.unsqueeze(1), lse_partial.unsqueeze(1),
                                                   out.unsqueeze(0), lse.unsqueeze(0))
-        _combine_kernel(out.device, out.dtype, out.shape[-1])(out_partial, lse_partial, out, lse)
+        combine_kernel = _combine_kernel(out.device, out.dtype, out.shape[-1], has_sink=learnable_sink is not None)
+        combine_kernel(out_partial, lse_partial, out, lse, learnable_sink)
 
 
-def _combine_kernel(device: torch.device, dtype: torch.dtype, head_dim_v: int):
+def _combine_kernel(device: torch.device, dtype: torch.dtype, head_dim_v: int, has_sink: bool = False):
     name = "float32" if dtype == torch.float32 else dispatch.dtype_name(dtype)
     return compile_cache.get_combine_kernel(dispatch.combine_config(dispatch.arch_for_device(device), name,
-                                                                    head_dim_v))
+                                                                    head_dim_v, has_sink))
 
 
 def _combine_layout(t: torch.Tensor) -> torch.Tensor:
@@ -280,7 +277,7 @@ def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
     out_partial = _combine_layout(out_partial)
     lse_partial = lse_partial if lse_partial.stride(-1) == 1 else lse_partial.contiguous()
     with _device_guard(out.device):
-        _combine_kernel(out.device, out_dtype, dv)(out_partial, lse_partial, out, lse)
+        _combine_kernel(out.device, out_dtype, dv)(out_partial, lse_partial, out, lse, None)
     return out, lse
 
 

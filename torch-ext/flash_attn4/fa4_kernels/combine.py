@@ -6,7 +6,9 @@ Per row (one query token of one head), over the splits s:
     m = max_s LSE_s (0 where every LSE_s is -inf), sum = sum_s exp(LSE_s - m),
     LSE = log(sum) + m (-inf where every split is empty), O = sum_s exp(LSE_s - m) / sum * O_s,
 in float32, O then cast to the output dtype. A split with LSE_s = -inf (it saw no key) adds
-nothing and its partial output is not read (whatever it holds).
+nothing and its partial output is not read (whatever it holds). With a learnable sink (``has_sink``)
+the sink logit of the row's head joins the maximum and the sum as one more split without a value:
+the split-KV forward leaves it to the combine, so that it counts once.
 
 Work split: a row's head-dim vectors (4 floats, 16 bytes) are spread over ``threads_per_row``
 neighbouring lanes (32 at dv = 128: a warp reads a split's row in one 512-byte sweep); a CTA of
@@ -15,13 +17,15 @@ many heads) still fills whole CTAs. Each lane first reads every ``threads_per_ro
 for the row maximum and the sum (shuffle reductions over the row's lanes), then every split's
 vectors it owns.
 
-Call convention (TVM-FFI, current CUDA stream): fn(out_partial, lse_partial, out, lse) with
+Call convention (TVM-FFI, current CUDA stream): fn(out_partial, lse_partial, out, lse, sink) with
 out_partial (num_splits, b, s, h, dv) float32, lse_partial (num_splits, b, h, s) float32,
-out (b, s, h, dv) in ``dtype``, lse (b, h, s) float32. A varlen (packed) batch is one long batch
-entry: (num_splits, 1, total, h, dv) and so on.
+out (b, s, h, dv) in ``dtype``, lse (b, h, s) float32, sink float32 (h,) with ``has_sink``, else None.
+A varlen (packed) batch is one long batch entry: (num_splits, 1, total, h, dv) and so on.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -56,14 +60,15 @@ class SplitKVCombine:
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 stream: cuda.CUstream):
+                 mSink: Optional[cute.Tensor], stream: cuda.CUstream):
         rows = mO.shape[1] * mO.shape[2]  # (token, head) pairs of a batch entry
-        self.kernel(mOp, mLSEp, mO, mLSE).launch(
+        self.kernel(mOp, mLSEp, mO, mLSE, mSink).launch(
             grid=((rows + self.rows_per_cta - 1) // self.rows_per_cta, mO.shape[0], 1),
             block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+    def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mSink: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, batch, _ = cute.arch.block_idx()
         tpr = self.threads_per_row
@@ -82,6 +87,10 @@ class SplitKVCombine:
             for s in cutlass.range(lane, num_splits, tpr, unroll=1):
                 lse_max = cute.arch.fmax(lse_max, mLSEp[s, batch, head, token])
         lse_max = cute.arch.warp_reduction(lse_max, _fmax, threads_in_group=tpr)
+        sink = -Float32.inf
+        if cutlass.const_expr(self.cfg.has_sink):
+            sink = mSink[head]  # every row has a head (rows past the end read head < num_heads too)
+            lse_max = cute.arch.fmax(lse_max, sink)
         shift = lse_max
         if lse_max == -Float32.inf:
             shift = Float32(0.0)  # every split empty: exp(-inf - 0) = 0, not NaN
@@ -90,7 +99,9 @@ class SplitKVCombine:
             for s in cutlass.range(lane, num_splits, tpr, unroll=1):
                 total += cute.math.exp(mLSEp[s, batch, head, token] - shift)
         total = cute.arch.warp_reduction(total, _add, threads_in_group=tpr)
-        # total >= 1 whenever a split saw a key (its maximum contributes exp(0)).
+        if cutlass.const_expr(self.cfg.has_sink):
+            total += cute.math.exp(sink - shift)  # a logit without a value: the sum, not O
+        # total >= 1 whenever a split saw a key or there is a sink (the maximum contributes exp(0)).
         lse = -Float32.inf
         inv_total = Float32(0.0)
         if total > Float32(0.0):

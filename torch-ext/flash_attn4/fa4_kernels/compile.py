@@ -173,7 +173,9 @@ def compile_combine(cfg: CombineConfig, *, jit_engine: bool = True):
     out_partial = _fake_tokens(cutlass.Float32, 4, cfg.head_dim_v)  # (splits, b, s, h, dv)
     lse_partial = _fake_rows(3, padded=False)  # (splits, b, h, s)
     out, lse = _fake_tokens(dtype, 3, cfg.head_dim_v), _fake_rows(2, padded=False)
-    return _compile(SplitKVCombine(cfg), out_partial, lse_partial, out, lse, arch=cfg.arch, jit_engine=jit_engine)
+    sink = _fake_vector(cutlass.Float32) if cfg.has_sink else None
+    return _compile(SplitKVCombine(cfg), out_partial, lse_partial, out, lse, sink, arch=cfg.arch,
+                    jit_engine=jit_engine)
 
 
 def combine_kernel_set(arch: Arch) -> list[CombineConfig]:
@@ -183,7 +185,8 @@ def combine_kernel_set(arch: Arch) -> list[CombineConfig]:
         return []
     return [CombineConfig(arch=arch, dtype="bfloat16", head_dim_v=128),
             CombineConfig(arch=arch, dtype="float16", head_dim_v=64),
-            CombineConfig(arch=arch, dtype="float32", head_dim_v=200)]
+            CombineConfig(arch=arch, dtype="float32", head_dim_v=200),
+            CombineConfig(arch=arch, dtype="bfloat16", head_dim_v=64, has_sink=True)]
 
 
 def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | PostprocessConfig]:
@@ -232,7 +235,7 @@ def _describe(cfg) -> str:
     if isinstance(cfg, PreprocessConfig):
         return f"bwd preprocess {cfg.dtype} dv={cfg.head_dim_v}"
     if isinstance(cfg, CombineConfig):
-        return f"combine {cfg.dtype} dv={cfg.head_dim_v}"
+        return f"combine {cfg.dtype} dv={cfg.head_dim_v}" + (" sink" if cfg.has_sink else "")
     if isinstance(cfg, PostprocessConfig):
         return f"bwd postprocess {cfg.dtype}"
     if isinstance(cfg, BackwardConfig):

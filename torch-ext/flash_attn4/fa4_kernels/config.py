@@ -176,8 +176,9 @@ class ForwardConfig(_KernelConfig):
         if entry is None or not getattr(entry.rules(), "FORWARD_SPLIT_KV", False):
             raise ValueError(f"split_kv: the {self.arch} forward has no split-KV kernel")
         if self.has_sink:
-            # The sink logit belongs in the denominator once, not in every split's.
-            raise ValueError("split_kv with a learnable sink is not supported")
+            # The sink logit belongs in the denominator once, not in every split's: the combine
+            # kernel adds it (CombineConfig.has_sink).
+            raise ValueError("split_kv kernels take no learnable sink: the combine kernel adds it")
         if self.persistent_ctas:
             raise ValueError("split_kv needs one CTA per (tile, split): persistent_ctas must be 0")
 
@@ -264,13 +265,15 @@ class PreprocessConfig(_Config):
 @dataclass(frozen=True)
 class CombineConfig(_Config):
     """The split-KV combine kernel (fa4_kernels/combine.py, call convention there): it merges float32
-    partial outputs and LSEs into the output, for every architecture; it depends only on the
-    output's dtype (float32 too: users merging partial attention themselves may keep it) and head
-    dim."""
+    partial outputs and LSEs into the output, for every architecture; it depends on the output's
+    dtype (float32 too: users merging partial attention themselves may keep it), its head dim, and
+    whether a learnable sink joins the denominator (``has_sink``: the split-KV forward leaves the
+    sink to the combine, which counts it once)."""
 
     arch: Arch
     dtype: str
     head_dim_v: int
+    has_sink: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES + ("float32",):
