@@ -24,6 +24,12 @@ end, causal diagonal) come first, then full blocks in a loop with no mask code, 
 that cross the left window edge.
 
 The producer gives registers up (setmaxnreg) so that the consumers can hold S, P and O at once.
+
+Split-KV (``split_kv``): the grid's head mode holds head * num_splits + split (scheduler.KVSplits);
+a CTA walks only its split's share of the tile's KV blocks and stores O normalised over those keys
+alone, as float32 from the accumulator layout, with their LSE, into its split's slice of the partial
+buffers (an empty share stores O = 0, LSE = -inf like a tile that sees no key); fa4_kernels/combine.py
+merges them.
 """
 
 from __future__ import annotations
