@@ -141,3 +141,44 @@ def random_cu_seqlens(batch: int, max_len: int, *, generator=None, allow_zero: b
     low = 0 if allow_zero else 1
     lens = torch.randint(low, max_len + 1, (batch,), generator=generator)
     return torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(device)
+
+
+def combine_ref(out_partial, lse_partial, sink=None):
+    """Merge attention over disjoint key sets, the obvious way (flash_attn_combine's reference):
+    out_partial (S, b, sq, h, dv), lse_partial (S, b, h, sq) -> out (b, sq, h, dv) float32, lse (b, h, sq).
+    lse = log sum_s exp(lse_s); out = sum_s exp(lse_s - lse) out_s; a split with lse_s = -inf adds
+    nothing, whatever its out_s holds; rows where every split is empty give out 0, lse -inf. A
+    learnable sink (h,) is one more split whose output is 0."""
+    lse_partial = lse_partial.float()
+    if sink is not None:
+        sink_split = sink.float()[None, None, :, None].expand(1, *lse_partial.shape[1:])
+        lse_partial = torch.cat([lse_partial, sink_split])
+        out_partial = torch.cat([out_partial, out_partial.new_zeros(1, *out_partial.shape[1:])])
+    lse = torch.logsumexp(lse_partial, dim=0)  # -inf where every split is -inf
+    finite = torch.isfinite(lse)
+    weight = torch.exp(lse_partial - torch.where(finite, lse, 0.0))  # (S, b, h, sq)
+    weight = torch.where(finite & (lse_partial > float("-inf")), weight, 0.0).transpose(-1, -2)[..., None]
+    terms = torch.where(weight > 0, weight * out_partial.float(), 0.0)
+    return terms.sum(0), lse
+
+
+def partial_attention_ref(q, k, v, keys, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """Attention of one sequence over the key positions ``keys`` only (bool (sk,)), in float32, with the
+    masks of the whole sequence (bottom-right alignment by all sk keys): q (sq, hq, d), k (sk, hk, d),
+    v (sk, hk, dv) -> out (sq, hq, dv) float32 (0 where a row sees none of the keys), lse (hq, sq)
+    (-inf there). A split of a split-KV forward computes this for its share of the keys."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    sq, hq, _ = q.shape
+    sk, hk, _ = k.shape
+    group = hq // hk
+    kf, vf = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * softmax_scale
+    visible = _mask(sq, sk, causal, window_size, q.device) & keys[None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sk == 0:
+        return torch.zeros(sq, hq, v.shape[-1], device=q.device), torch.full((hq, sq), float("-inf"), device=q.device)
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.isfinite(lse)
+    probs = torch.where(finite[..., None], torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]), 0.0)
+    return torch.einsum("hqk,khd->qhd", probs, vf), lse

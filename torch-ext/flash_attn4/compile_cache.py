@@ -178,6 +178,7 @@ _compile_forward = _kernel_compiler("compile_forward")
 _compile_backward = _kernel_compiler("compile_backward")
 _compile_backward_preprocess = _kernel_compiler("compile_backward_preprocess")
 _compile_backward_postprocess = _kernel_compiler("compile_backward_postprocess")
+_compile_combine = _kernel_compiler("compile_combine")
 
 
 def _timed_compile(kind: str, cfg, compile_fn: Callable, jit_engine: bool = True):
@@ -284,6 +285,11 @@ def get_backward_postprocess_kernel(cfg):
     """The compiled postprocessing kernel of the backward (dQ from its accumulator) for a
     PostprocessConfig."""
     return get_kernel("bwd_post", cfg, _compile_backward_postprocess)
+
+
+def get_combine_kernel(cfg):
+    """The compiled split-KV combine kernel for a CombineConfig (call convention: combine.py)."""
+    return get_kernel("combine", cfg, _compile_combine)
 
 
 def get_backward_kernel(cfg):

@@ -8,12 +8,13 @@ anything that builds a config: they are runtime values of the kernel and never p
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
-from .fa4_kernels.config import BackwardConfig, ForwardConfig, PreprocessConfig
+from .fa4_kernels.config import BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
 from .fa4_kernels.tiles import backward_tiles, forward_schedule, forward_tiles
 
 
@@ -65,13 +66,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 @functools.lru_cache(maxsize=1024)
 def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
                    has_softcap: bool, varlen: bool, has_seqused_k: bool, has_sink: bool,
-                   qhead_per_kvhead: int = 1) -> ForwardConfig:
+                   qhead_per_kvhead: int = 1, split_kv: bool = False) -> ForwardConfig:
     """The ForwardConfig for a problem class (a model's head ratio included: it decides GQA
-    packing). Cached: the same arguments give the same object."""
+    packing; ``split_kv``: the kernel that writes float32 partials for num_splits > 1). Cached: the
+    same arguments give the same object."""
     return ForwardConfig(
         arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, local=local,
-        has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
-        **forward_schedule(arch, head_dim, head_dim_v, varlen, qhead_per_kvhead),
+        has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink, split_kv=split_kv,
+        **forward_schedule(arch, head_dim, head_dim_v, varlen, qhead_per_kvhead, split_kv=split_kv),
         **choose_tiles(arch, head_dim, head_dim_v, causal, local),
     )
 
@@ -90,3 +92,64 @@ def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, c
 def preprocess_config(arch: Arch, dtype: str, head_dim_v: int) -> PreprocessConfig:
     """The backward's preprocessing kernel for a dtype and head dim."""
     return PreprocessConfig(arch=arch, dtype=dtype, head_dim_v=head_dim_v)
+
+
+@functools.lru_cache(maxsize=64)
+def combine_config(arch: Arch, dtype: str, head_dim_v: int, has_sink: bool = False) -> CombineConfig:
+    """The split-KV combine kernel for an output dtype and head dim (``has_sink``: it adds a learnable
+    sink to the denominator)."""
+    return CombineConfig(arch=arch, dtype=dtype, head_dim_v=head_dim_v, has_sink=has_sink)
+
+
+# ---- split-KV: how many CTAs share a tile's KV blocks ----
+
+# The most splits the automatic choice takes (more only add combine traffic), and the most an
+# explicit num_splits may ask for.
+AUTO_MAX_SPLITS = 128
+MAX_SPLITS = 256
+# A problem whose tiles already fill this share of the SMs runs unsplit; so does a KV range of at
+# most SHORT_KV_BLOCKS blocks (the partials and the combine would cost more than the idle SMs).
+FULL_SHARE = 0.8
+SHORT_KV_BLOCKS = 4
+# Among the split counts, the smallest whose wave efficiency is this close to the best one's.
+NEAR_BEST = 0.85
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_splits_heuristic(*, batch: int, num_heads: int, num_heads_kv: int, seqlen_q: int, seqlen_k: int,
+                         tile_m: int, tile_n: int, pack_gqa: int, num_sms: int, window_left: int = -1,
+                         window_right: int = -1, max_splits: int = AUTO_MAX_SPLITS) -> int:
+    """The split count ``num_splits=0`` runs with: a pure function of the problem and the SM count.
+
+    The head dims enter through the tiles (tile_m query rows x tile_n keys, the arch's rules for the
+    head dims); ``pack_gqa`` query heads share a tile's rows (``pack_gqa`` > 1: tiles per KV head,
+    seqlen_q * pack_gqa rows); varlen batches pass the longest sequences. A sliding window
+    (window_left and window_right >= 0) bounds the keys a tile sees.
+
+    1 when the KV range is short (<= SHORT_KV_BLOCKS blocks) or the output tiles alone fill
+    FULL_SHARE of the SMs; else, among the counts s <= min(max_splits, num_sms, KV blocks), the
+    smallest whose wave efficiency w / ceil(w), w = tiles * s / num_sms, is within NEAR_BEST of the
+    best (more splits than needed to fill the waves only add partials to write and combine). Never
+    more splits than KV blocks.
+    """
+    keys = seqlen_k
+    if window_left >= 0 and window_right >= 0:
+        tokens_per_tile = _ceil_div(tile_m, max(pack_gqa, 1))
+        keys = min(keys, window_left + window_right + tokens_per_tile)
+    n_blocks = _ceil_div(max(keys, 0), tile_n)
+    if n_blocks <= SHORT_KV_BLOCKS or num_sms <= 0:
+        return 1
+    tile_heads = num_heads // pack_gqa if pack_gqa > 1 else num_heads
+    tiles = batch * tile_heads * _ceil_div(seqlen_q * max(pack_gqa, 1), tile_m)
+    if tiles == 0 or tiles >= FULL_SHARE * num_sms:
+        return 1
+    del num_heads_kv  # the packed tiles' heads: num_heads // pack_gqa (one per KV head when packed)
+    efficiency = {}
+    for s in range(1, min(max_splits, num_sms, n_blocks) + 1):
+        waves = tiles * s / num_sms
+        efficiency[s] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return min(s for s, e in efficiency.items() if e >= NEAR_BEST * best)

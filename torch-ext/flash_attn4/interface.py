@@ -54,6 +54,7 @@ def flash_attn_func(
     deterministic: bool = False,
     return_lse: bool = False,
     return_attn_probs: bool = False,
+    num_splits: int = 1,
 ):
     """Attention over (batch, seqlen, heads, head_dim) tensors.
 
@@ -67,16 +68,23 @@ def flash_attn_func(
     ``return_lse=True``
     (lse float32 (b, hq, sq)). ``dropout_p`` > 0, ``alibi_slopes`` and ``return_attn_probs`` raise
     NotImplementedError.
+
+    ``num_splits`` (split-KV, forward only): 1 (default) runs one CTA per output tile; N > 1 shares
+    each tile's keys among N CTAs, whose float32 partial outputs a combine kernel merges (for few
+    (batch x head) pairs and long keys: decoding); 0 chooses the count from the problem and the SM
+    count (``dispatch.num_splits_heuristic``). The result is the same attention (a learnable sink
+    joins the denominator once, in the combine); gradients run the usual backward from it.
     """
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     validate.check_batched(q, k, v)
     validate.check_learnable_sink(learnable_sink, q.shape[2])
+    num_splits = validate.check_num_splits(num_splits, q.shape[2])
     softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
     validate.check_devices(q, k=k, v=v, learnable_sink=learnable_sink)
     out, lse = ops.fwd(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
-                       q.shape[1], k.shape[1], bool(deterministic))
+                       q.shape[1], k.shape[1], bool(deterministic), num_splits)
     return (out, lse) if return_lse else out
 
 
@@ -100,6 +108,7 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_lse: bool = False,
     return_attn_probs: bool = False,
+    num_splits: int = 1,
 ):
     """Attention over packed variable-length sequences.
 
@@ -112,14 +121,15 @@ def flash_attn_varlen_func(
     or, while compiling or capturing a CUDA graph, bounded by total_q. ``max_seqlen_k`` likewise, but
     only the backward needs it (it sizes the grid), so when None the backward computes it. Returns
     ``out`` (total_q, hq, dv), or ``(out, lse)`` with lse float32 (hq, total_q). Other options as in
-    :func:`flash_attn_func`; ``seqused_q`` raises NotImplementedError. The backward has the
-    head-dim limits of :func:`flash_attn_func`'s.
+    :func:`flash_attn_func` (``num_splits`` included: each sequence's keys are split); ``seqused_q``
+    raises NotImplementedError. The backward has the head-dim limits of :func:`flash_attn_func`'s.
     """
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q)
     validate.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     batch = cu_seqlens_q.shape[0] - 1
     validate.check_seqused_k(seqused_k, batch)
     validate.check_learnable_sink(learnable_sink, q.shape[1])
+    num_splits = validate.check_num_splits(num_splits, q.shape[1])
     softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
@@ -132,5 +142,23 @@ def flash_attn_varlen_func(
     if max_k is None:
         max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
     out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                       causal, left, right, max_q, max_k, bool(deterministic))
+                       causal, left, right, max_q, max_k, bool(deterministic), num_splits)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None):
+    """Merge attention computed over disjoint sets of keys (split-KV, context parallelism).
+
+    out_partial (num_splits, b, sq, h, dv) float32: each split's output, normalised over its own keys
+    (0 where the split saw none); lse_partial (num_splits, b, h, sq) float32: each split's log-sum-exp
+    (-inf where it saw no key). Returns ``(out, lse)``: out (b, sq, h, dv) in ``out_dtype`` (default
+    float32; bfloat16 and float16 too), out = sum_s exp(lse_s - lse) * out_s, and lse (b, h, sq) float32
+    = log sum_s exp(lse_s) (-inf, with out = 0, where every split is empty). A varlen batch passes its
+    packed tokens as b = 1. Forward only: not differentiable (inputs that require grad raise).
+    """
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
+    validate.check_combine(out_partial, lse_partial, out_dtype)
+    if torch.is_grad_enabled() and (out_partial.requires_grad or lse_partial.requires_grad):
+        raise NotImplementedError("flash-attn4: flash_attn_combine has no backward; call it under torch.no_grad() "
+                                  "or on detached tensors")
+    return ops.combine(out_partial, lse_partial, out_dtype)

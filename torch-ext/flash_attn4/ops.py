@@ -16,11 +16,15 @@ varlen metadata values.
 Schema (all scalars are plain op arguments, never tensors):
     fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, seqused_k?, learnable_sink?, softmax_scale: float,
         softcap: float, causal: bool, window_left: int, window_right: int, max_seqlen_q: int,
-        max_seqlen_k: int, deterministic: bool) -> (out, lse)
+        max_seqlen_k: int, deterministic: bool, num_splits: int = 1) -> (out, lse)
     bwd(dout, q, k, v, out, lse, cu_seqlens_q?, cu_seqlens_k?, seqused_k?, softmax_scale, softcap, causal,
         window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic) -> (dq, dk, dv)
 ``max_seqlen_k`` and ``deterministic`` only matter to the backward (the forward is deterministic);
-``fwd`` takes them so that its autograd formula has them.
+``fwd`` takes them so that its autograd formula has them. ``num_splits``: 1 runs one CTA per output
+tile; N > 1 shares each tile's KV blocks among N CTAs (split-KV: float32 partials, then the combine
+kernel); 0 lets ``dispatch.num_splits_heuristic`` choose. The backward is the same either way (the
+combined LSE is exact).
+    combine(out_partial, lse_partial, out_dtype) -> (out, lse): flash_attn_combine's op.
 ``causal``/``window_*`` are canonical (``validate.canonical_mask``): local = not causal and a window
 side >= 0. ``learnable_sink`` must already be float32.
 """
@@ -34,9 +38,10 @@ from typing import Callable, Optional
 
 import torch
 
-from . import compile_cache, dispatch, selfcheck, settings, validate
+from . import compile_cache, device_info, dispatch, selfcheck, settings, validate
 from ._ops import add_op_namespace_prefix
 from .fa4_kernels.arch import kernels_for
+from .fa4_kernels.tiles import has_split_kv
 
 # The ops are defined with torch.library's low-level API rather than torch.library.custom_op: that
 # wraps every implementation in torch._disable_dynamo, which imports torch._dynamo (about a second of
@@ -94,14 +99,15 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 
 
 def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
-                varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int):
+                varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, split_kv: bool = False):
     """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
-    on its first use where selfcheck asks for it."""
+    on its first use where selfcheck asks for it (kernels with the plain output convention: the
+    split-KV kernels write partials, which the combine kernel merges)."""
     arch = dispatch.arch_for_device(q.device)
     cfg = dispatch.forward_config(
         arch, dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
-        qhead_per_kvhead=qhead_per_kvhead,
+        qhead_per_kvhead=qhead_per_kvhead, split_kv=split_kv,
     )
     if cfg.pack_gqa not in (1, qhead_per_kvhead):
         # The kernel folds exactly pack_gqa query heads into each KV head's rows.
@@ -110,7 +116,8 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
     kernel = compile_cache.get_forward_kernel(cfg)
     # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
     # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
-    selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+    if not split_kv:
+        selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
     return kernel
 
 
@@ -143,8 +150,9 @@ def fwd(
     max_seqlen_q: int,
     max_seqlen_k: int,
     deterministic: bool,
+    num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    del max_seqlen_k, deterministic  # for the backward (autograd saves the inputs)
+    del deterministic  # for the backward (autograd saves the inputs)
     varlen = cu_seqlens_q is not None
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -158,21 +166,25 @@ def fwd(
         _fill_empty_keys(out, lse, learnable_sink, varlen)
         return out, lse
 
-    kernel = _kernel_for(
-        q, v, causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
-        varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
-        qhead_per_kvhead=q.shape[-2] // k.shape[-2],
-    )
+    flags = dict(causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
+                 varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
+                 qhead_per_kvhead=q.shape[-2] // k.shape[-2])
+    if num_splits != 1:
+        num_splits = _num_splits(num_splits, q, k, v.shape[-1], cu_seqlens_q, max_seqlen_q, max_seqlen_k, window_left,
+                                 window_right, flags)
+    if num_splits > 1:
+        _split_kv_forward(num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                          softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags)
+        return out, lse
+    kernel = _kernel_for(q, v, **flags)
     _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                     softcap, window_left, window_right, max_seqlen_q)
     return out, lse
 
 
-def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                    softmax_scale, softcap, window_left, window_right, max_seqlen_q) -> None:
-    """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller): the layout
-    fixes, the optional varlen value check and the launch on the current stream of q's device.
-    ``fwd`` and the first-use self-check (selfcheck.py) both launch through here."""
+def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q):
+    """The inputs as the kernels take them: layout fixes (copies only where a stride or alignment
+    needs one) and the optional varlen value check."""
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
     if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
@@ -185,6 +197,16 @@ def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sequs
         seqused_k = seqused_k.contiguous()
     if learnable_sink is not None:
         learnable_sink = learnable_sink.contiguous()
+    return q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink
+
+
+def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q) -> None:
+    """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller; for a split-KV
+    kernel its float32 partials) on the current stream of q's device. ``fwd`` and the first-use
+    self-check (selfcheck.py) both launch through here."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = _kernel_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q)
     with _device_guard(q.device):
         kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
@@ -199,9 +221,94 @@ def _device_guard(device: torch.device):
 
 @torch.library.register_fake(fwd)
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-              causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic):
+              causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1):
     out_shape, lse_shape = _output_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+# ---- split-KV ----
+
+
+def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: int,
+                cu_seqlens_q: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, window_left: int,
+                window_right: int, flags: dict) -> int:
+    """The split count to run: an explicit one as it is (NotImplementedError where the kernel has no
+    split-KV for the problem), 0 through dispatch.num_splits_heuristic (1 on an arch without
+    split-KV)."""
+    if num_splits > 1:
+        return num_splits
+    arch = dispatch.arch_for_device(q.device)
+    if not has_split_kv(arch):
+        return 1
+    cfg = dispatch.forward_config(arch, dispatch.dtype_name(q.dtype), q.shape[-1], head_dim_v,
+                                  **dict(flags, has_sink=False))
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    # Varlen without max_seqlen_k: every key sequence is at most the packed total (no device sync).
+    seqlen_k = (max_seqlen_k if max_seqlen_k >= 0 else k.shape[0]) if varlen else k.shape[1]
+    return dispatch.num_splits_heuristic(
+        batch=batch, num_heads=q.shape[-2], num_heads_kv=k.shape[-2], seqlen_q=max_seqlen_q, seqlen_k=seqlen_k,
+        tile_m=cfg.tile_m, tile_n=cfg.tile_n, pack_gqa=cfg.pack_gqa,
+        num_sms=device_info.get_device_info(q.device).sm_count,
+        window_left=window_left if flags["local"] else -1, window_right=window_right if flags["local"] else -1)
+
+
+def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                      softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags: dict) -> None:
+    """out, lse through the split-KV kernel's float32 partials (ForwardConfig.split_kv) and the
+    combine kernel, which adds a learnable sink to the denominator once (the splits leave it out)."""
+    out_partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
+    lse_partial = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=out.device)
+    if _poison_outputs_for_tests:  # an element the split kernel leaves unwritten shows up
+        out_partial.fill_(float("nan"))
+        lse_partial.fill_(float("inf"))
+    kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
+    _launch_forward(kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q)
+    learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
+    with _device_guard(q.device):
+        if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
+            out_partial, lse_partial, out, lse = (out_partial.unsqueeze(1), lse_partial.unsqueeze(1),
+                                                  out.unsqueeze(0), lse.unsqueeze(0))
+        combine_kernel = _combine_kernel(out.device, out.dtype, out.shape[-1], has_sink=learnable_sink is not None)
+        combine_kernel(out_partial, lse_partial, out, lse, learnable_sink)
+
+
+def _combine_kernel(device: torch.device, dtype: torch.dtype, head_dim_v: int, has_sink: bool = False):
+    name = "float32" if dtype == torch.float32 else dispatch.dtype_name(dtype)
+    return compile_cache.get_combine_kernel(dispatch.combine_config(dispatch.arch_for_device(device), name,
+                                                                    head_dim_v, has_sink))
+
+
+def _combine_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the combine kernel can read it (unit-stride last dim, other strides multiples
+    of 8 floats, 16-byte aligned), else a contiguous copy."""
+    bad = t.stride(-1) != 1 or t.data_ptr() % 16 != 0 or any(s % 8 for s in t.stride()[:-1])
+    return t.contiguous() if bad and t.numel() else t
+
+
+@_define_op
+def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
+            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_combine (arguments checked by validate.check_combine): (num_splits, b, s, h, dv)
+    and (num_splits, b, h, s) float32 partials -> out (b, s, h, dv) in out_dtype, lse (b, h, s)."""
+    num_splits, b, sq, h, dv = out_partial.shape
+    out = torch.empty((b, sq, h, dv), dtype=out_dtype, device=out_partial.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=out_partial.device)
+    if out.numel() == 0:
+        lse.fill_(float("-inf"))
+        return out, lse
+    out_partial = _combine_layout(out_partial)
+    lse_partial = lse_partial if lse_partial.stride(-1) == 1 else lse_partial.contiguous()
+    with _device_guard(out.device):
+        _combine_kernel(out.device, out_dtype, dv)(out_partial, lse_partial, out, lse, None)
+    return out, lse
+
+
+@torch.library.register_fake(combine)
+def _combine_fake(out_partial, lse_partial, out_dtype):
+    _, b, sq, h, dv = out_partial.shape
+    return out_partial.new_empty((b, sq, h, dv), dtype=out_dtype), out_partial.new_empty((b, h, sq))
 
 
 # ---- backward ----
@@ -409,7 +516,7 @@ def _padded_head_dims(tensors, width: int):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, left, right,
-     max_seqlen_q, max_seqlen_k, deterministic) = inputs
+     max_seqlen_q, max_seqlen_k, deterministic, *_num_splits) = inputs  # the backward is the same for any split
     out, lse = output
     ctx.set_materialize_grads(False)  # an unused lse gradient arrives as None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink)
@@ -430,7 +537,7 @@ def _backward(ctx, grad_out, grad_lse):
         raise NotImplementedError("flash-attn4 backward: gradients through the returned lse are not supported")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * 15
+        return (None,) * 16
     softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic = ctx.options
     # Head dims that are multiples of 8 but not of 16 (or below 32) run zero-padded: zero columns of
     # Q and K add nothing to Q K^T, zero columns of V, O and dO nothing to dO V^T or rowsum(dO * O),
@@ -444,7 +551,7 @@ def _backward(ctx, grad_out, grad_lse):
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[6]:
         dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None)
-    return (dq, dk, dv, None, None, None, dsink) + (None,) * 8
+    return (dq, dk, dv, None, None, None, dsink) + (None,) * 9
 
 
 torch.library.register_autograd(fwd, _backward, setup_context=_setup_context)

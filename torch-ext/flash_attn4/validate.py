@@ -243,6 +243,56 @@ def as_max_seqlen(name: str, value) -> int | None:
     return value
 
 
+MAX_NUM_SPLITS = 256  # dispatch.MAX_SPLITS: the most an explicit num_splits may ask for
+MAX_GRID_Y = 65535  # the split count is folded into the grid's head mode (CUDA's limit on grid.y)
+
+
+def check_num_splits(num_splits, num_heads_q: int) -> int:
+    """num_splits as an int: 1 = no split-KV, 0 = automatic, N > 1 = N CTAs per output tile's KV range
+    (the split index joins the heads in the grid's y extent, at most 65535)."""
+    if not _is_int(num_splits):
+        raise ValueError(f"num_splits must be an int (1: off, 0: automatic), got {num_splits!r}")
+    if not 0 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be in [0, {MAX_NUM_SPLITS}] (1: off, 0: automatic), got {num_splits}")
+    if num_heads_q * num_splits > MAX_GRID_Y:
+        raise ValueError(f"num_splits={num_splits} x {num_heads_q} query heads exceeds the grid's {MAX_GRID_Y} "
+                         f"(head, split) pairs")
+    return int(num_splits)
+
+
+COMBINE_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_combine(out_partial, lse_partial, out_dtype) -> None:
+    """flash_attn_combine's arguments: out_partial (num_splits, b, sq, h, dv) and lse_partial
+    (num_splits, b, h, sq), float32, on one device; dv a multiple of 8 up to 256; out_dtype one of
+    COMBINE_OUT_DTYPES."""
+    check_tensor("out_partial", out_partial)
+    check_tensor("lse_partial", lse_partial)
+    for name, t, ndim in (("out_partial", out_partial, 5), ("lse_partial", lse_partial, 4)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+        if t.dim() != ndim:
+            layout = "(num_splits, b, sq, h, dv)" if ndim == 5 else "(num_splits, b, h, sq)"
+            raise ValueError(f"{name} must be {layout}, got shape {_shape(t)}")
+    splits, b, sq, h, dv = out_partial.shape
+    if tuple(lse_partial.shape) != (splits, b, h, sq):
+        raise ValueError(f"lse_partial must have shape (num_splits, b, h, sq) = {(splits, b, h, sq)} for "
+                         f"out_partial of shape {_shape(out_partial)}, got {_shape(lse_partial)}")
+    if splits < 1:
+        raise ValueError("out_partial has no split (num_splits = 0)")
+    if dv % HEAD_DIM_MULTIPLE or not 0 < dv <= MAX_HEAD_DIM:
+        raise ValueError(f"out_partial's head dim must be a multiple of {HEAD_DIM_MULTIPLE} in "
+                         f"[{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}], got {dv}")
+    if out_dtype not in COMBINE_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {COMBINE_OUT_DTYPES}, got {out_dtype!r}")
+    if out_partial.device.type not in DEVICE_TYPES:
+        raise ValueError(f"out_partial is on device '{out_partial.device}'; flash-attn4 runs on the GPU only "
+                         f"({SUPPORTED_DEVICES})")
+    if lse_partial.device != out_partial.device:
+        raise ValueError(f"lse_partial is on {lse_partial.device} but out_partial on {out_partial.device}")
+
+
 # ---- real-tensor checks, run inside the op implementation ----
 
 

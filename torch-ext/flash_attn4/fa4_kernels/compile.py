@@ -19,7 +19,7 @@ import time
 import warnings
 
 from .arch import KERNELS, Arch, describe_implemented, kernels_for
-from .config import BackwardConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
+from .config import BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
 from .tiles import backward_tiles, forward_schedule, forward_tiles
 
 
@@ -64,9 +64,11 @@ def _fake_tensors(cfg: ForwardConfig):
 
     dtype = _cutlass_dtype(cfg.dtype)
     lead = 2 if cfg.varlen else 3  # (total, h) or (b, s, h)
-    q, k, v, o = (_fake_tokens(dtype, lead, dim) for dim in (cfg.head_dim, cfg.head_dim, cfg.head_dim_v,
-                                                               cfg.head_dim_v))
-    lse = _fake_rows(1 if cfg.varlen else 2, padded=False)
+    q, k, v = (_fake_tokens(dtype, lead, dim) for dim in (cfg.head_dim, cfg.head_dim, cfg.head_dim_v))
+    # Split-KV: float32 partials with a leading split mode (ForwardConfig.split_kv).
+    split = 1 if cfg.split_kv else 0
+    o = _fake_tokens(cutlass.Float32 if cfg.split_kv else dtype, lead + split, cfg.head_dim_v)
+    lse = _fake_rows((1 if cfg.varlen else 2) + split, padded=False)
     cu_q, cu_k = (_fake_vector(cutlass.Int32), _fake_vector(cutlass.Int32)) if cfg.varlen else (None, None)
     seqused_k = _fake_vector(cutlass.Int32) if cfg.has_seqused_k else None
     sink = _fake_vector(cutlass.Float32) if cfg.has_sink else None
@@ -160,6 +162,33 @@ def compile_backward_postprocess(cfg: PostprocessConfig, *, jit_engine: bool = T
                     arch=cfg.arch, jit_engine=jit_engine)
 
 
+def compile_combine(cfg: CombineConfig, *, jit_engine: bool = True):
+    """Compile the split-KV combine kernel (no GPU needed; call convention in combine.py).
+    Architecture-independent code, compiled for ``cfg.arch``."""
+    import cutlass
+
+    from .combine import SplitKVCombine
+
+    dtype = cutlass.Float32 if cfg.dtype == "float32" else _cutlass_dtype(cfg.dtype)
+    out_partial = _fake_tokens(cutlass.Float32, 4, cfg.head_dim_v)  # (splits, b, s, h, dv)
+    lse_partial = _fake_rows(3, padded=False)  # (splits, b, h, s)
+    out, lse = _fake_tokens(dtype, 3, cfg.head_dim_v), _fake_rows(2, padded=False)
+    sink = _fake_vector(cutlass.Float32) if cfg.has_sink else None
+    return _compile(SplitKVCombine(cfg), out_partial, lse_partial, out, lse, sink, arch=cfg.arch,
+                    jit_engine=jit_engine)
+
+
+def combine_kernel_set(arch: Arch) -> list[CombineConfig]:
+    """The combine kernels CI compiles for an arch with a forward: the common head dims, the
+    16-bit outputs and the float32 one flash_attn_combine may return."""
+    if arch not in KERNELS:
+        return []
+    return [CombineConfig(arch=arch, dtype="bfloat16", head_dim_v=128),
+            CombineConfig(arch=arch, dtype="float16", head_dim_v=64),
+            CombineConfig(arch=arch, dtype="float32", head_dim_v=200),
+            CombineConfig(arch=arch, dtype="bfloat16", head_dim_v=64, has_sink=True)]
+
+
 def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | PostprocessConfig]:
     """Backward configurations CI compiles: the arch's BACKWARD_KERNEL_SET (tiles.py) with the tiles
     dispatch picks, the postprocessing of each of their dQ tilings and the preprocessing; empty for
@@ -191,18 +220,22 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
     def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, dtype="bfloat16", **flags):
         return ForwardConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=dv,
                              causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
-                             **forward_schedule(arch, d, dv, flags.get("varlen", False), qhead_per_kvhead))
+                             **forward_schedule(arch, d, dv, flags.get("varlen", False), qhead_per_kvhead,
+                                                split_kv=flags.get("split_kv", False)))
 
     return [cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET]
 
 
 _COMPILERS = {ForwardConfig: compile_forward, BackwardConfig: compile_backward,
-              PreprocessConfig: compile_backward_preprocess, PostprocessConfig: compile_backward_postprocess}
+              PreprocessConfig: compile_backward_preprocess, PostprocessConfig: compile_backward_postprocess,
+              CombineConfig: compile_combine}
 
 
 def _describe(cfg) -> str:
     if isinstance(cfg, PreprocessConfig):
         return f"bwd preprocess {cfg.dtype} dv={cfg.head_dim_v}"
+    if isinstance(cfg, CombineConfig):
+        return f"combine {cfg.dtype} dv={cfg.head_dim_v}" + (" sink" if cfg.has_sink else "")
     if isinstance(cfg, PostprocessConfig):
         return f"bwd postprocess {cfg.dtype}"
     if isinstance(cfg, BackwardConfig):
@@ -211,7 +244,7 @@ def _describe(cfg) -> str:
                 f"deterministic={cfg.deterministic}")
     return (f"fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} "
             f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink} "
-            f"pack_gqa={cfg.pack_gqa}")
+            f"pack_gqa={cfg.pack_gqa}" + (" split_kv" if cfg.split_kv else ""))
 
 
 def main(argv=None) -> int:
@@ -225,7 +258,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configs = kernel_set(arch) + backward_kernel_set(arch)
+    configs = kernel_set(arch) + backward_kernel_set(arch) + combine_kernel_set(arch)
     if not configs:
         print(f"error: flash-attn4 has no kernels for {arch.value}; implemented: {describe_implemented()}",
               file=sys.stderr)

@@ -149,9 +149,20 @@ class ForwardConfig(_KernelConfig):
     # tile. Their descriptors then take a per-thread detour (R2UR) before each WGMMA, which the
     # loop's own GEMMs should not pay: its P @ V that way ran 1-2% slower at d = 192 and 256.
     whole_k_gemms: bool = False
+    # Split-KV: the KV blocks of every output tile are shared out among num_splits CTAs (a runtime
+    # count: the leading extent of ``out``), each writing a float32 partial output, normalised over
+    # its own keys, and that partial's LSE; the combine kernel (fa4_kernels/combine.py) merges them.
+    # Call convention as above, with out (num_splits, b, sq, hq, dv) / (num_splits, total_q, hq, dv)
+    # float32 and lse (num_splits, b, hq, sq) / (num_splits, hq, total_q). Split s of a tile whose
+    # visible KV blocks are [n_min, n_max) takes [n_min + s * per, min(n_min + (s + 1) * per, n_max)),
+    # per = ceil((n_max - n_min) / num_splits); an empty split writes O = 0 and LSE = -inf. Only for
+    # an arch whose rules say it has split-KV (``FORWARD_SPLIT_KV`` in its tiles.py).
+    split_kv: bool = False
 
     def __post_init__(self):
         self._check_common()
+        if self.split_kv:
+            self._check_split_kv()
         if self.pack_gqa < 1:
             raise ValueError(f"pack_gqa must be >= 1 (1: off), got {self.pack_gqa}")
         if not 0 <= self.exp2_emulated_eighths <= 8:
@@ -159,6 +170,17 @@ class ForwardConfig(_KernelConfig):
         if self.persistent_ctas < 0:
             raise ValueError(f"persistent_ctas must be >= 0 (0: one CTA per tile), got {self.persistent_ctas}")
         self._check_arch("check_forward")
+
+    def _check_split_kv(self) -> None:
+        entry = KERNELS.get(self.arch)
+        if entry is None or not getattr(entry.rules(), "FORWARD_SPLIT_KV", False):
+            raise ValueError(f"split_kv: the {self.arch} forward has no split-KV kernel")
+        if self.has_sink:
+            # The sink logit belongs in the denominator once, not in every split's: the combine
+            # kernel adds it (CombineConfig.has_sink).
+            raise ValueError("split_kv kernels take no learnable sink: the combine kernel adds it")
+        if self.persistent_ctas:
+            raise ValueError("split_kv needs one CTA per (tile, split): persistent_ctas must be 0")
 
 
 @dataclass(frozen=True)
@@ -236,6 +258,26 @@ class PreprocessConfig(_Config):
 
     def __post_init__(self):
         self._check_dtype()
+        if self.head_dim_v not in HEAD_DIMS:
+            raise ValueError(f"head_dim_v must be a multiple of 8 in [8, 256], got {self.head_dim_v}")
+
+
+@dataclass(frozen=True)
+class CombineConfig(_Config):
+    """The split-KV combine kernel (fa4_kernels/combine.py, call convention there): it merges float32
+    partial outputs and LSEs into the output, for every architecture; it depends on the output's
+    dtype (float32 too: users merging partial attention themselves may keep it), its head dim, and
+    whether a learnable sink joins the denominator (``has_sink``: the split-KV forward leaves the
+    sink to the combine, which counts it once)."""
+
+    arch: Arch
+    dtype: str
+    head_dim_v: int
+    has_sink: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES + ("float32",):
+            raise ValueError(f"dtype must be one of {DTYPES + ('float32',)}, got {self.dtype!r}")
         if self.head_dim_v not in HEAD_DIMS:
             raise ValueError(f"head_dim_v must be a multiple of 8 in [8, 256], got {self.head_dim_v}")
 

@@ -31,3 +31,9 @@ def pack_query_heads(t: cute.Tensor, g: int, head_mode: int) -> cute.Tensor:
     shape[0], stride[0] = (g, shape[0]), (stride[head_mode], stride[0])
     shape[head_mode], stride[head_mode] = shape[head_mode] // g, stride[head_mode] * g
     return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+
+
+def last_mode_slice(t: cute.Tensor, index) -> cute.Tensor:
+    """``t`` at ``index`` of its last mode, every other mode whole (nested modes, such as packed
+    query heads, stay as they are): one split's partial output of a split-KV kernel."""
+    return t[(None,) * (cute.rank(t) - 1) + (index,)]

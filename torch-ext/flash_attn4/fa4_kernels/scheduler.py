@@ -121,3 +121,34 @@ class TileScheduler:
             group_start = self.first_group_heads + later * self.group_heads
             heads_here = self.group_heads
         return group_start, heads_here, rank
+
+
+@dataclass(frozen=True)
+class KVSplits:
+    """Split-KV: ``num_splits`` CTAs share the KV blocks of every output tile, each writing a partial
+    output that a combine kernel merges. The split index is folded into the scheduler's head mode
+    (head * num_splits + split): the kernel creates its TileScheduler with ``fold(num_heads)`` heads,
+    so that every order the scheduler knows serves, and ``unfold``s the head it is handed. The
+    splits of a head are neighbours in the launch order; they read disjoint KV ranges."""
+
+    num_splits: Int32
+
+    def fold(self, num_heads: Int32) -> Int32:
+        return num_heads * self.num_splits
+
+    @cute.jit
+    def unfold(self, head_split: Int32):
+        """(head, split) of a folded head index."""
+        head = head_split // self.num_splits
+        return head, head_split - head * self.num_splits
+
+    @cute.jit
+    def block_range(self, n_block_min: Int32, n_block_max: Int32, split: Int32):
+        """Split ``split``'s share [lo, hi) of a tile's KV blocks [n_block_min, n_block_max): ``per`` =
+        ceil(blocks / num_splits) consecutive blocks each, so the last splits may get fewer or none
+        (an empty range has hi == lo)."""
+        blocks = cutlass.max(n_block_max - n_block_min, 0)
+        per = (blocks + self.num_splits - 1) // self.num_splits
+        lo = cutlass.min(n_block_min + split * per, n_block_min + blocks)
+        hi = cutlass.min(lo + per, n_block_min + blocks)
+        return lo, hi

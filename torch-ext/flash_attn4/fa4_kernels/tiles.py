@@ -24,10 +24,22 @@ def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loca
     return _rule(arch, "forward_tiles", "forward")(head_dim, head_dim_v, causal, local)
 
 
-def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
+def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1,
+                     split_kv: bool = False) -> dict:
     """ForwardConfig overrides for the epilogue, the O rescale, the GEMM calls and GQA packing of a
-    problem class (whatever of those the arch's forward has)."""
-    return _rule(arch, "forward_schedule", "forward")(head_dim, head_dim_v, varlen, qhead_per_kvhead)
+    problem class (whatever of those the arch's forward has); ``split_kv``: of its split-KV variant,
+    NotImplementedError for an arch without one (``FORWARD_SPLIT_KV`` in its rules)."""
+    rule = _rule(arch, "forward_schedule", "forward")
+    if not split_kv:
+        return rule(head_dim, head_dim_v, varlen, qhead_per_kvhead)
+    if not has_split_kv(arch):
+        raise NotImplementedError(f"flash-attn4: the {arch} forward has no split-KV kernel yet (num_splits > 1)")
+    return rule(head_dim, head_dim_v, varlen, qhead_per_kvhead, split_kv=True)
+
+
+def has_split_kv(arch: Arch) -> bool:
+    """Whether the arch's forward has the split-KV variant (its rules say ``FORWARD_SPLIT_KV``)."""
+    return bool(getattr(kernels_for(arch, "forward").rules(), "FORWARD_SPLIT_KV", False))
 
 
 def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:

@@ -24,6 +24,12 @@ end, causal diagonal) come first, then full blocks in a loop with no mask code, 
 that cross the left window edge.
 
 The producer gives registers up (setmaxnreg) so that the consumers can hold S, P and O at once.
+
+Split-KV (``split_kv``): the grid's head mode holds head * num_splits + split (scheduler.KVSplits);
+a CTA walks only its split's share of the tile's KV blocks and stores O normalised over those keys
+alone, as float32 from the accumulator layout, with their LSE, into its split's slice of the partial
+buffers (an empty share stores O = 0, LSE = -inf like a tile that sees no key); fa4_kernels/combine.py
+merges them.
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
-from ..layouts import pack_query_heads, tma_partition_tile, transpose_view
+from ..layouts import last_mode_slice, pack_query_heads, tma_partition_tile, transpose_view
 from ..mask import AttentionMask
 from ..pipelines import advanced
-from ..scheduler import TileScheduler, longest_first_applies
+from ..scheduler import KVSplits, TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
 from ..tile_work import OutputTile
@@ -79,6 +85,8 @@ class FlashAttentionForwardSm90:
             raise ValueError(f"sm90 forward: tile_n must be a multiple of 16, got {cfg.tile_n}")
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        # What O is stored as: the input dtype, or float32 split-KV partials.
+        self.o_dtype = Float32 if cfg.split_kv else self.dtype
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
         # A WGMMA reduces 16 bf16/fp16 columns at a time, so Q, K and V tiles are 16-column multiples
@@ -99,8 +107,8 @@ class FlashAttentionForwardSm90:
         mQ: cute.Tensor,  # (b, sq, hq, d) or (total_q, hq, d)
         mK: cute.Tensor,  # (b, sk, hk, d) or (total_k, hk, d)
         mV: cute.Tensor,  # (b, sk, hk, dv) or (total_k, hk, dv)
-        mO: cute.Tensor,  # like mQ with dv
-        mLSE: cute.Tensor,  # (b, hq, sq) or (hq, total_q), float32
+        mO: cute.Tensor,  # like mQ with dv; split_kv: (num_splits, ...) float32
+        mLSE: cute.Tensor,  # (b, hq, sq) or (hq, total_q), float32; split_kv: (num_splits, ...)
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
@@ -113,16 +121,28 @@ class FlashAttentionForwardSm90:
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        # Re-view everything as (seq, dim, head[, batch]) so that the sequence is the tiled mode.
+        splits = None
+        if cutlass.const_expr(cfg.split_kv):
+            # Partials: the leading split mode goes last, where the kernel slices a CTA's split
+            # off; what remains is laid out like the unsplit O and LSE.
+            splits = KVSplits(mO.shape[0])
+            rank_o, rank_lse = cute.rank(mO), cute.rank(mLSE)
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[*range(1, rank_o), 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[*range(1, rank_lse), 0]))
+        # Re-view everything as (seq, dim, head[, batch]) so that the sequence is the tiled mode
+        # (split-KV partials: (..., split)).
+        split_mode = [cute.rank(mQ)] if cutlass.const_expr(cfg.split_kv) else []
         if cutlass.const_expr(cfg.varlen):
-            mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
-                              for t in (mQ, mK, mV, mO)]
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0]))
+            mQ, mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK, mV)]
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1] + split_mode))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + [m - 1 for m in split_mode]))
             num_batch = mCuSeqlensQ.shape[0] - 1
         else:
-            mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                              for t in (mQ, mK, mV, mO)]
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+            mQ, mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                          for t in (mQ, mK, mV)]
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0] + split_mode))
+            mLSE = cute.make_tensor(mLSE.iterator,
+                                    cute.select(mLSE.layout, mode=[2, 1, 0] + [m - 1 for m in split_mode]))
             num_batch = mQ.shape[3]
         num_heads = mQ.shape[2]
         qhead_per_kvhead = num_heads // mK.shape[2]
@@ -213,14 +233,16 @@ class FlashAttentionForwardSm90:
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
         # Longest-first order for masked problems, in L2 groups sized by a head's K and V.
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
-        scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
-                                         longest_first=longest_first_applies(cfg),
+        # Split-KV folds the split into the head mode (KVSplits); its tiles keep the launch order.
+        scheduler = TileScheduler.create(num_m_blocks, num_heads if splits is None else splits.fold(num_heads),
+                                         num_batch, kv_bytes_per_head,
+                                         longest_first=longest_first_applies(cfg) and not cfg.split_kv,
                                          num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
             score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
-            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scheduler,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scheduler, splits,
         ).launch(grid=scheduler.grid(), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -239,7 +261,7 @@ class FlashAttentionForwardSm90:
         window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        tiled_mma_o: Optional[cute.TiledMma], scheduler: TileScheduler,
+        tiled_mma_o: Optional[cute.TiledMma], scheduler: TileScheduler, splits: Optional[KVSplits],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -304,7 +326,13 @@ class FlashAttentionForwardSm90:
                                                          q_state, kv_state, score_prescale, scale_log2,
                                                          first_tile=False)
         else:
-            tile = self.tile_work(*scheduler.tile(), *tile_args)
+            m_block, head, batch = scheduler.tile()
+            split = None
+            if cutlass.const_expr(self.cfg.split_kv):
+                head, split = splits.unfold(head)
+                outputs = Outputs(o=last_mode_slice(mO, split), lse=last_mode_slice(mLSE, split), sink=mSink,
+                                  tma_atom_o=tma_atom_O)
+            tile = self.tile_work(m_block, head, batch, *tile_args, splits=splits, split=split)
             if tile.in_sequence():
                 if warpgroup_idx == 0:
                     cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -323,13 +351,17 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def tile_work(self, m_block: Int32, head: Int32, batch: Int32, qhead_per_kvhead: Int32, mQ: cute.Tensor,
                   mK: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                  mSeqUsedK: Optional[cute.Tensor], window_left: Int32, window_right: Int32) -> "OutputTile":
-        """An output tile with its sequence lengths, mask and visible KV blocks."""
+                  mSeqUsedK: Optional[cute.Tensor], window_left: Int32, window_right: Int32,
+                  splits: Optional[KVSplits] = None, split: Optional[Int32] = None) -> "OutputTile":
+        """An output tile with its sequence lengths, mask and visible KV blocks (with split-KV, split
+        ``split``'s share of them)."""
         tokens_q = mQ.shape[0] if cutlass.const_expr(self.cfg.pack_gqa == 1) else mQ.shape[0][1]
         seqlen = SeqlenInfo.create(batch, tokens_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         mask = AttentionMask(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
                              window_left, window_right, self.cfg.pack_gqa)
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
+        if cutlass.const_expr(splits is not None):
+            n_block_min, n_block_max = splits.block_range(n_block_min, n_block_max, split)
         return OutputTile(self.tile_m, seqlen, mask, m_block, head, batch, head // qhead_per_kvhead,
                           n_block_min, n_block_max)
 
@@ -609,9 +641,9 @@ class FlashAttentionForwardSm90:
                     scale = out_scale[r]
                     for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
                         if cutlass.const_expr(self.hdim_v_tile == self.hdim_v):
-                            tOgO[r, c] = (o_rows[r, c] * scale).to(self.dtype)
+                            tOgO[r, c] = (o_rows[r, c] * scale).to(self.o_dtype)
                         elif tOcO[r, c][1] < self.hdim_v:  # not a zero-padding column
-                            tOgO[r, c] = (o_rows[r, c] * scale).to(self.dtype)
+                            tOgO[r, c] = (o_rows[r, c] * scale).to(self.o_dtype)
                 if tidx % THREADS_PER_ROW == 0:
                     gLSE[m_block * self.tile_m + row] = lse[r]
 

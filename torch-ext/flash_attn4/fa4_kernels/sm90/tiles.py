@@ -44,15 +44,16 @@ def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> 
     return dict(tile_m=128, tile_n=80, num_stages=2)
 
 
-def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
+def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1,
+                     split_kv: bool = False) -> dict:
     """ForwardConfig overrides for the epilogue, the O rescale, the GEMM calls and GQA packing of a
-    problem class."""
+    problem class (``split_kv``: the kernel that writes float32 partials for the combine)."""
     return dict(
         # O through shared memory and one TMA store per warpgroup (at d > 128 in Q's buffer): in one
         # H200 run 1.01-1.10x at every head dim but one outlier row (docs/perf.md, 2026-12-03).
         # Batched only (a TMA box would write past a packed sequence), and stmatrix stores 16
-        # columns at a time.
-        tma_store_o=not varlen and head_dim_v % 16 == 0,
+        # columns at a time. Split-KV partials are float32 and leave from the registers.
+        tma_store_o=not varlen and head_dim_v % 16 == 0 and not split_kv,
         # O rescaled under the next Q K^T rather than after P V where O is wider than 64 columns
         # (tiles of two warpgroups): d = 128 1.01-1.02x in every case, d = 256 1.00-1.02x. At d = 64
         # (three warpgroups, 32 multiplies per thread) it ran 1-3% slower (H200, docs/perf.md).
@@ -96,7 +97,12 @@ FORWARD_KERNEL_SET = (
     dict(has_softcap=True, has_sink=True), dict(causal=True, qhead_per_kvhead=4),
     dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96), dict(d=192, dv=192), dict(d=192, dv=128),
     dict(d=256, dv=256),
+    # Split-KV (float32 partials): decoding with GQA packing, and the masks and varlen once.
+    dict(split_kv=True, qhead_per_kvhead=4), dict(split_kv=True, causal=True, varlen=True, has_seqused_k=True),
+    dict(d=64, dv=64, split_kv=True, local=True),
 )
+# This arch's forward has the split-KV variant (ForwardConfig.split_kv).
+FORWARD_SPLIT_KV = True
 # Backward: the common head dims and every feature switch once (compile.backward_kernel_set adds the
 # postprocessing of each dQ tiling and the preprocessing).
 BACKWARD_KERNEL_SET = (
@@ -113,6 +119,8 @@ def check_forward(cfg) -> None:
                          f"tiles), got {cfg.pack_gqa}")
     if cfg.tma_store_o and cfg.varlen:
         raise ValueError("tma_store_o is for batched inputs: a TMA box would write past a packed sequence")
+    if cfg.tma_store_o and cfg.split_kv:
+        raise ValueError("tma_store_o stores O in the input dtype; split-KV partials are float32 (tma_store_o=False)")
     if cfg.tma_store_o and cfg.head_dim_v % 16:
         raise ValueError(f"tma_store_o writes O to shared memory in 16-column stmatrix tiles: head_dim_v "
                          f"must be a multiple of 16, got {cfg.head_dim_v}")

@@ -1,0 +1,132 @@
+"""Split-KV combine, for every architecture: the float32 partial outputs and LSEs of a split-KV
+forward (ForwardConfig.split_kv), or of any attention computed over disjoint key sets (context
+parallelism), merged into the output and its LSE.
+
+Per row (one query token of one head), over the splits s:
+    m = max_s LSE_s (0 where every LSE_s is -inf), sum = sum_s exp(LSE_s - m),
+    LSE = log(sum) + m (-inf where every split is empty), O = sum_s exp(LSE_s - m) / sum * O_s,
+in float32, O then cast to the output dtype. A split with LSE_s = -inf (it saw no key) adds
+nothing and its partial output is not read (whatever it holds). With a learnable sink (``has_sink``)
+the sink logit of the row's head joins the maximum and the sum as one more split without a value:
+the split-KV forward leaves it to the combine, so that it counts once.
+
+Work split: a row's head-dim vectors (4 floats, 16 bytes) are spread over ``threads_per_row``
+neighbouring lanes (32 at dv = 128: a warp reads a split's row in one 512-byte sweep); a CTA of
+128 threads takes consecutive (token, head) rows of one batch entry, so that decoding (one token,
+many heads) still fills whole CTAs. Each lane first reads every ``threads_per_row``-th split's LSE
+for the row maximum and the sum (shuffle reductions over the row's lanes), then every split's
+vectors it owns.
+
+Call convention (TVM-FFI, current CUDA stream): fn(out_partial, lse_partial, out, lse, sink) with
+out_partial (num_splits, b, s, h, dv) float32, lse_partial (num_splits, b, h, s) float32,
+out (b, s, h, dv) in ``dtype``, lse (b, h, s) float32, sink float32 (h,) with ``has_sink``, else None.
+A varlen (packed) batch is one long batch entry: (num_splits, 1, total, h, dv) and so on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .config import CombineConfig
+from .dtypes import CUTLASS_DTYPES
+
+THREADS = 128
+VECTOR = 4  # float32 elements per 16-byte load
+
+
+def _fmax(a, b):
+    return cute.arch.fmax(a, b)
+
+
+def _add(a, b):
+    return a + b
+
+
+class SplitKVCombine:
+    def __init__(self, cfg: CombineConfig):
+        self.cfg = cfg
+        self.dtype = Float32 if cfg.dtype == "float32" else CUTLASS_DTYPES[cfg.dtype]
+        vectors = cfg.head_dim_v // VECTOR  # head dims are multiples of 8: at least 2 vectors
+        # The lanes of a row split its vectors evenly: a power of two that divides 32.
+        self.threads_per_row = max(t for t in (1, 2, 4, 8, 16, 32) if vectors % t == 0)
+        self.vectors_per_thread = vectors // self.threads_per_row
+        self.rows_per_cta = THREADS // self.threads_per_row
+
+    @cute.jit
+    def __call__(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mSink: Optional[cute.Tensor], stream: cuda.CUstream):
+        rows = mO.shape[1] * mO.shape[2]  # (token, head) pairs of a batch entry
+        self.kernel(mOp, mLSEp, mO, mLSE, mSink).launch(
+            grid=((rows + self.rows_per_cta - 1) // self.rows_per_cta, mO.shape[0], 1),
+            block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mSink: Optional[cute.Tensor]):
+        tidx, _, _ = cute.arch.thread_idx()
+        row_block, batch, _ = cute.arch.block_idx()
+        tpr = self.threads_per_row
+        num_heads = mO.shape[2]
+        row = row_block * self.rows_per_cta + tidx // tpr
+        lane = tidx % tpr
+        token = row // num_heads
+        head = row - token * num_heads
+        inside = token < mO.shape[1]
+        num_splits = mOp.shape[0]
+
+        # The row's largest LSE, then the sum of exp(LSE_s - m): lane l takes splits l, l + tpr, ...
+        # Every lane of a row joins the shuffles (rows past the end contribute -inf and 0).
+        lse_max = -Float32.inf
+        if inside:
+            for s in cutlass.range(lane, num_splits, tpr, unroll=1):
+                lse_max = cute.arch.fmax(lse_max, mLSEp[s, batch, head, token])
+        lse_max = cute.arch.warp_reduction(lse_max, _fmax, threads_in_group=tpr)
+        sink = -Float32.inf
+        if cutlass.const_expr(self.cfg.has_sink):
+            sink = mSink[head]  # every row has a head (rows past the end read head < num_heads too)
+            lse_max = cute.arch.fmax(lse_max, sink)
+        shift = lse_max
+        if lse_max == -Float32.inf:
+            shift = Float32(0.0)  # every split empty: exp(-inf - 0) = 0, not NaN
+        total = Float32(0.0)
+        if inside:
+            for s in cutlass.range(lane, num_splits, tpr, unroll=1):
+                total += cute.math.exp(mLSEp[s, batch, head, token] - shift)
+        total = cute.arch.warp_reduction(total, _add, threads_in_group=tpr)
+        if cutlass.const_expr(self.cfg.has_sink):
+            total += cute.math.exp(sink - shift)  # a logit without a value: the sum, not O
+        # total >= 1 whenever a split saw a key or there is a sink (the maximum contributes exp(0)).
+        lse = -Float32.inf
+        inv_total = Float32(0.0)
+        if total > Float32(0.0):
+            lse = cute.math.log(total) + shift
+            inv_total = Float32(1.0) / total
+
+        if inside:
+            acc = cute.make_rmem_tensor((self.vectors_per_thread * VECTOR,), Float32)
+            acc.fill(0.0)
+            part = cute.make_rmem_tensor((VECTOR,), Float32)
+            for s in cutlass.range(num_splits, unroll=1):
+                lse_s = mLSEp[s, batch, head, token]
+                if lse_s != -Float32.inf:  # an empty split's partial is not read
+                    scale = cute.math.exp(lse_s - shift) * inv_total
+                    # (dv,) -> (VECTOR, vectors): this lane takes vectors lane, lane + tpr, ...
+                    o_row = cute.zipped_divide(mOp[s, batch, token, head, None], (VECTOR,))
+                    for i in cutlass.range_constexpr(self.vectors_per_thread):
+                        cute.autovec_copy(o_row[None, i * tpr + lane], part)
+                        for e in cutlass.range_constexpr(VECTOR):
+                            acc[i * VECTOR + e] += scale * part[e]
+            out_row = cute.zipped_divide(mO[batch, token, head, None], (VECTOR,))
+            converted = cute.make_rmem_tensor((VECTOR,), self.dtype)
+            for i in cutlass.range_constexpr(self.vectors_per_thread):
+                for e in cutlass.range_constexpr(VECTOR):
+                    converted[e] = acc[i * VECTOR + e].to(self.dtype)
+                cute.autovec_copy(converted, out_row[None, i * tpr + lane])
+            if lane == 0:
+                mLSE[batch, head, token] = lse
