@@ -82,8 +82,8 @@ def check_forward(cfg) -> None:
         raise ValueError(f"sm100 forward: tiles are {TILE_M * q_tiles} x {TILE_N} at head_dim_v {cfg.head_dim_v}, "
                          f"got {cfg.tile_m} x {cfg.tile_n}")
     if cfg.head_dim < 16 or cfg.head_dim_v < 16:
-        raise ValueError(f"sm100 forward: head dims from 16 (one 16-column MMA step), got {cfg.head_dim}/"
-                         f"{cfg.head_dim_v}")
+        raise NotImplementedError(f"sm100 forward: head dims below 16 (one 16-column MMA step) are not implemented, "
+                                  f"got {cfg.head_dim}/{cfg.head_dim_v}")
     if not 1 <= cfg.num_stages <= MAX_KV_STAGES or cfg.num_stages > kv_stages(cfg.head_dim, cfg.head_dim_v):
         raise ValueError(f"sm100 forward: {cfg.num_stages} K/V stages do not fit in shared memory beside "
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
