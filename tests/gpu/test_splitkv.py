@@ -32,14 +32,8 @@ RATIOS = {1: (4, 4), 4: (8, 2), 8: (16, 2)}  # GQA ratio -> (hq, hk)
 MORE = "more"  # more splits than the longest sequence has KV blocks
 
 
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_poison_outputs_for_tests", True)
-
-
-@pytest.fixture
-def seed():
-    return seed_from_urandom()
+# The forward grid's fixtures: outputs poisoned before every launch, a fresh printed seed.
+from tests.gpu.test_fwd import poison_outputs, seed  # noqa: E402,F401
 
 
 def grid_cases():

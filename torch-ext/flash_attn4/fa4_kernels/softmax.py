@@ -171,3 +171,13 @@ class OnlineSoftmax:
                 out_scale[r] = scale
                 lse[r] = lse_r
         return out_scale, lse
+
+
+def score_scales(softmax_scale, softcap, has_softcap: bool):
+    """(score_prescale, scale_log2) of a kernel: what multiplies the raw scores before the softmax
+    (1, or softmax_scale / softcap ahead of the tanh), and the log2-domain scale the softmax uses.
+    Softcap squashes the scaled scores, softcap * tanh(s * scale / softcap), so the softmax's own
+    scale is then the cap itself. Host side (at trace time), values of the DSL's Float32."""
+    if has_softcap:
+        return softmax_scale / softcap, softcap * LOG2_E
+    return Float32(1.0), softmax_scale * LOG2_E

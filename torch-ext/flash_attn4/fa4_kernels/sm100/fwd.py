@@ -65,7 +65,7 @@ from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
-from ..softmax import LOG2_E, OnlineSoftmax
+from ..softmax import OnlineSoftmax, score_scales
 from ..tile_work import OutputTile
 from .softmax_row import row_max, row_probabilities, row_sums_init, row_sums_total
 from .tiles import L2_BUDGET_BYTES, SMEM_BYTES, TILE_M, TILE_N, query_tiles, shared_memory_bytes
@@ -236,12 +236,7 @@ class FlashAttentionForwardSm100:
                              f"{planned}, limit {SMEM_BYTES}) at head dims {self.hdim}/{self.hdim_v}")
         self.shared_storage = SharedStorage
 
-        if cutlass.const_expr(cfg.has_softcap):
-            score_prescale = softmax_scale / softcap
-            scale_log2 = softcap * LOG2_E
-        else:
-            score_prescale = Float32(1.0)
-            scale_log2 = softmax_scale * LOG2_E
+        score_prescale, scale_log2 = score_scales(softmax_scale, softcap, cfg.has_softcap)
 
         num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)

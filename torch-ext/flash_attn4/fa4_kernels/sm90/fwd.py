@@ -55,7 +55,7 @@ from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import KVSplits, TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
-from ..softmax import LOG2_E, OnlineSoftmax, exp2_rows
+from ..softmax import OnlineSoftmax, exp2_rows, score_scales
 from ..tile_work import OutputTile
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
 from .tiles import L2_BUDGET_BYTES
@@ -221,14 +221,7 @@ class FlashAttentionForwardSm90:
                              f"{SMEM_BYTES_PER_BLOCK} a block can have")
         self.shared_storage = SharedStorage
 
-        # Softcap squashes the scaled scores with tanh before the softmax, whose own scale is then
-        # the cap itself: softcap * tanh(s * scale / softcap).
-        if cutlass.const_expr(cfg.has_softcap):
-            score_prescale = softmax_scale / softcap
-            scale_log2 = softcap * LOG2_E
-        else:
-            score_prescale = Float32(1.0)
-            scale_log2 = softmax_scale * LOG2_E
+        score_prescale, scale_log2 = score_scales(softmax_scale, softcap, cfg.has_softcap)
 
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
         # Longest-first order for masked problems, in L2 groups sized by a head's K and V.
