@@ -52,7 +52,7 @@ def expected_mma(cfg) -> int:
     """MMA instructions in the SASS: per query tile, S = Q K^T has head_dim / 16 k-steps and
     O += P V has TILE_N / 16; the MMA warp's code holds each GEMM twice (S in the prologue and the
     loop, P V in the loop and the tail)."""
-    q_tiles = sm100_tiles.query_tiles(cfg.head_dim_v)
+    q_tiles = sm100_tiles.query_tiles(cfg.head_dim, cfg.head_dim_v)
     qk = -(-cfg.head_dim // MMA_K)
     pv = sm100_tiles.TILE_N // MMA_K
     return q_tiles * 2 * (qk + pv)
@@ -88,7 +88,7 @@ def test_register_budgets_one_setmaxnreg_per_role(anchor):
     """Each warp-role budget appears once, in SASS and PTX alike, and the budgets fill the register
     file exactly (four warpgroups of 128 threads)."""
     name, cfg, stats = anchor
-    budgets = sm100_fwd.REGISTERS[sm100_tiles.query_tiles(cfg.head_dim_v)]
+    budgets = sm100_fwd.REGISTERS[sm100_tiles.query_tiles(cfg.head_dim, cfg.head_dim_v)]
     expected = {budgets["softmax"], budgets["correction"], budgets["other"]} | ({budgets["idle"]} - {0})
     expected.discard(sm100_fwd.LAUNCH_REGISTERS)  # the launch's share needs no setmaxnreg
     assert stats["usetmaxreg"] == stats["setmaxnreg"], name

@@ -132,7 +132,7 @@ class FlashAttentionForwardSm100:
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
         self.hdim_tile, self.hdim_v_tile = _pad16(cfg.head_dim), _pad16(cfg.head_dim_v)
-        self.q_tiles = query_tiles(cfg.head_dim_v)
+        self.q_tiles = query_tiles(cfg.head_dim, cfg.head_dim_v)
         if cfg.tile_m != TILE_M * self.q_tiles or cfg.tile_n != TILE_N:
             raise ValueError(f"sm100 forward: tiles are {TILE_M * self.q_tiles} x {TILE_N} at head_dim_v "
                              f"{cfg.head_dim_v}, got {cfg.tile_m} x {cfg.tile_n}")
@@ -145,7 +145,7 @@ class FlashAttentionForwardSm100:
         assert softmax_groups + budget["correction"] + budget["other"] == 4 * LAUNCH_REGISTERS
         # Tensor-memory plan (columns): S_t, then O_t, then P_t over the upper half of S_t.
         self.tmem_s = tuple(t * TILE_N for t in range(self.q_tiles))
-        o_width = 128 if self.q_tiles == 2 else self.hdim_v_tile
+        o_width = self.hdim_v_tile
         self.tmem_o = tuple(self.q_tiles * TILE_N + t * o_width for t in range(self.q_tiles))
         p_columns = TILE_N * self.dtype.width // 32
         self.tmem_p = tuple(s + TILE_N - p_columns for s in self.tmem_s)

@@ -26,16 +26,21 @@ TILE_N = 128  # keys per KV block
 RESCALE_THRESHOLD = 8.0
 
 
-def query_tiles(head_dim_v: int) -> int:
-    """Query tiles per CTA: two while both tiles' S and O fit in the 512 tensor-memory columns."""
-    return 2 if _pad16(head_dim_v) <= 128 else 1
+def query_tiles(head_dim: int, head_dim_v: int) -> int:
+    """Query tiles per CTA: two while both tiles' S and O fit in the 512 tensor-memory columns and
+    two query tiles leave shared memory for a K/V ring of MIN_KV_STAGES (not at head_dim >= 224
+    with head_dim_v <= 128)."""
+    if _pad16(head_dim_v) > 128:
+        return 1
+    q_bytes, stage_bytes = _tile_bytes(head_dim, head_dim_v, 2, q_tiles=2)
+    return 2 if (SMEM_BYTES - SMEM_RESERVED - q_bytes) // stage_bytes >= MIN_KV_STAGES else 1
 
 
 def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
     """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class. num_stages is the
     depth of the K/V ring in shared memory: as many K or V tiles as fit beside the query tiles."""
     del causal, local
-    return dict(tile_m=TILE_M * query_tiles(head_dim_v), tile_n=TILE_N,
+    return dict(tile_m=TILE_M * query_tiles(head_dim, head_dim_v), tile_n=TILE_N,
                 num_stages=kv_stages(head_dim, head_dim_v))
 
 
@@ -53,6 +58,7 @@ def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvh
 SMEM_BYTES = 227 * 1024
 SMEM_RESERVED = 4 * 1024
 MAX_KV_STAGES = 6
+MIN_KV_STAGES = 2
 
 
 def kv_stages(head_dim: int, head_dim_v: int, element_bytes: int = 2) -> int:
@@ -69,22 +75,27 @@ def shared_memory_bytes(head_dim: int, head_dim_v: int, num_stages: int, element
     return q_bytes + num_stages * stage_bytes + SMEM_RESERVED
 
 
-def _tile_bytes(head_dim: int, head_dim_v: int, element_bytes: int) -> tuple[int, int]:
-    q_bytes = query_tiles(head_dim_v) * TILE_M * _pad16(head_dim) * element_bytes
+def _tile_bytes(head_dim: int, head_dim_v: int, element_bytes: int, q_tiles: int = 0) -> tuple[int, int]:
+    q_tiles = q_tiles or query_tiles(head_dim, head_dim_v)
+    q_bytes = q_tiles * TILE_M * _pad16(head_dim) * element_bytes
     stage_bytes = TILE_N * max(_pad16(head_dim), _pad16(head_dim_v)) * element_bytes
     return q_bytes, stage_bytes
 
 
 def check_forward(cfg) -> None:
     """ValueError for a ForwardConfig the sm100 forward cannot build (run when one is constructed)."""
-    q_tiles = query_tiles(cfg.head_dim_v)
+    q_tiles = query_tiles(cfg.head_dim, cfg.head_dim_v)
     if cfg.tile_m != TILE_M * q_tiles or cfg.tile_n != TILE_N:
         raise ValueError(f"sm100 forward: tiles are {TILE_M * q_tiles} x {TILE_N} at head_dim_v {cfg.head_dim_v}, "
                          f"got {cfg.tile_m} x {cfg.tile_n}")
     if cfg.head_dim < 16 or cfg.head_dim_v < 16:
         raise NotImplementedError(f"sm100 forward: head dims below 16 (one 16-column MMA step) are not implemented, "
                                   f"got {cfg.head_dim}/{cfg.head_dim_v}")
-    if not 1 <= cfg.num_stages <= MAX_KV_STAGES or cfg.num_stages > kv_stages(cfg.head_dim, cfg.head_dim_v):
+    if cfg.num_stages < MIN_KV_STAGES:
+        # The MMA warp holds K_j while it waits for V_(j-1), the next stage of the ring: with one
+        # stage the loader can never bring V_(j-1) (tests/cpu/test_sm100_protocol.py).
+        raise ValueError(f"sm100 forward: the K/V ring needs at least {MIN_KV_STAGES} stages, got {cfg.num_stages}")
+    if cfg.num_stages > min(MAX_KV_STAGES, kv_stages(cfg.head_dim, cfg.head_dim_v)):
         raise ValueError(f"sm100 forward: {cfg.num_stages} K/V stages do not fit in shared memory beside "
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
@@ -101,7 +112,7 @@ FORWARD_KERNEL_SET = (
     dict(), dict(causal=True), dict(dtype="float16"), dict(varlen=True, has_seqused_k=True), dict(local=True),
     dict(has_softcap=True, has_sink=True), dict(causal=True, qhead_per_kvhead=4), dict(qhead_per_kvhead=4),
     dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96), dict(d=192, dv=128),
-    dict(d=256, dv=256), dict(d=256, dv=256, causal=True),
+    dict(d=256, dv=256), dict(d=256, dv=256, causal=True), dict(d=256, dv=128),
 )
 
 
