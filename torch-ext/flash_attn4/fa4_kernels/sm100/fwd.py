@@ -1,7 +1,7 @@
 """FlashAttention forward for Blackwell (sm_100a): tcgen05 MMAs with S, P and O in tensor memory.
 
-A CTA owns ``query_tiles`` (two up to head_dim_v = 128, else one) tiles of 128 query rows of one head
-and walks the KV blocks they see from the last to the first. Warp roles (16 warps):
+A CTA owns ``query_tiles`` (tiles.query_tiles: two up to head_dim_v = 128, else one) tiles of 128
+query rows of one head and walks the KV blocks they see from the last to the first. Warp roles:
 
     warps 0-3, 4-7   softmax     one warpgroup per query tile, one thread per row (= TMEM lane):
                                  S from TMEM, mask, online softmax, P back to TMEM (16-bit, over
@@ -21,15 +21,19 @@ back (tcgen05 MMAs of one thread run in order, so S_t's columns are overwritten 
 read) and commits S_t: softmax t runs on tile t's scores while the tensor cores work on the other
 tile (the two tiles ping-pong without a barrier of their own).
 
-Synchronisation (mbarrier pipelines, cutlass.pipeline):
-    q      TMA -> MMA        one stage per query tile
+Synchronisation (mbarrier pipelines, cutlass.pipeline; stage t of q, s, o is query tile t):
+    q      TMA -> MMA        Q_t, once per tile
     kv     TMA -> MMA        the K/V ring, filled in the order the MMA warp consumes it:
-                             K_0, K_1, V_0, K_2, V_1, ..., V_last (K and V tiles of a stage alias)
-    s[t]   MMA -> softmax t  "S_t full"; the way back ("P_t written, O_t rescaled") is the same
-                             pipeline's empty barrier, released by softmax t and the correction warps
-    stats[t] softmax t -> correction   each block's row factors (and at the end 1 / rowsum) in
-                             shared memory
-    o[t]   MMA -> correction "O_t final" after the last P V
+                             K_0, K_1, V_0, K_2, V_1, ..., V_last (K and V tiles of a stage alias).
+                             At least two stages: the MMA warp holds K_j while it waits for V_(j-1)
+    s      MMA -> softmax t  "S_t full"; the way back ("P_t written, O_t rescaled") is the same
+                             stage's empty barrier, released by softmax t and the correction warps
+    stats  softmax t -> correction   each block's row factors (at the end 1 / rowsum) in shared
+                             memory; two stages per tile, (block i, tile t) at (i * tiles + t) mod
+                             (2 * tiles), so each softmax warpgroup walks its own stages
+    o      MMA -> correction "O_t final" after the last P V
+tests/cpu/test_sm100_protocol.py replays these calls on the CPU (no deadlock, every hand-off sees
+its producer) for one and two tiles, several ring depths and 0-7 KV blocks.
 
 Ordering of tensor-memory accesses across roles: every tcgen05.ld/st is followed by its wait
 (tcgen05.wait::ld/st) before the thread arrives on a barrier that hands the columns on; MMA results
@@ -79,12 +83,10 @@ class Warp(enum.IntEnum):
     """Warp roles (warp index in the CTA). Softmax warpgroups and the correction warpgroup start at
     multiples of 4: warp w may only touch TMEM lanes 32 * (w % 4) .. + 31."""
 
-    SOFTMAX0 = 0
-    SOFTMAX1 = 4
+    SOFTMAX0 = 0  # warps 0-3 (query tile 0) and 4-7 (tile 1, or idle with one tile)
     CORRECTION = 8
     MMA = 12
-    LOAD = 13
-    IDLE = 14
+    LOAD = 13  # warps 14-15 idle: the last warpgroup's register budget is shared
 
 
 NUM_WARPS = 16
