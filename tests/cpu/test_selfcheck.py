@@ -542,3 +542,34 @@ def test_reference_matches_the_suites_reference(seed, flags):
     # the low-precision computation: the same kind of error as the suite's out_pt
     base, base_pt = (ref.out_lowp - ref.out).abs().max(), (out_pt.double() - ref.out).abs().max()
     assert 0.5 * base_pt <= base <= 2 * base_pt
+
+
+# ---- a kernel that hangs ----
+
+
+def test_a_kernel_that_never_finishes_fails_the_check_instead_of_hanging_the_caller(fake_gpu, monkeypatch):
+    """The launch's completion is polled with a deadline: a kernel stuck on a barrier (the failure a
+    wrong mbarrier count would cause on a GPU we never ran) becomes a SelfCheckError naming the hang,
+    recorded, so the next call raises without launching it again."""
+    probes = []
+
+    def never_done(device):
+        probes.append(device)
+        return lambda: False
+
+    monkeypatch.setattr(selfcheck, "completion_probe", never_done)
+    monkeypatch.setattr(selfcheck, "HANG_TIMEOUT_S", 0.05)
+    q, k, v = rand_qkv()
+    for _ in range(2):
+        with pytest.raises(selfcheck.SelfCheckError, match="did not finish the check's problem within"):
+            flash_attn_func(q, k, v)
+    assert len(probes) == 1 and len(fake_gpu["calls"]) == 1  # launched once, never for the user
+
+
+def test_await_completion_polls_until_done_or_the_deadline():
+    ticks = iter([False, False, True])
+    assert selfcheck.await_completion(lambda: next(ticks), timeout_s=5.0, poll_s=0.0)
+    start = __import__("time").monotonic()
+    assert not selfcheck.await_completion(lambda: False, timeout_s=0.02, poll_s=0.001)
+    assert __import__("time").monotonic() - start >= 0.02
+    assert selfcheck.await_completion(None)  # the CPU: nothing to wait for

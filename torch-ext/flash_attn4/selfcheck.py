@@ -100,7 +100,7 @@ BATCH = 2
 
 
 class SelfCheckError(RuntimeError):
-    """A kernel configuration gave wrong results in its first-use self-check."""
+    """A kernel configuration failed its first-use self-check (wrong results, or none in time)."""
 
 
 # ---- the problem ----
@@ -425,6 +425,13 @@ def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Opti
     lse = torch.full(lse_shape, float("inf"), dtype=torch.float32, device=device)
     t1 = time.perf_counter()
     launch(kernel, q, k, v, out, lse, *rest)
+    if not await_completion(completion_probe(device)):
+        # A problem of a few hundred rows takes milliseconds: the kernel is stuck (a barrier that
+        # never completes). Nothing else is queued behind it, and the failure is recorded, so later
+        # calls raise instead of launching it again.
+        return CheckReport(failures=[f"the kernel did not finish the check's problem within {HANG_TIMEOUT_S:.0f} s "
+                                     f"(it hangs; this GPU's context may not recover until the process exits)"],
+                           problem=p.describe(), build_s=t1 - t0, total_s=time.perf_counter() - t0)
     t2 = time.perf_counter()
     ref = reference_forward(p, device)
     t3 = time.perf_counter()
@@ -433,6 +440,34 @@ def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Opti
     report.compare_s = time.perf_counter() - t3
     report.total_s = time.perf_counter() - t0
     return report
+
+
+# How long the check waits for the kernel before calling it hung.
+HANG_TIMEOUT_S = 60.0
+
+
+def completion_probe(device) -> Optional[Callable[[], bool]]:
+    """Whether the work queued so far on ``device``'s current stream has finished, as a callable
+    (None on the CPU, where the launch has finished when it returns)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
+
+
+def await_completion(probe: Optional[Callable[[], bool]], timeout_s: Optional[float] = None,
+                     poll_s: float = 1e-3) -> bool:
+    """Poll ``probe`` until it says done (True) or ``timeout_s`` (default HANG_TIMEOUT_S) has passed
+    (False)."""
+    if probe is None:
+        return True
+    deadline = time.monotonic() + (HANG_TIMEOUT_S if timeout_s is None else timeout_s)
+    while not probe():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 _CHECKS = {ForwardConfig: check_forward}  # BackwardConfig joins with its problem, reference and launch
@@ -541,8 +576,9 @@ def _versions() -> str:
 
 def _failure_message(cfg, device, report: CheckReport) -> str:
     return (
-        f"flash-attn4 self-check FAILED: the compiled kernel for this configuration gave wrong results on "
-        f"{_describe_device(device)}, so it was not used (no result was returned).\n"
+        f"flash-attn4 self-check FAILED: the compiled kernel for this configuration failed its check (wrong "
+        f"results, or no result in time) on {_describe_device(device)}, so it was not used (no result was "
+        f"returned).\n"
         f"  configuration: {_describe_cfg(cfg)}\n"
         f"  check problem: {report.problem}\n"
         + "".join(f"  error: {f}\n" for f in report.failures)
@@ -551,7 +587,7 @@ def _failure_message(cfg, device, report: CheckReport) -> str:
         + ("This architecture's kernels have not been run by the flash-attn4 developers. " if cfg.arch in
            UNVERIFIED_ARCHS else f"(The check ran because {settings.SELF_CHECK} forces it on.) ")
         + f"Please report this message at {ISSUE_TRACKER}.\n"
-        f"To use the kernel anyway, at your own risk (its results were wrong here), set the environment "
+        f"To use the kernel anyway, at your own risk (it failed here), set the environment "
         f"variable FLASH_ATTN4_SELF_CHECK=0."
     )
 
