@@ -559,12 +559,50 @@ def test_backward_pads_head_dims_the_kernel_does_not_take(cpu_backward, d, dv, k
     assert (cfg.head_dim, cfg.head_dim_v) == kernel_dims
 
 
-def test_backward_refuses_lse_gradients_forward_still_works(cpu_backward):
-    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 6, 6, 2, 2, 64))
-    out, lse = flash_attn_func(q, k, v, return_lse=True)
-    with pytest.raises(NotImplementedError, match="lse"):
-        (out.float().sum() + lse.sum()).backward()
-    assert cpu_backward == []
+def _reference_grads_with_lse(inputs, dout, dlse, **kwargs):
+    """Float32 reference gradients of sum(out * dout) + sum(lse * dlse) (lse's -inf rows excluded)."""
+    leaves = [t.detach().float().requires_grad_() if t is not None else None for t in inputs]
+    q, k, v, sink = leaves
+    ref, lse = attention_ref(q, k, v, learnable_sink=sink, **kwargs)
+    loss = (ref.float() * dout.float()).sum() + torch.where(torch.isfinite(lse), lse * dlse, 0.0).sum()
+    given = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(loss, given, allow_unused=True))
+    return [next(grads) if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("use_out", [True, False])
+def test_gradients_through_the_returned_lse(cpu_backward, with_sink, use_out):
+    """A loss on the LSE (ring attention merges chunks by their LSEs) reaches q, k (and the sink)
+    through D - dlse in place of D = rowsum(dO * O); with the LSE alone, dO is zero."""
+    q, k, v = (t.requires_grad_() for t in rand_qkv(2, 7, 9, 4, 2, 64))
+    sink = torch.randn(4, requires_grad=True) if with_sink else None
+    out, lse = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_lse=True)
+    dout = torch.randn_like(out) if use_out else torch.zeros_like(out)
+    dlse = torch.randn_like(lse)
+    loss = (lse * dlse).sum() + ((out.float() * dout.float()).sum() if use_out else 0.0)
+    loss.backward()
+    want = _reference_grads_with_lse((q, k, v, sink), dout, dlse, causal=True)
+    for name, got, ref in zip("qkvs", (q.grad, k.grad, v.grad, sink.grad if with_sink else None), want):
+        if ref is None:
+            continue
+        assert got is not None, name
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2, msg=f"d{name}")
+    assert len(cpu_backward) == 1
+
+
+def test_varlen_gradients_through_the_returned_lse(cpu_backward):
+    """Packed rows: dlse (hq, total_q) moved to each sequence's aligned start like the LSE."""
+    qv, kv, vv, cu_q, cu_k = rand_varlen(3, 9, 4, 2, 64)
+    for t in (qv, kv, vv):
+        t.requires_grad_()
+    out, lse = flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    ((out.float() * dout.float()).sum() + torch.where(torch.isfinite(lse), lse * dlse, 0.0).sum()).backward()
+    want = _reference_grads_with_lse((qv, kv, vv, None), dout, dlse, causal=True, cu_seqlens_q=cu_q,
+                                     cu_seqlens_k=cu_k)
+    for got, ref in zip((qv.grad, kv.grad, vv.grad), want):
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_backward_traces_under_torch_compile(cpu_backward):

@@ -596,3 +596,57 @@ def test_postprocess_kernel_matches_its_torch_reference(dtype, tile_m, head_dim,
     assert got.dtype == dtype and got.shape == q.shape
     assert torch.equal(got, want)
 
+
+
+# ---- gradients through the returned LSE ----
+
+
+def lse_loss_grads(fn, q, k, v, dout, dlse, *, sink=None, upcast=None, **kwargs):
+    """Gradients of sum(out * dout) + sum(lse * dlse) (rows with lse = -inf left out) w.r.t. q, k, v
+    (and the sink): through ``fn`` (ours: return_lse=True) or, with ``upcast`` set, through
+    attention_ref in float32 (True) or the input dtype (False)."""
+    if upcast:
+        q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
+    tensors = {"dq": leaf(q), "dk": leaf(k), "dv": leaf(v)}
+    if sink is not None:
+        tensors["dsink"] = leaf(sink.float() if upcast is not None else sink)
+    if upcast is None:
+        out, lse = fn(tensors["dq"], tensors["dk"], tensors["dv"], learnable_sink=tensors.get("dsink"),
+                      return_lse=True, **kwargs)
+    else:
+        out, lse = attention_ref(tensors["dq"], tensors["dk"], tensors["dv"], learnable_sink=tensors.get("dsink"),
+                                 upcast=upcast, **kwargs)
+    loss = (out.float() * dout.float()).sum() + torch.where(torch.isfinite(lse), lse * dlse, 0.0).sum()
+    loss.backward()
+    return {name: (t.grad if t.grad is not None else torch.zeros_like(t)) for name, t in tensors.items()}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gradients_through_the_returned_lse(seed, causal, with_sink, d):
+    """Ring attention and other chunk merges differentiate through the LSE: dS gains P * dlse, which
+    the backward takes as rowsum(dO * O) - dlse in place of rowsum(dO * O) (ops.bwd)."""
+    q, k, v = rand(2, 300, 6, d), rand(2, 333, 2, d), rand(2, 333, 2, d)
+    dout, dlse = rand(2, 300, 6, d), torch.randn(2, 6, 300, device=DEVICE)
+    sink = torch.randn(6, device=DEVICE) if with_sink else None
+    got = lse_loss_grads(flash_attn_func, q, k, v, dout, dlse, sink=sink, causal=causal)
+    ref = lse_loss_grads(None, q, k, v, dout, dlse, sink=sink, upcast=True, causal=causal)
+    pt = lse_loss_grads(None, q, k, v, dout, dlse, sink=sink, upcast=False, causal=causal)
+    extra = {"dsink": dsink_rounding(q, k, v, dout, sink, causal=causal)} if with_sink else None
+    assert_grads_close(got, ref, pt, "lse loss: ", extra_atol=extra)
+
+
+def test_varlen_gradients_through_the_returned_lse(seed):
+    lens_q, lens_k = random_lengths(4, 200)
+    cu_q = torch.tensor([0] + lens_q, device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device=DEVICE).cumsum(0).to(torch.int32)
+    q, k, v = rand(int(cu_q[-1]), 4, 128), rand(int(cu_k[-1]), 2, 128), rand(int(cu_k[-1]), 2, 128)
+    dout, dlse = rand(q.shape[0], 4, 128), torch.randn(4, q.shape[0], device=DEVICE)
+    kwargs = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    got = lse_loss_grads(lambda *a, **kw: flash_attn_varlen_func(*a, max_seqlen_q=max(lens_q),
+                                                                  max_seqlen_k=max(lens_k), **kw),
+                         q, k, v, dout, dlse, **kwargs)
+    ref = lse_loss_grads(None, q, k, v, dout, dlse, upcast=True, **kwargs)
+    pt = lse_loss_grads(None, q, k, v, dout, dlse, upcast=False, **kwargs)
+    assert_grads_close(got, ref, pt, "varlen lse loss: ")

@@ -452,10 +452,15 @@ def bwd(
     max_seqlen_q: int,
     max_seqlen_k: int,
     deterministic: bool,
+    dlse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of ``fwd`` (kernel call convention: BackwardConfig's docstring): the
     preprocessing kernel (LSE in log2 units, rowsum(dout * out)), the main kernel (dk, dv, and dQ
-    into a zeroed fp32 accumulator), the postprocessing kernel (dq in the input dtype)."""
+    into a zeroed fp32 accumulator), the postprocessing kernel (dq in the input dtype).
+
+    ``dlse`` (float32, lse's layout): the loss's gradient through the returned LSE. Since
+    d lse_i / d s_ij = P_ij, it adds P_ij * dlse_i to dS_ij = P_ij (dP_ij - D_i): the kernels run
+    unchanged with D_i - dlse_i in place of D_i = rowsum(dO * O)_i."""
     varlen = cu_seqlens_q is not None
     # The kernel writes dK / dV of every key of every sequence (zeros where no query sees the key),
     # except keys past seqused_k, which must read 0.
@@ -491,6 +496,12 @@ def bwd(
         seqused_k = seqused_k.contiguous()
     with _device_guard(q.device):  # the kernels launch on the current device's stream
         lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, cu_seqlens_q, PREPROCESS_KERNEL)
+        if dlse is not None:
+            dlse = dlse.float()
+            if varlen:  # the rows of each sequence at their aligned start, zero padding between
+                dpsum = dpsum - _packed_rows(dlse, cu_seqlens_q)
+            else:
+                dpsum[..., :dlse.shape[-1]] -= dlse
         kernel(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, semaphore,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_k))
         dq = _dq_from_accum(dq_accum, cfg, q, cu_seqlens_q, max_seqlen_q, softmax_scale, POSTPROCESS_KERNEL)
@@ -499,7 +510,7 @@ def bwd(
 
 @torch.library.register_fake(bwd)
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap, causal,
-              window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic):
+              window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, dlse=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -523,21 +534,24 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
 
 
-def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool) -> torch.Tensor:
-    """d loss / d sink_h = -sum over rows of P(sink) * rowsum(dO * O), with P(sink) = exp(sink - lse):
-    the sink is a logit without a value, so its dP is 0."""
+def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool, grad_lse=None) -> torch.Tensor:
+    """d loss / d sink_h = sum over rows of P(sink) * (dlse - rowsum(dO * O)), with P(sink) =
+    exp(sink - lse): the sink is a logit without a value, so its dP is 0; through the returned LSE
+    it contributes P(sink) * dlse."""
     dpsum = _rowsum_dout_out(grad_out, out, varlen)  # lse's layout
+    if grad_lse is not None:
+        dpsum = dpsum - grad_lse.float()
     sink = learnable_sink[:, None] if varlen else learnable_sink[None, :, None]
     dsink = -(torch.exp(sink - lse) * dpsum)
     return dsink.sum(-1) if varlen else dsink.sum((0, 2))
 
 
 def _backward(ctx, grad_out, grad_lse):
-    if grad_lse is not None:
-        raise NotImplementedError("flash-attn4 backward: gradients through the returned lse are not supported")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = ctx.saved_tensors
-    if grad_out is None:
+    if grad_out is None and grad_lse is None:
         return (None,) * 16
+    if grad_out is None:  # only the LSE was used: dO = 0
+        grad_out = torch.zeros_like(out)
     softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic = ctx.options
     # Head dims that are multiples of 8 but not of 16 (or below 32) run zero-padded: zero columns of
     # Q and K add nothing to Q K^T, zero columns of V, O and dO nothing to dO V^T or rowsum(dO * O),
@@ -545,12 +559,13 @@ def _backward(ctx, grad_out, grad_lse):
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     qp, kp = _padded_head_dims((q, k), _kernel_head_dim(head_dim))
     vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), _kernel_head_dim(head_dim_v))
+    dlse = None if grad_lse is None else grad_lse.float().contiguous()
     dq, dk, dv = bwd(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
-                     softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
+                     softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic, dlse)
     dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[6]:
-        dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None)
+        dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None, grad_lse)
     return (dq, dk, dv, None, None, None, dsink) + (None,) * 9
 
 
