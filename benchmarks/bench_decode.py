@@ -259,13 +259,24 @@ class Unsupported(Exception):
     pass
 
 
-def make_inputs(p: Problem, dtype, seed: int) -> dict:
+DEVICE = "cuda"  # the CPU tests run the harness with "cpu"
+
+
+def _sync():
     import torch
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(p.b, p.s_q, p.h, p.d, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(p.b, p.s_cache, p.h_kv, p.d, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(p.b, p.s_cache, p.h_kv, p.d_v, device="cuda", dtype=dtype, generator=gen)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_inputs(p: Problem, dtype, seed: int) -> dict:
+    """q (b, s_q, h, d), k (b, s_cache, h_kv, d), v (b, s_cache, h_kv, dv), contiguous."""
+    import torch
+
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(p.b, p.s_q, p.h, p.d, device=DEVICE, dtype=dtype, generator=gen)
+    k = torch.randn(p.b, p.s_cache, p.h_kv, p.d, device=DEVICE, dtype=dtype, generator=gen)
+    v = torch.randn(p.b, p.s_cache, p.h_kv, p.d_v, device=DEVICE, dtype=dtype, generator=gen)
     return dict(q=q, k=k, v=v)
 
 
@@ -362,9 +373,9 @@ def run_problem(p: Problem, impls: dict, args, timer) -> list[dict]:
         try:
             fn = prepare(p, x, notes)
             out = fn()  # warm-up: compiles where anything compiles
-            torch.cuda.synchronize()
+            _sync()
             fn()
-            torch.cuda.synchronize()
+            _sync()
             runners[name] = fn
             if notes.get("comparable", True):
                 outputs[name] = out
@@ -375,7 +386,7 @@ def run_problem(p: Problem, impls: dict, args, timer) -> list[dict]:
             row.update(status="error", note=_bench._short(exc))
             if args.verbose:
                 traceback.print_exc()
-        torch.cuda.synchronize()
+        _sync()
     ref = outputs.get("ours")
     for row in rows:
         out = outputs.get(row["impl"])
@@ -393,12 +404,12 @@ def run_problem(p: Problem, impls: dict, args, timer) -> list[dict]:
                 runners.pop(row["impl"])
                 row.update(status="error", note=_bench._short(exc))
     del x, runners
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
-def run_decode(args) -> int:
-    problems = PROBLEMS
+def run_decode(args, problems=PROBLEMS) -> int:
     if args.dry_run:
         print(dry_run_table(problems, args.hbm_tbps))
         print(f"\nimplementations: {', '.join(args.only or DECODE_IMPLS)}; {args.rounds} interleaved rounds; "
@@ -406,7 +417,7 @@ def run_decode(args) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench decode: needs a CUDA GPU; --dry-run lists the problems", file=sys.stderr)
         return 2
     all_impls = decode_impls()
