@@ -26,10 +26,11 @@
 --mode decode-model: a Llama-style 1.1B-shaped model (16 layers, hidden 2048, 16 heads / 4 KV heads,
 d=128, intermediate 5632, vocab 32000) with random weights, bf16, batch 1, a random --prompt-len
 (16k) prompt, greedy generate() of --new-tokens (32) with attn_implementation "fa4" (our transformers
-adapter) and "sdpa", dynamic cache (--static adds static cache, which generate() compiles). The
-time of each token is the interval between consecutive logits-processor calls, with the GPU
-synchronised; reported: the median over tokens after the first, per implementation, median over
---model-rounds interleaved runs after a warm-up run each.
+adapter) and "sdpa", dynamic cache (--static adds a static cache, whose decode step generate()
+torch.compiles on CUDA). The time of each token is the interval between consecutive logits-processor
+calls, with the GPU synchronised; reported: the median over the tokens after the first, over
+--model-rounds interleaved runs after a warm-up run each; how many greedy tokens equal SDPA's; and
+the num_splits values the adapter passed to our functions (recorded in the warm-up run only).
 
 Paged KV (issue item 3) is not in our kernels yet: a paged variant of this mode is future work.
 """
@@ -37,7 +38,7 @@ Paged KV (issue item 3) is not in our kernels yet: a paged variant of this mode 
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import json
 import statistics
 import sys
@@ -165,21 +166,23 @@ def markdown_table(rows: list[dict], hbm_tbps: float) -> str:
         if r.get("us") is None:
             cells = [r["status"], "-", "-", "-"]
         else:
-            cells = [f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{100 * r['hbm_frac']:.0f}%", _fmt(r.get("vs_cudnn"), ".2f")]
+            cells = [f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{100 * r['hbm_frac']:.0f}%",
+                     _fmt(r.get("vs_cudnn"), ".2f")]
         lines.append(f"| {r['problem']} | {r['kv_bytes'] / 2**20:.0f} | {r['impl']} | " + " | ".join(cells)
                      + f" | {r.get('note') or ''} |")
     summary = summary_rows(rows, hbm_tbps)
     if summary:
         lines += ["", f"| problem | ours us | ours K+V % of peak | ours/cuDNN | split gain | goal (K+V bytes >= "
-                  f"{GOAL_FRACTION:.0%} of peak where cache >= 256 MiB; no slower than cuDNN) |", "|---|---:|---:|---:|---:|---|"]
+                  f"{GOAL_FRACTION:.0%} of peak where cache >= 256 MiB; no slower than cuDNN) |",
+                  "|---|---:|---:|---:|---:|---|"]
         for s in summary:
             lines.append(f"| {s['problem']} | {_fmt(s['us'], '.1f')} | "
                          f"{_fmt(None if s['hbm_frac'] is None else 100 * s['hbm_frac'], '.0f')}% | "
                          f"{_fmt(s['vs_cudnn'], '.2f')} | {_fmt(s['split_gain'], '.2f')} | {s['goal']} |")
-    lines += ["", f"Bytes = {BYTES_FORMULA}; GB/s = bytes / time; vs cuDNN = cuDNN time / this time (> 1 is faster); "
-              "split gain = ours-nosplit time / ours time; the goal counts K and V bytes only. s_q = 1 runs non-causal (SDPA's is_causal is aligned "
-              "top-left: one query would see one key); s_q > 1 runs bottom-right causal (SDPA: an explicit "
-              "boolean mask)."]
+    lines += ["", f"Bytes = {BYTES_FORMULA}; GB/s = bytes / time; vs cuDNN = cuDNN time / this time (> 1 is "
+              "faster); split gain = ours-nosplit time / ours time; the goal counts K and V bytes only. s_q = 1 runs "
+              "non-causal (SDPA's is_causal is aligned top-left: one query would see one key); s_q > 1 runs "
+              "bottom-right causal (SDPA: an explicit boolean mask)."]
     return "\n".join(lines)
 
 
@@ -245,7 +248,8 @@ def dry_run_table(problems, hbm_tbps: float) -> str:
     lines = [f"{'problem':38s} {'mask':12s} {'KV MiB':>8s} {'bytes':>12s} {'floor us':>9s}"]
     for p in problems:
         mask = "bottom-right" if p.causal else "none"
-        lines.append(f"{p.name:38s} {mask:12s} {p.kv_bytes() / 2**20:8.0f} {p.bytes():12d} {floor_us(p, hbm_tbps):9.1f}")
+        lines.append(f"{p.name:38s} {mask:12s} {p.kv_bytes() / 2**20:8.0f} {p.bytes():12d} "
+                     f"{floor_us(p, hbm_tbps):9.1f}")
     lines.append(f"bytes = {BYTES_FORMULA}; floor = bytes / {hbm_tbps:g} TB/s")
     return "\n".join(lines)
 
@@ -520,6 +524,29 @@ def generate_once(model, attn: str, input_ids, new_tokens: int, cache: str, sync
     return clock.per_token_ms(), out[0, input_ids.shape[1]:].tolist()
 
 
+@contextlib.contextmanager
+def recording_num_splits(seen: set):
+    """Wrap flash_attn4's public functions (the adapter looks them up per call) to record the
+    num_splits each call passes ("default" when none). Used in the warm-up run only: the wrapper
+    is host time that the timed runs must not pay."""
+    fa = _bench._import_ours()
+    saved = {name: getattr(fa, name) for name in ("flash_attn_func", "flash_attn_varlen_func")}
+
+    def wrap(fn):
+        def call(*a, **kw):
+            seen.add(kw.get("num_splits", "default"))
+            return fn(*a, **kw)
+        return call
+
+    for name, fn in saved.items():
+        setattr(fa, name, wrap(fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(fa, name, fn)
+
+
 def run_model_decode(args, config_kwargs: dict = LLAMA_1B, device: str = "cuda") -> dict:
     """Warm-up run per (implementation, cache), then --model-rounds interleaved timed runs; returns
     {key: dict(ms_per_token (median over all steps after the first, all rounds), ...)}."""
@@ -536,7 +563,13 @@ def run_model_decode(args, config_kwargs: dict = LLAMA_1B, device: str = "cuda")
         r = results[f"{a}/{c}"]
         try:
             t0 = time.perf_counter()
-            _, r["tokens"] = generate_once(model, a, input_ids, args.new_tokens, c, sync)
+            if a == "fa4":
+                seen = set()
+                with recording_num_splits(seen):
+                    _, r["tokens"] = generate_once(model, a, input_ids, args.new_tokens, c, sync)
+                r["num_splits_passed"] = sorted(map(str, seen))  # by the adapter; "default" = the function's
+            else:
+                _, r["tokens"] = generate_once(model, a, input_ids, args.new_tokens, c, sync)
             r["warmup_s"] = time.perf_counter() - t0
         except Exception as exc:
             r.update(status="error", note=_bench._short(exc))
@@ -561,11 +594,13 @@ def run_model_decode(args, config_kwargs: dict = LLAMA_1B, device: str = "cuda")
 
 
 def model_table(results: dict, new_tokens: int) -> str:
-    lines = ["| attn | cache | ms per token | tokens equal to sdpa's | note |", "|---|---|---:|---:|---|"]
+    lines = ["| attn | cache | ms per token | tokens equal to sdpa's | num_splits passed | note |",
+             "|---|---|---:|---:|---|---|"]
     for r in results.values():
         eq = r.get("tokens_equal_to_sdpa")
+        splits = ",".join(r.get("num_splits_passed", [])) or "-"
         lines.append(f"| {r['attn']} | {r['cache']} | {_fmt(r.get('ms_per_token'), '.2f', r['status'])} | "
-                     f"{'-' if eq is None else f'{eq}/{new_tokens}'} | {r.get('note', '')} |")
+                     f"{'-' if eq is None else f'{eq}/{new_tokens}'} | {splits} | {r.get('note', '')} |")
     return "\n".join(lines)
 
 
@@ -626,7 +661,8 @@ def parse_args(argv=None):
     p.add_argument("--model-rounds", type=int, default=2, help="decode-model: interleaved timed runs (default 2)")
     p.add_argument("--attn", type=_names, default=("fa4", "sdpa"), help="decode-model: attn_implementations")
     p.add_argument("--static", action="store_true",
-                   help="decode-model: also a static cache (generate() torch.compiles its step: slower warm-up)")
+                   help="decode-model: also a static cache (generate() torch.compiles its step on CUDA: "
+                        "a slower warm-up)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing implementations")
     args = p.parse_args(argv)
     if args.only:

@@ -294,3 +294,5 @@ def test_model_harness_runs_fa4_through_the_adapter_on_cpu(monkeypatch):
     assert results["fa4/dynamic"]["status"] == "ok", results["fa4/dynamic"]["note"]
     assert results["fa4/dynamic"]["tokens_equal_to_sdpa"] == 3
     assert 10 in used and 1 in used  # the prompt, then single-token decode steps
+    assert results["fa4/dynamic"]["num_splits_passed"]  # recorded in the warm-up run
+    assert flash_attn4.flash_attn_func is dense  # and unwrapped again
