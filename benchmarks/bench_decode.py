@@ -133,6 +133,27 @@ def floor_us(p: Problem, hbm_tbps: float) -> float:
     return p.bytes() / (hbm_tbps * 1e12) * 1e6
 
 
+H200_SMS = 132
+
+
+def auto_num_splits(p: Problem, num_sms: int = H200_SMS) -> int | None:
+    """The split count ours runs with num_splits=0 on sm90, as ops._num_splits derives it (the dispatch
+    config's tiles and GQA packing into dispatch.num_splits_heuristic); None where that cannot be
+    worked out here (informational only: the benchmark times whatever the kernel does)."""
+    try:
+        fa = _bench._import_ours()
+        dispatch = __import__(fa.__name__ + ".dispatch", fromlist=["forward_config"])
+        arch = __import__(fa.__name__ + ".fa4_kernels.arch", fromlist=["Arch"]).Arch.SM90
+        cfg = dispatch.forward_config(arch, "bfloat16", p.d, p.d_v, causal=p.causal, local=False, has_softcap=False,
+                                      varlen=False, has_seqused_k=False, has_sink=False,
+                                      qhead_per_kvhead=p.h // p.h_kv)
+        return int(dispatch.num_splits_heuristic(batch=p.b, num_heads=p.h, num_heads_kv=p.h_kv, seqlen_q=p.s_q,
+                                                 seqlen_k=p.s_cache, tile_m=cfg.tile_m, tile_n=cfg.tile_n,
+                                                 pack_gqa=cfg.pack_gqa, num_sms=num_sms))
+    except Exception:
+        return None
+
+
 def finish_rows(rows: list[dict], hbm_tbps: float) -> list[dict]:
     """Fill in us, GB/s, HBM fraction, the ratio to cuDNN and the split gain from round_us."""
     for r in rows:
@@ -172,17 +193,19 @@ def markdown_table(rows: list[dict], hbm_tbps: float) -> str:
                      + f" | {r.get('note') or ''} |")
     summary = summary_rows(rows, hbm_tbps)
     if summary:
-        lines += ["", f"| problem | ours us | ours K+V % of peak | ours/cuDNN | split gain | goal (K+V bytes >= "
-                  f"{GOAL_FRACTION:.0%} of peak where cache >= 256 MiB; no slower than cuDNN) |",
-                  "|---|---:|---:|---:|---:|---|"]
+        lines += ["", f"| problem | ours us | ours K+V % of peak | ours/cuDNN | splits | split gain | goal (K+V "
+                  f"bytes >= {GOAL_FRACTION:.0%} of peak where cache >= 256 MiB; no slower than cuDNN) |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
         for s in summary:
             lines.append(f"| {s['problem']} | {_fmt(s['us'], '.1f')} | "
                          f"{_fmt(None if s['hbm_frac'] is None else 100 * s['hbm_frac'], '.0f')}% | "
-                         f"{_fmt(s['vs_cudnn'], '.2f')} | {_fmt(s['split_gain'], '.2f')} | {s['goal']} |")
+                         f"{_fmt(s['vs_cudnn'], '.2f')} | {_fmt(s['splits'], 'd', '?')} | "
+                         f"{_fmt(s['split_gain'], '.2f')} | {s['goal']} |")
     lines += ["", f"Bytes = {BYTES_FORMULA}; GB/s = bytes / time; vs cuDNN = cuDNN time / this time (> 1 is "
-              "faster); split gain = ours-nosplit time / ours time; the goal counts K and V bytes only. s_q = 1 runs "
-              "non-causal (SDPA's is_causal is aligned top-left: one query would see one key); s_q > 1 runs "
-              "bottom-right causal (SDPA: an explicit boolean mask)."]
+              "faster); splits = the count ours chose with num_splits=0; split gain = ours-nosplit time / ours "
+              "time; the goal counts K and V bytes only. s_q = 1 runs non-causal (SDPA's is_causal is aligned "
+              "top-left: one query would see one key); s_q > 1 runs bottom-right causal (SDPA: an explicit boolean "
+              "mask)."]
     return "\n".join(lines)
 
 
@@ -201,7 +224,7 @@ def summary_rows(rows: list[dict], hbm_tbps: float) -> list[dict]:
                 goals.append("cuDNN ok" if r["vs_cudnn"] >= 1.0 else "cuDNN MISSED")
             goal = ", ".join(goals) or "-"
         out.append(dict(problem=r["problem"], us=r.get("us"), hbm_frac=r.get("kv_hbm_frac"), vs_cudnn=r.get("vs_cudnn"),
-                        split_gain=r.get("split_gain"), goal=goal))
+                        split_gain=r.get("split_gain"), splits=r.get("auto_splits"), goal=goal))
     return out
 
 
@@ -245,12 +268,13 @@ def write_plot(rows: list[dict], path: Path, hbm_tbps: float) -> str | None:
 
 
 def dry_run_table(problems, hbm_tbps: float) -> str:
-    lines = [f"{'problem':38s} {'mask':12s} {'KV MiB':>8s} {'bytes':>12s} {'floor us':>9s}"]
+    lines = [f"{'problem':38s} {'mask':12s} {'KV MiB':>8s} {'bytes':>12s} {'floor us':>9s} {'auto splits':>11s}"]
     for p in problems:
         mask = "bottom-right" if p.causal else "none"
         lines.append(f"{p.name:38s} {mask:12s} {p.kv_bytes() / 2**20:8.0f} {p.bytes():12d} "
-                     f"{floor_us(p, hbm_tbps):9.1f}")
-    lines.append(f"bytes = {BYTES_FORMULA}; floor = bytes / {hbm_tbps:g} TB/s")
+                     f"{floor_us(p, hbm_tbps):9.1f} {_fmt(auto_num_splits(p), 'd', '?'):>11s}")
+    lines.append(f"bytes = {BYTES_FORMULA}; floor = bytes / {hbm_tbps:g} TB/s; auto splits = what ours runs with "
+                 f"num_splits=0 on an sm90 GPU of {H200_SMS} SMs")
     return "\n".join(lines)
 
 
@@ -368,10 +392,13 @@ def run_problem(p: Problem, impls: dict, args, timer) -> list[dict]:
 
     x = make_inputs(p, torch.bfloat16, args.seed)
     rows, runners, outputs = [], {}, {}
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else H200_SMS
     for name, (_, prepare) in impls.items():
         row = dict(problem=p.name, **asdict(p), dv_eff=p.d_v, causal=p.causal, impl=name, status="ok", note="",
                    kv_bytes=p.kv_bytes(), bytes=p.bytes(), us=None, gbps=None, hbm_frac=None, vs_cudnn=None,
                    round_us=[], max_diff_vs_ours=None)
+        if name == "ours":
+            row["auto_splits"] = auto_num_splits(p, num_sms)
         rows.append(row)
         notes = {}
         try:

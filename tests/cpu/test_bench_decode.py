@@ -296,3 +296,13 @@ def test_model_harness_runs_fa4_through_the_adapter_on_cpu(monkeypatch):
     assert 10 in used and 1 in used  # the prompt, then single-token decode steps
     assert results["fa4/dynamic"]["num_splits_passed"]  # recorded in the warm-up run
     assert flash_attn4.flash_attn_func is dense  # and unwrapped again
+
+
+def test_auto_num_splits_is_the_dispatch_heuristic():
+    """What ours runs with num_splits=0, worked out on the CPU from dispatch (shown by --dry-run and
+    the summary): a split count for each problem, 1 where the KV range is short."""
+    counts = [bd.auto_num_splits(p) for p in bd.PROBLEMS]
+    assert all(isinstance(n, int) and n >= 1 for n in counts), counts
+    assert bd.auto_num_splits(bd.Problem(1, 1, 128, 32, 8, 128)) == 1  # one KV block: nothing to split
+    assert bd.auto_num_splits(bd.PROBLEMS[0]) > 1  # b1 64k: 8 (batch x KV head) tiles on 132 SMs
+    assert "auto splits" in bd.dry_run_table(bd.PROBLEMS, 4.8)
