@@ -607,7 +607,11 @@ def run_model_decode(args, config_kwargs: dict = LLAMA_1B, device: str = "cuda")
             r = results[f"{a}/{c}"]
             if r["status"] != "ok":
                 continue
-            steps, tokens = generate_once(model, a, input_ids, args.new_tokens, c, sync)
+            try:
+                steps, tokens = generate_once(model, a, input_ids, args.new_tokens, c, sync)
+            except Exception as exc:  # keep the other implementation's numbers
+                r.update(status="error", note=_bench._short(exc))
+                continue
             r["step_ms"].extend(steps)
             if tokens != r["tokens"]:
                 r["note"] = "tokens differ between runs"
