@@ -356,6 +356,8 @@ def _sdpa(backend_name: str):
                 said = []
                 if expand:
                     said.append(f"kv expanded (reads {p.h // p.h_kv}x the bytes counted)")
+                if m is not None:
+                    said.append("explicit bottom-right mask")
                 if mask is not None and m is None:
                     said.append("non-causal: the backend refused the explicit bottom-right mask")
                     notes["comparable"] = False

@@ -143,7 +143,14 @@ def test_sdpa_preparer_with_bottom_right_mask_matches_reference_on_cpu():
     ref, _ = attention_ref(x["q"], x["k"], x["v"], causal=True)
     assert out.shape == (p.b, p.s_q, p.h, p.d)
     torch.testing.assert_close(out, ref.to(out.dtype), atol=1e-4, rtol=1e-4)
-    assert notes.get("note", "") == "" and notes.get("comparable", True)
+    assert notes["note"] == "explicit bottom-right mask" and notes.get("comparable", True)
+    notes = {}
+    one = bd.Problem(1, 1, 9, 4, 4, 16)
+    x1 = dict(q=torch.randn(1, 1, 4, 16, generator=g), k=torch.randn(1, 9, 4, 16, generator=g),
+              v=torch.randn(1, 9, 4, 16, generator=g))
+    out = bd._sdpa("MATH")(one, x1, notes)()
+    torch.testing.assert_close(out, attention_ref(x1["q"], x1["k"], x1["v"])[0], atol=1e-4, rtol=1e-4)
+    assert notes["note"] == ""  # one query: no mask, no GQA
 
 
 def test_command_line_delegation_and_dry_run(capsys):
