@@ -3,7 +3,7 @@ PYTHON ?= python
 ARCH ?= sm_90a
 BUILD_DIR ?= build
 
-.PHONY: setup build compile sass-report test test-gpu demo bench clean
+.PHONY: setup build compile sass-report test test-gpu demo bench bench-decode clean
 
 # torch is installed first and explicitly: `torch==2.13.0` is the CPU wheel that pip takes from
 # local disk on this project's machines. On a GPU machine, install the CUDA build of torch you want
@@ -50,6 +50,9 @@ demo:
 
 bench:
 	$(PYTHON) benchmarks/bench.py
+
+bench-decode:
+	$(PYTHON) benchmarks/bench.py --mode decode
 
 clean:
 	rm -rf $(BUILD_DIR)

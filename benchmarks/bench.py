@@ -463,6 +463,7 @@ class Mode:
 
 
 MODES = {"fwd": Mode("fwd", "fwd", 1.0), "bwd": Mode("bwd", "bwd", 2.5)}
+DECODE_MODES = ("decode", "decode-model")  # run by bench_decode.py (issue 21 items 6 and 8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -693,7 +694,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=sorted(MODES), default="fwd", help="what to time: the forward, or the backward alone")
+    p.add_argument("--mode", choices=sorted(MODES) + list(DECODE_MODES), default="fwd",
+                   help="what to time: the forward, or the backward alone; decode and decode-model have their own "
+                        "options (benchmarks/bench_decode.py: --mode decode --help)")
     p.add_argument("--quick", action="store_true", help="a representative subset of the cases")
     p.add_argument("--only", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    help=f"comma-separated implementations, from {','.join(IMPL_ORDER)}")
@@ -727,7 +730,23 @@ def parse_args(argv=None):
     return args
 
 
+def _delegated_mode(argv) -> str | None:
+    """--mode decode / decode-model (either spelling) hand the whole command line to bench_decode."""
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--mode=") else (
+            argv[i + 1] if arg == "--mode" and i + 1 < len(argv) else None)
+        if value in DECODE_MODES:
+            return value
+    return None
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _delegated_mode(argv):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_decode
+
+        return bench_decode.main(argv)
     args = parse_args(argv)
     cases = build_cases(args)
     if args.list:
