@@ -167,8 +167,14 @@ def _bad_cases():
         "sink shape": (dict(learnable_sink=torch.randn(3)), ValueError, "learnable_sink"),
         "page_table": (dict(page_table=as_i32([[0], [1]])), NotImplementedError, "page_table"),
         "block_table": (dict(block_table=as_i32([[0], [1]])), NotImplementedError, "block_table"),
-        "rotary": (dict(rotary_cos=torch.randn(16, 32), rotary_sin=torch.randn(16, 32)), NotImplementedError,
-                   "rotary"),
+        "rotary cos only": (dict(rotary_cos=torch.randn(16, 16)), ValueError, "given together"),
+        "rotary without k": (dict(k=None, v=None, rotary_cos=torch.randn(16, 16), rotary_sin=torch.randn(16, 16)),
+                             ValueError, "need the new tokens"),
+        "rotary_dim > d": (dict(rotary_cos=torch.randn(16, 33), rotary_sin=torch.randn(16, 33)), ValueError,
+                           "rotary_dim"),
+        "rotary 1-D": (dict(rotary_cos=torch.randn(16), rotary_sin=torch.randn(16)), ValueError, "2-D floating"),
+        "rotary shapes": (dict(rotary_cos=torch.randn(16, 8), rotary_sin=torch.randn(15, 8)), ValueError,
+                          "rotary_sin must have the shape"),
         "requires grad": (dict(q=q.clone().requires_grad_()), NotImplementedError, "no backward"),
     }
     base = dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, cache_seqlens=seq)
@@ -200,6 +206,7 @@ def test_device_types_are_checked():
     (dict(cache_seqlens=as_i32([-1, 3])), "cache_seqlens must be >= 0"),
     (dict(cache_batch_idx=as_i32([0, 2])), r"cache_batch_idx must be in \[0, 2\)"),
     (dict(cache_leftpad=as_i32([4, 0])), "cache_leftpad must be in"),
+    (dict(rotary_cos=torch.randn(6, 8), rotary_sin=torch.randn(6, 8)), "rotary positions must be <="),
 ])
 def test_metadata_values_checked_on_request(kernels, monkeypatch, change, match):
     """FLASH_ATTN4_CHECK_CU_SEQLENS=1 checks the tensors' values (one sync) before the append."""
@@ -372,9 +379,13 @@ def test_opcheck(kernels):
     """torch.library.opcheck: schema (the declared mutations and no others), fake vs real, AOT dispatch."""
     q, kc, vc, k, v = problem(b=2, sq=2, s_cache=40, s_new=2, seed=9)
     seq, idx, pad = as_i32([5, 30]), as_i32([1, 0]), as_i32([2, 0])
-    torch.library.opcheck(_op(), (q, kc, vc, k, v, seq, idx, pad, None, 0.125, 0.0, True, -1, 0, 1, True))
-    torch.library.opcheck(_op(), (q, kc, vc, None, None, seq, None, None, torch.randn(8), 0.125, 2.0, False, 4, 3,
-                                  3, False))
+    torch.library.opcheck(_op(), (q, kc, vc, k, v, None, None, seq, idx, pad, None, 0.125, 0.0, True, -1, 0, 1, True,
+                                  True))
+    torch.library.opcheck(_op(), (q, kc, vc, None, None, None, None, seq, None, None, torch.randn(8), 0.125, 2.0,
+                                  False, 4, 3, 3, False, True))
+    cos, sin = torch.randn(40, 16), torch.randn(40, 16)
+    torch.library.opcheck(_op(), (q, kc, vc, k, v, cos, sin, seq, None, None, None, 0.125, 0.0, True, -1, 0, 1, True,
+                                  False))
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -400,3 +411,53 @@ def test_torch_compile_fullgraph_appends_and_matches_eager(kernels, backend):
         assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
     if backend == "eager":
         assert counter.frame_count == 1
+
+
+# ---- rotary embedding (torch, before the append) ----
+
+def rotary_ref(x, angle, pos, interleaved):
+    """x (b, s, h, d) rotated by ``angle`` (seqlen_ro, r / 2) at rows pos (b, s), written independently of
+    the library: interleaved as complex multiplication of (x[2i], x[2i + 1]), else GPT-NeoX's
+    x * cos + rotate_half(x) * sin over the first r dims."""
+    half = angle.shape[1]
+    a = angle[pos.long()][:, :, None, :].double()  # (b, s, 1, half)
+    xr, rest = x[..., :2 * half].double(), x[..., 2 * half:]
+    if interleaved:
+        z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], half, 2).contiguous())
+        out = torch.view_as_real(z * torch.polar(torch.ones_like(a), a)).flatten(-2)
+    else:
+        cos, sin = torch.cat([a.cos(), a.cos()], -1), torch.cat([a.sin(), a.sin()], -1)
+        rotate_half = torch.cat([-xr[..., half:], xr[..., :half]], -1)
+        out = xr * cos + rotate_half * sin
+    return torch.cat([out.to(x.dtype), rest], -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (50, 10))])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_matches_rotating_q_and_k_first(kernels, interleaved, causal, window, rotary_dim):
+    """FlashAttention's rule: new keys at positions cache_seqlens + t (stored rotated in the cache), q at
+    cache_seqlens + i when causal or windowed, else every query at cache_seqlens; dims past rotary_dim
+    untouched. Same result as rotating by hand and calling without rotary."""
+    q, kc, vc, k, v = problem(b=3, sq=3, s_cache=200, s_new=3)
+    seq, pad, idx = as_i32([10, 0, 150]), as_i32([2, 0, 7]), as_i32([1, 2, 0])
+    angle = torch.rand(200, rotary_dim // 2) * 2 * torch.pi
+    cos, sin = angle.cos(), angle.sin()
+    k_cache, v_cache = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seq,
+                                       cache_leftpad=pad, cache_batch_idx=idx, causal=causal, window_size=window,
+                                       rotary_interleaved=interleaved, return_softmax_lse=True)
+    steps = torch.arange(3)
+    k_pos = seq.long()[:, None] + steps
+    q_pos = k_pos if (causal or window != (-1, -1)) else seq.long()[:, None].expand(3, 3)
+    q_rot, k_rot = rotary_ref(q, angle, q_pos, interleaved), rotary_ref(k, angle, k_pos, interleaved)
+    assert torch.equal(q_rot[..., rotary_dim:], q[..., rotary_dim:])
+    ref_kc, ref_vc, ro, rl = reference(q_rot, kc, vc, k_rot, v, seq, idx, pad, causal=causal, window_size=window)
+    # the library rotates in float32 (rounded once to bf16), the reference in float64: one bf16 step apart at most
+    assert (k_cache.float() - ref_kc.float()).abs().max() <= 2 ** -7 * k_rot.float().abs().max()
+    assert torch.equal(v_cache, ref_vc)
+    assert_close(out, lse, ro, rl)
+    # not a no-op: without rotary the answer differs
+    plain = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=seq, cache_leftpad=pad,
+                                    cache_batch_idx=idx, causal=causal, window_size=window)
+    assert (plain.float() - out.float()).abs().max() > 0.05

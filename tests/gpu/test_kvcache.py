@@ -183,6 +183,36 @@ def test_int_cache_seqlens_and_out_only(seed):
     assert isinstance(out, torch.Tensor) and out.shape == (2, 1, 8, 128)
 
 
+@pytest.mark.parametrize("interleaved,causal", [(True, True), (False, True), (False, False)])
+def test_rotary(seed, interleaved, causal):
+    """rotary_cos/sin (rotary_dim 64 of 128): the cache holds the rotated new keys and the output equals
+    attention of the rotated q (positions cache_seqlens + i when causal, else cache_seqlens) - both
+    rotated here by an independent formulation (tests/cpu/test_kvcache_cpu.rotary_ref, float64)."""
+    from tests.cpu.test_kvcache_cpu import rotary_ref
+
+    b, sq, s_new, hq, hk, d, s_cache = 2, 3, 3, 8, 2, 128, 600
+    seqlens = [500, 17]
+    q, kc, vc = rand(b, sq, hq, d), rand(b, s_cache, hk, d), rand(b, s_cache, hk, d)
+    k, v = rand(b, s_new, hk, d), rand(b, s_new, hk, d)
+    angle = torch.rand(s_cache, 32, device=DEVICE) * 2 * torch.pi
+    k_cache, v_cache = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=angle.cos(), rotary_sin=angle.sin(),
+                                       cache_seqlens=i32(seqlens), causal=causal, rotary_interleaved=interleaved,
+                                       return_softmax_lse=True)
+    start = i32(seqlens).long()[:, None]
+    k_pos = start + torch.arange(s_new, device=DEVICE)
+    q_pos = start + torch.arange(sq, device=DEVICE) if causal else start.expand(b, sq)
+    q_rot, k_rot = rotary_ref(q, angle, q_pos, interleaved), rotary_ref(k, angle, k_pos, interleaved)
+    expected_k, expected_v = appended(kc, vc, k_rot, v, seqlens, [0, 1])
+    assert (k_cache.float() - expected_k.float()).abs().max() <= 2 ** -7 * k_rot.float().abs().max()
+    assert same_bits(v_cache, expected_v)
+    # the attention is checked on the library's own rotated q and cached keys (float32 rotation, rounded
+    # once), which the lines above and below hold within one bf16 step of the float64 rotation
+    q_lib = ops._rotary(q, angle.cos(), angle.sin(), q_pos, interleaved)
+    assert (q_lib.float() - q_rot.float()).abs().max() <= 2 ** -7 * q_rot.float().abs().max()
+    check_against_gathered(out, lse, q_lib, k_cache, v_cache, seqlens, s_new, [0, 1], [0, 0], causal=causal)
+
+
 def test_nan_outside_the_key_range(seed):
     """Cache positions outside every entry's keys hold NaN (a freshly allocated or recycled cache): they
     must not leak into the output (0 * NaN). The keys next to a row's last key may be read by the last

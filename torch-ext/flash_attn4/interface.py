@@ -208,17 +208,19 @@ def flash_attn_with_kvcache(
     for tensors with FLASH_ATTN4_CHECK_CU_SEQLENS=1, at the cost of a sync). Cache positions outside
     a row's key range may hold anything finite. Caches whose batch stride is not s_cache times their
     row stride are copied for reading on every call (slow; the append still goes to the caller's tensor).
-    ``rotary_cos``/``rotary_sin`` and ``page_table``/``block_table`` (paged KV) raise NotImplementedError.
+    ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2), with k and v only: rotary embedding of the
+    first rotary_dim dims (pairs (2i, 2i + 1) with ``rotary_interleaved``, else (i, i + rotary_dim / 2)),
+    in float32 by torch ops before the append: the new keys at positions cache_seqlens + t (the cache
+    stores them rotated), q at cache_seqlens + i when causal or windowed, else all at cache_seqlens
+    (FlashAttention's rule; positions must be < seqlen_ro). ``page_table``/``block_table`` (paged KV)
+    raise NotImplementedError.
     """
     if page_table is not None:
         raise NotImplementedError("flash-attn4: page_table (a paged KV cache) is not supported yet")
     if block_table is not None:
         raise NotImplementedError("flash-attn4: block_table (a paged KV cache) is not supported yet")
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError("flash-attn4: rotary_cos/rotary_sin (rotary embedding inside "
-                                  "flash_attn_with_kvcache) is not implemented; apply it to q and k before the call")
-    del rotary_interleaved  # only meaningful with rotary_cos/rotary_sin
-    validate.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad)
+    validate.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos,
+                           rotary_sin)
     validate.check_learnable_sink(learnable_sink, q.shape[2])
     num_splits = validate.check_num_splits(num_splits, q.shape[2])
     softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
@@ -227,14 +229,14 @@ def flash_attn_with_kvcache(
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     validate.check_devices(q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens_tensor,
                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                           learnable_sink=learnable_sink)
+                           learnable_sink=learnable_sink, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k_cache, v_cache, k, v, learnable_sink)):
         raise NotImplementedError("flash-attn4: flash_attn_with_kvcache has no backward; call it under "
                                   "torch.no_grad() / torch.inference_mode() or on detached tensors")
     if cache_seqlens is not None and seqlens_tensor is None:
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                               learnable_sink, softmax_scale, softcap, causal, left, right, num_splits,
-                               bool(return_softmax_lse))
+    out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                               cache_leftpad, learnable_sink, softmax_scale, softcap, causal, left, right, num_splits,
+                               bool(return_softmax_lse), bool(rotary_interleaved))
     return (out, lse) if return_softmax_lse else out

@@ -620,12 +620,29 @@ def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tens
     v_cache.index_put_((row, pos), v)
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+            interleaved: bool) -> torch.Tensor:
+    """x (b, s, h, d) with its first rotary_dim = 2 * cos.shape[1] dims rotated by the angles of rows
+    ``pos`` (b, s) of cos/sin (seqlen_ro, rotary_dim / 2): pairs (2i, 2i + 1) when ``interleaved``
+    (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX); computed in float32, rounded to x's dtype."""
+    half = cos.shape[1]
+    c = cos[pos].float().unsqueeze(2)  # (b, s, 1, half)
+    s = sin[pos].float().unsqueeze(2)
+    xr = x[..., :2 * half].float()
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
+    r1, r2 = x1 * c - x2 * s, x1 * s + x2 * c
+    rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
 def fwd_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k: Optional[torch.Tensor],
     v: Optional[torch.Tensor],
+    rotary_cos: Optional[torch.Tensor],
+    rotary_sin: Optional[torch.Tensor],
     cache_seqlens: Optional[torch.Tensor],
     cache_batch_idx: Optional[torch.Tensor],
     cache_leftpad: Optional[torch.Tensor],
@@ -637,20 +654,32 @@ def fwd_kvcache(
     window_right: int,
     num_splits: int,
     return_lse: bool,
+    rotary_interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache (arguments checked by validate.check_kvcache; cache_seqlens an int32
     tensor or None): append k, v to the caches in place, then attend through the varlen forward over
-    the packed cache without copying it (_kvcache_metadata). Returns out (b, sq, hq, dv) and lse
-    (b, hq, sq) float32 when ``return_lse``, else an empty float32 tensor (no transpose copy)."""
+    the packed cache without copying it (_kvcache_metadata). With rotary_cos/sin (validate.check_kvcache:
+    only with k) the new keys are rotated at positions cache_seqlens + t before the append, q at
+    cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). Returns
+    out (b, sq, hq, dv) and lse (b, hq, sq) float32 when ``return_lse``, else an empty float32 tensor
+    (no transpose copy)."""
     batch, sq, hq, d = q.shape
     s_cache = k_cache.shape[1]
     s_new = 0 if k is None else k.shape[1]
+    positional = causal or window_left >= 0 or window_right >= 0  # q's rotary positions advance per token
     if (settings.check_cu_seqlens()
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         validate.check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new, k_cache.shape[0],
-                                      s_cache)
+                                      s_cache, sq if positional else 1,
+                                      None if rotary_cos is None else rotary_cos.shape[0])
     rows, cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(q, k_cache.shape[0], s_cache, s_new,
                                                                     cache_seqlens, cache_batch_idx, cache_leftpad)
+    if rotary_cos is not None:
+        steps = torch.arange(max(sq, s_new), device=q.device)
+        start = cache_seqlens.long()[:, None]
+        k = _rotary(k, rotary_cos, rotary_sin, start + steps[:s_new], rotary_interleaved)
+        q_pos = start + steps[:sq] if positional else start.expand(batch, sq)
+        q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
     if k is not None and k.numel():
         _append_to_cache(k_cache, v_cache, k, v, rows, cache_seqlens)
     out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
@@ -666,8 +695,9 @@ fwd_kvcache = _define_op(fwd_kvcache, mutates_args=("k_cache", "v_cache"))
 
 
 @torch.library.register_fake(fwd_kvcache)
-def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, learnable_sink,
-                      softmax_scale, softcap, causal, window_left, window_right, num_splits, return_lse):
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, learnable_sink, softmax_scale, softcap, causal, window_left, window_right,
+                      num_splits, return_lse, rotary_interleaved):
     batch, sq, hq, _ = q.shape
     lse_shape = (batch, hq, sq) if return_lse else (0,)
     return q.new_empty((batch, sq, hq, v_cache.shape[-1])), q.new_empty(lse_shape, dtype=torch.float32)

@@ -354,11 +354,13 @@ def _check_index_vector(name: str, t, batch: int) -> None:
         raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {_shape(t)}")
 
 
-def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad) -> None:
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos=None,
+                  rotary_sin=None) -> None:
     """Shapes, dtypes and (for an int cache_seqlens) the fill level for flash_attn_with_kvcache:
     q (b, sq, hq, d), k_cache (b_cache, s_cache, hk, d), v_cache (b_cache, s_cache, hk, dv), new k
     (b, s_new, hk, d) and v (b, s_new, hk, dv) (both or neither), cache_seqlens None, an int or int32
-    (b,), cache_batch_idx and cache_leftpad int32 (b,). Metadata only (no sync)."""
+    (b,), cache_batch_idx and cache_leftpad int32 (b,), rotary_cos/sin (seqlen_ro, rotary_dim / 2)
+    floating, both or neither, only with k, rotary_dim <= d. Metadata only (no sync)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t)
         if t.dim() != 4:
@@ -411,14 +413,31 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
         _check_index_vector("cache_batch_idx", cache_batch_idx, batch)
     if cache_leftpad is not None:
         _check_index_vector("cache_leftpad", cache_leftpad, batch)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin need the new tokens k and v (they rotate q and k)")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            check_tensor(name, t)
+            if t.dim() != 2 or not t.is_floating_point():
+                raise ValueError(f"{name} must be a 2-D floating tensor (seqlen_ro, rotary_dim / 2), got "
+                                 f"{t.dtype} {_shape(t)}")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"rotary_sin must have the shape of rotary_cos {_shape(rotary_cos)}, got "
+                             f"{_shape(rotary_sin)}")
+        if not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1]:
+            raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * rotary_cos.shape[1]} must be in "
+                             f"[2, head_dim = {q.shape[-1]}]")
 
 
 def check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new: int, b_cache: int,
-                         s_cache: int) -> None:
+                         s_cache: int, seqlen_q: int = 0, seqlen_ro=None) -> None:
     """The values of flash_attn_with_kvcache's int32 metadata, with one device sync (opt-in, like
     check_varlen_values: FLASH_ATTN4_CHECK_CU_SEQLENS=1): 0 <= cache_seqlens, cache_seqlens + s_new <=
     s_cache, 0 <= cache_batch_idx < b_cache, 0 <= cache_leftpad <= cache_seqlens (s_cache without
-    cache_seqlens). Unchecked, values out of range are undefined behaviour (as in FlashAttention)."""
+    cache_seqlens); with rotary (seqlen_ro rows of cos/sin), cache_seqlens + max(seqlen_q, s_new) <= seqlen_ro.
+    Unchecked, values out of range are undefined behaviour (as in FlashAttention)."""
     conds, names = [], []
     if cache_seqlens is not None:
         conds += [(cache_seqlens >= 0).all(), (cache_seqlens + s_new <= s_cache).all()]
@@ -430,6 +449,10 @@ def check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new: i
         end = s_cache if cache_seqlens is None else cache_seqlens
         conds += [((cache_leftpad >= 0) & (cache_leftpad <= end)).all()]
         names += ["cache_leftpad must be in [0, cache_seqlens]"]
+    if seqlen_ro is not None:
+        conds += [(cache_seqlens + max(seqlen_q, s_new) <= seqlen_ro).all()]
+        names += [f"cache_seqlens + {max(seqlen_q, s_new)} rotary positions must be <= rotary_cos.shape[0] = "
+                  f"{seqlen_ro}"]
     if not conds:
         return
     ok = torch.stack([c.reshape(()) for c in conds]).cpu().tolist()  # the one sync
