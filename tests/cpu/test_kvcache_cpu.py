@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_with_kvcache, ops, validate
+from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_with_kvcache, validate
 from flash_attn4._ops import add_op_namespace_prefix
 from flash_attn4.fa4_kernels.arch import Arch
-from flash_attn4.fa4_kernels.config import ForwardConfig
 from tests.reference import attention_ref, partial_attention_ref
 
 BF16 = torch.bfloat16
