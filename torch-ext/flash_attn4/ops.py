@@ -190,7 +190,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
         return out, lse
     kernel = _kernel_for(q, v, **flags)
     _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
-                    softcap, window_left, window_right, max_seqlen_q, check_values=check_values)
+                    softcap, window_left, window_right, max_seqlen_q, check_values)
     return out, lse
 
 
@@ -278,7 +278,7 @@ def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         lse_partial.fill_(float("inf"))
     kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
     _launch_forward(kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
-                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values=check_values)
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values)
     learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
     with _device_guard(q.device):
         if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
