@@ -1,7 +1,8 @@
 """flash-attn4: FlashAttention-4 forward kernels (CuTe DSL) for Hopper and Blackwell, as a torch layer.
 
-Public API: :func:`flash_attn_func` and :func:`flash_attn_varlen_func` (FlashAttention-compatible), and
-:func:`flash_attn_combine` (merging partial attention over disjoint key sets).
+Public API: :func:`flash_attn_func`, :func:`flash_attn_varlen_func` and :func:`flash_attn_with_kvcache`
+(FlashAttention-compatible), and :func:`flash_attn_combine` (merging partial attention over disjoint
+key sets).
 Environment overrides are documented in ``settings``.
 
 transformers: when transformers is already imported, importing this package registers
@@ -12,11 +13,12 @@ of the plain functions seconds.
 
 import sys as _sys
 
-from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_func
+from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_combine", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
+           "__version__"]
 
 if "transformers" in _sys.modules:
     from . import transformers_adapter as _transformers_adapter

@@ -162,3 +162,81 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
         raise NotImplementedError("flash-attn4: flash_attn_combine has no backward; call it under torch.no_grad() "
                                   "or on detached tensors")
     return ops.combine(out_partial, lse_partial, out_dtype)
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    rotary_interleaved: bool = True,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Attention of new queries against a KV cache, appending new keys/values to it first (decoding,
+    speculative decoding, chunked prefill). Inference only (inputs that require grad raise).
+
+    q (b, sq, hq, d); k_cache (b_cache, s_cache, hk, d), v_cache (b_cache, s_cache, hk, dv); k, v
+    (b, s_new, hk, d / dv) optional new tokens, written **in place** into the caches at positions
+    cache_seqlens[i] .. cache_seqlens[i] + s_new - 1 of cache row cache_batch_idx[i] (default i) before
+    attending. ``cache_seqlens``: an int or int32 (b,) tensor, the tokens already in each cache row
+    (None: the whole cache, only without k/v). Batch entry i attends to the keys at positions
+    [cache_leftpad[i] (default 0), cache_seqlens[i] + s_new) of its cache row; masks align bottom-right
+    to them (causal: query row j sees the first j + seqlen_k - sq + 1 of them). ``cache_batch_idx``
+    int32 (b,): the cache row of each batch entry (duplicates: one writer wins). ``num_splits``: 0
+    (default) chooses split-KV from the problem (sized by s_cache, so the choice does not change as
+    the cache fills), 1 off, N as in :func:`flash_attn_func`. Other options as in
+    :func:`flash_attn_func`. Returns ``out`` (b, sq, hq, dv), or ``(out, lse)`` (lse float32 (b, hq, sq))
+    with ``return_softmax_lse=True``.
+
+    No device sync: CUDA-graph capturable with cache_seqlens (a tensor) changing between replays.
+    Values are the caller's contract, as in FlashAttention: cache_seqlens + s_new <= s_cache,
+    cache_batch_idx < b_cache, cache_leftpad <= cache_seqlens (checked for an int cache_seqlens, and
+    for tensors with FLASH_ATTN4_CHECK_CU_SEQLENS=1, at the cost of a sync). Cache positions outside
+    a row's key range may hold anything finite. Caches whose batch stride is not s_cache times their
+    row stride are copied for reading on every call (slow; the append still goes to the caller's tensor).
+    ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2), with k and v only: rotary embedding of the
+    first rotary_dim dims (pairs (2i, 2i + 1) with ``rotary_interleaved``, else (i, i + rotary_dim / 2)),
+    in float32 by torch ops before the append: the new keys at positions cache_seqlens + t (the cache
+    stores them rotated), q at cache_seqlens + i when causal or windowed, else all at cache_seqlens
+    (FlashAttention's rule; positions must be < seqlen_ro). ``page_table``/``block_table`` (paged KV)
+    raise NotImplementedError.
+    """
+    if page_table is not None:
+        raise NotImplementedError("flash-attn4: page_table (a paged KV cache) is not supported yet")
+    if block_table is not None:
+        raise NotImplementedError("flash-attn4: block_table (a paged KV cache) is not supported yet")
+    validate.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos,
+                           rotary_sin)
+    validate.check_learnable_sink(learnable_sink, q.shape[2])
+    num_splits = validate.check_num_splits(num_splits, q.shape[2])
+    softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
+        q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
+    )
+    seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    validate.check_devices(q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens_tensor,
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                           learnable_sink=learnable_sink, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k_cache, v_cache, k, v, learnable_sink)):
+        raise NotImplementedError("flash-attn4: flash_attn_with_kvcache has no backward; call it under "
+                                  "torch.no_grad() / torch.inference_mode() or on detached tensors")
+    if cache_seqlens is not None and seqlens_tensor is None:
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                               cache_leftpad, learnable_sink, softmax_scale, softcap, causal, left, right, num_splits,
+                               bool(return_softmax_lse), bool(rotary_interleaved))
+    return (out, lse) if return_softmax_lse else out

@@ -71,11 +71,12 @@ def _outside_dynamo(fn: Callable) -> Callable:
     return run
 
 
-def _define_op(fn: Callable):
-    """Define an op named and typed like ``fn`` (functional: it mutates none of its arguments) in
-    this build's namespace, with ``fn`` as its implementation on every device; returns the op."""
+def _define_op(fn: Callable, mutates_args: tuple = ()):
+    """Define an op named and typed like ``fn`` (functional unless ``mutates_args`` names the
+    arguments it writes in place) in this build's namespace, with ``fn`` as its implementation on
+    every device; returns the op."""
     name = fn.__name__
-    _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
     _LIBRARY.impl(name, _outside_dynamo(fn), "CompositeExplicitAutograd")
     return getattr(getattr(torch.ops, _NAMESPACE), name).default
 
@@ -153,6 +154,16 @@ def fwd(
     num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     del deterministic  # for the backward (autograd saves the inputs)
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                    window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+             window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
+             check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """fwd's implementation, shared with fwd_kvcache. ``check_values=False`` skips the opt-in varlen
+    value check (the KV-cache op checks its own metadata: its cu_seqlens_k are cache row offsets,
+    which need not increase)."""
     varlen = cu_seqlens_q is not None
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -174,22 +185,24 @@ def fwd(
                                  window_right, flags)
     if num_splits > 1:
         _split_kv_forward(num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                          softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags)
+                          softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags,
+                          check_values=check_values)
         return out, lse
     kernel = _kernel_for(q, v, **flags)
     _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
-                    softcap, window_left, window_right, max_seqlen_q)
+                    softcap, window_left, window_right, max_seqlen_q, check_values)
     return out, lse
 
 
-def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q):
+def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q,
+                   check_values: bool = True):
     """The inputs as the kernels take them: layout fixes (copies only where a stride or alignment
     needs one) and the optional varlen value check."""
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
     if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
         cu_seqlens_k = cu_seqlens_k.contiguous()
-        if (settings.check_cu_seqlens()
+        if (check_values and settings.check_cu_seqlens()
                 and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
             validate.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                          seqused_k)
@@ -201,12 +214,12 @@ def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sin
 
 
 def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                    softmax_scale, softcap, window_left, window_right, max_seqlen_q) -> None:
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values: bool = True) -> None:
     """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller; for a split-KV
     kernel its float32 partials) on the current stream of q's device. ``fwd`` and the first-use
     self-check (selfcheck.py) both launch through here."""
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = _kernel_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values)
     with _device_guard(q.device):
         kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
@@ -254,7 +267,8 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
 
 
 def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                      softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags: dict) -> None:
+                      softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags: dict,
+                      check_values: bool = True) -> None:
     """out, lse through the split-KV kernel's float32 partials (ForwardConfig.split_kv) and the
     combine kernel, which adds a learnable sink to the denominator once (the splits leave it out)."""
     out_partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
@@ -264,7 +278,7 @@ def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         lse_partial.fill_(float("inf"))
     kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
     _launch_forward(kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
-                    softmax_scale, softcap, window_left, window_right, max_seqlen_q)
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values)
     learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
     with _device_guard(q.device):
         if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
@@ -570,3 +584,135 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd(fwd, _backward, setup_context=_setup_context)
+
+
+# ---- KV cache (flash_attn_with_kvcache) ----
+
+
+def _packed_cache(cache: torch.Tensor) -> torch.Tensor:
+    """(b_cache, s_cache, h, d) as the varlen kernel's packed (b_cache * s_cache, h, d) keys: a view when
+    the batch stride is s_cache times the row stride (a contiguous cache, or any head/dim permutation
+    within a row), else a copy (correct, since the append has already happened, but it reads and
+    writes the whole cache on every call)."""
+    b_cache, s_cache = cache.shape[0], cache.shape[1]
+    return cache.reshape(b_cache * s_cache, *cache.shape[2:])
+
+
+def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
+                      cache_seqlens: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
+                      cache_leftpad: Optional[torch.Tensor]):
+    """The varlen kernel's metadata for a KV-cache call, computed on the device without a sync:
+    (rows, cu_seqlens_q, cu_seqlens_k, seqused_k). Batch entry b's keys are cache row rows[b]
+    (cache_batch_idx, else b) from position leftpad[b] (0 without cache_leftpad) to
+    cache_seqlens[b] + s_new (s_cache without cache_seqlens), so in the packed cache
+    cu_seqlens_k[b] = rows[b] * s_cache + leftpad[b] and seqused_k[b] = cache_seqlens[b] + s_new -
+    leftpad[b]. cu_seqlens_k[batch] is the packed total: with seqused_k the kernel reads only
+    cu_seqlens_k[b] (seqlen.SeqlenInfo), so the entries need not increase (cache_batch_idx may permute)."""
+    batch, sq, device = q.shape[0], q.shape[1], q.device
+    rows = (torch.arange(batch, dtype=torch.int32, device=device) if cache_batch_idx is None
+            else cache_batch_idx.to(torch.int32))
+    ends = (torch.full((batch,), s_cache, dtype=torch.int32, device=device) if cache_seqlens is None
+            else cache_seqlens + s_new)
+    starts = rows * s_cache
+    seqused_k = ends
+    if cache_leftpad is not None:
+        starts = starts + cache_leftpad
+        seqused_k = ends - cache_leftpad
+    cu_seqlens_k = torch.cat([starts, torch.full((1,), b_cache * s_cache, dtype=torch.int32, device=device)])
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * sq
+    return rows, cu_seqlens_q, cu_seqlens_k, seqused_k.to(torch.int32)
+
+
+def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     rows: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """k_cache[rows[b], cache_seqlens[b] + t] = k[b, t] (and v), in place, as device-side index
+    tensors (no sync: CUDA-graph capturable with cache_seqlens changing between replays). Any layout
+    of the caches; duplicate rows: one of the writers wins (as in FlashAttention)."""
+    batch, s_new = k.shape[0], k.shape[1]
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)
+    row = rows.long()[:, None].expand(batch, s_new)
+    k_cache.index_put_((row, pos), k)
+    v_cache.index_put_((row, pos), v)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+            interleaved: bool) -> torch.Tensor:
+    """x (b, s, h, d) with its first rotary_dim = 2 * cos.shape[1] dims rotated by the angles of rows
+    ``pos`` (b, s) of cos/sin (seqlen_ro, rotary_dim / 2): pairs (2i, 2i + 1) when ``interleaved``
+    (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX); computed in float32, rounded to x's dtype."""
+    half = cos.shape[1]
+    c = cos[pos].float().unsqueeze(2)  # (b, s, 1, half)
+    s = sin[pos].float().unsqueeze(2)
+    xr = x[..., :2 * half].float()
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
+    r1, r2 = x1 * c - x2 * s, x1 * s + x2 * c
+    rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def fwd_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    rotary_cos: Optional[torch.Tensor],
+    rotary_sin: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    cache_batch_idx: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor],
+    learnable_sink: Optional[torch.Tensor],
+    softmax_scale: float,
+    softcap: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    num_splits: int,
+    return_lse: bool,
+    rotary_interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache (arguments checked by validate.check_kvcache; cache_seqlens an int32
+    tensor or None): append k, v to the caches in place, then attend through the varlen forward over
+    the packed cache without copying it (_kvcache_metadata). With rotary_cos/sin (validate.check_kvcache:
+    only with k) the new keys are rotated at positions cache_seqlens + t before the append, q at
+    cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). Returns
+    out (b, sq, hq, dv) and lse (b, hq, sq) float32 when ``return_lse``, else an empty float32 tensor
+    (no transpose copy)."""
+    batch, sq, hq, d = q.shape
+    s_cache = k_cache.shape[1]
+    s_new = 0 if k is None else k.shape[1]
+    positional = causal or window_left >= 0 or window_right >= 0  # q's rotary positions advance per token
+    if (settings.check_cu_seqlens()
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        validate.check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new, k_cache.shape[0],
+                                      s_cache, sq if positional else 1,
+                                      None if rotary_cos is None else rotary_cos.shape[0])
+    rows, cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(q, k_cache.shape[0], s_cache, s_new,
+                                                                    cache_seqlens, cache_batch_idx, cache_leftpad)
+    if rotary_cos is not None:
+        steps = torch.arange(max(sq, s_new), device=q.device)
+        start = cache_seqlens.long()[:, None]
+        k = _rotary(k, rotary_cos, rotary_sin, start + steps[:s_new], rotary_interleaved)
+        q_pos = start + steps[:sq] if positional else start.expand(batch, sq)
+        q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+    if k is not None and k.numel():
+        _append_to_cache(k_cache, v_cache, k, v, rows, cache_seqlens)
+    out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
+                        cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                        window_left, window_right, sq, s_cache, num_splits, check_values=False)
+    out = out.view(batch, sq, hq, v_cache.shape[-1])
+    if not return_lse:
+        return out, lse.new_empty((0,))
+    return out, lse.view(hq, batch, sq).transpose(0, 1).contiguous()  # (hq, total_q) -> (b, hq, sq)
+
+
+fwd_kvcache = _define_op(fwd_kvcache, mutates_args=("k_cache", "v_cache"))
+
+
+@torch.library.register_fake(fwd_kvcache)
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, learnable_sink, softmax_scale, softcap, causal, window_left, window_right,
+                      num_splits, return_lse, rotary_interleaved):
+    batch, sq, hq, _ = q.shape
+    lse_shape = (batch, hq, sq) if return_lse else (0,)
+    return q.new_empty((batch, sq, hq, v_cache.shape[-1])), q.new_empty(lse_shape, dtype=torch.float32)

@@ -12,7 +12,9 @@ variable                            default    effect
                                                kernels on disk (the in-process cache stays on)
 ``FLASH_ATTN4_CHECK_CU_SEQLENS``    ``0``      ``1``: check the *values* of cu_seqlens (start at 0,
                                                non-decreasing, end at the total) and seqused_k (within
-                                               range) on every varlen call. Costs a device sync per
+                                               range) on every varlen call, and flash_attn_with_kvcache's
+                                               cache_seqlens/cache_batch_idx/cache_leftpad (in range of
+                                               the cache, before the append). Costs a device sync per
                                                call; skipped while a CUDA graph is being captured.
                                                Shape, dtype and device are always checked (free).
 ``FLASH_ATTN4_LOG_LEVEL``           (unset)    level of the ``flash_attn4`` logger (``DEBUG``, ``INFO``,

@@ -339,3 +339,123 @@ def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, 
     bad = [n for n, good in zip(names, ok) if not good]
     if bad:
         raise ValueError("malformed varlen metadata: " + "; ".join(bad))
+
+
+# ---- flash_attn_with_kvcache ----
+
+MAX_PACKED_ROWS = 2 ** 31 - 1  # the kernel's packed-row offsets are int32
+
+
+def _check_index_vector(name: str, t, batch: int) -> None:
+    check_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype torch.int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != batch:
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {_shape(t)}")
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos=None,
+                  rotary_sin=None) -> None:
+    """Shapes, dtypes and (for an int cache_seqlens) the fill level for flash_attn_with_kvcache:
+    q (b, sq, hq, d), k_cache (b_cache, s_cache, hk, d), v_cache (b_cache, s_cache, hk, dv), new k
+    (b, s_new, hk, d) and v (b, s_new, hk, dv) (both or neither), cache_seqlens None, an int or int32
+    (b,), cache_batch_idx and cache_leftpad int32 (b,), rotary_cos/sin (seqlen_ro, rotary_dim / 2)
+    floating, both or neither, only with k, rotary_dim <= d. Metadata only (no sync)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {_shape(t)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q has dtype {q.dtype}; supported: torch.bfloat16, torch.float16")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share one dtype")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache must match k_cache in (batch, seqlen, heads): k_cache {_shape(k_cache)}, "
+                         f"v_cache {_shape(v_cache)}")
+    if k_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k_cache must have the head_dim of q: q {_shape(q)}, k_cache {_shape(k_cache)}")
+    _check_heads(q.shape[2], k_cache.shape[2])
+    check_head_dims(q.shape[-1], v_cache.shape[-1])
+    batch, b_cache, s_cache = q.shape[0], k_cache.shape[0], k_cache.shape[1]
+    if b_cache * s_cache > MAX_PACKED_ROWS:
+        raise ValueError(f"k_cache has {b_cache} x {s_cache} rows; at most {MAX_PACKED_ROWS} are supported")
+    if cache_batch_idx is None and b_cache != batch:
+        raise ValueError(f"k_cache has batch {b_cache} but q has {batch}; pass cache_batch_idx to select "
+                         f"cache rows")
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together")
+    s_new = 0
+    if k is not None:
+        for name, t, dim in (("k", k, k_cache.shape[-1]), ("v", v, v_cache.shape[-1])):
+            check_tensor(name, t)
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (batch, seqlen_new, heads, head_dim), got shape {_shape(t)}")
+            if t.dtype != q.dtype:
+                raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+            if t.shape[0] != batch or t.shape[2] != k_cache.shape[2] or t.shape[3] != dim:
+                raise ValueError(f"{name} must have shape (batch, seqlen_new, kv_heads, head_dim) = "
+                                 f"({batch}, seqlen_new, {k_cache.shape[2]}, {dim}), got {_shape(t)}")
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"k and v must have the same number of new tokens: k {_shape(k)}, v {_shape(v)}")
+        s_new = k.shape[1]
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when k and v are given (where to append them)")
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        if not _is_int(cache_seqlens):
+            raise ValueError(f"cache_seqlens must be an int or an int32 tensor (batch,), got {cache_seqlens!r}")
+        if cache_seqlens < 0 or cache_seqlens + s_new > s_cache:
+            raise ValueError(f"cache_seqlens ({cache_seqlens}) + new tokens ({s_new}) must be in [0, "
+                             f"s_cache = {s_cache}]")
+    elif cache_seqlens is not None:
+        _check_index_vector("cache_seqlens", cache_seqlens, batch)
+    if cache_batch_idx is not None:
+        _check_index_vector("cache_batch_idx", cache_batch_idx, batch)
+    if cache_leftpad is not None:
+        _check_index_vector("cache_leftpad", cache_leftpad, batch)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin need the new tokens k and v (they rotate q and k)")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            check_tensor(name, t)
+            if t.dim() != 2 or not t.is_floating_point():
+                raise ValueError(f"{name} must be a 2-D floating tensor (seqlen_ro, rotary_dim / 2), got "
+                                 f"{t.dtype} {_shape(t)}")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"rotary_sin must have the shape of rotary_cos {_shape(rotary_cos)}, got "
+                             f"{_shape(rotary_sin)}")
+        if not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1]:
+            raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * rotary_cos.shape[1]} must be in "
+                             f"[2, head_dim = {q.shape[-1]}]")
+
+
+def check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new: int, b_cache: int,
+                         s_cache: int, seqlen_q: int = 0, seqlen_ro=None) -> None:
+    """The values of flash_attn_with_kvcache's int32 metadata, with one device sync (opt-in, like
+    check_varlen_values: FLASH_ATTN4_CHECK_CU_SEQLENS=1): 0 <= cache_seqlens, cache_seqlens + s_new <=
+    s_cache, 0 <= cache_batch_idx < b_cache, 0 <= cache_leftpad <= cache_seqlens (s_cache without
+    cache_seqlens); with rotary (seqlen_ro rows of cos/sin), cache_seqlens + max(seqlen_q, s_new) <= seqlen_ro.
+    Unchecked, values out of range are undefined behaviour (as in FlashAttention)."""
+    conds, names = [], []
+    if cache_seqlens is not None:
+        conds += [(cache_seqlens >= 0).all(), (cache_seqlens + s_new <= s_cache).all()]
+        names += ["cache_seqlens must be >= 0", f"cache_seqlens + {s_new} new tokens must be <= s_cache = {s_cache}"]
+    if cache_batch_idx is not None:
+        conds += [((cache_batch_idx >= 0) & (cache_batch_idx < b_cache)).all()]
+        names += [f"cache_batch_idx must be in [0, {b_cache})"]
+    if cache_leftpad is not None:
+        end = s_cache if cache_seqlens is None else cache_seqlens
+        conds += [((cache_leftpad >= 0) & (cache_leftpad <= end)).all()]
+        names += ["cache_leftpad must be in [0, cache_seqlens]"]
+    if seqlen_ro is not None:
+        conds += [(cache_seqlens + max(seqlen_q, s_new) <= seqlen_ro).all()]
+        names += [f"cache_seqlens + {max(seqlen_q, s_new)} rotary positions must be <= rotary_cos.shape[0] = "
+                  f"{seqlen_ro}"]
+    if not conds:
+        return
+    ok = torch.stack([c.reshape(()) for c in conds]).cpu().tolist()  # the one sync
+    bad = [n for n, good in zip(names, ok) if not good]
+    if bad:
+        raise ValueError("malformed KV-cache metadata: " + "; ".join(bad))
