@@ -48,10 +48,10 @@ class RefBackend:
 
     def flash_attn_func(self, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                         learnable_sink=None, dropout_p=0.0, alibi_slopes=None, deterministic=False,
-                        return_lse=False, return_attn_probs=False, num_splits=1):
+                        return_lse=False, return_attn_probs=False):
         assert q.dim() == 4 and k.dim() == 4, "flash_attn_func takes (batch, seqlen, heads, head_dim)"
         assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
-        self.calls.append(dict(fn="dense", q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+        self.calls.append(dict(fn="dense", q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal,
                                window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink))
         out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                softcap=softcap, learnable_sink=learnable_sink)
@@ -60,10 +60,8 @@ class RefBackend:
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                                seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, learnable_sink=None, dropout_p=0.0,
-                               alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False,
-                               num_splits=1):
+                               alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False):
         assert q.dim() == 3 and k.dim() == 3, "flash_attn_varlen_func takes (total, heads, head_dim)"
-        assert num_splits == 0, "the adapter lets the heuristic split decoding's keys"
         assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
         assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
         self.calls.append(dict(fn="varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q.clone(),
@@ -207,7 +205,6 @@ def test_dense_layout_gqa_and_values(backend, hq, hk, causal):
     assert torch.equal(call["k"], k.transpose(1, 2))
     assert call["causal"] is causal and call["window_size"] == (-1, -1)
     assert call["softmax_scale"] == 0.3 and call["softcap"] == 0.0 and call["learnable_sink"] is None
-    assert call["num_splits"] == 0  # the split-KV heuristic decides (decoding with a long cache splits)
     allowed = _causal_allowed(b, s, s) if causal else torch.ones(b, s, s, dtype=torch.bool)
     torch.testing.assert_close(out, _sdpa(q, k, v, allowed, scale=0.3), atol=1e-5, rtol=1e-5)
 

@@ -268,9 +268,6 @@ def attention_forward(
         window_size=window,
         softcap=float(softcap) if softcap else 0.0,
         learnable_sink=s_aux.float() if s_aux is not None else None,
-        # Split the keys across CTAs where the problem's tiles alone would leave SMs idle (decoding
-        # with a long cache); the heuristic keeps 1 wherever the tiles fill the GPU.
-        num_splits=0,
     )
     fa = _backend()
 
