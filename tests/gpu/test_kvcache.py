@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from flash_attn4 import compile_cache, flash_attn_with_kvcache, ops
-from tests.gpu.helpers import DEVICE, rand, seed_from_urandom
+from tests.gpu.helpers import DEVICE, rand
 from tests.gpu.test_fwd import check
 
 pytestmark = pytest.mark.gpu
@@ -28,14 +28,8 @@ pytestmark = pytest.mark.gpu
 RATIOS = {1: (4, 4), 4: (8, 2), 8: (16, 2)}  # GQA ratio -> (hq, hk)
 
 
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_poison_outputs_for_tests", True)
-
-
-@pytest.fixture
-def seed():
-    return seed_from_urandom()
+# The forward grid's fixtures: outputs poisoned before every launch, a fresh printed seed.
+from tests.gpu.test_fwd import poison_outputs, seed  # noqa: E402,F401
 
 
 def i32(values):
