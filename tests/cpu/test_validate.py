@@ -4,6 +4,7 @@ before the device check, and the device check itself is exercised with CPU tenso
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,10 +244,31 @@ def test_learnable_sink(sink):
         flash_attn_func(q, k, v, learnable_sink=sink)
 
 
-@pytest.mark.parametrize("causal", ["yes", 2, None, 0.5])
+@pytest.mark.parametrize("causal", ["yes", "no", 2, None, 0.5])
 def test_causal_must_be_bool(causal):
-    with pytest.raises(ValueError, match="^causal must be a bool"):
+    with pytest.raises(TypeError, match="^causal must be a bool"):
         validate.canonical_mask(causal, -1, -1)
+
+
+@pytest.mark.parametrize("value,expected", [(True, True), (False, False), (np.bool_(True), True),
+                                            (np.bool_(False), False), (torch.tensor(True), True),
+                                            (torch.tensor([False]), False), (1, True), (0, False)])
+def test_flags_accept_python_numpy_and_torch_booleans(value, expected):
+    assert validate.check_flag("causal", value) is expected
+    assert validate.canonical_mask(value, -1, -1)[0] is expected
+
+
+@pytest.mark.parametrize("name", ["deterministic", "return_lse"])
+@pytest.mark.parametrize("value", ["no", "False", None, 2, torch.tensor([True, False])])
+def test_boolean_options_of_the_public_functions_reject_other_types(name, value):
+    """deterministic="no" used to mean True (Python truthiness): now a TypeError naming the option,
+    before any other check (these tensors are on the CPU)."""
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=f"^{name} must be a bool"):
+        flash_attn_func(q, k, v, **{name: value})
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(TypeError, match=f"^{name} must be a bool"):
+        flash_attn_varlen_func(q[0], k[0], v[0], cu, torch.tensor([0, 7], dtype=torch.int32), **{name: value})
 
 
 def test_causal_accepts_0_and_1():

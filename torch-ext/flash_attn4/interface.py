@@ -76,6 +76,8 @@ def flash_attn_func(
     joins the denominator once, in the combine); gradients run the usual backward from it.
     """
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    deterministic = validate.check_flag("deterministic", deterministic)
+    return_lse = validate.check_flag("return_lse", return_lse)
     validate.check_batched(q, k, v)
     validate.check_learnable_sink(learnable_sink, q.shape[2])
     num_splits = validate.check_num_splits(num_splits, q.shape[2])
@@ -84,7 +86,7 @@ def flash_attn_func(
     )
     validate.check_devices(q, k=k, v=v, learnable_sink=learnable_sink)
     out, lse = ops.fwd(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
-                       q.shape[1], k.shape[1], bool(deterministic), num_splits)
+                       q.shape[1], k.shape[1], deterministic, num_splits)
     return (out, lse) if return_lse else out
 
 
@@ -125,6 +127,8 @@ def flash_attn_varlen_func(
     raises NotImplementedError. The backward has the head-dim limits of :func:`flash_attn_func`'s.
     """
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q)
+    deterministic = validate.check_flag("deterministic", deterministic)
+    return_lse = validate.check_flag("return_lse", return_lse)
     validate.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     batch = cu_seqlens_q.shape[0] - 1
     validate.check_seqused_k(seqused_k, batch)
@@ -142,7 +146,7 @@ def flash_attn_varlen_func(
     if max_k is None:
         max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
     out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                       causal, left, right, max_q, max_k, bool(deterministic), num_splits)
+                       causal, left, right, max_q, max_k, deterministic, num_splits)
     return (out, lse) if return_lse else out
 
 
@@ -238,5 +242,6 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                cache_leftpad, learnable_sink, softmax_scale, softcap, causal, left, right, num_splits,
-                               bool(return_softmax_lse), bool(rotary_interleaved))
+                               validate.check_flag("return_softmax_lse", return_softmax_lse),
+                               validate.check_flag("rotary_interleaved", rotary_interleaved))
     return (out, lse) if return_softmax_lse else out

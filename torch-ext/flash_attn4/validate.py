@@ -199,15 +199,28 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     return softmax_scale
 
 
+def check_flag(name: str, value) -> bool:
+    """A boolean option as a Python bool: True/False, NumPy's bool_, a one-element bool tensor, or
+    the integers 0 and 1; anything else (a string such as "no", None, 2, 0.5) is a TypeError naming
+    the argument, since Python's truthiness would silently read "no" as True."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() == 1:
+        return bool(value.item())
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
+
+
 def canonical_mask(causal: bool, window_left: int, window_right: int) -> tuple[bool, bool, int, int]:
     """(causal, local, left, right) in the kernel's terms.
 
     causal forces right = 0. No bound on either side: no mask. Unbounded left with right = 0: causal.
     Anything else: local (a -1 side stays unbounded).
     """
-    if not (isinstance(causal, bool) or (isinstance(causal, numbers.Integral) and causal in (0, 1))):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
-    causal = bool(causal)
+    causal = check_flag("causal", causal)
     if causal:
         window_right = 0
     if window_left < 0 and window_right < 0:
