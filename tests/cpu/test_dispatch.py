@@ -237,3 +237,12 @@ def test_forward_config_packs_gqa_where_the_kernel_can():
     assert [pack(g) for g in (1, 2, 4, 8, 32, 64)] == [1, 2, 4, 8, 32, 64]
     assert pack(3) == pack(6) == pack(128) == 1
     assert pack(4, varlen=True) == 4 and pack(3, varlen=True) == 1
+
+
+@pytest.mark.parametrize("arch,d,dv", [(Arch.SM90, 64, 8), (Arch.SM100, 8, 8), (Arch.SM103, 64, 8)])
+def test_head_dims_no_kernel_implements_are_refused_by_dispatch(arch, d, dv):
+    """Before any compile or launch: the arch's rules name the head dim and the target."""
+    with pytest.raises(NotImplementedError, match=f"{arch.value[:6]}.*head") as info:
+        dispatch.forward_config(arch, "bfloat16", d, dv, causal=False, local=False, has_softcap=False, varlen=False,
+                                has_seqused_k=False, has_sink=False)
+    assert str(dv) in str(info.value)

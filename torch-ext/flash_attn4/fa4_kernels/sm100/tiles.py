@@ -89,8 +89,8 @@ def check_forward(cfg) -> None:
         raise ValueError(f"sm100 forward: tiles are {TILE_M * q_tiles} x {TILE_N} at head_dim_v {cfg.head_dim_v}, "
                          f"got {cfg.tile_m} x {cfg.tile_n}")
     if cfg.head_dim < 16 or cfg.head_dim_v < 16:
-        raise NotImplementedError(f"sm100 forward: head dims below 16 (one 16-column MMA step) are not implemented, "
-                                  f"got {cfg.head_dim}/{cfg.head_dim_v}")
+        raise NotImplementedError(f"{cfg.arch.value} forward: head dims below 16 (one 16-column MMA step) are not "
+                                  f"implemented, got {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.num_stages < MIN_KV_STAGES:
         # The MMA warp holds K_j while it waits for V_(j-1), the next stage of the ring: with one
         # stage the loader can never bring V_(j-1) (tests/cpu/test_sm100_protocol.py).

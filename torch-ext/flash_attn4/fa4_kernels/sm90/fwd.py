@@ -78,9 +78,6 @@ class FlashAttentionForwardSm90:
     def __init__(self, cfg: ForwardConfig):
         if cfg.tile_m not in (128, 192):
             raise ValueError(f"sm90 forward: tile_m must be 128 or 192 (64 rows per consumer warpgroup), got {cfg.tile_m}")
-        if cfg.head_dim_v < 16:
-            # An 8-column WGMMA accumulator has no column-group mode for the row views to split.
-            raise NotImplementedError(f"sm90 forward: head_dim_v must be at least 16, got {cfg.head_dim_v}")
         if cfg.tile_n % 16 != 0:
             raise ValueError(f"sm90 forward: tile_n must be a multiple of 16, got {cfg.tile_n}")
         self.cfg = cfg

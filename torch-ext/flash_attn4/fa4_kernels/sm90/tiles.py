@@ -113,7 +113,12 @@ BACKWARD_KERNEL_SET = (
 
 
 def check_forward(cfg) -> None:
-    """ValueError for a ForwardConfig the sm90 forward cannot build (run by ForwardConfig)."""
+    """ValueError for a ForwardConfig the sm90 forward cannot build (run by ForwardConfig);
+    NotImplementedError for a problem class it does not implement, so that dispatch refuses it
+    before anything compiles or launches."""
+    if cfg.head_dim_v < 16:
+        # An 8-column WGMMA accumulator has no column-group mode for the row views to split.
+        raise NotImplementedError(f"sm_90a forward: head_dim_v below 16 is not implemented, got {cfg.head_dim_v}")
     if 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off; TMA boxes of whole tokens in 64-row warpgroup "
                          f"tiles), got {cfg.pack_gqa}")
