@@ -384,3 +384,20 @@ def test_varlen_value_check_rejects(case, needle):
         used = torch.tensor([4, 3, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         validate.check_varlen_values(cu_q, cu_k, total_q, total_k, max_q, used)
+
+
+def test_float32_inputs_say_what_to_do():
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"q has dtype torch.float32.*load it in bfloat16 or float16"):
+        flash_attn_func(q, k, v)
+
+
+def test_the_package_docstring_names_a_register_call_that_works():
+    """The docstring's way to register with transformers works without the submodule imported before."""
+    import flash_attn4
+
+    assert "from flash_attn4 import transformers_adapter; transformers_adapter.register()" in " ".join(
+        flash_attn4.__doc__.split())
+    from flash_attn4 import transformers_adapter
+
+    assert callable(transformers_adapter.register)

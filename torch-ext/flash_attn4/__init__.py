@@ -1,4 +1,5 @@
-"""flash-attn4: FlashAttention-4 forward kernels (CuTe DSL) for Hopper and Blackwell, as a torch layer.
+"""flash-attn4: FlashAttention-4 attention kernels (CuTe DSL) as a torch layer: forward and backward on
+Hopper (sm_90), forward on Blackwell (sm_100, sm_103; compiled and self-checked, not run by us).
 
 Public API: :func:`flash_attn_func`, :func:`flash_attn_varlen_func` and :func:`flash_attn_with_kvcache`
 (FlashAttention-compatible), and :func:`flash_attn_combine` (merging partial attention over disjoint
@@ -6,9 +7,9 @@ key sets).
 Environment overrides are documented in ``settings``.
 
 transformers: when transformers is already imported, importing this package registers
-``attn_implementation="fa4"`` (see ``transformers_adapter``); otherwise call
-``flash_attn4.transformers_adapter.register()`` - importing transformers here would cost every user
-of the plain functions seconds.
+``attn_implementation="fa4"`` (see ``transformers_adapter``); otherwise
+``from flash_attn4 import transformers_adapter; transformers_adapter.register()`` (the submodule is
+not imported here: importing transformers would cost every user of the plain functions seconds).
 """
 
 import sys as _sys

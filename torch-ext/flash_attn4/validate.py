@@ -45,7 +45,9 @@ def check_tensor(name: str, t) -> None:
 
 def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q has dtype {q.dtype}; supported: torch.bfloat16, torch.float16")
+        hint = (" (a float32 model: load it in bfloat16 or float16, e.g. from_pretrained(..., dtype=torch.bfloat16),"
+                " or cast the inputs)" if q.dtype == torch.float32 else "")
+        raise ValueError(f"q has dtype {q.dtype}; supported: torch.bfloat16, torch.float16{hint}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
@@ -379,7 +381,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {_shape(t)}")
     if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q has dtype {q.dtype}; supported: torch.bfloat16, torch.float16")
+        hint = (" (a float32 model: load it in bfloat16 or float16, e.g. from_pretrained(..., dtype=torch.bfloat16),"
+                " or cast the inputs)" if q.dtype == torch.float32 else "")
+        raise ValueError(f"q has dtype {q.dtype}; supported: torch.bfloat16, torch.float16{hint}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share one dtype")
