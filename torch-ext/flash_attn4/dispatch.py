@@ -147,8 +147,16 @@ def num_splits_heuristic(*, batch: int, num_heads: int, num_heads_kv: int, seqle
     if tiles == 0 or tiles >= FULL_SHARE * num_sms:
         return 1
     del num_heads_kv  # the packed tiles' heads: num_heads // pack_gqa (one per KV head when packed)
+    return _fullest_split(tiles, min(max_splits, num_sms, n_blocks), num_sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fullest_split(tiles: int, max_count: int, num_sms: int) -> int:
+    """The smallest split count in [1, max_count] whose wave efficiency is within NEAR_BEST of the
+    best. Cached: it is evaluated on every call that asks for num_splits=0, and a decode loop's
+    arguments stay the same from step to step once its KV blocks outnumber the cap."""
     efficiency = {}
-    for s in range(1, min(max_splits, num_sms, n_blocks) + 1):
+    for s in range(1, max_count + 1):
         waves = tiles * s / num_sms
         efficiency[s] = waves / math.ceil(waves)
     best = max(efficiency.values())
