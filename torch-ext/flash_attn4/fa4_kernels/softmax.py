@@ -137,9 +137,15 @@ class OnlineSoftmax:
         return shift
 
     @cute.jit
-    def update_sum(self, probs: list, row_scale: cute.Tensor):
+    def update_sum(self, probs: list, row_scale: cute.Tensor, block_sums: list = None):
+        """row_sum = row_sum * row_scale + this block's sum, per row. ``block_sums``: the block's
+        per-thread row sums where the kernel has added them itself (sm100's packed partial sums),
+        else reduced here from ``probs``."""
         for r in cutlass.range_constexpr(self.num_rows):
-            block_sum = _tree_reduce(probs[r], _add)
+            if cutlass.const_expr(block_sums is None):
+                block_sum = _tree_reduce(probs[r], _add)
+            else:
+                block_sum = block_sums[r]
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + block_sum
 
     @cute.jit

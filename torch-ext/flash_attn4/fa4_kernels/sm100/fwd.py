@@ -601,7 +601,7 @@ class FlashAttentionForwardSm100:
         block_sum = row_sums_total(sums)
         cute.arch.fence_view_async_tmem_store()  # P is in TMEM before the MMA may read it
         pipes.s.consumer_release(s_state)
-        softmax.row_sum[0] = softmax.row_sum[0] * row_scale[0] + block_sum
+        softmax.update_sum(None, row_scale, block_sums=[block_sum])
 
     @cute.jit
     def sink_logit(self, mSink, head, row):
