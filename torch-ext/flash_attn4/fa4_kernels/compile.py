@@ -59,20 +59,34 @@ def _fake_vector(dtype):
     return make_fake_tensor(dtype, (cute.sym_int(),), (1,), assumed_align=4)
 
 
+def _fake_page_table():
+    """int32 (batch, max_pages), row-major."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()), (cute.sym_int(64), 1), assumed_align=4)
+
+
 def _fake_tensors(cfg: ForwardConfig):
     import cutlass
 
     dtype = _cutlass_dtype(cfg.dtype)
     lead = 2 if cfg.varlen else 3  # (total, h) or (b, s, h)
-    q, k, v = (_fake_tokens(dtype, lead, dim) for dim in (cfg.head_dim, cfg.head_dim, cfg.head_dim_v))
+    q = _fake_tokens(dtype, lead, cfg.head_dim)
+    kv_lead = 3 if cfg.page_size else lead  # a paged cache: (num_pages, page_size, h)
+    k, v = (_fake_tokens(dtype, kv_lead, dim) for dim in (cfg.head_dim, cfg.head_dim_v))
     # Split-KV: float32 partials with a leading split mode (ForwardConfig.split_kv).
     split = 1 if cfg.split_kv else 0
     o = _fake_tokens(cutlass.Float32 if cfg.split_kv else dtype, lead + split, cfg.head_dim_v)
     lse = _fake_rows((1 if cfg.varlen else 2) + split, padded=False)
     cu_q, cu_k = (_fake_vector(cutlass.Int32), _fake_vector(cutlass.Int32)) if cfg.varlen else (None, None)
+    if cfg.page_size:
+        cu_k = None  # the lengths are seqused_k; the page table says where the keys are
     seqused_k = _fake_vector(cutlass.Int32) if cfg.has_seqused_k else None
+    page_table = _fake_page_table() if cfg.page_size else None
     sink = _fake_vector(cutlass.Float32) if cfg.has_sink else None
-    return q, k, v, o, lse, cu_q, cu_k, seqused_k, sink
+    return q, k, v, o, lse, cu_q, cu_k, seqused_k, page_table, sink
 
 
 def _compile(kernel, *args, arch: Arch, jit_engine: bool):

@@ -83,7 +83,7 @@ class ForwardConfig(_KernelConfig):
     Kernel call convention (the compiled function, called with torch tensors through TVM-FFI on the
     current CUDA stream):
 
-        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
            softmax_scale, softcap, window_left, window_right, max_seqlen_q)
 
     batched (``varlen=False``): q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv),
@@ -91,6 +91,9 @@ class ForwardConfig(_KernelConfig):
     varlen (``varlen=True``): q (total_q, hq, d), k (total_k, hk, d), v (total_k, hk, dv),
         out (total_q, hq, dv), lse (hq, total_q); cu_seqlens_q/k int32 (b + 1,).
     seqused_k: int32 (b,) or None (``has_seqused_k``); learnable_sink: float32 (hq,) or None.
+    paged (``page_size`` > 0, varlen queries): k (num_pages, page_size, hk, d), v (num_pages,
+        page_size, hk, dv), page_table int32 (b, max_pages), cu_seqlens_k None, seqused_k the key
+        lengths (fa4_kernels/paged_kv.py); page_table is None otherwise.
     softmax_scale, softcap: float (softcap used only when ``has_softcap``);
     window_left/right: int (used only when ``local``; -1 means unbounded on that side);
     max_seqlen_q: int (grid size; for batched inputs it is sq).
@@ -158,11 +161,16 @@ class ForwardConfig(_KernelConfig):
     # per = ceil((n_max - n_min) / num_splits); an empty split writes O = 0 and LSE = -inf. Only for
     # an arch whose rules say it has split-KV (``FORWARD_SPLIT_KV`` in its tiles.py).
     split_kv: bool = False
+    # Paged KV cache (fa4_kernels/paged_kv.py): 0, K and V are contiguous; N > 0, they are pages of N
+    # keys read through a page table. A compile-time size: it shapes the TMA boxes of a K/V tile.
+    page_size: int = 0
 
     def __post_init__(self):
         self._check_common()
         if self.split_kv:
             self._check_split_kv()
+        if self.page_size:
+            self._check_paged()
         if self.pack_gqa < 1:
             raise ValueError(f"pack_gqa must be >= 1 (1: off), got {self.pack_gqa}")
         if not 0 <= self.exp2_emulated_eighths <= 8:
@@ -170,6 +178,16 @@ class ForwardConfig(_KernelConfig):
         if self.persistent_ctas < 0:
             raise ValueError(f"persistent_ctas must be >= 0 (0: one CTA per tile), got {self.persistent_ctas}")
         self._check_arch("check_forward")
+
+    def _check_paged(self) -> None:
+        if self.page_size < 0 or self.page_size % 16:
+            # A TMA box of a K/V tile is gcd(tile_n, page_size) rows, whole 16-row MMA steps.
+            raise ValueError(f"page_size must be a positive multiple of 16, got {self.page_size}")
+        if not (self.varlen and self.has_seqused_k):
+            raise ValueError("a paged KV cache takes varlen queries (cu_seqlens_q) and its lengths as seqused_k: "
+                             "page_size > 0 needs varlen=True and has_seqused_k=True")
+        if self.persistent_ctas:
+            raise ValueError("a paged KV cache runs one CTA per tile: persistent_ctas must be 0")
 
     def _check_split_kv(self) -> None:
         entry = KERNELS.get(self.arch)

@@ -100,6 +100,9 @@ def check_forward(cfg) -> None:
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off), got {cfg.pack_gqa}")
+    if cfg.page_size:
+        raise NotImplementedError(f"{cfg.arch.value} forward: a paged KV cache is not implemented yet (page_size="
+                                  f"{cfg.page_size}); it runs on sm_90a")
     for name in ("tma_store_o", "rescale_o_before_pv", "whole_k_gemms", "persistent_ctas"):
         if getattr(cfg, name):
             raise ValueError(f"sm100 forward: {name} is a Hopper schedule switch; the sm100 kernel has no such "

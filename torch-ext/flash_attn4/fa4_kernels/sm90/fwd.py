@@ -52,6 +52,7 @@ from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..layouts import last_mode_slice, pack_query_heads, tma_partition_tile, transpose_view
 from ..mask import AttentionMask
+from ..paged_kv import PagedKV, kernel_view, rows_per_copy
 from ..pipelines import advanced
 from ..scheduler import KVSplits, TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
@@ -109,6 +110,7 @@ class FlashAttentionForwardSm90:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],  # (b, max_pages) int32 with a paged cache (cfg.page_size)
         mSink: Optional[cute.Tensor],
         softmax_scale: Float32,
         softcap: Float32,
@@ -130,7 +132,11 @@ class FlashAttentionForwardSm90:
         # (split-KV partials: (..., split)).
         split_mode = [cute.rank(mQ)] if cutlass.const_expr(cfg.split_kv) else []
         if cutlass.const_expr(cfg.varlen):
-            mQ, mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK, mV)]
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
+            if cutlass.const_expr(cfg.page_size > 0):
+                mK, mV = kernel_view(mK), kernel_view(mV)  # (page_size, d, hk, page)
+            else:
+                mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mK, mV)]
             mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1] + split_mode))
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + [m - 1 for m in split_mode]))
             num_batch = mCuSeqlensQ.shape[0] - 1
@@ -169,10 +175,14 @@ class FlashAttentionForwardSm90:
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.hdim_tile))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim_tile), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdim_v_tile), 1)
+        # A K/V tile is one TMA box, or with a paged cache several, each within one page.
+        kv_rows, sK_box, sV_box = self.tile_n, cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
+        if cutlass.const_expr(cfg.page_size > 0):
+            kv_rows = rows_per_copy(self.tile_n, cfg.page_size)
+            sK_box, sV_box = (smem_layout(self.dtype, kv_rows, self.hdim_tile),
+                              smem_layout(self.dtype, kv_rows, self.hdim_v_tile))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, sK_box, (kv_rows, self.hdim_tile), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_box, (kv_rows, self.hdim_v_tile), 1)
         # tma_store_o: one (64, dv) slab per consumer warpgroup, each its own TMA box, and a
         # one-warpgroup view of the P @ V MMA for the stmatrix copy out of its accumulator.
         sO_layout = smem_layout(self.dtype, 64, self.hdim_v_tile, self.num_consumer_wg)
@@ -230,7 +240,7 @@ class FlashAttentionForwardSm90:
                                          num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink,
+            tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSink,
             score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scheduler, splits,
         ).launch(grid=scheduler.grid(), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -246,7 +256,7 @@ class FlashAttentionForwardSm90:
         tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
         tma_atom_O: Optional[cute.CopyAtom], mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedK: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
         score_prescale: Float32, scale_log2: Float32,
         window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
@@ -288,7 +298,7 @@ class FlashAttentionForwardSm90:
         pipes = Pipelines(q=pipe_q, k=pipe_k, v=pipe_v)
         mmas = Mmas(qk=tiled_mma_qk, pv=tiled_mma_pv, o=tiled_mma_o)
         outputs = Outputs(o=mO, lse=mLSE, sink=mSink, tma_atom_o=tma_atom_O)
-        loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV)
+        loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, mPageTable)
         tile_args = (qhead_per_kvhead, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
         warpgroup_idx = warpgroup_index(tidx)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
@@ -357,39 +367,73 @@ class FlashAttentionForwardSm90:
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
-    def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, smem: "SharedTiles", pipes: "Pipelines",
-                tile: "OutputTile", q_state, kv_state):
+    def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, mPageTable, smem: "SharedTiles",
+                pipes: "Pipelines", tile: "OutputTile", q_state, kv_state):
         """Q of the tile, then K_j and V_j from the last visible KV block to the first. Returns the
         pipeline states after them."""
-        seqlen, m_block, head, batch, head_kv = tile.seqlen, tile.m_block, tile.head, tile.batch, tile.head_kv
-        n_block_min, n_block_max = tile.n_block_min, tile.n_block_max
-        sQ, sK, sV = smem.q, smem.k, smem.v
-        pipe_q, pipe_k, pipe_v = pipes.q, pipes.k, pipes.v
+        seqlen, head, batch = tile.seqlen, tile.head, tile.batch
         gQ = cute.local_tile(head_rows(mQ, tile.mask.rows_before(seqlen), head, batch, self.cfg.varlen),
-                             (self.tile_m, self.hdim_tile), (m_block, 0))
+                             (self.tile_m, self.hdim_tile), (tile.m_block, 0))
+        tQsQ, tQgQ = tma_partition_tile(tma_atom_Q, smem.q, gQ)
+        # Q is loaded even when no KV block is visible, so that consumers never special-case it.
+        pipes.q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+        q_state = advanced(q_state)
+        if cutlass.const_expr(self.cfg.page_size > 0):
+            kv_state = self.produce_kv_paged(tma_atom_K, mK, tma_atom_V, mV, mPageTable, smem, pipes, tile, kv_state)
+        else:
+            kv_state = self.produce_kv(tma_atom_K, mK, tma_atom_V, mV, smem, pipes, tile, kv_state)
+        return q_state, kv_state
+
+    @cute.jit
+    def produce_kv(self, tma_atom_K, mK, tma_atom_V, mV, smem: "SharedTiles", pipes: "Pipelines",
+                   tile: "OutputTile", kv_state):
+        """K_j and V_j of contiguous (batched or packed) keys, one TMA box per tile."""
+        seqlen, batch, head_kv = tile.seqlen, tile.batch, tile.head_kv
         gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
                              (self.tile_n, self.hdim_tile), (None, 0))  # (tile_n, d, n_blocks)
         gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, self.cfg.varlen),
                              (self.tile_n, self.hdim_v_tile), (None, 0))
-        tQsQ, tQgQ = tma_partition_tile(tma_atom_Q, sQ, gQ)
-        tKsK, tKgK = tma_partition_tile(tma_atom_K, sK, gK)
-        tVsV, tVgV = tma_partition_tile(tma_atom_V, sV, gV)
-
-        # Q is loaded even when no KV block is visible, so that consumers never special-case it.
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        q_state = advanced(q_state)
-
-        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-            n_block = n_block_max - 1 - i
-            pipe_k.producer_acquire(kv_state)
+        tKsK, tKgK = tma_partition_tile(tma_atom_K, smem.k, gK)
+        tVsV, tVgV = tma_partition_tile(tma_atom_V, smem.v, gV)
+        for i in cutlass.range(tile.n_block_max - tile.n_block_min, unroll=1):
+            n_block = tile.n_block_max - 1 - i
+            pipes.k.producer_acquire(kv_state)
             cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_v.producer_acquire(kv_state)
+                      tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))
+            pipes.v.producer_acquire(kv_state)
             cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                      tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))
             kv_state = advanced(kv_state)
-        return q_state, kv_state
+        return kv_state
+
+    @cute.jit
+    def produce_kv_paged(self, tma_atom_K, mK, tma_atom_V, mV, mPageTable, smem: "SharedTiles",
+                         pipes: "Pipelines", tile: "OutputTile", kv_state):
+        """K_j and V_j of a paged cache: PagedKV.copies boxes per tile, each from the page the page
+        table names (zeros past the sequence's end). V_j's boxes come from K_j's pages."""
+        pages = PagedKV(self.cfg.page_size, self.tile_n, mPageTable, tile.batch)
+        tKsK, tKgK = tma_partition_tile(tma_atom_K, pages.stage_boxes(smem.k),
+                                        pages.head_boxes(mK, tile.head_kv, self.hdim_tile))  # (TMA, box, stage)
+        tVsV, tVgV = tma_partition_tile(tma_atom_V, pages.stage_boxes(smem.v),
+                                        pages.head_boxes(mV, tile.head_kv, self.hdim_v_tile))  # (TMA, in page, page)
+        num_pages = mK.shape[3]
+        for i in cutlass.range(tile.n_block_max - tile.n_block_min, unroll=1):
+            n_block = tile.n_block_max - 1 - i
+            # The page-table reads go first, so that their latency overlaps the wait for a free stage.
+            sources = []
+            for box in cutlass.range_constexpr(pages.copies):
+                sources.append(pages.box_source(n_block, box, tile.seqlen.seqlen_k, num_pages))
+            pipes.k.producer_acquire(kv_state)
+            for box in cutlass.range_constexpr(pages.copies):
+                cute.copy(tma_atom_K, tKgK[None, sources[box][0], sources[box][1]], tKsK[None, box, kv_state.index],
+                          tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))
+            pipes.v.producer_acquire(kv_state)
+            for box in cutlass.range_constexpr(pages.copies):
+                cute.copy(tma_atom_V, tVgV[None, sources[box][0], sources[box][1]], tVsV[None, box, kv_state.index],
+                          tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))
+            kv_state = advanced(kv_state)
+        return kv_state
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit

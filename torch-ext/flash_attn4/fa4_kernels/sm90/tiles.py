@@ -100,6 +100,11 @@ FORWARD_KERNEL_SET = (
     # Split-KV (float32 partials): decoding with GQA packing, and the masks and varlen once.
     dict(split_kv=True, qhead_per_kvhead=4), dict(split_kv=True, causal=True, varlen=True, has_seqused_k=True),
     dict(d=64, dv=64, split_kv=True, local=True),
+    # Paged KV caches: small pages (several TMA boxes per K/V tile) with GQA packing, whole-tile
+    # pages through split-KV, and pages that a d = 256 tile (80 keys) divides into 16-row boxes.
+    dict(varlen=True, has_seqused_k=True, page_size=16, qhead_per_kvhead=4),
+    dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=4, causal=True),
+    dict(d=256, dv=256, varlen=True, has_seqused_k=True, page_size=64),
 )
 # This arch's forward has the split-KV variant (ForwardConfig.split_kv).
 FORWARD_SPLIT_KV = True
