@@ -182,3 +182,34 @@ def partial_attention_ref(q, k, v, keys, *, softmax_scale=None, causal=False, wi
     finite = torch.isfinite(lse)
     probs = torch.where(finite[..., None], torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]), 0.0)
     return torch.einsum("hqk,khd->qhd", probs, vf), lse
+
+
+def unpage(k_cache, v_cache, page_table, seqlens):
+    """A paged cache's keys and values as a packed varlen batch (k, v, cu_seqlens_k): sequence b's
+    first seqlens[b] tokens, token t from row t % page_size of page page_table[b, t // page_size]."""
+    page_size = k_cache.shape[1]
+    ks, vs, lens = [], [], []
+    for b in range(page_table.shape[0]):
+        n = int(seqlens[b])
+        pages = page_table[b, :-(-n // page_size)].long()
+        ks.append(k_cache[pages].flatten(0, 1)[:n])
+        vs.append(v_cache[pages].flatten(0, 1)[:n])
+        lens.append(n)
+    cu = torch.tensor([0] + lens, dtype=torch.int32, device=k_cache.device).cumsum(0, dtype=torch.int32)
+    return torch.cat(ks), torch.cat(vs), cu
+
+
+def random_pages(seqlens, page_size: int, *, spare: int = 3, generator=None):
+    """A shuffled page table for sequences of these lengths: (page_table (b, max_pages) int32,
+    num_pages). Pages in random order across sequences, ``spare`` unused pages among them, and the
+    table's unused entries filled with out-of-range garbage (they must never be read)."""
+    need = [-(-int(n) // page_size) for n in seqlens]
+    max_pages = max(need + [1]) + 1
+    num_pages = sum(need) + spare
+    order = torch.randperm(num_pages, generator=generator)
+    table = torch.full((len(seqlens), max_pages), 10 ** 6, dtype=torch.int32)
+    taken = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[taken:taken + n].to(torch.int32)
+        taken += n
+    return table, num_pages

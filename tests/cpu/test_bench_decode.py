@@ -160,7 +160,7 @@ def test_command_line_delegation_and_dry_run(capsys):
     assert bench.main(["--mode", "decode", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert all(p.name in out for p in bd.PROBLEMS)
-    assert "ours, ours-nosplit, cudnn, sdpa-flash, fa4-upstream" in out
+    assert ", ".join(bd.DECODE_IMPLS) in out and {"ours-paged16", "ours-paged256", "ours-varlen"} <= set(bd.DECODE_IMPLS)
     assert bench.main(["--mode", "decode-model", "--dry-run"]) == 0
     args = bd.parse_args(["--mode", "decode", "--only", "ours,cudnn", "--hbm-tbps", "3.35"])
     assert args.only == ("ours", "cudnn") and args.hbm_tbps == 3.35 and args.rounds == 5
@@ -222,7 +222,9 @@ def _cpu_impls(ref_fn):
 
     return {"ours": (lambda: None, ours(0)), "ours-nosplit": (lambda: None, ours(1)),
             "cudnn": (lambda: None, bd._sdpa("MATH")), "sdpa-flash": (lambda: None, broken),
-            "fa4-upstream": (lambda: "flash_attn.cute not importable", None)}
+            "fa4-upstream": (lambda: "flash_attn.cute not importable", None),
+            **{name: (lambda: "a GPU-only layout (not a CPU stand-in)", None)
+               for name in ("ours-varlen", "ours-paged256", "ours-paged16")}}
 
 
 def test_run_decode_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
@@ -261,7 +263,9 @@ def test_run_decode_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
         assert rows[(p.name, "cudnn")]["max_diff_vs_ours"] < 0.05  # bf16, bottom-right mask where s_q > 1
         assert rows[(p.name, "sdpa-flash")]["status"] == "error"
         assert (p.name, "fa4-upstream") not in rows
-    assert data["meta"]["skipped"] == {"fa4-upstream": "flash_attn.cute not importable"}
+    assert data["meta"]["skipped"] == {"fa4-upstream": "flash_attn.cute not importable",
+                                       **{name: "a GPU-only layout (not a CPU stand-in)"
+                                          for name in ("ours-varlen", "ours-paged256", "ours-paged16")}}
     assert data["meta"]["bytes"] == bd.BYTES_FORMULA
     assert out.with_suffix(".md").read_text().count("| ours |") == len(problems)
     printed = capsys.readouterr().out

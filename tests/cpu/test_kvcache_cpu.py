@@ -15,7 +15,7 @@ import torch
 from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_with_kvcache, validate
 from flash_attn4._ops import add_op_namespace_prefix
 from flash_attn4.fa4_kernels.arch import Arch
-from tests.reference import attention_ref, partial_attention_ref
+from tests.reference import attention_ref, partial_attention_ref, random_pages, unpage
 
 BF16 = torch.bfloat16
 H200_SMS = 132
@@ -26,9 +26,12 @@ def split_stand_in(cfg, calls):
     [cu_k[b], cu_k[b] + seqused_k[b]) of the packed tensor (cu_k[b + 1] is not read); split s takes KV
     blocks [s * per, (s + 1) * per)."""
 
-    def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_k, sink, scale, softcap, left, right, max_seqlen_q):
+    def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_k, page_table, sink, scale, softcap, left, right,
+            max_seqlen_q):
+        if page_table is not None:
+            k, v, cu_k = unpage(k, v, page_table, seqused_k)
         calls.append((cfg, dict(k=k, v=v, cu_q=cu_q.clone(), cu_k=cu_k.clone(), seqused_k=seqused_k.clone(),
-                                max_seqlen_q=max_seqlen_q)))
+                                max_seqlen_q=max_seqlen_q, page_table=page_table)))
         assert cfg.split_kv and cfg.varlen and cfg.has_seqused_k and sink is None
         window = (left, right) if cfg.local else (-1, -1)
         for b in range(cu_q.shape[0] - 1):
@@ -50,10 +53,11 @@ def unsplit_stand_in(cfg, calls):
 
     inner = torch_kernel(cfg, [])
 
-    def run(q, k, v, out, lse, cu_q, cu_k, seqused_k, *rest):
-        calls.append((cfg, dict(k=k, v=v, cu_q=cu_q.clone(), cu_k=cu_k.clone(), seqused_k=seqused_k.clone(),
-                                max_seqlen_q=rest[-1])))
-        inner(q, k, v, out, lse, cu_q, cu_k, seqused_k, *rest)
+    def run(q, k, v, out, lse, cu_q, cu_k, seqused_k, page_table, *rest):
+        packed = (k, v, cu_k) if page_table is None else unpage(k, v, page_table, seqused_k)
+        calls.append((cfg, dict(k=packed[0], v=packed[1], cu_q=cu_q.clone(), cu_k=packed[2].clone(),
+                                seqused_k=seqused_k.clone(), max_seqlen_q=rest[-1], page_table=page_table)))
+        inner(q, k, v, out, lse, cu_q, cu_k, seqused_k, page_table, *rest)
 
     return run
 
@@ -164,8 +168,6 @@ def _bad_cases():
         "window": (dict(window_size=(-2, 0)), ValueError, "window_size"),
         "softcap": (dict(softcap=-1.0), ValueError, "softcap"),
         "sink shape": (dict(learnable_sink=torch.randn(3)), ValueError, "learnable_sink"),
-        "page_table": (dict(page_table=as_i32([[0], [1]])), NotImplementedError, "page_table"),
-        "block_table": (dict(block_table=as_i32([[0], [1]])), NotImplementedError, "block_table"),
         "rotary cos only": (dict(rotary_cos=torch.randn(16, 16)), ValueError, "given together"),
         "rotary without k": (dict(k=None, v=None, rotary_cos=torch.randn(16, 16), rotary_sin=torch.randn(16, 16)),
                              ValueError, "need the new tokens"),
@@ -378,13 +380,18 @@ def test_opcheck(kernels):
     """torch.library.opcheck: schema (the declared mutations and no others), fake vs real, AOT dispatch."""
     q, kc, vc, k, v = problem(b=2, sq=2, s_cache=40, s_new=2, seed=9)
     seq, idx, pad = as_i32([5, 30]), as_i32([1, 0]), as_i32([2, 0])
-    torch.library.opcheck(_op(), (q, kc, vc, k, v, None, None, seq, idx, pad, None, 0.125, 0.0, True, -1, 0, 1, True,
-                                  True))
-    torch.library.opcheck(_op(), (q, kc, vc, None, None, None, None, seq, None, None, torch.randn(8), 0.125, 2.0,
-                                  False, 4, 3, 3, False, True))
+    torch.library.opcheck(_op(), (q, kc, vc, k, v, None, None, seq, idx, pad, None, None, 0.125, 0.0, True, -1, 0, 1,
+                                  True, True))
+    torch.library.opcheck(_op(), (q, kc, vc, None, None, None, None, seq, None, None, None, torch.randn(8), 0.125,
+                                  2.0, False, 4, 3, 3, False, True))
     cos, sin = torch.randn(40, 16), torch.randn(40, 16)
-    torch.library.opcheck(_op(), (q, kc, vc, k, v, cos, sin, seq, None, None, None, 0.125, 0.0, True, -1, 0, 1, True,
-                                  False))
+    torch.library.opcheck(_op(), (q, kc, vc, k, v, cos, sin, seq, None, None, None, None, 0.125, 0.0, True, -1, 0, 1,
+                                  True, False))
+    # a paged cache: 5 pages of 16 tokens, two sequences in shuffled pages
+    pages_k, pages_v = torch.randn(5, 16, 2, 64, dtype=BF16), torch.randn(5, 16, 2, 64, dtype=BF16)
+    table = as_i32([[3, 0, 4], [1, 2, 10 ** 6]])
+    torch.library.opcheck(_op(), (q, pages_k, pages_v, k, v, None, None, as_i32([20, 9]), None, None, table, None,
+                                  0.125, 0.0, True, -1, 0, 3, True, True))
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

@@ -20,7 +20,7 @@ from flash_attn4._ops import add_op_namespace_prefix
 from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import BackwardConfig
 from tests.reference import _mask as reference_mask
-from tests.reference import attention_ref, random_cu_seqlens
+from tests.reference import attention_ref, random_cu_seqlens, unpage
 
 BF16 = torch.bfloat16
 
@@ -28,9 +28,13 @@ BF16 = torch.bfloat16
 def torch_kernel(cfg, calls):
     """A stand-in for compile_forward(cfg): same call convention, computed with the reference."""
 
-    def run(q, k, v, out, lse, cu_q, cu_k, seqused_k, sink, softmax_scale, softcap, window_left, window_right,
-            max_seqlen_q):
+    def run(q, k, v, out, lse, cu_q, cu_k, seqused_k, page_table, sink, softmax_scale, softcap, window_left,
+            window_right, max_seqlen_q):
         calls.append(cfg)
+        assert (page_table is not None) == (cfg.page_size > 0)
+        if page_table is not None:  # the keys as a packed batch, as the kernel reads them through the table
+            assert cu_k is None and k.shape[1] == v.shape[1] == cfg.page_size and page_table.dtype == torch.int32
+            k, v, cu_k = unpage(k, v, page_table, seqused_k)
         assert isinstance(softmax_scale, float) and isinstance(softcap, float)
         assert all(isinstance(x, int) for x in (window_left, window_right, max_seqlen_q))
         assert (cu_q is not None) == (cu_k is not None) == cfg.varlen

@@ -58,8 +58,10 @@ class FakeKernel:
     def __init__(self, cfg, calls, mutate=None):
         self.cfg, self.calls, self.mutate = cfg, calls, mutate
 
-    def __call__(self, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right, max_seqlen_q):
+    def __call__(self, q, k, v, out, lse, cu_q, cu_k, used, page_table, sink, scale, softcap, left, right,
+                 max_seqlen_q):
         cfg = self.cfg
+        assert page_table is None  # the self-check's problems are not paged
         self.calls.append(tuple(q.shape))
         # the call convention ops promises (ForwardConfig's docstring)
         assert isinstance(scale, float) and isinstance(softcap, float)
@@ -407,9 +409,9 @@ def test_check_launches_through_ops_launch_path(fake_gpu, monkeypatch):
     launched = []
     real = ops._launch_forward
 
-    def spy(kernel, q, *args):
+    def spy(kernel, q, *args, **kwargs):
         launched.append(tuple(q.shape))
-        return real(kernel, q, *args)
+        return real(kernel, q, *args, **kwargs)
 
     monkeypatch.setattr(ops, "_launch_forward", spy)
     q, k, v = rand_qkv()

@@ -14,7 +14,7 @@ from flash_attn4 import (compile_cache, device_info, dispatch, flash_attn_combin
                          flash_attn_varlen_func, ops, validate)
 from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import CombineConfig, ForwardConfig
-from tests.reference import attention_ref, combine_ref, partial_attention_ref, random_cu_seqlens
+from tests.reference import attention_ref, combine_ref, partial_attention_ref, random_cu_seqlens, unpage
 
 H200_SMS = 132
 
@@ -206,8 +206,11 @@ def split_kernel_stand_in(cfg, calls):
     s takes KV blocks [s * per, (s + 1) * per) of each sequence's ceil(sk / tile_n) (the kernel splits
     each tile's visible range; merged, both are the same attention)."""
 
-    def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_k, sink, scale, softcap, left, right, max_seqlen_q):
+    def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_k, page_table, sink, scale, softcap, left, right,
+            max_seqlen_q):
         calls.append(cfg)
+        if page_table is not None:
+            k, v, cu_k = unpage(k, v, page_table, seqused_k)
         assert cfg.split_kv and sink is None and out_p.dtype == lse_p.dtype == torch.float32
         assert out_p.is_contiguous() and lse_p.is_contiguous()
         num_splits = out_p.shape[0]

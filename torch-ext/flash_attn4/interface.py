@@ -100,6 +100,7 @@ def flash_attn_varlen_func(
     max_seqlen_k: int | torch.Tensor | None = None,
     seqused_q: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
@@ -125,11 +126,23 @@ def flash_attn_varlen_func(
     ``out`` (total_q, hq, dv), or ``(out, lse)`` with lse float32 (hq, total_q). Other options as in
     :func:`flash_attn_func` (``num_splits`` included: each sequence's keys are split); ``seqused_q``
     raises NotImplementedError. The backward has the head-dim limits of :func:`flash_attn_func`'s.
+
+    Paged keys (``page_table`` int32 (b, max_pages), forward only): k (num_pages, page_size, hk, d) and
+    v (num_pages, page_size, hk, dv), page_size a multiple of 16; sequence i's keys are its first
+    seqused_k[i] tokens (required), key t in page page_table[i, t // page_size], row t % page_size;
+    cu_seqlens_k must be None. Pages may be in any order and shared; table entries past a sequence's
+    pages are never read. Values are checked with FLASH_ATTN4_CHECK_CU_SEQLENS=1 (a sync).
     """
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q)
     deterministic = validate.check_flag("deterministic", deterministic)
     return_lse = validate.check_flag("return_lse", return_lse)
-    validate.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if page_table is not None:
+        validate.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError("flash-attn4: no backward through a paged KV cache (page_table); call it "
+                                      "under torch.no_grad() / torch.inference_mode() or on detached tensors")
+    else:
+        validate.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     batch = cu_seqlens_q.shape[0] - 1
     validate.check_seqused_k(seqused_k, batch)
     validate.check_learnable_sink(learnable_sink, q.shape[1])
@@ -140,13 +153,13 @@ def flash_attn_varlen_func(
     max_q = validate.as_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = validate.as_max_seqlen("max_seqlen_k", max_seqlen_k)
     validate.check_devices(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           seqused_k=seqused_k, learnable_sink=learnable_sink)
+                           seqused_k=seqused_k, page_table=page_table, learnable_sink=learnable_sink)
     if max_q is None:
         max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
     if max_k is None:
         max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
     out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                       causal, left, right, max_q, max_k, deterministic, num_splits)
+                       causal, left, right, max_q, max_k, deterministic, num_splits, page_table)
     return (out, lse) if return_lse else out
 
 
@@ -216,15 +229,22 @@ def flash_attn_with_kvcache(
     first rotary_dim dims (pairs (2i, 2i + 1) with ``rotary_interleaved``, else (i, i + rotary_dim / 2)),
     in float32 by torch ops before the append: the new keys at positions cache_seqlens + t (the cache
     stores them rotated), q at cache_seqlens + i when causal or windowed, else all at cache_seqlens
-    (FlashAttention's rule; positions must be < seqlen_ro). ``page_table``/``block_table`` (paged KV)
-    raise NotImplementedError.
+    (FlashAttention's rule; positions must be < seqlen_ro).
+
+    Paged KV cache: ``page_table`` (or its FlashAttention-2 name ``block_table``) int32 (b, max_pages),
+    k_cache (num_pages, page_size, hk, d), v_cache (num_pages, page_size, hk, dv), page_size a multiple
+    of 16 (16 to 256 and beyond): sequence i's token t is row t % page_size of page page_table[i, t //
+    page_size], pages in any order and shareable; new tokens go to their pages in place.
+    ``cache_batch_idx`` and ``cache_leftpad`` raise NotImplementedError with a page table. That the
+    used table entries are in [0, num_pages) and cover the lengths is checked with
+    FLASH_ATTN4_CHECK_CU_SEQLENS=1 (a sync); entries past a sequence's pages are never read.
     """
-    if page_table is not None:
-        raise NotImplementedError("flash-attn4: page_table (a paged KV cache) is not supported yet")
     if block_table is not None:
-        raise NotImplementedError("flash-attn4: block_table (a paged KV cache) is not supported yet")
+        if page_table is not None:
+            raise ValueError("pass page_table or block_table (the same argument under two names), not both")
+        page_table = block_table
     validate.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos,
-                           rotary_sin)
+                           rotary_sin, page_table)
     validate.check_learnable_sink(learnable_sink, q.shape[2])
     num_splits = validate.check_num_splits(num_splits, q.shape[2])
     softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
@@ -232,7 +252,7 @@ def flash_attn_with_kvcache(
     )
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     validate.check_devices(q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens_tensor,
-                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table,
                            learnable_sink=learnable_sink, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k_cache, v_cache, k, v, learnable_sink)):
@@ -241,7 +261,7 @@ def flash_attn_with_kvcache(
     if cache_seqlens is not None and seqlens_tensor is None:
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                               cache_leftpad, learnable_sink, softmax_scale, softcap, causal, left, right, num_splits,
+                               cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, left, right, num_splits,
                                validate.check_flag("return_softmax_lse", return_softmax_lse),
                                validate.check_flag("rotary_interleaved", rotary_interleaved))
     return (out, lse) if return_softmax_lse else out

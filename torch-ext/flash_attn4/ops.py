@@ -100,15 +100,17 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 
 
 def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
-                varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, split_kv: bool = False):
+                varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, page_size: int = 0,
+                split_kv: bool = False):
     """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
-    on its first use where selfcheck asks for it (kernels with the plain output convention: the
-    split-KV kernels write partials, which the combine kernel merges)."""
+    on its first use where selfcheck asks for it (kernels with the plain output convention over
+    contiguous keys: the split-KV kernels write partials, which the combine kernel merges, and paged
+    kernels exist only where we run them, sm90)."""
     arch = dispatch.arch_for_device(q.device)
     cfg = dispatch.forward_config(
         arch, dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
-        qhead_per_kvhead=qhead_per_kvhead, split_kv=split_kv,
+        qhead_per_kvhead=qhead_per_kvhead, page_size=page_size, split_kv=split_kv,
     )
     if cfg.pack_gqa not in (1, qhead_per_kvhead):
         # The kernel folds exactly pack_gqa query heads into each KV head's rows.
@@ -117,7 +119,7 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
     kernel = compile_cache.get_forward_kernel(cfg)
     # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
     # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
-    if not split_kv:
+    if not (split_kv or page_size):
         selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
     return kernel
 
@@ -152,18 +154,20 @@ def fwd(
     max_seqlen_k: int,
     deterministic: bool,
     num_splits: int = 1,
+    page_table: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     del deterministic  # for the backward (autograd saves the inputs)
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                    window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits)
+                    window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table)
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
              window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
-             check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+             check_values: bool = True, page_table: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fwd's implementation, shared with fwd_kvcache. ``check_values=False`` skips the opt-in varlen
     value check (the KV-cache op checks its own metadata: its cu_seqlens_k are cache row offsets,
-    which need not increase)."""
+    which need not increase). ``page_table``: k and v are a paged cache (ForwardConfig.page_size),
+    cu_seqlens_k is None and seqused_k holds the key lengths."""
     varlen = cu_seqlens_q is not None
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -179,49 +183,60 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
 
     flags = dict(causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
                  varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
-                 qhead_per_kvhead=q.shape[-2] // k.shape[-2])
+                 qhead_per_kvhead=q.shape[-2] // k.shape[-2], page_size=0 if page_table is None else k.shape[1])
     if num_splits != 1:
+        if page_table is not None and max_seqlen_k < 0:  # the longest sequence the table can hold
+            max_seqlen_k = page_table.shape[1] * k.shape[1]
         num_splits = _num_splits(num_splits, q, k, v.shape[-1], cu_seqlens_q, max_seqlen_q, max_seqlen_k, window_left,
                                  window_right, flags)
     if num_splits > 1:
         _split_kv_forward(num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                           softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags,
-                          check_values=check_values)
+                          check_values=check_values, page_table=page_table)
         return out, lse
     kernel = _kernel_for(q, v, **flags)
     _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
-                    softcap, window_left, window_right, max_seqlen_q, check_values)
+                    softcap, window_left, window_right, max_seqlen_q, check_values, page_table=page_table)
     return out, lse
 
 
 def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q,
-                   check_values: bool = True):
+                   check_values: bool = True, page_table: Optional[torch.Tensor] = None):
     """The inputs as the kernels take them: layout fixes (copies only where a stride or alignment
-    needs one) and the optional varlen value check."""
+    needs one) and the optional varlen value check (with a paged cache: of cu_seqlens_q, and of the
+    page table against seqused_k)."""
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
     if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
-        cu_seqlens_k = cu_seqlens_k.contiguous()
-        if (check_values and settings.check_cu_seqlens()
-                and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-            validate.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
-                                         seqused_k)
+        checked = (check_values and settings.check_cu_seqlens()
+                   and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if page_table is not None:
+            page_table = page_table.contiguous()
+            if checked:
+                validate.check_varlen_values(cu_seqlens_q, cu_seqlens_q, q.shape[0], q.shape[0], max_seqlen_q)
+                validate.check_page_table_values(page_table, seqused_k, k.shape[0], k.shape[1])
+        else:
+            cu_seqlens_k = cu_seqlens_k.contiguous()
+            if checked:
+                validate.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                             seqused_k)
     if seqused_k is not None:
         seqused_k = seqused_k.contiguous()
     if learnable_sink is not None:
         learnable_sink = learnable_sink.contiguous()
-    return q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink
+    return q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table
 
 
 def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values: bool = True) -> None:
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values: bool = True,
+                    page_table: Optional[torch.Tensor] = None) -> None:
     """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller; for a split-KV
     kernel its float32 partials) on the current stream of q's device. ``fwd`` and the first-use
     self-check (selfcheck.py) both launch through here."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = _kernel_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table = _kernel_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table)
     with _device_guard(q.device):
-        kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+        kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
 
 
@@ -234,7 +249,8 @@ def _device_guard(device: torch.device):
 
 @torch.library.register_fake(fwd)
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-              causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1):
+              causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1,
+              page_table=None):
     out_shape, lse_shape = _output_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -268,7 +284,7 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
 
 def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                       softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags: dict,
-                      check_values: bool = True) -> None:
+                      check_values: bool = True, page_table: Optional[torch.Tensor] = None) -> None:
     """out, lse through the split-KV kernel's float32 partials (ForwardConfig.split_kv) and the
     combine kernel, which adds a learnable sink to the denominator once (the splits leave it out)."""
     out_partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
@@ -278,7 +294,8 @@ def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         lse_partial.fill_(float("inf"))
     kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
     _launch_forward(kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
-                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values)
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values,
+                    page_table=page_table)
     learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
     with _device_guard(q.device):
         if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
@@ -541,11 +558,12 @@ def _padded_head_dims(tensors, width: int):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, left, right,
-     max_seqlen_q, max_seqlen_k, deterministic, *_num_splits) = inputs  # the backward is the same for any split
+     max_seqlen_q, max_seqlen_k, deterministic, *_num_splits_and_pages) = inputs  # the same for any split
     out, lse = output
     ctx.set_materialize_grads(False)  # an unused lse gradient arrives as None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink)
     ctx.options = (softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
+    ctx.paged = len(_num_splits_and_pages) > 1 and _num_splits_and_pages[1] is not None
 
 
 def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool, grad_lse=None) -> torch.Tensor:
@@ -563,7 +581,10 @@ def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool, grad_lse=None) 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
-        return (None,) * 16
+        return (None,) * 17
+    if ctx.paged:
+        raise NotImplementedError("flash-attn4: no backward through a paged KV cache (page_table); the paged "
+                                  "forward is for inference")
     if grad_out is None:  # only the LSE was used: dO = 0
         grad_out = torch.zeros_like(out)
     softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic = ctx.options
@@ -580,7 +601,7 @@ def _backward(ctx, grad_out, grad_lse):
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[6]:
         dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None, grad_lse)
-    return (dq, dk, dv, None, None, None, dsink) + (None,) * 9
+    return (dq, dk, dv, None, None, None, dsink) + (None,) * 10
 
 
 torch.library.register_autograd(fwd, _backward, setup_context=_setup_context)
@@ -596,6 +617,28 @@ def _packed_cache(cache: torch.Tensor) -> torch.Tensor:
     writes the whole cache on every call)."""
     b_cache, s_cache = cache.shape[0], cache.shape[1]
     return cache.reshape(b_cache * s_cache, *cache.shape[2:])
+
+
+def _paged_kvcache_metadata(q: torch.Tensor, page_table: torch.Tensor, page_size: int, s_new: int,
+                            cache_seqlens: Optional[torch.Tensor]):
+    """(cu_seqlens_q, seqused_k) of a paged KV-cache call, on the device without a sync: batch entry
+    b's keys are its first cache_seqlens[b] + s_new tokens (the whole table row without
+    cache_seqlens), wherever its pages are."""
+    batch, sq, device = q.shape[0], q.shape[1], q.device
+    seqused_k = (torch.full((batch,), page_table.shape[1] * page_size, dtype=torch.int32, device=device)
+                 if cache_seqlens is None else (cache_seqlens + s_new).to(torch.int32))
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * sq, seqused_k
+
+
+def _append_to_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     page_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """Token t of batch entry b goes to position p = cache_seqlens[b] + t: page page_table[b, p //
+    page_size], row p % page_size; in place, as device-side index tensors (no sync)."""
+    batch, s_new, page_size = k.shape[0], k.shape[1], k_cache.shape[1]
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)
+    page = page_table.long().gather(1, pos // page_size)
+    k_cache.index_put_((page, pos % page_size), k)
+    v_cache.index_put_((page, pos % page_size), v)
 
 
 def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
@@ -661,6 +704,7 @@ def fwd_kvcache(
     cache_seqlens: Optional[torch.Tensor],
     cache_batch_idx: Optional[torch.Tensor],
     cache_leftpad: Optional[torch.Tensor],
+    page_table: Optional[torch.Tensor],
     learnable_sink: Optional[torch.Tensor],
     softmax_scale: float,
     softcap: float,
@@ -675,11 +719,13 @@ def fwd_kvcache(
     tensor or None): append k, v to the caches in place, then attend through the varlen forward over
     the packed cache without copying it (_kvcache_metadata). With rotary_cos/sin (validate.check_kvcache:
     only with k) the new keys are rotated at positions cache_seqlens + t before the append, q at
-    cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). Returns
-    out (b, sq, hq, dv) and lse (b, hq, sq) float32 when ``return_lse``, else an empty float32 tensor
-    (no transpose copy)."""
+    cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). With a
+    ``page_table`` the caches are paged (validate.check_page_table): the append goes to the pages and
+    the forward reads them through the table. Returns out (b, sq, hq, dv) and lse (b, hq, sq) float32
+    when ``return_lse``, else an empty float32 tensor (no transpose copy)."""
     batch, sq, hq, d = q.shape
-    s_cache = k_cache.shape[1]
+    paged = page_table is not None
+    s_cache = k_cache.shape[1] * (page_table.shape[1] if paged else 1)  # a sequence's capacity
     s_new = 0 if k is None else k.shape[1]
     positional = causal or window_left >= 0 or window_right >= 0  # q's rotary positions advance per token
     if (settings.check_cu_seqlens()
@@ -687,8 +733,13 @@ def fwd_kvcache(
         validate.check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new, k_cache.shape[0],
                                       s_cache, sq if positional else 1,
                                       None if rotary_cos is None else rotary_cos.shape[0])
-    rows, cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(q, k_cache.shape[0], s_cache, s_new,
-                                                                    cache_seqlens, cache_batch_idx, cache_leftpad)
+    if paged:
+        cu_seqlens_q, seqused_k = _paged_kvcache_metadata(q, page_table, k_cache.shape[1], s_new, cache_seqlens)
+        if settings.check_cu_seqlens() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            validate.check_page_table_values(page_table, seqused_k, k_cache.shape[0], k_cache.shape[1])
+    else:
+        rows, cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
+            q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad)
     if rotary_cos is not None:
         steps = torch.arange(max(sq, s_new), device=q.device)
         start = cache_seqlens.long()[:, None]
@@ -696,10 +747,18 @@ def fwd_kvcache(
         q_pos = start + steps[:sq] if positional else start.expand(batch, sq)
         q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
     if k is not None and k.numel():
-        _append_to_cache(k_cache, v_cache, k, v, rows, cache_seqlens)
-    out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
-                        cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                        window_left, window_right, sq, s_cache, num_splits, check_values=False)
+        if paged:
+            _append_to_pages(k_cache, v_cache, k, v, page_table, cache_seqlens)
+        else:
+            _append_to_cache(k_cache, v_cache, k, v, rows, cache_seqlens)
+    if paged:
+        out, lse = _forward(q.reshape(batch * sq, hq, d), k_cache, v_cache, cu_seqlens_q, None, seqused_k,
+                            learnable_sink, softmax_scale, softcap, causal, window_left, window_right, sq, s_cache,
+                            num_splits, check_values=False, page_table=page_table)
+    else:
+        out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
+                            cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                            window_left, window_right, sq, s_cache, num_splits, check_values=False)
     out = out.view(batch, sq, hq, v_cache.shape[-1])
     if not return_lse:
         return out, lse.new_empty((0,))
@@ -711,7 +770,7 @@ fwd_kvcache = _define_op(fwd_kvcache, mutates_args=("k_cache", "v_cache"))
 
 @torch.library.register_fake(fwd_kvcache)
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, learnable_sink, softmax_scale, softcap, causal, window_left, window_right,
+                      cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, window_left, window_right,
                       num_splits, return_lse, rotary_interleaved):
     batch, sq, hq, _ = q.shape
     lse_shape = (batch, hq, sq) if return_lse else (0,)

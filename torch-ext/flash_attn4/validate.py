@@ -356,6 +356,81 @@ def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, 
         raise ValueError("malformed varlen metadata: " + "; ".join(bad))
 
 
+# ---- paged KV caches ----
+
+
+def check_page_table(page_table, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int) -> int:
+    """A paged cache's shapes: k_cache (num_pages, page_size, hk, d), v_cache (num_pages, page_size, hk,
+    dv), page_table int32 (batch, max_pages); page_size a multiple of 16 (a K/V tile's TMA boxes are
+    whole 16-row MMA steps, fa4_kernels/paged_kv.py). Returns the page size. Metadata only (no sync):
+    the table's values are check_page_table_values'."""
+    check_tensor("page_table", page_table)
+    if page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must have dtype torch.int32, got {page_table.dtype}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table must have shape (batch, max_pages) = ({batch}, max_pages), got "
+                         f"{_shape(page_table)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"a paged {name} must be 4-D (num_pages, page_size, kv_heads, head_dim), got shape "
+                             f"{_shape(t)}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache must match k_cache in (num_pages, page_size, kv_heads): k_cache "
+                         f"{_shape(k_cache)}, v_cache {_shape(v_cache)}")
+    page_size = k_cache.shape[1]
+    if page_size <= 0 or page_size % 16:
+        raise ValueError(f"page_size (k_cache.shape[1]) must be a positive multiple of 16, got {page_size}")
+    return page_size
+
+
+def check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table) -> None:
+    """flash_attn_varlen_func over a paged cache: q (total_q, hq, d) with cu_seqlens_q, k and v paged
+    (check_page_table) with the key lengths in seqused_k and no cu_seqlens_k."""
+    check_tensor("q", q)
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D (total_tokens, heads, head_dim) for varlen, got shape {_shape(q)}")
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t)
+    check_dtypes(q, k, v)
+    if cu_seqlens_q is None:
+        raise ValueError("cu_seqlens_q is required for flash_attn_varlen_func")
+    check_tensor("cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q must be int32 1-D of length batch + 1, got {cu_seqlens_q.dtype} "
+                         f"{_shape(cu_seqlens_q)}")
+    if cu_seqlens_k is not None:
+        raise ValueError("with a page_table, cu_seqlens_k must be None: the key lengths are seqused_k and the "
+                         "table says where the keys are")
+    if seqused_k is None:
+        raise ValueError("a page_table needs seqused_k, the number of keys of each sequence")
+    check_page_table(page_table, k, v, cu_seqlens_q.shape[0] - 1)
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must have the head_dim of q: q {_shape(q)}, k {_shape(k)}")
+    _check_heads(q.shape[1], k.shape[2])
+    check_head_dims(q.shape[-1], v.shape[-1])
+
+
+def check_page_table_values(page_table: torch.Tensor, seqlens_k: torch.Tensor, num_pages: int,
+                            page_size: int) -> None:
+    """With one device sync (opt-in, like check_varlen_values: FLASH_ATTN4_CHECK_CU_SEQLENS=1): every
+    sequence's keys fit in its row of the table (seqlens_k <= max_pages * page_size) and the pages they
+    use are in [0, num_pages). Entries past a sequence's pages are never read and may hold anything.
+    Unchecked, a page out of range reads zeros in the kernel (TMA bounds), and an append to it raises a
+    CUDA error."""
+    capacity = page_table.shape[1] * page_size
+    used = (seqlens_k.long()[:, None] + page_size - 1) // page_size > torch.arange(page_table.shape[1],
+                                                                                 device=page_table.device)
+    in_range = (page_table >= 0) & (page_table < num_pages)
+    ok = torch.stack([(seqlens_k >= 0).all(), (seqlens_k <= capacity).all(),
+                      (in_range | ~used).all()]).cpu().tolist()  # the one sync
+    names = ["key lengths must be >= 0",
+             f"a sequence's keys must fit in its page_table row (max_pages x page_size = {capacity})",
+             f"the pages a sequence uses must be in [0, num_pages = {num_pages})"]
+    bad = [n for n, good in zip(names, ok) if not good]
+    if bad:
+        raise ValueError("malformed page table: " + "; ".join(bad))
+
+
 # ---- flash_attn_with_kvcache ----
 
 MAX_PACKED_ROWS = 2 ** 31 - 1  # the kernel's packed-row offsets are int32
@@ -370,12 +445,14 @@ def _check_index_vector(name: str, t, batch: int) -> None:
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos=None,
-                  rotary_sin=None) -> None:
+                  rotary_sin=None, page_table=None) -> None:
     """Shapes, dtypes and (for an int cache_seqlens) the fill level for flash_attn_with_kvcache:
     q (b, sq, hq, d), k_cache (b_cache, s_cache, hk, d), v_cache (b_cache, s_cache, hk, dv), new k
     (b, s_new, hk, d) and v (b, s_new, hk, dv) (both or neither), cache_seqlens None, an int or int32
     (b,), cache_batch_idx and cache_leftpad int32 (b,), rotary_cos/sin (seqlen_ro, rotary_dim / 2)
-    floating, both or neither, only with k, rotary_dim <= d. Metadata only (no sync)."""
+    floating, both or neither, only with k, rotary_dim <= d. With ``page_table`` the caches are paged
+    (check_page_table): each sequence holds up to max_pages * page_size tokens, and cache_batch_idx
+    and cache_leftpad are not supported. Metadata only (no sync)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t)
         if t.dim() != 4:
@@ -395,9 +472,15 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
     _check_heads(q.shape[2], k_cache.shape[2])
     check_head_dims(q.shape[-1], v_cache.shape[-1])
     batch, b_cache, s_cache = q.shape[0], k_cache.shape[0], k_cache.shape[1]
-    if b_cache * s_cache > MAX_PACKED_ROWS:
+    if page_table is not None:
+        s_cache = check_page_table(page_table, k_cache, v_cache, batch) * page_table.shape[1]  # per sequence
+        for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if t is not None:
+                raise NotImplementedError(f"flash-attn4: {name} with a paged KV cache is not supported (the page "
+                                          f"table already says where each sequence's keys are)")
+    elif b_cache * s_cache > MAX_PACKED_ROWS:
         raise ValueError(f"k_cache has {b_cache} x {s_cache} rows; at most {MAX_PACKED_ROWS} are supported")
-    if cache_batch_idx is None and b_cache != batch:
+    if page_table is None and cache_batch_idx is None and b_cache != batch:
         raise ValueError(f"k_cache has batch {b_cache} but q has {batch}; pass cache_batch_idx to select "
                          f"cache rows")
     if (k is None) != (v is None):
@@ -422,8 +505,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
         if not _is_int(cache_seqlens):
             raise ValueError(f"cache_seqlens must be an int or an int32 tensor (batch,), got {cache_seqlens!r}")
         if cache_seqlens < 0 or cache_seqlens + s_new > s_cache:
+            where = "s_cache" if page_table is None else "max_pages x page_size"
             raise ValueError(f"cache_seqlens ({cache_seqlens}) + new tokens ({s_new}) must be in [0, "
-                             f"s_cache = {s_cache}]")
+                             f"{where} = {s_cache}]")
     elif cache_seqlens is not None:
         _check_index_vector("cache_seqlens", cache_seqlens, batch)
     if cache_batch_idx is not None:

@@ -1,0 +1,214 @@
+"""Paged KV caches on the CPU: validation, the append into pages, the torch layer's mapping onto the
+paged kernel (stand-in kernels that read the pages through the table as the real one does), and
+the TMA-box arithmetic of fa4_kernels/paged_kv.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_attn4 import dispatch, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.config import ForwardConfig
+from tests.cpu.test_kvcache_cpu import as_i32, assert_close, kernels, problem, reference  # noqa: F401 (fixture)
+from tests.reference import attention_ref, random_pages, unpage
+
+BF16 = torch.bfloat16
+
+
+def to_pages(cache: torch.Tensor, table: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
+    """A dense (b, s, h, d) cache stored in pages: row b's tokens [i * page_size, (i + 1) * page_size)
+    in page table[b, i] for every page the table gives it; other pages hold fresh noise."""
+    pages = torch.randn(num_pages, page_size, *cache.shape[2:], dtype=cache.dtype)
+    for b in range(cache.shape[0]):
+        for i in range(table.shape[1]):
+            p = int(table[b, i])
+            if 0 <= p < num_pages and (i + 1) * page_size <= cache.shape[1]:
+                pages[p] = cache[b, i * page_size:(i + 1) * page_size]
+    return pages
+
+
+# ---- validation ----
+
+def paged_problem(b=2, page_size=32, lens=(5, 20), s_new=2, hq=8, hk=2, d=64):
+    q, kc, vc, k, v = problem(b=b, s_cache=64, hq=hq, hk=hk, d=d, s_new=s_new)
+    table, num_pages = random_pages([n + s_new for n in lens], page_size)
+    kp, vp = to_pages(kc, table, num_pages, page_size), to_pages(vc, table, num_pages, page_size)
+    return dict(q=q, k_cache=kp, v_cache=vp, k=k, v=v, cache_seqlens=as_i32(list(lens)), page_table=table)
+
+
+BAD = {
+    "int64 table": (dict(page_table=lambda a: a["page_table"].long()), ValueError, "page_table must have dtype"),
+    "1-D table": (dict(page_table=lambda a: a["page_table"][0]), ValueError, "page_table must have shape"),
+    "table batch": (dict(page_table=lambda a: a["page_table"][:1]), ValueError, "page_table must have shape"),
+    "page size 24": (dict(k_cache=lambda a: a["k_cache"][:, :24], v_cache=lambda a: a["v_cache"][:, :24]),
+                     ValueError, "multiple of 16"),
+    "v pages differ": (dict(v_cache=lambda a: a["v_cache"][:-1]), ValueError, "v_cache must match k_cache"),
+    "both tables": (dict(block_table=lambda a: a["page_table"]), ValueError, "not both"),
+    "cache_batch_idx": (dict(cache_batch_idx=lambda a: as_i32([0, 1])), NotImplementedError, "cache_batch_idx"),
+    "cache_leftpad": (dict(cache_leftpad=lambda a: as_i32([0, 0])), NotImplementedError, "cache_leftpad"),
+    "int lengths past the table": (dict(cache_seqlens=lambda a: a["k_cache"].shape[1] * a["page_table"].shape[1] - 1),
+                                   ValueError,
+                                   "max_pages x page_size"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_paged_arguments_raise_before_any_launch(kernels, name):
+    change, exc, match = BAD[name]
+    args = paged_problem()
+    args.update({key: make(args) for key, make in change.items()})
+    before = args["k_cache"].clone()
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**args)
+    assert kernels == [] and torch.equal(args["k_cache"], before)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("page out of range", r"in \[0, num_pages"),
+    ("negative page", r"in \[0, num_pages"),
+    ("lengths past the table", "new tokens must be <= s_cache"),
+])
+def test_page_table_values_checked_on_request(kernels, monkeypatch, bad, match):
+    """FLASH_ATTN4_CHECK_CU_SEQLENS=1: a used entry out of range, or lengths the table cannot hold,
+    raise before the append; unused entries (random_pages fills them with 10**6) never matter."""
+    monkeypatch.setenv("FLASH_ATTN4_CHECK_CU_SEQLENS", "1")
+    args = paged_problem()
+    table = args["page_table"]
+    if bad == "page out of range":
+        table[1, 0] = args["k_cache"].shape[0]
+    elif bad == "negative page":
+        table[0, 0] = -1
+    else:
+        args["cache_seqlens"] = as_i32([5, args["k_cache"].shape[1] * table.shape[1] - 1])
+    before = args["k_cache"].clone()
+    with pytest.raises(ValueError, match=match):
+        flash_attn_with_kvcache(**args)
+    assert kernels == [] and torch.equal(args["k_cache"], before)
+
+
+def test_valid_table_with_garbage_past_the_pages_passes_the_value_check(kernels, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN4_CHECK_CU_SEQLENS", "1")
+    args = paged_problem()
+    assert (args["page_table"] == 10 ** 6).any()
+    flash_attn_with_kvcache(**args)
+    assert len(kernels) == 1
+
+
+# ---- the append and the attention, against the dense path's reference ----
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 256, 48])
+@pytest.mark.parametrize("sq,s_new,causal,num_splits,hq,hk", [
+    (1, 1, False, 1, 8, 2), (1, 1, True, 3, 8, 2), (4, 4, True, 1, 8, 1), (3, 1, True, 0, 4, 4),
+    (2, 0, False, 2, 8, 2),
+])
+def test_paged_append_and_attention_match_the_dense_reference(kernels, page_size, sq, s_new, causal, num_splits,
+                                                              hq, hk):
+    """Shuffled pages with unread garbage entries: the new tokens land in the right rows of the right
+    pages (and nowhere else), and the attention is the dense cache's."""
+    b, s_cap = 3, 320
+    q, kc, vc, k, v = problem(b=b, sq=sq, s_cache=s_cap, hq=hq, hk=hk, s_new=s_new)
+    lens = torch.randint(0, s_cap - s_new - page_size + 1, (b,), dtype=torch.int32)
+    lens[0] = 0  # an empty row
+    table, num_pages = random_pages((lens + s_new).tolist(), page_size)
+    kp, vp = to_pages(kc, table, num_pages, page_size), to_pages(vc, table, num_pages, page_size)
+    kp_before = kp.clone()
+    out, lse = flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=lens, page_table=table, causal=causal,
+                                       num_splits=num_splits, return_softmax_lse=True)
+    ref_kc, ref_vc, ro, rl = reference(q, kc, vc, k, v, lens, causal=causal)
+    keys, values, _ = unpage(kp, vp, table, lens + s_new)
+    expect_k = torch.cat([ref_kc[i, :int(n)] for i, n in enumerate(lens + s_new)])
+    expect_v = torch.cat([ref_vc[i, :int(n)] for i, n in enumerate(lens + s_new)])
+    assert torch.equal(keys, expect_k) and torch.equal(values, expect_v)
+    written = (kp != kp_before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(written) <= set(table[table < num_pages].tolist())  # only the sequences' own pages
+    assert_close(out, lse, ro, rl)
+    cfg, args = kernels[0]
+    assert cfg.page_size == page_size and args["page_table"] is not None
+    if num_splits:
+        assert cfg.split_kv == (num_splits > 1)
+
+
+def test_block_table_is_page_table(kernels):
+    args = paged_problem(page_size=32)
+    a = dict(args)
+    a["block_table"] = a.pop("page_table")
+    k_before, v_before = args["k_cache"].clone(), args["v_cache"].clone()
+    out_b = flash_attn_with_kvcache(**dict(a, k_cache=k_before.clone(), v_cache=v_before.clone()))
+    out_p = flash_attn_with_kvcache(**dict(args, k_cache=k_before.clone(), v_cache=v_before.clone()))
+    assert torch.equal(out_b, out_p)
+
+
+def test_varlen_func_reads_paged_keys(kernels):
+    """flash_attn_varlen_func(page_table=...) is the packed-keys call on the same keys."""
+    hq, hk, d, page_size = 8, 2, 64, 64
+    lens_q, lens_k = [3, 0, 5], [100, 7, 260]
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    q = torch.randn(8, hq, d, dtype=BF16)
+    table, num_pages = random_pages(lens_k, page_size)
+    kp = torch.randn(num_pages, page_size, hk, d, dtype=BF16)
+    vp = torch.randn(num_pages, page_size, hk, d, dtype=BF16)
+    used = as_i32(lens_k)
+    out, lse = flash_attn_varlen_func(q, kp, vp, cu_q, None, max_seqlen_q=5, seqused_k=used, page_table=table,
+                                      causal=True, return_lse=True)
+    k, v, cu_k = unpage(kp, vp, table, used)
+    ro, rl = attention_ref(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert_close(out[None], lse.T[None], ro[None], rl.T[None])
+    assert sum(lens_q) == out.shape[0]
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(cu_seqlens_k=torch.tensor([0, 1, 2, 3], dtype=torch.int32)), ValueError, "cu_seqlens_k must be None"),
+    (dict(seqused_k=None), ValueError, "needs seqused_k"),
+    (dict(q=torch.randn(8, 8, 64, dtype=BF16).requires_grad_()), NotImplementedError, "no backward"),
+])
+def test_varlen_func_paged_validation(kernels, change, exc, match):
+    table, num_pages = random_pages([20, 20, 20], 16)
+    args = dict(q=torch.randn(8, 8, 64, dtype=BF16), k=torch.randn(num_pages, 16, 2, 64, dtype=BF16),
+                v=torch.randn(num_pages, 16, 2, 64, dtype=BF16), cu_seqlens_q=torch.tensor([0, 3, 3, 8], dtype=torch.int32),
+                cu_seqlens_k=None, seqused_k=as_i32([20, 20, 20]), page_table=table)
+    with pytest.raises(exc, match=match):
+        flash_attn_varlen_func(**dict(args, **change))
+    assert kernels == []
+
+
+# ---- configuration and the TMA-box arithmetic ----
+
+def test_page_size_is_part_of_the_kernel_and_checked():
+    flags = dict(causal=False, local=False, has_softcap=False, varlen=True, has_seqused_k=True, has_sink=False)
+    dense = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, **flags)
+    paged = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, page_size=16, **flags)
+    assert paged.key() != dense.key() and paged.page_size == 16 and dense.page_size == 0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        dense.replace(page_size=24)
+    with pytest.raises(ValueError, match="varlen"):
+        ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, page_size=16)
+    with pytest.raises(NotImplementedError, match="paged KV cache is not implemented"):
+        dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, page_size=16, **flags)
+
+
+@pytest.mark.parametrize("tile_n", [80, 96, 128, 176])
+@pytest.mark.parametrize("page_size", [16, 32, 48, 64, 128, 256, 1024])
+def test_every_tma_box_reads_one_page(tile_n, page_size):
+    """The kernel's boxes (paged_kv.PagedKV: rows_per_copy rows at multiples of it) tile each K/V tile
+    exactly and never cross a page boundary, for the sm90 tiles and page sizes that divide or not."""
+    from flash_attn4.fa4_kernels.paged_kv import rows_per_copy
+
+    rows = rows_per_copy(tile_n, page_size)
+    assert tile_n % rows == 0 and rows % 16 == 0
+    for n_block in range(6):
+        for box in range(tile_n // rows):
+            first = n_block * tile_n + box * rows
+            assert first // page_size == (first + rows - 1) // page_size
+
+
+def test_opcheck_of_the_paged_forward(kernels):
+    """torch.library.opcheck of ops.fwd with a page table (schema, fake vs real; inputs without grad:
+    the paged forward has no backward)."""
+    from flash_attn4 import ops
+
+    table, num_pages = random_pages([40, 0, 17], 16)
+    q = torch.randn(6, 8, 64, dtype=BF16)
+    k, v = torch.randn(num_pages, 16, 2, 64, dtype=BF16), torch.randn(num_pages, 16, 2, 64, dtype=BF16)
+    cu_q, used = as_i32([0, 2, 2, 6]), as_i32([40, 0, 17])
+    torch.library.opcheck(ops.fwd, (q, k, v, cu_q, None, used, None, 0.125, 0.0, True, -1, 0, 4, -1, False, 1, table))
