@@ -61,7 +61,8 @@ GOAL_FRACTION = 0.8  # issue 21: >= 80% of HBM peak where the cache is >= 256 Mi
 GOAL_MIN_CACHE_BYTES = 256 * 2**20
 ELEMENT_BYTES = 2  # bf16
 
-DECODE_IMPLS = ("ours", "ours-nosplit", "cudnn", "sdpa-flash", "fa4-upstream")
+DECODE_IMPLS = ("ours", "ours-nosplit", "ours-varlen", "ours-paged256", "ours-paged16", "cudnn", "sdpa-flash",
+                "fa4-upstream")
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,6 +326,58 @@ def _ours(num_splits: int):
     return prepare
 
 
+def _varlen_inputs(p: Problem, x: dict):
+    """q packed (b * s_q, h, d) with cu_seqlens_q, and every sequence's key count (seqused_k)."""
+    import torch
+
+    cu_q = torch.arange(p.b + 1, dtype=torch.int32, device=DEVICE) * p.s_q
+    used = torch.full((p.b,), p.s_cache, dtype=torch.int32, device=DEVICE)
+    return x["q"].reshape(p.b * p.s_q, p.h, p.d), cu_q, used
+
+
+def _ours_varlen(p: Problem, x: dict, notes: dict):
+    """The dense cache through the varlen kernel (packed keys, seqused_k): the paged rows' baseline,
+    the same kernel but for the loads."""
+    fa = _bench._import_ours()
+    q, cu_q, used = _varlen_inputs(p, x)
+    k, v = (t.reshape(p.b * p.s_cache, p.h_kv, -1) for t in (x["k"], x["v"]))
+    cu_k = torch_arange_i32(p.b + 1) * p.s_cache
+    return lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=p.s_q, max_seqlen_k=p.s_cache,
+                                             seqused_k=used, causal=p.causal, num_splits=0).view(x["q"].shape[:3] + (-1,))
+
+
+def torch_arange_i32(n: int):
+    import torch
+
+    return torch.arange(n, dtype=torch.int32, device=DEVICE)
+
+
+def _ours_paged(page_size: int):
+    """The cache copied into shuffled pages of ``page_size`` tokens, read through a page table."""
+    def prepare(p: Problem, x: dict, notes: dict):
+        import torch
+
+        fa = _bench._import_ours()
+        q, cu_q, used = _varlen_inputs(p, x)
+        per_seq = -(-p.s_cache // page_size)
+        order = torch.randperm(p.b * per_seq, device=DEVICE)
+        table = order.view(p.b, per_seq).to(torch.int32)
+
+        def paged(t):
+            padded = torch.zeros(p.b, per_seq * page_size, *t.shape[2:], dtype=t.dtype, device=DEVICE)
+            padded[:, :p.s_cache] = t
+            pages = torch.empty(p.b * per_seq, page_size, *t.shape[2:], dtype=t.dtype, device=DEVICE)
+            pages[order] = padded.view(p.b * per_seq, page_size, *t.shape[2:])
+            return pages
+
+        k, v = paged(x["k"]), paged(x["v"])
+        notes["note"] = f"pages of {page_size} in shuffled order"
+        return lambda: fa.flash_attn_varlen_func(
+            q, k, v, cu_q, None, max_seqlen_q=p.s_q, max_seqlen_k=p.s_cache, seqused_k=used, page_table=table,
+            causal=p.causal, num_splits=0).view(x["q"].shape[:3] + (-1,))
+    return prepare
+
+
 def _sdpa(backend_name: str):
     def prepare(p: Problem, x: dict, notes: dict):
         import torch
@@ -383,6 +436,9 @@ def decode_impls() -> dict:
     return {
         "ours": (_bench._ours_available, _ours(0)),
         "ours-nosplit": (_bench._ours_available, _ours(1)),
+        "ours-varlen": (_bench._ours_available, _ours_varlen),
+        "ours-paged256": (_bench._ours_available, _ours_paged(256)),
+        "ours-paged16": (_bench._ours_available, _ours_paged(16)),
         "cudnn": (_bench._sdpa_available("CUDNN_ATTENTION"), _sdpa("CUDNN_ATTENTION")),
         "sdpa-flash": (_bench._sdpa_available("FLASH_ATTENTION"), _sdpa("FLASH_ATTENTION")),
         "fa4-upstream": (_bench._upstream_available, _upstream),
