@@ -85,8 +85,8 @@ def flash_attn_func(
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
     validate.check_devices(q, k=k, v=v, learnable_sink=learnable_sink)
-    out, lse = ops.fwd(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
-                       q.shape[1], k.shape[1], deterministic, num_splits)
+    out, lse = ops.forward(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
+                           q.shape[1], k.shape[1], deterministic, num_splits)
     return (out, lse) if return_lse else out
 
 
@@ -158,8 +158,8 @@ def flash_attn_varlen_func(
         max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
     if max_k is None:
         max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
-    out, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                       causal, left, right, max_q, max_k, deterministic, num_splits, page_table)
+    out, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
+                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table)
     return (out, lse) if return_lse else out
 
 
@@ -260,8 +260,8 @@ def flash_attn_with_kvcache(
                                   "torch.no_grad() / torch.inference_mode() or on detached tensors")
     if cache_seqlens is not None and seqlens_tensor is None:
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                               cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, left, right, num_splits,
-                               validate.check_flag("return_softmax_lse", return_softmax_lse),
-                               validate.check_flag("rotary_interleaved", rotary_interleaved))
+    out, lse = ops.forward_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, left,
+                                   right, num_splits, validate.check_flag("return_softmax_lse", return_softmax_lse),
+                                   validate.check_flag("rotary_interleaved", rotary_interleaved))
     return (out, lse) if return_softmax_lse else out

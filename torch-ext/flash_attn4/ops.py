@@ -80,6 +80,22 @@ def _define_op(fn: Callable, mutates_args: tuple = ()):
     _LIBRARY.impl(name, _outside_dynamo(fn), "CompositeExplicitAutograd")
     return getattr(getattr(torch.ops, _NAMESPACE), name).default
 
+def _dispatcher_free(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call may run an op's implementation directly instead of through the torch.library
+    dispatcher, which costs a third of a cached forward call's host time: nothing would see the op
+    (no torch.compile / export tracing, no dispatch mode such as FakeTensorMode or FlopCounterMode),
+    no autograd graph is recorded (grad off, or no input requires it), and every tensor is a plain
+    tensor (subclasses such as DTensor or FakeTensor dispatch through the op). CUDA-graph capture
+    records the same launches either way."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+            return False
+    return True
+
+
 # Test hook: when True the ops fill out with NaN and lse with +inf (forward), dk and dv with NaN
 # (backward) right after allocating them, so a test can tell "the kernel wrote every element" from
 # "torch.empty happened to hold the right bytes".
@@ -159,6 +175,17 @@ def fwd(
     del deterministic  # for the backward (autograd saves the inputs)
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                     window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table)
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, window_left,
+            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None):
+    """``fwd`` for the public functions: the op, or its implementation directly where nothing needs
+    the dispatcher (_dispatcher_free)."""
+    if _dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table):
+        return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                        window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table)
+    return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+               window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits, page_table)
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
@@ -625,9 +652,9 @@ def _paged_kvcache_metadata(q: torch.Tensor, page_table: torch.Tensor, page_size
     b's keys are its first cache_seqlens[b] + s_new tokens (the whole table row without
     cache_seqlens), wherever its pages are."""
     batch, sq, device = q.shape[0], q.shape[1], q.device
-    seqused_k = (torch.full((batch,), page_table.shape[1] * page_size, dtype=torch.int32, device=device)
-                 if cache_seqlens is None else (cache_seqlens + s_new).to(torch.int32))
-    return torch.arange(batch + 1, dtype=torch.int32, device=device) * sq, seqused_k
+    seqused_k = (_offsets(batch, 0, device, base=page_table.shape[1] * page_size) if cache_seqlens is None
+                 else cache_seqlens + s_new if s_new else cache_seqlens)
+    return _offsets(batch + 1, sq, device), seqused_k
 
 
 def _append_to_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -652,18 +679,45 @@ def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
     leftpad[b]. cu_seqlens_k[batch] is the packed total: with seqused_k the kernel reads only
     cu_seqlens_k[b] (seqlen.SeqlenInfo), so the entries need not increase (cache_batch_idx may permute)."""
     batch, sq, device = q.shape[0], q.shape[1], q.device
-    rows = (torch.arange(batch, dtype=torch.int32, device=device) if cache_batch_idx is None
-            else cache_batch_idx.to(torch.int32))
-    ends = (torch.full((batch,), s_cache, dtype=torch.int32, device=device) if cache_seqlens is None
-            else cache_seqlens + s_new)
+    cu_seqlens_q = _offsets(batch + 1, sq, device)
+    if cache_batch_idx is None and cache_leftpad is None:  # decoding's common case: two constants, one add
+        rows = _offsets(batch, 1, device)
+        cu_seqlens_k = _offsets(batch, s_cache, device, last=b_cache * s_cache)
+        seqused_k = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
+                     else cache_seqlens + s_new if s_new else cache_seqlens)
+        return rows, cu_seqlens_q, cu_seqlens_k, seqused_k
+    rows = _offsets(batch, 1, device) if cache_batch_idx is None else cache_batch_idx
+    ends = _offsets(batch, 0, device, base=s_cache) if cache_seqlens is None else cache_seqlens + s_new
     starts = rows * s_cache
     seqused_k = ends
     if cache_leftpad is not None:
         starts = starts + cache_leftpad
         seqused_k = ends - cache_leftpad
     cu_seqlens_k = torch.cat([starts, torch.full((1,), b_cache * s_cache, dtype=torch.int32, device=device)])
-    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * sq
     return rows, cu_seqlens_q, cu_seqlens_k, seqused_k.to(torch.int32)
+
+
+_OFFSETS: dict = {}
+
+
+def _offsets(n: int, step: int, device: torch.device, *, base: int = 0, last: Optional[int] = None) -> torch.Tensor:
+    """int32 [base, base + step, ..., base + (n - 1) * step], then ``last`` if given: cu_seqlens of
+    equal-length sequences, cache-row starts, constant lengths. A decode loop asks for the same ones
+    at every step, so each is made once per process (a blocking copy: complete before any stream
+    reads it) and never written; during CUDA-graph capture they are made fresh instead (a copy
+    cannot be captured, and the graph keeps what it captured)."""
+    key = (n, step, base, last, device)
+    t = _OFFSETS.get(key)
+    if t is not None:
+        return t
+    values = [base + i * step for i in range(n)] + ([] if last is None else [last])
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        t = torch.arange(n, dtype=torch.int32, device=device) * step + base
+        return t if last is None else torch.cat([t, t.new_full((1,), last)])
+    if len(_OFFSETS) >= 1024:
+        _OFFSETS.clear()
+    t = _OFFSETS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    return t
 
 
 def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -765,7 +819,18 @@ def fwd_kvcache(
     return out, lse.view(hq, batch, sq).transpose(0, 1).contiguous()  # (hq, total_q) -> (b, hq, sq)
 
 
+_fwd_kvcache_impl = fwd_kvcache
 fwd_kvcache = _define_op(fwd_kvcache, mutates_args=("k_cache", "v_cache"))
+
+
+def forward_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    page_table, learnable_sink, *options):
+    """``fwd_kvcache`` for flash_attn_with_kvcache: the op, or its implementation directly where
+    nothing needs the dispatcher (_dispatcher_free)."""
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               page_table, learnable_sink)
+    run = _fwd_kvcache_impl if _dispatcher_free(*tensors) else fwd_kvcache
+    return run(*tensors, *options)
 
 
 @torch.library.register_fake(fwd_kvcache)
