@@ -246,3 +246,14 @@ def test_head_dims_no_kernel_implements_are_refused_by_dispatch(arch, d, dv):
         dispatch.forward_config(arch, "bfloat16", d, dv, causal=False, local=False, has_softcap=False, varlen=False,
                                 has_seqused_k=False, has_sink=False)
     assert str(dv) in str(info.value)
+
+
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100])
+def test_padded_pack_takes_the_next_ratio_that_packs_for_short_queries(arch):
+    """Ratios that do not divide 64 (Qwen2.5: 7, 5, 6) run packed with dummy heads up to the next one
+    that does, while the queries are short; ratios that pack, and long queries, run as they are."""
+    pad = lambda g, sq=1: dispatch.padded_pack(arch, 128, 128, True, g, sq)  # noqa: E731
+    assert [pad(g) for g in (7, 5, 3, 6, 12, 28, 33)] == [8, 8, 4, 8, 16, 32, 64]
+    assert [pad(g) for g in (1, 2, 4, 8, 64)] == [0] * 5
+    assert pad(7, dispatch.PAD_PACK_MAX_QUERIES) == 8 and pad(7, dispatch.PAD_PACK_MAX_QUERIES + 1) == 0
+    assert pad(65) == 0  # no packable ratio above it

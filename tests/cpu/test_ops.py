@@ -912,3 +912,32 @@ def test_inference_calls_skip_the_dispatcher_and_training_calls_do_not(cpu_kerne
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         fake_out = flash_attn_func(fq, fk, fv, causal=True)
     assert len(through_op) == 2 and fake_out.shape == out_plain.shape
+
+
+@pytest.mark.parametrize("hq,hk,varlen", [(14, 2, False), (10, 2, True), (6, 2, False), (24, 2, True)])
+def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, hq, hk, varlen):
+    """Head ratios that do not divide 64 (7, 5, 3, 12) with short queries: one packed kernel of the
+    next ratio that packs (8, 8, 4, 16), and the result is the unpadded attention (out, lse and a
+    learnable sink per real head)."""
+    ratio = hq // hk
+    sink = torch.randn(hq)
+    if varlen:
+        q, k, v, cu_q, cu_k = rand_varlen(3, 9, hq, hk, 64)
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, learnable_sink=sink, return_lse=True)
+        ref_out, ref_lse = attention_ref(q, k, v, causal=True, learnable_sink=sink, cu_seqlens_q=cu_q,
+                                         cu_seqlens_k=cu_k)
+    else:
+        q, k, v = rand_qkv(2, 3, 70, hq, hk, 64)
+        out, lse = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_lse=True)
+        ref_out, ref_lse = attention_ref(q, k, v, causal=True, learnable_sink=sink)
+    (cfg,) = cpu_kernel
+    assert cfg.pack_gqa == dispatch.padded_pack(cfg.arch, 64, 64, varlen, ratio, 9) > ratio
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.is_contiguous()
+    assert (out.float() - ref_out.float()).abs().max() < 2e-2
+    assert torch.allclose(lse, ref_lse, atol=1e-3)
+
+
+def test_unpackable_ratio_with_long_queries_runs_unpacked(cpu_kernel):
+    q, k, v = rand_qkv(1, dispatch.PAD_PACK_MAX_QUERIES + 1, 80, 14, 2, 64)
+    flash_attn_func(q, k, v)
+    assert [cfg.pack_gqa for cfg in cpu_kernel] == [1]

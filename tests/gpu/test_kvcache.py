@@ -25,7 +25,7 @@ from tests.gpu.test_fwd import check
 
 pytestmark = pytest.mark.gpu
 
-RATIOS = {1: (4, 4), 4: (8, 2), 8: (16, 2)}  # GQA ratio -> (hq, hk)
+RATIOS = {1: (4, 4), 4: (8, 2), 8: (16, 2), 3: (6, 2), 5: (10, 2), 7: (14, 2), 12: (24, 2)}  # ratio -> (hq, hk)
 
 
 # The forward grid's fixtures: outputs poisoned before every launch, a fresh printed seed.
@@ -305,3 +305,10 @@ def test_torch_compile_decode_no_recompile(seed):
         assert torch.equal(kc_c, kc_e) and torch.equal(vc_c, vc_e) and not torch.equal(kc_c, kc)
         assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("ratio,sq,num_splits", [(7, 1, 0), (5, 4, 1), (3, 1, 3), (12, 2, 0), (7, 65, 1)])
+def test_unpackable_ratios(seed, ratio, sq, num_splits):
+    """Head ratios that do not divide 64 (Qwen2.5's 7 and 5): packed with dummy heads for short
+    queries (ops._forward_padded_heads), unpacked past dispatch.PAD_PACK_MAX_QUERIES."""
+    run_kvcache([1000, 37], sq=sq, s_new=1, ratio=ratio, causal=True, num_splits=num_splits)

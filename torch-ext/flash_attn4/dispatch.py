@@ -102,6 +102,30 @@ def combine_config(arch: Arch, dtype: str, head_dim_v: int, has_sink: bool = Fal
     return CombineConfig(arch=arch, dtype=dtype, head_dim_v=head_dim_v, has_sink=has_sink)
 
 
+# ---- GQA packing for head ratios the kernels cannot pack ----
+
+# Up to this many query tokens per sequence, a head ratio the kernel cannot pack (sm90 and sm100 pack
+# ratios that divide 64) runs packed anyway, with dummy query heads padding each KV head's group to
+# the next ratio that packs: decoding and speculative steps then read each K/V tile once per KV head
+# instead of once per query head, for (padded - ratio) / padded rows of wasted tensor work. Longer
+# query sequences fill tiles unpacked.
+PAD_PACK_MAX_QUERIES = 64
+
+
+@functools.lru_cache(maxsize=256)
+def padded_pack(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int,
+                max_seqlen_q: int) -> int:
+    """The padded group size to run a query-head ratio with, or 0 to run it as it is: the smallest
+    ratio above ``qhead_per_kvhead`` that the arch's forward packs, when the ratio itself does not
+    pack and the queries are short (at most PAD_PACK_MAX_QUERIES per sequence)."""
+    if qhead_per_kvhead <= 1 or max_seqlen_q > PAD_PACK_MAX_QUERIES:
+        return 0
+    packs = lambda g: forward_schedule(arch, head_dim, head_dim_v, varlen, g).get("pack_gqa", 1) == g  # noqa: E731
+    if packs(qhead_per_kvhead):
+        return 0
+    return next((g for g in range(qhead_per_kvhead + 1, 65) if packs(g)), 0)
+
+
 # ---- split-KV: how many CTAs share a tile's KV blocks ----
 
 # The most splits the automatic choice takes (more only add combine traffic), and the most an

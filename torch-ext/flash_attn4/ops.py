@@ -196,6 +196,11 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
     which need not increase). ``page_table``: k and v are a paged cache (ForwardConfig.page_size),
     cu_seqlens_k is None and seqused_k holds the key lengths."""
     varlen = cu_seqlens_q is not None
+    group = _padded_group(q, k, v, varlen, max_seqlen_q)
+    if group:
+        return _forward_padded_heads(group, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                                     softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
+                                     max_seqlen_k, num_splits, check_values, page_table)
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -224,6 +229,42 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
     kernel = _kernel_for(q, v, **flags)
     _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                     softcap, window_left, window_right, max_seqlen_q, check_values, page_table=page_table)
+    return out, lse
+
+
+def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, max_seqlen_q: int) -> int:
+    """dispatch.padded_pack for this call (0: run the heads as they are)."""
+    hq, hk = q.shape[-2], k.shape[-2]
+    if hq == hk:
+        return 0
+    arch = dispatch.arch_for_device(q.device)
+    return dispatch.padded_pack(arch, q.shape[-1], v.shape[-1], varlen, hq // hk, max_seqlen_q)
+
+
+def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
+                          softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
+                          check_values, page_table):
+    """_forward with each KV head's query heads padded by zero heads to ``group`` (a ratio the kernel
+    packs: dispatch.padded_pack), then the dummy heads' outputs dropped. The padded q and the
+    outputs' copies are small next to the K/V the packing stops re-reading."""
+    *lead, hq, d = q.shape
+    hk = k.shape[-2]
+    ratio = hq // hk
+    q_pad = q.new_zeros(*lead, hk, group, d)
+    q_pad[..., :ratio, :] = q.reshape(*lead, hk, ratio, d)
+    sink_pad = None
+    if learnable_sink is not None:
+        sink_pad = learnable_sink.new_zeros(hk, group)
+        sink_pad[:, :ratio] = learnable_sink.view(hk, ratio)
+        sink_pad = sink_pad.view(hk * group)
+    out_pad, lse_pad = _forward(q_pad.view(*lead, hk * group, d), k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                sink_pad, softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
+                                max_seqlen_k, num_splits, check_values, page_table)
+    out = out_pad.view(*lead, hk, group, -1)[..., :ratio, :].reshape(*lead, hq, out_pad.shape[-1])
+    head_mode = 0 if cu_seqlens_q is not None else 1  # lse (hq, total_q) or (b, hq, sq)
+    lse_shape = lse_pad.shape[:head_mode] + (hk, group) + lse_pad.shape[head_mode + 1:]
+    lse = lse_pad.view(lse_shape).narrow(head_mode + 1, 0, ratio).reshape(
+        lse_pad.shape[:head_mode] + (hq,) + lse_pad.shape[head_mode + 1:])
     return out, lse
 
 
