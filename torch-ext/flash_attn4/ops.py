@@ -766,11 +766,32 @@ def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tens
     """k_cache[rows[b], cache_seqlens[b] + t] = k[b, t] (and v), in place, as device-side index
     tensors (no sync: CUDA-graph capturable with cache_seqlens changing between replays). Any layout
     of the caches; duplicate rows: one of the writers wins (as in FlashAttention)."""
-    batch, s_new = k.shape[0], k.shape[1]
+    batch, s_new, s_cache = k.shape[0], k.shape[1], k_cache.shape[1]
+    k_rows, v_rows = _rows_view(k_cache), _rows_view(v_cache)
+    if k_rows is not None and v_rows is not None:
+        # One index_copy_ per cache into its (b_cache * s_cache) rows: a few kernels in all, where
+        # index_put_ on (row, position) pairs launches several per cache (decoding pays each launch
+        # on the host at every step). Token (b, t) goes to row rows[b] * s_cache + cache_seqlens[b] + t.
+        starts = _offsets(batch, s_cache, k.device) if rows is _offsets(batch, 1, k.device) else rows * s_cache
+        index = (cache_seqlens + starts).long()
+        if s_new > 1:
+            index = (index[:, None] + torch.arange(s_new, device=k.device)).flatten()
+        k_rows.index_copy_(0, index, k.reshape(batch * s_new, *k.shape[2:]))
+        v_rows.index_copy_(0, index, v.reshape(batch * s_new, *v.shape[2:]))
+        return
     pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)
     row = rows.long()[:, None].expand(batch, s_new)
     k_cache.index_put_((row, pos), k)
     v_cache.index_put_((row, pos), v)
+
+
+def _rows_view(cache: torch.Tensor) -> Optional[torch.Tensor]:
+    """(b_cache, s_cache, h, d) as a (b_cache * s_cache, h, d) view of the same storage, or None when
+    the strides do not allow one."""
+    try:
+        return cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    except RuntimeError:
+        return None
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
