@@ -4,7 +4,7 @@ beside PyTorch SDPA (cuDNN) on the same problem.
 
     python scripts/host_time.py [--calls 2000]
 
-Prints microseconds per call. Needs a CUDA GPU (the paths launch real kernels)."""
+Prints microseconds per call: wall time and the calling thread's CPU time (steadier on a shared host). Needs a CUDA GPU (the paths launch real kernels)."""
 
 from __future__ import annotations
 
@@ -18,20 +18,24 @@ from pathlib import Path
 sys.path[:0] = [os.environ.get("FLASH_ATTN4_TREE", str(Path(__file__).resolve().parents[1] / "torch-ext"))]
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(fn, calls: int) -> tuple[float, float]:
+    """(wall, CPU time of this thread) per call in microseconds, each the best of five runs: other
+    processes on a shared host add wall time, never remove it; the thread's CPU time is what the
+    call itself costs the host."""
     import torch
 
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):  # best of three: other processes on the host add noise, never remove it
-        start = time.perf_counter()
+    wall = cpu = float("inf")
+    for _ in range(5):
+        start, start_cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
+        wall = min(wall, (time.perf_counter() - start) / calls * 1e6)
+        cpu = min(cpu, (time.thread_time() - start_cpu) / calls * 1e6)
+    return wall, cpu
 
 
 def main(argv=None) -> int:
@@ -70,10 +74,11 @@ def main(argv=None) -> int:
         "sdpa cudnn (reference)": lambda: _sdpa(F, sdpa_kernel, SDPBackend.CUDNN_ATTENTION, qs, ks, vs),
     }
     with torch.inference_mode():
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.calls} back-to-back calls, best of 3")
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.calls} back-to-back calls, best of 5")
         for name, fn in paths.items():
             try:
-                print(f"{name:40s} {per_call_us(fn, args.calls):7.1f} us/call")
+                wall, cpu = per_call_us(fn, args.calls)
+                print(f"{name:40s} {wall:7.1f} us/call wall {cpu:7.1f} us/call CPU")
             except Exception as exc:  # a path an older tree lacks (A/B runs against a checkout)
                 print(f"{name:40s}     n/a ({type(exc).__name__}: {str(exc)[:60]})")
     return 0
