@@ -213,3 +213,27 @@ def random_pages(seqlens, page_size: int, *, spare: int = 3, generator=None):
         table[b, :n] = order[taken:taken + n].to(torch.int32)
         taken += n
     return table, num_pages
+
+
+def attention_used_into(out, lse, q, k, v, *, seqused_q, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+                        **opts):
+    """What a kernel with seqused_q writes: each sequence's first seqused_q[b] queries attend to its
+    keys (the first seqused_k[b] where given), into their rows of out and lse (batched: out (b, sq, h,
+    dv), lse (b, h, sq); varlen: out (total, h, dv), lse (h, total)); the other rows stay untouched."""
+    varlen = cu_seqlens_q is not None
+    for b in range(seqused_q.shape[0]):
+        nq = int(seqused_q[b])
+        if varlen:
+            q0, k0 = int(cu_seqlens_q[b]), int(cu_seqlens_k[b])
+            nk = int(seqused_k[b]) if seqused_k is not None else int(cu_seqlens_k[b + 1]) - k0
+            qb, kb, vb = q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk]
+        else:
+            nk = int(seqused_k[b]) if seqused_k is not None else k.shape[1]
+            qb, kb, vb = q[b:b + 1, :nq], k[b:b + 1, :nk], v[b:b + 1, :nk]
+        if nq == 0:
+            continue
+        o, l = attention_ref(qb, kb, vb, **opts)
+        if varlen:
+            out[q0:q0 + nq], lse[:, q0:q0 + nq] = o[0], l[0]
+        else:
+            out[b, :nq], lse[b, :, :nq] = o[0], l[0]

@@ -154,7 +154,7 @@ def test_kernel_set_of_the_compiler_is_what_dispatch_builds():
     for cfg in configs:
         flags = dict(causal=cfg.causal, local=cfg.local, has_softcap=cfg.has_softcap, varlen=cfg.varlen,
                      has_seqused_k=cfg.has_seqused_k, has_sink=cfg.has_sink, qhead_per_kvhead=cfg.pack_gqa,
-                     page_size=cfg.page_size, split_kv=cfg.split_kv)
+                     page_size=cfg.page_size, split_kv=cfg.split_kv, has_seqused_q=cfg.has_seqused_q)
         assert dispatch.forward_config(cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, **flags) == cfg
 
 

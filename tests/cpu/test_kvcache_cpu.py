@@ -26,8 +26,9 @@ def split_stand_in(cfg, calls):
     [cu_k[b], cu_k[b] + seqused_k[b]) of the packed tensor (cu_k[b + 1] is not read); split s takes KV
     blocks [s * per, (s + 1) * per)."""
 
-    def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_k, page_table, sink, scale, softcap, left, right,
+    def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, scale, softcap, left, right,
             max_seqlen_q):
+        assert seqused_q is None
         if page_table is not None:
             k, v, cu_k = unpage(k, v, page_table, seqused_k)
         calls.append((cfg, dict(k=k, v=v, cu_q=cu_q.clone(), cu_k=cu_k.clone(), seqused_k=seqused_k.clone(),
@@ -53,11 +54,11 @@ def unsplit_stand_in(cfg, calls):
 
     inner = torch_kernel(cfg, [])
 
-    def run(q, k, v, out, lse, cu_q, cu_k, seqused_k, page_table, *rest):
+    def run(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, *rest):
         packed = (k, v, cu_k) if page_table is None else unpage(k, v, page_table, seqused_k)
         calls.append((cfg, dict(k=packed[0], v=packed[1], cu_q=cu_q.clone(), cu_k=packed[2].clone(),
                                 seqused_k=seqused_k.clone(), max_seqlen_q=rest[-1], page_table=page_table)))
-        inner(q, k, v, out, lse, cu_q, cu_k, seqused_k, page_table, *rest)
+        inner(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, *rest)
 
     return run
 

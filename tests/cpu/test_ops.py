@@ -20,7 +20,7 @@ from flash_attn4._ops import add_op_namespace_prefix
 from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import BackwardConfig
 from tests.reference import _mask as reference_mask
-from tests.reference import attention_ref, random_cu_seqlens, unpage
+from tests.reference import attention_ref, attention_used_into, random_cu_seqlens, unpage
 
 BF16 = torch.bfloat16
 
@@ -28,9 +28,10 @@ BF16 = torch.bfloat16
 def torch_kernel(cfg, calls):
     """A stand-in for compile_forward(cfg): same call convention, computed with the reference."""
 
-    def run(q, k, v, out, lse, cu_q, cu_k, seqused_k, page_table, sink, softmax_scale, softcap, window_left,
-            window_right, max_seqlen_q):
+    def run(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, softmax_scale, softcap,
+            window_left, window_right, max_seqlen_q):
         calls.append(cfg)
+        assert (seqused_q is not None) == cfg.has_seqused_q
         assert (page_table is not None) == (cfg.page_size > 0)
         if page_table is not None:  # the keys as a packed batch, as the kernel reads them through the table
             assert cu_k is None and k.shape[1] == v.shape[1] == cfg.page_size and page_table.dtype == torch.int32
@@ -48,9 +49,13 @@ def torch_kernel(cfg, calls):
         else:
             assert max_seqlen_q == q.shape[1]
         window = (window_left, window_right) if cfg.local else (-1, -1)
-        o, l = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=cfg.causal, window_size=window,
-                             softcap=softcap if cfg.has_softcap else 0.0, learnable_sink=sink,
-                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k)
+        opts = dict(softmax_scale=softmax_scale, causal=cfg.causal, window_size=window,
+                    softcap=softcap if cfg.has_softcap else 0.0, learnable_sink=sink)
+        if seqused_q is not None:  # rows past a sequence's used queries stay as they are
+            attention_used_into(out, lse, q, k, v, seqused_q=seqused_q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                seqused_k=seqused_k, **opts)
+            return
+        o, l = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k, **opts)
         out.copy_(o)
         lse.copy_(l)
 
@@ -941,3 +946,48 @@ def test_unpackable_ratio_with_long_queries_runs_unpacked(cpu_kernel):
     q, k, v = rand_qkv(1, dispatch.PAD_PACK_MAX_QUERIES + 1, 80, 14, 2, 64)
     flash_attn_func(q, k, v)
     assert [cfg.pack_gqa for cfg in cpu_kernel] == [1]
+
+
+# ---- padded batches: seqused_q, and batched tensors with used lengths ----
+
+
+def test_varlen_seqused_q_writes_only_the_used_rows(cpu_kernel, monkeypatch):
+    """Each sequence's first seqused_q[b] queries of its cu_seqlens_q slot attend (causal aligned to
+    that length); the rows past them are left as allocated (poisoned here)."""
+    monkeypatch.setattr(ops, "_poison_outputs_for_tests", True)
+    q, k, v, cu_q, cu_k = rand_varlen(4, 12, 8, 2, 64, allow_zero=False)
+    slots = (cu_q[1:] - cu_q[:-1]).tolist()
+    used = torch.tensor([int(torch.randint(0, n + 1, ())) for n in slots], dtype=torch.int32)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=12, seqused_q=used, causal=True,
+                                      return_lse=True)
+    (cfg,) = cpu_kernel
+    assert cfg.has_seqused_q and cfg.varlen and not cfg.tma_store_o
+    for b, n in enumerate(used.tolist()):
+        q0, k0, k1 = int(cu_q[b]), int(cu_k[b]), int(cu_k[b + 1])
+        if n:
+            ro, rl = attention_ref(q[None, q0:q0 + n], k[None, k0:k1], v[None, k0:k1], causal=True)
+            assert (out[q0:q0 + n].float() - ro[0].float()).abs().max() < 2e-2
+            assert torch.allclose(lse[:, q0:q0 + n], rl[0], atol=1e-3)
+        assert out[q0 + n:int(cu_q[b + 1])].isnan().all() and lse[:, q0 + n:int(cu_q[b + 1])].isinf().all()
+
+
+@pytest.mark.parametrize("hq,hk,with_q,with_k", [(8, 2, True, True), (14, 2, True, False), (4, 4, False, True)])
+def test_padded_batch_runs_without_cu_seqlens(cpu_kernel, hq, hk, with_q, with_k):
+    """flash_attn_varlen_func(q, k, v, None, None, seqused_q=..., seqused_k=...) on batched tensors:
+    sequence b is q[b, :seqused_q[b]] against k[b, :seqused_k[b]] (a 7:1 ratio goes through the padded
+    GQA packing)."""
+    q, k, v = rand_qkv(3, 6, 40, hq, hk, 64)
+    used_q = torch.tensor([6, 1, 3], dtype=torch.int32) if with_q else None
+    used_k = torch.tensor([40, 7, 0], dtype=torch.int32) if with_k else None
+    with torch.no_grad():
+        out, lse = flash_attn_varlen_func(q, k, v, None, None, seqused_q=used_q, seqused_k=used_k, causal=True,
+                                          return_lse=True)
+    assert out.shape == q.shape[:3] + (64,) and lse.shape == (3, hq, 6)
+    cfg = cpu_kernel[-1]
+    assert not cfg.varlen and cfg.has_seqused_q == with_q and cfg.has_seqused_k == with_k
+    for b in range(3):
+        nq = int(used_q[b]) if with_q else 6
+        nk = int(used_k[b]) if with_k else 40
+        ro, rl = attention_ref(q[b:b + 1, :nq], k[b:b + 1, :nk], v[b:b + 1, :nk], causal=True)
+        assert (out[b, :nq].float() - ro[0].float()).abs().max() < 2e-2
+        assert torch.allclose(lse[b, :, :nq], rl[0], atol=1e-3)

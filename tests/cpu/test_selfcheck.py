@@ -58,10 +58,10 @@ class FakeKernel:
     def __init__(self, cfg, calls, mutate=None):
         self.cfg, self.calls, self.mutate = cfg, calls, mutate
 
-    def __call__(self, q, k, v, out, lse, cu_q, cu_k, used, page_table, sink, scale, softcap, left, right,
+    def __call__(self, q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, sink, scale, softcap, left, right,
                  max_seqlen_q):
         cfg = self.cfg
-        assert page_table is None  # the self-check's problems are not paged
+        assert page_table is None and used_q is None  # the self-check's problems are neither paged nor padded
         self.calls.append(tuple(q.shape))
         # the call convention ops promises (ForwardConfig's docstring)
         assert isinstance(scale, float) and isinstance(softcap, float)

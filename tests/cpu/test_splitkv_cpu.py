@@ -206,9 +206,10 @@ def split_kernel_stand_in(cfg, calls):
     s takes KV blocks [s * per, (s + 1) * per) of each sequence's ceil(sk / tile_n) (the kernel splits
     each tile's visible range; merged, both are the same attention)."""
 
-    def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_k, page_table, sink, scale, softcap, left, right,
+    def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, scale, softcap, left, right,
             max_seqlen_q):
         calls.append(cfg)
+        assert seqused_q is None  # (the split tests run no padded batches)
         if page_table is not None:
             k, v, cu_k = unpage(k, v, page_table, seqused_k)
         assert cfg.split_kv and sink is None and out_p.dtype == lse_p.dtype == torch.float32

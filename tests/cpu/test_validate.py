@@ -290,10 +290,22 @@ def test_unsupported_batched(kwargs, name):
         flash_attn_func(q, k, v, **kwargs)
 
 
-def test_unsupported_seqused_q():
+@pytest.mark.parametrize("seqused_q,grad,exc,match", [
+    (torch.zeros(3, dtype=torch.int64), False, ValueError, "seqused_q must have dtype torch.int32"),
+    (torch.zeros(2, dtype=torch.int32), False, ValueError, r"seqused_q must have shape \(batch,\)"),
+    (torch.zeros(3, dtype=torch.int32), True, NotImplementedError, "no backward with seqused_q"),
+])
+def test_seqused_q_checks(seqused_q, grad, exc, match):
+    """seqused_q: int32 (batch,), and forward only (the backward has no per-sequence query lengths)."""
     q, k, v, cu_q, cu_k = varlen_qkv()
-    with pytest.raises(NotImplementedError, match="seqused_q"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_q=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(exc, match=match):
+        flash_attn_varlen_func(q.requires_grad_(grad), k, v, cu_q, cu_k, seqused_q=seqused_q)
+
+
+def test_padded_batch_with_seqused_k_only_is_forward_only():
+    q, k, v = (torch.randn(2, 5, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="seqused_k without cu_seqlens_k"):
+        flash_attn_varlen_func(q.requires_grad_(), k, v, None, None, seqused_k=torch.ones(2, dtype=torch.int32))
 
 
 # ---- mask canonical form ----

@@ -66,15 +66,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 @functools.lru_cache(maxsize=1024)
 def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
                    has_softcap: bool, varlen: bool, has_seqused_k: bool, has_sink: bool,
-                   qhead_per_kvhead: int = 1, page_size: int = 0, split_kv: bool = False) -> ForwardConfig:
+                   qhead_per_kvhead: int = 1, page_size: int = 0, split_kv: bool = False,
+                   has_seqused_q: bool = False) -> ForwardConfig:
     """The ForwardConfig for a problem class (a model's head ratio included: it decides GQA
     packing; ``page_size``: of a paged KV cache, 0 for contiguous keys; ``split_kv``: the kernel that
     writes float32 partials for num_splits > 1). Cached: the same arguments give the same object."""
     return ForwardConfig(
         arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink, split_kv=split_kv,
-        page_size=page_size,
-        **forward_schedule(arch, head_dim, head_dim_v, varlen, qhead_per_kvhead, split_kv=split_kv),
+        page_size=page_size, has_seqused_q=has_seqused_q,
+        # Used query lengths end like packed sequences: the schedule's epilogue treats them alike.
+        **forward_schedule(arch, head_dim, head_dim_v, varlen or has_seqused_q, qhead_per_kvhead, split_kv=split_kv),
         **choose_tiles(arch, head_dim, head_dim_v, causal, local),
     )
 

@@ -13,7 +13,7 @@ import torch
 from . import ops, validate
 
 
-def _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q=None) -> None:
+def _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs) -> None:
     if dropout_p is None:
         dropout_p = 0.0
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
@@ -26,8 +26,6 @@ def _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q=No
         raise NotImplementedError(
             "flash-attn4: return_attn_probs=True is not supported (use return_lse=True for the log-sum-exp)"
         )
-    if seqused_q is not None:
-        raise NotImplementedError("flash-attn4: seqused_q is not supported (use cu_seqlens_q)")
 
 
 def _common_options(head_dim, softmax_scale, causal, window_size, softcap, learnable_sink):
@@ -94,8 +92,8 @@ def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int | torch.Tensor | None = None,
     max_seqlen_k: int | torch.Tensor | None = None,
     seqused_q: torch.Tensor | None = None,
@@ -124,8 +122,14 @@ def flash_attn_varlen_func(
     or, while compiling or capturing a CUDA graph, bounded by total_q. ``max_seqlen_k`` likewise, but
     only the backward needs it (it sizes the grid), so when None the backward computes it. Returns
     ``out`` (total_q, hq, dv), or ``(out, lse)`` with lse float32 (hq, total_q). Other options as in
-    :func:`flash_attn_func` (``num_splits`` included: each sequence's keys are split); ``seqused_q``
-    raises NotImplementedError. The backward has the head-dim limits of :func:`flash_attn_func`'s.
+    :func:`flash_attn_func` (``num_splits`` included: each sequence's keys are split). The backward has
+    the head-dim limits of :func:`flash_attn_func`'s.
+
+    Padded batches (forward only): ``seqused_q`` int32 (b,) uses only the first seqused_q[i] queries of
+    sequence i (of its cu_seqlens_q slot; masks align to that length); the output and LSE rows past
+    them are not written (undefined). With cu_seqlens_q and cu_seqlens_k both None, q, k, v are
+    batched (b, s, h, d) tensors padded per sequence, lengths given by seqused_q and/or seqused_k:
+    a decode or prefill batch runs without repacking. The outputs then have flash_attn_func's shapes.
 
     Paged keys (``page_table`` int32 (b, max_pages), forward only): k (num_pages, page_size, hk, d) and
     v (num_pages, page_size, hk, dv), page_size a multiple of 16; sequence i's keys are its first
@@ -133,9 +137,12 @@ def flash_attn_varlen_func(
     cu_seqlens_k must be None. Pages may be in any order and shared; table entries past a sequence's
     pages are never read. Values are checked with FLASH_ATTN4_CHECK_CU_SEQLENS=1 (a sync).
     """
-    _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs, seqused_q)
+    _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     deterministic = validate.check_flag("deterministic", deterministic)
     return_lse = validate.check_flag("return_lse", return_lse)
+    if cu_seqlens_q is None and cu_seqlens_k is None and page_table is None:
+        return _padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap,
+                             learnable_sink, deterministic, return_lse, num_splits)
     if page_table is not None:
         validate.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -145,6 +152,7 @@ def flash_attn_varlen_func(
         validate.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     batch = cu_seqlens_q.shape[0] - 1
     validate.check_seqused_k(seqused_k, batch)
+    validate.check_seqused_q(seqused_q, batch, q, k, v, learnable_sink)
     validate.check_learnable_sink(learnable_sink, q.shape[1])
     num_splits = validate.check_num_splits(num_splits, q.shape[1])
     softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
@@ -153,13 +161,34 @@ def flash_attn_varlen_func(
     max_q = validate.as_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = validate.as_max_seqlen("max_seqlen_k", max_seqlen_k)
     validate.check_devices(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           seqused_k=seqused_k, page_table=page_table, learnable_sink=learnable_sink)
+                           seqused_k=seqused_k, seqused_q=seqused_q, page_table=page_table,
+                           learnable_sink=learnable_sink)
     if max_q is None:
         max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
     if max_k is None:
         max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
     out, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table)
+                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table, seqused_q)
+    return (out, lse) if return_lse else out
+
+
+def _padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap, learnable_sink,
+                  deterministic, return_lse, num_splits):
+    """flash_attn_varlen_func without cu_seqlens: batched tensors with per-sequence used lengths."""
+    validate.check_batched(q, k, v)
+    batch = q.shape[0]
+    validate.check_seqused_k(seqused_k, batch)
+    validate.check_seqused_q(seqused_q, batch, q, k, v, learnable_sink)
+    if seqused_k is not None and seqused_q is None:  # the batched backward reads no key lengths
+        validate.check_no_grad("seqused_k without cu_seqlens_k", q, k, v, learnable_sink)
+    validate.check_learnable_sink(learnable_sink, q.shape[2])
+    num_splits = validate.check_num_splits(num_splits, q.shape[2])
+    softmax_scale, softcap, causal, left, right, learnable_sink = _common_options(
+        q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
+    )
+    validate.check_devices(q, k=k, v=v, seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink)
+    out, lse = ops.forward(q, k, v, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal, left, right,
+                           q.shape[1], k.shape[1], deterministic, num_splits, None, seqused_q)
     return (out, lse) if return_lse else out
 
 

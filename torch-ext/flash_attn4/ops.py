@@ -117,7 +117,7 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 
 def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
                 varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, page_size: int = 0,
-                split_kv: bool = False):
+                has_seqused_q: bool = False, split_kv: bool = False):
     """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
     on its first use where selfcheck asks for it (kernels with the plain output convention over
     contiguous keys: the split-KV kernels write partials, which the combine kernel merges, and paged
@@ -126,7 +126,7 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
     cfg = dispatch.forward_config(
         arch, dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
-        qhead_per_kvhead=qhead_per_kvhead, page_size=page_size, split_kv=split_kv,
+        qhead_per_kvhead=qhead_per_kvhead, page_size=page_size, split_kv=split_kv, has_seqused_q=has_seqused_q,
     )
     if cfg.pack_gqa not in (1, qhead_per_kvhead):
         # The kernel folds exactly pack_gqa query heads into each KV head's rows.
@@ -135,7 +135,7 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
     kernel = compile_cache.get_forward_kernel(cfg)
     # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
     # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
-    if not (split_kv or page_size):
+    if not (split_kv or page_size or has_seqused_q):
         selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
     return kernel
 
@@ -171,36 +171,41 @@ def fwd(
     deterministic: bool,
     num_splits: int = 1,
     page_table: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     del deterministic  # for the backward (autograd saves the inputs)
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                    window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table)
+                    window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table,
+                    seqused_q=seqused_q)
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, window_left,
-            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None):
+            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None, seqused_q=None):
     """``fwd`` for the public functions: the op, or its implementation directly where nothing needs
     the dispatcher (_dispatcher_free)."""
-    if _dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table):
+    if _dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q):
         return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                        window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table)
+                        window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table,
+                        seqused_q=seqused_q)
     return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-               window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits, page_table)
+               window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits, page_table, seqused_q)
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
              window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
-             check_values: bool = True, page_table: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             check_values: bool = True, page_table: Optional[torch.Tensor] = None,
+             seqused_q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fwd's implementation, shared with fwd_kvcache. ``check_values=False`` skips the opt-in varlen
     value check (the KV-cache op checks its own metadata: its cu_seqlens_k are cache row offsets,
     which need not increase). ``page_table``: k and v are a paged cache (ForwardConfig.page_size),
-    cu_seqlens_k is None and seqused_k holds the key lengths."""
+    cu_seqlens_k is None and seqused_k holds the key lengths. ``seqused_q``: sequence b uses its first
+    seqused_q[b] queries; the rows of out and lse past them are left as allocated."""
     varlen = cu_seqlens_q is not None
     group = _padded_group(q, k, v, varlen, max_seqlen_q)
     if group:
         return _forward_padded_heads(group, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                                      softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
-                                     max_seqlen_k, num_splits, check_values, page_table)
+                                     max_seqlen_k, num_splits, check_values, page_table, seqused_q)
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -215,7 +220,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
 
     flags = dict(causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
                  varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
-                 qhead_per_kvhead=q.shape[-2] // k.shape[-2], page_size=0 if page_table is None else k.shape[1])
+                 qhead_per_kvhead=q.shape[-2] // k.shape[-2], page_size=0 if page_table is None else k.shape[1],
+                 has_seqused_q=seqused_q is not None)
     if num_splits != 1:
         if page_table is not None and max_seqlen_k < 0:  # the longest sequence the table can hold
             max_seqlen_k = page_table.shape[1] * k.shape[1]
@@ -224,11 +230,12 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
     if num_splits > 1:
         _split_kv_forward(num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                           softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags,
-                          check_values=check_values, page_table=page_table)
+                          check_values=check_values, page_table=page_table, seqused_q=seqused_q)
         return out, lse
     kernel = _kernel_for(q, v, **flags)
     _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
-                    softcap, window_left, window_right, max_seqlen_q, check_values, page_table=page_table)
+                    softcap, window_left, window_right, max_seqlen_q, check_values, page_table=page_table,
+                    seqused_q=seqused_q)
     return out, lse
 
 
@@ -243,7 +250,7 @@ def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: boo
 
 def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                           softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
-                          check_values, page_table):
+                          check_values, page_table, seqused_q):
     """_forward with each KV head's query heads padded by zero heads to ``group`` (a ratio the kernel
     packs: dispatch.padded_pack), then the dummy heads' outputs dropped. The padded q and the
     outputs' copies are small next to the K/V the packing stops re-reading."""
@@ -259,7 +266,7 @@ def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, sequs
         sink_pad = sink_pad.view(hk * group)
     out_pad, lse_pad = _forward(q_pad.view(*lead, hk * group, d), k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                 sink_pad, softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
-                                max_seqlen_k, num_splits, check_values, page_table)
+                                max_seqlen_k, num_splits, check_values, page_table, seqused_q)
     out = out_pad.view(*lead, hk, group, -1)[..., :ratio, :].reshape(*lead, hq, out_pad.shape[-1])
     head_mode = 0 if cu_seqlens_q is not None else 1  # lse (hq, total_q) or (b, hq, sq)
     lse_shape = lse_pad.shape[:head_mode] + (hk, group) + lse_pad.shape[head_mode + 1:]
@@ -269,7 +276,8 @@ def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, sequs
 
 
 def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q,
-                   check_values: bool = True, page_table: Optional[torch.Tensor] = None):
+                   check_values: bool = True, page_table: Optional[torch.Tensor] = None,
+                   seqused_q: Optional[torch.Tensor] = None):
     """The inputs as the kernels take them: layout fixes (copies only where a stride or alignment
     needs one) and the optional varlen value check (with a paged cache: of cu_seqlens_q, and of the
     page table against seqused_k)."""
@@ -290,21 +298,24 @@ def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sin
                                              seqused_k)
     if seqused_k is not None:
         seqused_k = seqused_k.contiguous()
+    if seqused_q is not None:
+        seqused_q = seqused_q.contiguous()
     if learnable_sink is not None:
         learnable_sink = learnable_sink.contiguous()
-    return q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table
+    return q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q
 
 
 def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values: bool = True,
-                    page_table: Optional[torch.Tensor] = None) -> None:
+                    page_table: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None) -> None:
     """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller; for a split-KV
     kernel its float32 partials) on the current stream of q's device. ``fwd`` and the first-use
     self-check (selfcheck.py) both launch through here."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table = _kernel_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _kernel_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table,
+        seqused_q)
     with _device_guard(q.device):
-        kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
+        kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
 
 
@@ -318,7 +329,7 @@ def _device_guard(device: torch.device):
 @torch.library.register_fake(fwd)
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
               causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1,
-              page_table=None):
+              page_table=None, seqused_q=None):
     out_shape, lse_shape = _output_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -352,7 +363,8 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
 
 def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                       softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags: dict,
-                      check_values: bool = True, page_table: Optional[torch.Tensor] = None) -> None:
+                      check_values: bool = True, page_table: Optional[torch.Tensor] = None,
+                      seqused_q: Optional[torch.Tensor] = None) -> None:
     """out, lse through the split-KV kernel's float32 partials (ForwardConfig.split_kv) and the
     combine kernel, which adds a learnable sink to the denominator once (the splits leave it out)."""
     out_partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
@@ -363,7 +375,7 @@ def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
     _launch_forward(kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values,
-                    page_table=page_table)
+                    page_table=page_table, seqused_q=seqused_q)
     learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
     with _device_guard(q.device):
         if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
@@ -631,7 +643,8 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gradient arrives as None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink)
     ctx.options = (softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic)
-    ctx.paged = len(_num_splits_and_pages) > 1 and _num_splits_and_pages[1] is not None
+    # Forward-only inputs: a paged cache (page_table) and padded queries (seqused_q).
+    ctx.forward_only = [name for name, t in zip(("page_table", "seqused_q"), _num_splits_and_pages[1:]) if t is not None]
 
 
 def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool, grad_lse=None) -> torch.Tensor:
@@ -649,10 +662,10 @@ def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool, grad_lse=None) 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
-        return (None,) * 17
-    if ctx.paged:
-        raise NotImplementedError("flash-attn4: no backward through a paged KV cache (page_table); the paged "
-                                  "forward is for inference")
+        return (None,) * 18
+    if ctx.forward_only:
+        raise NotImplementedError(f"flash-attn4: no backward with {' and '.join(ctx.forward_only)} (a paged KV "
+                                  f"cache, padded queries): that forward is for inference")
     if grad_out is None:  # only the LSE was used: dO = 0
         grad_out = torch.zeros_like(out)
     softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic = ctx.options
@@ -669,7 +682,7 @@ def _backward(ctx, grad_out, grad_lse):
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[6]:
         dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None, grad_lse)
-    return (dq, dk, dv, None, None, None, dsink) + (None,) * 10
+    return (dq, dk, dv, None, None, None, dsink) + (None,) * 11
 
 
 torch.library.register_autograd(fwd, _backward, setup_context=_setup_context)

@@ -140,6 +140,25 @@ def check_seqused_k(seqused_k, batch: int) -> None:
         raise ValueError(f"seqused_k must have shape (batch,) = ({batch},), got {_shape(seqused_k)}")
 
 
+def check_no_grad(what: str, *tensors) -> None:
+    """NotImplementedError when autograd would need a backward that ``what`` has none of."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(f"flash-attn4: no backward with {what} (forward only, for inference); call it "
+                                  f"under torch.no_grad() / torch.inference_mode() or on detached tensors")
+
+
+def check_seqused_q(seqused_q, batch: int, *inputs) -> None:
+    """seqused_q int32 (batch,), forward only (the backward has no per-sequence query lengths)."""
+    if seqused_q is None:
+        return
+    check_tensor("seqused_q", seqused_q)
+    if seqused_q.dtype != torch.int32:
+        raise ValueError(f"seqused_q must have dtype torch.int32, got {seqused_q.dtype}")
+    if seqused_q.dim() != 1 or seqused_q.shape[0] != batch:
+        raise ValueError(f"seqused_q must have shape (batch,) = ({batch},), got {_shape(seqused_q)}")
+    check_no_grad("seqused_q", *inputs)
+
+
 def check_learnable_sink(learnable_sink, num_heads_q: int) -> None:
     if learnable_sink is None:
         return

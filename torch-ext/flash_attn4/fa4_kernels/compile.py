@@ -83,10 +83,11 @@ def _fake_tensors(cfg: ForwardConfig):
     cu_q, cu_k = (_fake_vector(cutlass.Int32), _fake_vector(cutlass.Int32)) if cfg.varlen else (None, None)
     if cfg.page_size:
         cu_k = None  # the lengths are seqused_k; the page table says where the keys are
+    seqused_q = _fake_vector(cutlass.Int32) if cfg.has_seqused_q else None
     seqused_k = _fake_vector(cutlass.Int32) if cfg.has_seqused_k else None
     page_table = _fake_page_table() if cfg.page_size else None
     sink = _fake_vector(cutlass.Float32) if cfg.has_sink else None
-    return q, k, v, o, lse, cu_q, cu_k, seqused_k, page_table, sink
+    return q, k, v, o, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, sink
 
 
 def _compile(kernel, *args, arch: Arch, jit_engine: bool):
@@ -234,8 +235,8 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
     def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, dtype="bfloat16", **flags):
         return ForwardConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=dv,
                              causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
-                             **forward_schedule(arch, d, dv, flags.get("varlen", False), qhead_per_kvhead,
-                                                split_kv=flags.get("split_kv", False)))
+                             **forward_schedule(arch, d, dv, flags.get("varlen", False) or flags.get("has_seqused_q", False),
+                                                qhead_per_kvhead, split_kv=flags.get("split_kv", False)))
 
     return [cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET]
 

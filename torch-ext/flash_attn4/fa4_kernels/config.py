@@ -83,14 +83,17 @@ class ForwardConfig(_KernelConfig):
     Kernel call convention (the compiled function, called with torch tensors through TVM-FFI on the
     current CUDA stream):
 
-        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, learnable_sink,
+        fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
            softmax_scale, softcap, window_left, window_right, max_seqlen_q)
 
     batched (``varlen=False``): q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv),
         out (b, sq, hq, dv), lse (b, hq, sq) float32; cu_seqlens_* are None.
     varlen (``varlen=True``): q (total_q, hq, d), k (total_k, hk, d), v (total_k, hk, dv),
         out (total_q, hq, dv), lse (hq, total_q); cu_seqlens_q/k int32 (b + 1,).
-    seqused_k: int32 (b,) or None (``has_seqused_k``); learnable_sink: float32 (hq,) or None.
+    seqused_k: int32 (b,) or None (``has_seqused_k``); seqused_q: int32 (b,) or None (``has_seqused_q``):
+        sequence b uses its first seqused_q[b] queries (batched: of sq; varlen: of its cu_seqlens_q
+        slot), and the output and LSE rows past them are not written; learnable_sink: float32 (hq,)
+        or None.
     paged (``page_size`` > 0, varlen queries): k (num_pages, page_size, hk, d), v (num_pages,
         page_size, hk, dv), page_table int32 (b, max_pages), cu_seqlens_k None, seqused_k the key
         lengths (fa4_kernels/paged_kv.py); page_table is None otherwise.
@@ -110,6 +113,7 @@ class ForwardConfig(_KernelConfig):
     has_softcap: bool = False
     varlen: bool = False
     has_seqused_k: bool = False
+    has_seqused_q: bool = False
     has_sink: bool = False
     # Tuning knobs: dispatch takes them from the arch's tile rules (tiles.py); tests and A/B runs
     # may pin them.

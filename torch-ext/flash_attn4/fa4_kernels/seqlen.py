@@ -2,7 +2,8 @@
 
 Batched inputs have one length for every batch entry (the tensor extent). Varlen inputs are packed
 along the token axis and described by ``cu_seqlens`` (prefix sums, length batch + 1); ``seqused_k``
-optionally shortens each key sequence (e.g. a KV cache filled to different depths).
+optionally shortens each key sequence (e.g. a KV cache filled to different depths), ``seqused_q``
+each query sequence (padded batches: the rows past it are neither read into results nor written).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class SeqlenInfo:
         cu_seqlens_q: Optional[cute.Tensor] = None,
         cu_seqlens_k: Optional[cute.Tensor] = None,
         seqused_k: Optional[cute.Tensor] = None,
+        seqused_q: Optional[cute.Tensor] = None,
     ) -> "SeqlenInfo":
         if cutlass.const_expr(cu_seqlens_q is None):
             offset_q, seqlen_q = Int32(0), Int32(seqlen_q_static)
@@ -45,6 +47,8 @@ class SeqlenInfo:
             seqlen_k = cu_seqlens_k[batch_idx + 1] - offset_k
         if cutlass.const_expr(seqused_k is not None):
             seqlen_k = seqused_k[batch_idx]
+        if cutlass.const_expr(seqused_q is not None):
+            seqlen_q = seqused_q[batch_idx]
         return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k)
 
     def diagonal_offset(self) -> Int32:

@@ -159,7 +159,8 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                 mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+                 mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+                 mPageTable: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_q: Int32, stream: cuda.CUstream):
         cfg = self.cfg

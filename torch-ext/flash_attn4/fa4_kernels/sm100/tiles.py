@@ -100,6 +100,8 @@ def check_forward(cfg) -> None:
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off), got {cfg.pack_gqa}")
+    if cfg.has_seqused_q:
+        raise NotImplementedError(f"{cfg.arch.value} forward: seqused_q is not implemented yet; it runs on sm_90a")
     if cfg.page_size:
         raise NotImplementedError(f"{cfg.arch.value} forward: a paged KV cache is not implemented yet (page_size="
                                   f"{cfg.page_size}); it runs on sm_90a")

@@ -109,6 +109,7 @@ class FlashAttentionForwardSm90:
         mLSE: cute.Tensor,  # (b, hq, sq) or (hq, total_q), float32; split_kv: (num_splits, ...)
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],  # (b, max_pages) int32 with a paged cache (cfg.page_size)
         mSink: Optional[cute.Tensor],
@@ -240,7 +241,7 @@ class FlashAttentionForwardSm90:
                                          num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, mSink,
+            tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink,
             score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scheduler, splits,
         ).launch(grid=scheduler.grid(), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -256,8 +257,8 @@ class FlashAttentionForwardSm90:
         tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
         tma_atom_O: Optional[cute.CopyAtom], mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
-        score_prescale: Float32, scale_log2: Float32,
+        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor], score_prescale: Float32, scale_log2: Float32,
         window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -299,7 +300,8 @@ class FlashAttentionForwardSm90:
         mmas = Mmas(qk=tiled_mma_qk, pv=tiled_mma_pv, o=tiled_mma_o)
         outputs = Outputs(o=mO, lse=mLSE, sink=mSink, tma_atom_o=tma_atom_O)
         loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, mPageTable)
-        tile_args = (qhead_per_kvhead, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
+        tile_args = (qhead_per_kvhead, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_left,
+                     window_right)
         warpgroup_idx = warpgroup_index(tidx)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
             # Persistent: CTA i works on tiles i, i + grid, ... of the scheduler's order; the
@@ -351,12 +353,13 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def tile_work(self, m_block: Int32, head: Int32, batch: Int32, qhead_per_kvhead: Int32, mQ: cute.Tensor,
                   mK: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                  mSeqUsedK: Optional[cute.Tensor], window_left: Int32, window_right: Int32,
+                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], window_left: Int32,
+                  window_right: Int32,
                   splits: Optional[KVSplits] = None, split: Optional[Int32] = None) -> "OutputTile":
         """An output tile with its sequence lengths, mask and visible KV blocks (with split-KV, split
         ``split``'s share of them)."""
         tokens_q = mQ.shape[0] if cutlass.const_expr(self.cfg.pack_gqa == 1) else mQ.shape[0][1]
-        seqlen = SeqlenInfo.create(batch, tokens_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        seqlen = SeqlenInfo.create(batch, tokens_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSeqUsedQ)
         mask = AttentionMask(self.tile_m, self.tile_n, self.cfg.causal, self.cfg.local,
                              window_left, window_right, self.cfg.pack_gqa)
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)

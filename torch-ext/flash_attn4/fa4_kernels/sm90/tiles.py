@@ -105,6 +105,8 @@ FORWARD_KERNEL_SET = (
     dict(varlen=True, has_seqused_k=True, page_size=16, qhead_per_kvhead=4),
     dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=4, causal=True),
     dict(d=256, dv=256, varlen=True, has_seqused_k=True, page_size=64),
+    # Padded batches (seqused_q), batched and varlen.
+    dict(has_seqused_q=True, causal=True), dict(varlen=True, has_seqused_q=True, has_seqused_k=True, qhead_per_kvhead=4),
 )
 # This arch's forward has the split-KV variant (ForwardConfig.split_kv).
 FORWARD_SPLIT_KV = True
@@ -127,8 +129,9 @@ def check_forward(cfg) -> None:
     if 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off; TMA boxes of whole tokens in 64-row warpgroup "
                          f"tiles), got {cfg.pack_gqa}")
-    if cfg.tma_store_o and cfg.varlen:
-        raise ValueError("tma_store_o is for batched inputs: a TMA box would write past a packed sequence")
+    if cfg.tma_store_o and (cfg.varlen or cfg.has_seqused_q):
+        raise ValueError("tma_store_o is for batched inputs without seqused_q: a TMA box would write past a packed "
+                         "sequence or a sequence's used queries")
     if cfg.tma_store_o and cfg.split_kv:
         raise ValueError("tma_store_o stores O in the input dtype; split-KV partials are float32 (tma_store_o=False)")
     if cfg.tma_store_o and cfg.head_dim_v % 16:
