@@ -131,13 +131,8 @@ def check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
 
 
 def check_seqused_k(seqused_k, batch: int) -> None:
-    if seqused_k is None:
-        return
-    check_tensor("seqused_k", seqused_k)
-    if seqused_k.dtype != torch.int32:
-        raise ValueError(f"seqused_k must have dtype torch.int32, got {seqused_k.dtype}")
-    if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
-        raise ValueError(f"seqused_k must have shape (batch,) = ({batch},), got {_shape(seqused_k)}")
+    if seqused_k is not None:
+        _check_index_vector("seqused_k", seqused_k, batch)
 
 
 def check_no_grad(what: str, *tensors) -> None:
@@ -149,14 +144,9 @@ def check_no_grad(what: str, *tensors) -> None:
 
 def check_seqused_q(seqused_q, batch: int, *inputs) -> None:
     """seqused_q int32 (batch,), forward only (the backward has no per-sequence query lengths)."""
-    if seqused_q is None:
-        return
-    check_tensor("seqused_q", seqused_q)
-    if seqused_q.dtype != torch.int32:
-        raise ValueError(f"seqused_q must have dtype torch.int32, got {seqused_q.dtype}")
-    if seqused_q.dim() != 1 or seqused_q.shape[0] != batch:
-        raise ValueError(f"seqused_q must have shape (batch,) = ({batch},), got {_shape(seqused_q)}")
-    check_no_grad("seqused_q", *inputs)
+    if seqused_q is not None:
+        _check_index_vector("seqused_q", seqused_q, batch)
+        check_no_grad("seqused_q", *inputs)
 
 
 def check_learnable_sink(learnable_sink, num_heads_q: int) -> None:
