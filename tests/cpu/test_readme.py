@@ -99,3 +99,12 @@ def test_readme_links_the_docs_that_hold_what_moved_out_of_it():
     for doc in ("docs/API_COMPAT.md", "docs/VERIFICATION.md", "docs/perf.md", "docs/DEVELOPMENT.md",
                 "docs/CONTRACTS.md"):
         assert f"]({doc})" in README, doc
+
+
+def test_the_kernels_symlink_points_the_way_the_docs_say():
+    """README, CONTRACTS.md and pyproject.toml: the kernels are real files in
+    torch-ext/flash_attn4/fa4_kernels/; the top-level fa4_kernels is a symlink to them."""
+    top, inside = REPO_ROOT / "fa4_kernels", REPO_ROOT / "torch-ext" / "flash_attn4" / "fa4_kernels"
+    assert top.is_symlink() and top.resolve() == inside.resolve()
+    assert inside.is_dir() and not inside.is_symlink()
+    assert "the top-level `fa4_kernels` symlink" in README
