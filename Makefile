@@ -3,32 +3,39 @@ PYTHON ?= python
 ARCH ?= sm_90a
 BUILD_DIR ?= build
 
-.PHONY: setup build compile sass-report test test-gpu demo bench bench-decode clean
+.PHONY: help setup build compile sass-report test test-gpu demo bench bench-decode clean
+
+# A bare `make` lists the targets and does nothing else (installing is `make setup`, asked for by name).
+.DEFAULT_GOAL := help
 
 # torch is installed first and explicitly: `torch==2.13.0` is the CPU wheel that pip takes from
 # local disk on this project's machines. On a GPU machine, install the CUDA build of torch you want
 # first and run `make setup TORCH=` to keep it.
 TORCH ?= torch==2.13.0
 
+help: ## this list
+	@echo "flash-attn4: make TARGET [VAR=value]; first time: python -m venv .venv && . .venv/bin/activate && make setup"
+	@sed -n 's/^\([a-z-]*\):.*## \(.*\)/  make \1|\2/p' $(MAKEFILE_LIST) | awk -F'|' '{ printf "%-20s %s\n", $$1, $$2 }'
+
 # Pinned dependencies and the package itself (editable, with the dev extras).
-setup:
+setup: ## install torch (TORCH=...; TORCH= keeps yours), then this package editable with the dev extras
 	$(if $(TORCH),$(PYTHON) -m pip install "$(TORCH)")
 	$(PYTHON) -m pip install -e ".[dev]"
 
 # The Hub tree: $(BUILD_DIR)/torch-cuda/ (module files, generated _ops.py, metadata.json).
-build:
+build: ## the Hub tree in build/torch-cuda/ (BUILD_DIR=...)
 	$(PYTHON) scripts/build_hub.py --build-dir $(BUILD_DIR)
 
 # Compile the kernel set for ARCH without a GPU; an arch without kernels is an error. The module is
 # run as flash_attn4.fa4_kernels.compile from torch-ext/ (this tree's, not an installed copy),
 # which works from any directory.
-compile:
+compile: ## compile ARCH's kernel set without a GPU (ARCH=sm_90a, sm_100a, sm_103a)
 	PYTHONPATH="$(CURDIR)/torch-ext$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m flash_attn4.fa4_kernels.compile --arch $(ARCH)
 
 # Static facts of every kernel of ARCH's set under both embedded ptxas versions, no GPU: MMAs,
 # exponentials, spills, registers, TMEM, the DSL verifier; ANCHORS=DIR adds upstream's numbers
 # (../shared/sm100/compile_anchor.py --out DIR). STRICT=1 fails on a static problem (spills...).
-sass-report:
+sass-report: ## static SASS facts of ARCH's kernel set (no GPU; ANCHORS=DIR, STRICT=1)
 	$(PYTHON) scripts/sass_report.py set --arch $(ARCH) --flavour both --verify \
 	  $(if $(ANCHORS),--anchors $(ANCHORS)) $(if $(STRICT),--strict)
 
@@ -37,22 +44,22 @@ TEST_WORKERS ?= 2
 GPU_TEST_WORKERS ?= 4
 
 # CPU tests. pytest exits 5 when it collected no test: that is a failure here, said out loud.
-test:
+test: ## CPU tests: python -m pytest tests -m "not gpu" -q -n 2 (TEST_WORKERS=...)
 	$(PYTHON) -m pytest tests -m "not gpu" -q -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 # GPU tests: need an sm90/sm100 GPU, skipped otherwise.
-test-gpu:
+test-gpu: ## GPU tests (an sm90/sm100 GPU; skipped otherwise)
 	$(PYTHON) -m pytest tests -m gpu -q -n $(GPU_TEST_WORKERS)
 
-demo:
+demo: ## build, load as a Hub kernel, run (GPU) or compile (no GPU)
 	$(PYTHON) scripts/demo.py
 
-bench:
+bench: ## benchmark against the other implementations (options: benchmarks/README.md)
 	$(PYTHON) benchmarks/bench.py
 
-bench-decode:
+bench-decode: ## decoding benchmark (split-KV)
 	$(PYTHON) benchmarks/bench.py --mode decode
 
-clean:
+clean: ## remove build/ (BUILD_DIR)
 	rm -rf $(BUILD_DIR)

@@ -3,8 +3,8 @@
 
 For every backend in build.toml's [general] backends, this writes build/torch-<backend>/ with
 
-- the files of torch-ext/<module>/, flat, with symlinks dereferenced (fa4_kernels/ is a symlink in
-  the source tree and must ship as real files), only the extensions of [torch-noarch] pyext
+- the files of torch-ext/<module>/, flat, with any symlinks dereferenced (so that a module may link
+  in files from elsewhere and still ship real files), only the extensions of [torch-noarch] pyext
   (default py, pyi: kernel-builder's source filter) and no bytecode;
 - a generated _ops.py in place of the development one: the torch.ops namespace
   ``_<module>_<backend>_<unique id>`` and ``add_op_namespace_prefix``, so that several builds can

@@ -81,20 +81,27 @@ def import_tree(variant: Path):
 
 
 def load(variant: Path):
-    """(module, route description)."""
-    why_not = None
+    """(module, route description). Where ``kernels`` cannot load the build for a known, harmless
+    reason (not installed; a torch without CUDA, for which it looks for no CUDA build) the tree is
+    imported by path as ``kernels`` would, and the route says why; only a refusal on a CUDA torch
+    is reported as a warning."""
     if importlib.util.find_spec("kernels") is None:
-        why_not = "the kernels package is not installed"
-    else:
-        try:
-            import kernels
+        module = import_tree(variant)
+        return module, f"importlib by path as {module.__name__} (the kernels package is not installed)"
+    import kernels
+    import torch
 
-            module = kernels.get_local_kernel(variant.parent.parent)
-            return module, f"kernels.get_local_kernel({variant.parent.parent}) (kernels {kernels.__version__})"
-        except Exception as exc:
-            why_not = f"kernels refused it: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}"
+    if torch.version.cuda is None:
+        module = import_tree(variant)
+        return module, (f"importlib by path as {module.__name__}, the way kernels imports a build (torch "
+                        f"{torch.__version__} has no CUDA, and kernels loads a CUDA build only under a CUDA torch)")
+    try:
+        module = kernels.get_local_kernel(variant.parent.parent)
+        return module, f"kernels.get_local_kernel({variant.parent.parent}) (kernels {kernels.__version__})"
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     module = import_tree(variant)
-    return module, f"importlib by path as {module.__name__} ({why_not})"
+    return module, f"importlib by path as {module.__name__}; warning: kernels could not load the build ({why})"
 
 
 def check_api(fa) -> None:

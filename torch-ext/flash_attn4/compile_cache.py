@@ -57,7 +57,7 @@ _disk_failed = False  # a compiled kernel could not be written or loaded back: m
 
 
 def _kernels_root() -> Path:
-    # fa4_kernels may be a namespace package (no __file__); in the source tree it is a symlink.
+    # fa4_kernels may be a namespace package (no __file__); resolve() also sees through a symlinked copy.
     return (Path(__file__).resolve().parent / "fa4_kernels").resolve()
 
 

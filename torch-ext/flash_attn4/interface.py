@@ -2,7 +2,7 @@
 
 Layout (batch, seqlen, heads, head_dim); varlen packs the sequences: (total_tokens, heads, head_dim)
 with int32 ``cu_seqlens`` offsets. Masks are aligned bottom-right when seqlen_q != seqlen_k: query row i
-sees keys j with ``i + sk - sq - left <= j <= i + sk - sq + right`` (-1 = unbounded; causal: right = 0).
+sees keys j with ``i + sk - sq - left <= j <= i + sk - sq + right`` (-1 or None = unbounded; causal: right = 0).
 Rows that see no key give out = 0 and lse = -inf.
 """
 
@@ -57,7 +57,7 @@ def flash_attn_func(
     """Attention over (batch, seqlen, heads, head_dim) tensors.
 
     q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv); bf16 or fp16 on one CUDA device; hq a multiple
-    of hk (GQA/MQA); d, dv multiples of 8 up to 256. ``softmax_scale`` defaults to 1/sqrt(d); ``softcap``
+    of hk (GQA/MQA); d, dv multiples of 8 from 16 to 256. ``softmax_scale`` defaults to 1/sqrt(d); ``softcap``
     > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores; ``learnable_sink`` (hq,) adds one
     logit per head to the softmax denominator (gpt-oss). ``deterministic=True`` makes the backward
     bitwise repeatable (dQ is reduced across KV tiles in a fixed order; a little slower); the forward

@@ -26,6 +26,11 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_DEVICES = f"supported: CUDA tensors on {supported_devices()} GPUs"
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
+# The smallest head dim (q/k and v) served: sm_90a's forward has no 8-column accumulator layout
+# (head_dim_v), sm_100a's MMAs step 16 columns, and head_dim 8, which sm_90a's forward compiles, has
+# never been run on a GPU. 8 is valid FlashAttention input, so it is a NotImplementedError, raised
+# here rather than when a kernel is picked on the GPU.
+MIN_HEAD_DIM = 16
 ALIGN_BYTES = 16
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,11 +73,21 @@ def check_devices(q: torch.Tensor, **others) -> None:
 
 
 def check_head_dims(head_dim: int, head_dim_v: int) -> None:
+    """ValueError for a head dim that is not a multiple of 8 in [8, 256]; NotImplementedError for one
+    below MIN_HEAD_DIM (8: valid in FlashAttention, served by no kernel here), before anything runs."""
     for name, what, d in (("head_dim", "last dim of q and k", head_dim), ("head_dim_v", "last dim of v", head_dim_v)):
         if d % HEAD_DIM_MULTIPLE != 0 or not HEAD_DIM_MULTIPLE <= d <= MAX_HEAD_DIM:
             raise ValueError(
                 f"{name} ({what}) must be a multiple of {HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, "
                 f"{MAX_HEAD_DIM}], got {d}"
+            )
+    for name, what, d, pad in (("head_dim", "q and k", head_dim, f"pass softmax_scale={head_dim} ** -0.5"),
+                               ("head_dim_v", "v", head_dim_v, f"take out[..., :{head_dim_v}]")):
+        if d < MIN_HEAD_DIM:
+            raise NotImplementedError(
+                f"flash-attn4: {name} = {d} is not implemented (the kernels' smallest head dim is "
+                f"{MIN_HEAD_DIM}); zero-pad {what} to {MIN_HEAD_DIM} on the last dim and {pad}, which gives "
+                f"the same attention"
             )
 
 
@@ -181,9 +196,9 @@ def check_window_size(window_size) -> tuple[int, int]:
         if w is None:
             w = -1
         if not _is_int(w):
-            raise ValueError(f"window_size {side} must be an int (-1 = unbounded), got {w!r}")
+            raise ValueError(f"window_size {side} must be an int, or -1 or None for unbounded, got {w!r}")
         if w < -1:
-            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {w}")
+            raise ValueError(f"window_size {side} must be >= -1 (-1 or None: unbounded), got {w}")
         out.append(int(w) if isinstance(w, numbers.Integral) else w)
     return out[0], out[1]
 
