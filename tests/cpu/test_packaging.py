@@ -247,6 +247,35 @@ print(json.dumps({{
     assert result["leaked"] == []
 
 
+def test_the_same_build_imported_twice_gets_two_op_namespaces(variant, tmp_path):
+    # A Hub download and a LOCAL_KERNELS copy of one build (or one folder imported by path under two
+    # names) share the generated namespace; the second import must not fail on torch.library's
+    # "registered multiple times" and must run its own ops.
+    script = f"""
+import importlib.util, json, sys, torch
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, {str(variant / "__init__.py")!r})
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return sys.modules[name + ".ops"]
+first, second = load("_fa4_first_copy"), load("_fa4_second_copy")
+names = ("fwd", "bwd", "combine", "fwd_kvcache")
+print(json.dumps({{
+    "namespaces": [first._NAMESPACE, second._NAMESPACE],
+    "own_ops": [getattr(m, n) is getattr(getattr(torch.ops, m._NAMESPACE), n).default
+                for m in (first, second) for n in names],
+}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    first, second = result["namespaces"]
+    assert second == first + "_2"
+    assert all(result["own_ops"])
+
+
 # --- scripts/build_hub.py on a made-up kernel ------------------------------------------------------
 
 

@@ -47,7 +47,22 @@ from .fa4_kernels.tiles import has_split_kv
 # wraps every implementation in torch._disable_dynamo, which imports torch._dynamo (about a second of
 # CPU) on the first call of a process that never uses torch.compile. _outside_dynamo keeps the
 # guard and pays for it only where dynamo is loaded.
-_NAMESPACE = add_op_namespace_prefix("").split("::")[0]
+
+
+def _unclaimed_namespace(base: str) -> str:
+    """``base``, or ``base_2``, ``base_3``, ... when an earlier import of this same build (the same
+    files under another module name: a Hub download and a LOCAL_KERNELS copy, or a package imported
+    by path twice) already defined its ops there. torch.library refuses a second definition of an
+    op, and reusing the first import's ops would run the first module's code under the second's
+    name; a namespace of its own keeps each import self-contained."""
+    namespace, n = base, 1
+    while hasattr(getattr(torch.ops, namespace), "fwd"):
+        n += 1
+        namespace = f"{base}_{n}"
+    return namespace
+
+
+_NAMESPACE = _unclaimed_namespace(add_op_namespace_prefix("").split("::")[0])
 _LIBRARY = torch.library.Library(_NAMESPACE, "FRAGMENT")
 
 
