@@ -20,7 +20,7 @@ from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_func, f
 from flash_attn4 import selfcheck, settings, validate
 from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import ForwardConfig
-from tests.reference import attention_ref
+from tests.reference import attention_ref, attention_used_into
 
 BF16 = torch.bfloat16
 
@@ -35,12 +35,18 @@ def seed(monkeypatch):
     return s
 
 
-def reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right, key_shift=None):
+def reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right, key_shift=None,
+                   used_q=None):
     """The kernel's job done by tests/reference.py (key_shift: (sequence, shift) reads that varlen
-    sequence's keys ``shift`` tokens off, a cu_seqlens_k offset bug)."""
+    sequence's keys ``shift`` tokens off, a cu_seqlens_k offset bug; used_q: seqused_q, whose rows
+    past it stay as they are)."""
     window = (left, right) if cfg.local else (-1, -1)
     kwargs = dict(softmax_scale=scale, causal=cfg.causal, window_size=window,
                   softcap=softcap if cfg.has_softcap else 0.0, learnable_sink=sink)
+    if used_q is not None:
+        attention_used_into(out, lse, q, k, v, seqused_q=used_q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            seqused_k=used, **kwargs)
+        return
     o, l = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, **kwargs)
     if key_shift is not None:
         b, shift = key_shift
@@ -53,7 +59,9 @@ def reference_into(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softca
 
 
 class FakeKernel:
-    """compile_forward(cfg)'s stand-in; ``mutate(cfg, out, lse, args)`` makes it wrong."""
+    """compile_forward(cfg)'s stand-in; ``mutate(cfg, out, lse, args)`` makes it wrong. A split-KV
+    stand-in computes the whole attention in split 0 and leaves the other splits empty (LSE -inf,
+    partial O unwritten), a valid split of the keys that the merge must see through."""
 
     def __init__(self, cfg, calls, mutate=None):
         self.cfg, self.calls, self.mutate = cfg, calls, mutate
@@ -61,8 +69,13 @@ class FakeKernel:
     def __call__(self, q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, sink, scale, softcap, left, right,
                  max_seqlen_q):
         cfg = self.cfg
-        assert page_table is None and used_q is None  # the self-check's problems are neither paged nor padded
+        assert page_table is None  # the self-check's problems are never paged
+        assert (used_q is not None) == cfg.has_seqused_q
         self.calls.append(tuple(q.shape))
+        if cfg.split_kv:
+            assert out.dtype == torch.float32 and out.shape[0] == lse.shape[0] == selfcheck.SPLITS
+            lse[1:] = float("-inf")
+            out, lse = out[0], lse[0]
         # the call convention ops promises (ForwardConfig's docstring)
         assert isinstance(scale, float) and isinstance(softcap, float)
         assert all(type(x) is int for x in (left, right, max_seqlen_q))
@@ -73,7 +86,7 @@ class FakeKernel:
         assert q.shape[-2] // k.shape[-2] == cfg.pack_gqa or cfg.pack_gqa == 1
         args = (q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right)
         if self.mutate is None:
-            reference_into(cfg, *args)
+            reference_into(cfg, *args, used_q=used_q)
         else:
             self.mutate(cfg, *args)
 
@@ -166,7 +179,11 @@ def test_varlen_with_every_feature_passes(fake_gpu):
     (256, 256, 16, dict(has_softcap=True, has_sink=True)), (128, 128, 1, dict(varlen=True)),
     (64, 64, 2, dict(varlen=True, has_seqused_k=True, causal=True)),
     (256, 256, 4, dict(varlen=True, local=True, has_seqused_k=True, has_sink=True, has_softcap=True)),
-    (96, 96, 6, dict(has_seqused_k=True, local=True))])
+    (96, 96, 6, dict(has_seqused_k=True, local=True)),
+    (128, 128, 1, dict(has_seqused_q=True, causal=True)),
+    (128, 128, 4, dict(varlen=True, has_seqused_q=True, has_seqused_k=True, local=True)),
+    (128, 128, 4, dict(split_kv=True)), (64, 64, 1, dict(split_kv=True, varlen=True, has_seqused_k=True, causal=True)),
+    (256, 256, 2, dict(split_kv=True, has_seqused_q=True, has_softcap=True))])
 def test_correct_kernel_passes_every_configuration(seed, d, dv, ratio, flags):
     """check_forward directly: the correct stand-in passes for every feature combination, so the
     check's reference and tolerances agree with tests/reference.py."""
@@ -294,6 +311,71 @@ def test_wrong_kernel_raises_naming_the_configuration(fake_gpu, name):
     # the check ran; the caller's launch never happened
     assert fake_gpu["calls"] == [problem_shape(cfg)]
     assert selfcheck.verdict(cfg, "cpu") == "failed"
+
+
+def seqused_q_ignored(cfg, q, k, v, out, lse, *rest):
+    """Every stored query row attends (the causal diagonal then sits seqused_q rows off)."""
+    reference_into(cfg, q, k, v, out, lse, *rest)
+
+
+def split_kernel(cfg, how):
+    """A split-KV stand-in that is wrong: "duplicate" (split 1 repeats split 0's keys) or
+    "unwritten" (split 1 claims keys but writes nothing)."""
+    def run(q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, sink, scale, softcap, left, right, max_seqlen_q):
+        reference_into(cfg, q, k, v, out[0], lse[0], cu_q, cu_k, used, sink, scale, softcap, left, right,
+                       used_q=used_q)
+        lse[2:] = float("-inf")
+        if how == "duplicate":
+            out[1].copy_(out[0])
+            lse[1].copy_(lse[0])
+    return run
+
+
+@pytest.mark.parametrize("flags", [dict(has_seqused_q=True, causal=True),
+                                   dict(varlen=True, has_seqused_q=True, has_seqused_k=True, causal=True)])
+def test_seqused_q_ignored_fails(seed, flags):
+    cfg = config(**flags)
+    report = selfcheck.check_forward(cfg, FakeKernel(cfg, [], seqused_q_ignored), ops._launch_forward,
+                                     torch.device("cpu"))
+    assert not report.ok and report.out_err > report.out_allowed
+    assert "seqused_q" in report.problem
+
+
+@pytest.mark.parametrize("how,failure", [("duplicate", "lse: max|lse - ref|"), ("unwritten", "NaN or +inf")])
+def test_wrong_split_kv_partials_fail(seed, how, failure):
+    cfg = config(split_kv=True, causal=True, varlen=True, has_seqused_k=True)
+    report = selfcheck.check_forward(cfg, split_kernel(cfg, how), ops._launch_forward, torch.device("cpu"))
+    assert not report.ok and any(failure in f for f in report.failures), report.failures
+    assert f"{selfcheck.SPLITS} KV splits" in report.problem
+
+
+def test_merge_partials_matches_the_whole_attention(seed):
+    """Three splits of one sequence's keys (one of them empty for the early causal rows), merged,
+    give the attention over all keys; an empty split's partial O is never read."""
+    from tests.reference import partial_attention_ref
+    sq, sk, hq, hk, d = 9, 20, 4, 2, 32
+    q, k, v = torch.randn(sq, hq, d), torch.randn(sk, hk, d), torch.randn(sk, hk, d)
+    shares = [torch.arange(sk) < 7, (torch.arange(sk) >= 7) & (torch.arange(sk) < 14), torch.arange(sk) >= 14]
+    parts = [partial_attention_ref(q, k, v, keys, causal=True) for keys in shares]
+    out_p = torch.stack([o for o, _ in parts])[:, None]  # (splits, 1, sq, hq, d)
+    lse_p = torch.stack([l for _, l in parts])[:, None]  # (splits, 1, hq, sq)
+    out_p[torch.isneginf(lse_p).transpose(-1, -2)[..., None].expand_as(out_p)] = float("nan")
+    out, lse = selfcheck.merge_partials(out_p, lse_p)
+    ref, ref_lse = attention_ref(q[None].float(), k[None].float(), v[None].float(), causal=True)
+    torch.testing.assert_close(out.float(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.float(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_seqused_q_configuration_is_checked_on_first_use(fake_gpu):
+    cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+    q, k, v = (torch.randn(45, h, 64, dtype=BF16) for h in (4, 2, 2))
+    used_q = torch.tensor([20, 3], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, seqused_q=used_q, causal=True)
+    cfg = config(d=64, ratio=2, varlen=True, has_seqused_q=True, causal=True)
+    assert fake_gpu["calls"] == [problem_shape(cfg), tuple(q.shape)]
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+    ref, _ = attention_ref(q[None, 20:23], k[None, 20:45], v[None, 20:45], causal=True)
+    torch.testing.assert_close(out[20:23], ref[0])
 
 
 def test_small_perturbation_within_the_rule_passes(fake_gpu):

@@ -5,6 +5,7 @@ and fa4_kernels/combine.py). The kernels' numerics are tests/gpu/test_splitkv.py
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from flash_attn4 import (compile_cache, device_info, dispatch, flash_attn_combine, flash_attn_func,
                          flash_attn_varlen_func, ops, validate)
-from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.arch import Arch, kernels_for
 from flash_attn4.fa4_kernels.config import CombineConfig, ForwardConfig
 from tests.reference import attention_ref, combine_ref, partial_attention_ref, random_cu_seqlens, unpage
 
@@ -106,7 +107,7 @@ def test_num_splits_with_a_sink(cpu_kernels, num_splits):
     close_to_reference(out, lse, q, k, v, learnable_sink=sink)
 
 
-def test_split_kv_config_rules():
+def test_split_kv_config_rules(monkeypatch):
     base = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128)
     assert ForwardConfig(**base, split_kv=True).split_kv
     with pytest.raises(ValueError, match="combine kernel adds it"):
@@ -115,14 +116,20 @@ def test_split_kv_config_rules():
         ForwardConfig(**base, split_kv=True, persistent_ctas=132)
     with pytest.raises(ValueError, match="float32"):
         ForwardConfig(**base, split_kv=True, tma_store_o=True)
+    flags = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
+    cfg = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, **flags, split_kv=True)
+    assert cfg.split_kv and not cfg.tma_store_o
+    # The sm100 family has the split-KV variant too, with the softmax schedule of its plain kernel.
+    for arch in (Arch.SM100, Arch.SM103):
+        plain = dispatch.forward_config(arch, "bfloat16", 128, 128, **flags, qhead_per_kvhead=4)
+        split = dispatch.forward_config(arch, "bfloat16", 128, 128, **flags, qhead_per_kvhead=4, split_kv=True)
+        assert split.split_kv and dataclasses.replace(split, split_kv=False) == plain
+    # An arch whose rules do not say FORWARD_SPLIT_KV refuses it, before anything compiles.
+    monkeypatch.setattr(kernels_for(Arch.SM100, "forward").rules(), "FORWARD_SPLIT_KV", False)
     with pytest.raises(ValueError, match="no split-KV"):
         ForwardConfig(**dict(base, arch=Arch.SM100), split_kv=True)
-    cfg = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, causal=False, local=False, has_softcap=False,
-                                  varlen=False, has_seqused_k=False, has_sink=False, split_kv=True)
-    assert cfg.split_kv and not cfg.tma_store_o
     with pytest.raises(NotImplementedError, match="split-KV"):
-        dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, causal=False, local=False, has_softcap=False,
-                                varlen=False, has_seqused_k=False, has_sink=False, split_kv=True)
+        dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, **flags, split_kv=True)
     for dtype in ("bfloat16", "float16", "float32"):
         assert CombineConfig(arch=Arch.SM90, dtype=dtype, head_dim_v=64).dtype == dtype
     with pytest.raises(ValueError, match="dtype"):

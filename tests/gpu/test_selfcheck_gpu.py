@@ -93,6 +93,37 @@ def test_real_sm90_configurations_pass(monkeypatch, name):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
 
 
+def i32(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("name", ["split-KV gqa causal", "padded batch seqused_q causal"])
+def test_real_sm90_split_kv_and_seqused_q_configurations_pass(name):
+    """The check's split-KV problem (float32 partials merged in float64) and its seqused_q problem
+    (rows past seqused_q unspecified) pass with the real kernels; the caller's result is right."""
+    with torch.no_grad():
+        if name.startswith("split"):
+            q, k, v = rand(2, 5, 8, 128), rand(2, 700, 2, 128), rand(2, 700, 2, 128)
+            out = flash_attn_func(q, k, v, causal=True, num_splits=3)
+            rows = [(b, 5, 700) for b in range(2)]
+        else:
+            q, k, v = rand(3, 9, 4, 128), rand(3, 300, 2, 128), rand(3, 300, 2, 128)
+            used_q, used_k = [9, 1, 4], [300, 17, 128]
+            out = flash_attn_varlen_func(q, k, v, None, None, seqused_q=i32(used_q), seqused_k=i32(used_k),
+                                         causal=True)
+            rows = list(zip(range(3), used_q, used_k))
+    cfgs = [key[1] for key, verdict in selfcheck._verdicts.items() if verdict == "passed"]
+    assert len(cfgs) == 1, selfcheck._verdicts
+    assert cfgs[0].split_kv == name.startswith("split") and cfgs[0].has_seqused_q == name.startswith("padded")
+    report = selfcheck.report(cfgs[0], q.device)
+    assert report.ok and report.out_err <= report.out_allowed and report.lse_err <= report.lse_allowed
+    print(f"\n[selfcheck] {name}: the check {report.total_s * 1e3:.1f} ms; {report.summary()}; {report.problem}")
+    for b, nq, nk in rows:
+        ref, _ = attention_ref(q[b:b + 1, :nq], k[b:b + 1, :nk], v[b:b + 1, :nk], causal=True)
+        pt, _ = attention_ref(q[b:b + 1, :nq], k[b:b + 1, :nk], v[b:b + 1, :nk], causal=True, upcast=False)
+        assert_close_fa_rule(out[b:b + 1, :nq], ref, pt, atol=2 * max_abs_diff(ref.to(q.dtype), ref) + 1e-6)
+
+
 class Wrong:
     """A real compiled kernel whose output is spoiled after it ran."""
 

@@ -29,9 +29,14 @@ ragged lengths that leave partial tiles (about 300 queries, 333 keys); varlen wi
 (one with no queries, one not a multiple of 128 long, one whose queries see no keys, one with more
 queries than keys); seqused_k below the stored length and 0 for one sequence; causal or a local
 window with both sides bounded, aligned bottom-right, and with more queries than keys so that the
-first rows see no key; softcap; a learnable sink; a non-default softmax_scale. The launch goes
-through ``ops._launch_forward``, the function every forward call launches through, into outputs
-filled with NaN (out) and +inf (lse) so that anything left unwritten fails.
+first rows see no key; softcap; a learnable sink; a non-default softmax_scale; seqused_q below the
+stored query length (a full sequence, an empty one, a single query), where rows past it are
+unspecified and take the reference's values. The launch goes through ``ops._launch_forward``, the
+function every forward call launches through, into outputs filled with NaN (out) and +inf (lse) so
+that anything left unwritten fails. A split-KV kernel writes SPLITS float32 partials (short sequences
+leave some splits empty); they are merged in float64 by :func:`merge_partials` (the combine kernel's
+rule, which leaves an empty split's partial unread) and the merge is compared. Paged kernels are not
+checked: they exist only where we run them (sm_90a).
 
 The comparison (:func:`compare_forward`) is the GPU test suite's rule, against a reference computed
 on the kernel's device with float64 GEMMs (so no TF32 or reduced-precision setting can loosen it;
@@ -97,6 +102,10 @@ UNPACKED_HEAD_RATIO = 3  # q heads per KV head where the kernel does not pack (a
 VARLEN_LENGTHS = ((300, 333, 290), (0, 40, 40), (129, 256, 0), (100, 61, 61))
 BATCHED_LENGTHS = (300, 333)  # (sq, sk); swapped for causal/local, so the first rows see no key
 BATCH = 2
+# seqused_q: queries cut off the stored length, per varlen sequence (300, 0, 129 and 100 stored:
+# 263, 0, 129 and 1 used) and per batch element (the stored length less 37, and 1).
+SEQUSED_Q_CUT = (37, 0, 0, 99)
+SPLITS = 3  # split-KV: KV blocks shared among 3 CTAs per tile (the 333-key sequences: one block each)
 
 
 class SelfCheckError(RuntimeError):
@@ -127,6 +136,11 @@ class ForwardProblem:
     seed: int
     # per varlen sequence or batch element: (seqlen_q, seqlen_k stored, seqlen_k used)
     lengths: tuple = ()
+    seqused_q: Optional[torch.Tensor] = None  # int32 per sequence: queries used (rows past it unspecified)
+    num_splits: int = 1  # > 1: a split-KV kernel's partials, merged before the comparison
+
+    def used_q(self, b: int) -> int:
+        return self.lengths[b][0] if self.seqused_q is None else int(self.seqused_q[b])
 
     @property
     def varlen(self) -> bool:
@@ -157,9 +171,13 @@ class ForwardProblem:
         mask = ("causal" if self.causal else
                 f"local window ({self.window_left}, {self.window_right})" if self.window_left >= 0
                 or self.window_right >= 0 else "no mask")
-        parts = [layout, "(seqlen_q, seqlen_k, seqused_k) = " + ", ".join(map(str, self.lengths)),
-                 f"heads q/kv {hq}/{hk}", f"head_dim {self.q.shape[-1]}/{self.v.shape[-1]}", str(self.q.dtype),
-                 mask, f"softmax_scale {self.softmax_scale:.6g}"]
+        parts = [layout, "(seqlen_q, seqlen_k, seqused_k) = " + ", ".join(map(str, self.lengths))]
+        if self.seqused_q is not None:
+            parts.append(f"seqused_q {self.seqused_q.tolist()}")
+        if self.num_splits > 1:
+            parts.append(f"{self.num_splits} KV splits (float32 partials, merged)")
+        parts += [f"heads q/kv {hq}/{hk}", f"head_dim {self.q.shape[-1]}/{self.v.shape[-1]}", str(self.q.dtype),
+                  mask, f"softmax_scale {self.softmax_scale:.6g}"]
         if self.softcap:
             parts.append(f"softcap {self.softcap}")
         if self.learnable_sink is not None:
@@ -201,6 +219,11 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
     randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float32)  # noqa: E731
     q, k, v = (randn(*s).to(dtype) for s in (q_shape, k_shape, v_shape))
     seqused_k = torch.tensor([x[2] for x in lengths], dtype=torch.int32) if cfg.has_seqused_k else None
+    seqused_q = None
+    if cfg.has_seqused_q:
+        cuts = SEQUSED_Q_CUT if cfg.varlen else (37, None)
+        seqused_q = torch.tensor([max(x[0] - cut, 0) if cut is not None else 1 for x, cut in zip(lengths, cuts)],
+                                 dtype=torch.int32)
     sink = randn(hq) + SINK_MEAN if cfg.has_sink else None
     if cfg.causal:
         left, right = -1, 0
@@ -211,7 +234,8 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
     return ForwardProblem(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
                           learnable_sink=sink, softmax_scale=1.25 / math.sqrt(d),
                           softcap=SOFTCAP if cfg.has_softcap else 0.0, causal=cfg.causal, window_left=left,
-                          window_right=right, max_seqlen_q=max_seqlen_q, seed=seed, lengths=lengths)
+                          window_right=right, max_seqlen_q=max_seqlen_q, seed=seed, lengths=lengths,
+                          seqused_q=seqused_q, num_splits=SPLITS if cfg.split_kv else 1)
 
 
 # ---- the reference ----
@@ -277,6 +301,7 @@ class ForwardReference:
     lse: torch.Tensor  # float64, the kernel's lse layout
     out_lowp: torch.Tensor  # float64 values of the input-dtype computation
     empty: torch.Tensor  # bool, the out layout without the last two dims: rows that see no key
+    unused: torch.Tensor  # bool, like empty: rows past seqused_q, whose results are unspecified
 
 
 def reference_forward(p: ForwardProblem, device=None) -> ForwardReference:
@@ -296,17 +321,44 @@ def _reference_forward(p: ForwardProblem, device: torch.device) -> ForwardRefere
     out_lowp = torch.zeros_like(out)
     lse = torch.full(lse_shape, float("-inf"), dtype=torch.float64, device=device)
     empty = torch.zeros(out_shape[:-2], dtype=torch.bool, device=device)
-    if p.varlen:
-        cq, ck = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
-        for b, (_, _, used) in enumerate(p.lengths):
-            rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b] + used)
-            out[rows], lse[:, rows], empty[rows] = _attend(q[rows], k[keys], v[keys], sink, p, exact=True)
-            out_lowp[rows] = _attend(q[rows], k[keys], v[keys], sink, p, exact=False)[0]
-    else:
-        for b, (_, _, used) in enumerate(p.lengths):
-            out[b], lse[b], empty[b] = _attend(q[b], k[b, :used], v[b, :used], sink, p, exact=True)
-            out_lowp[b] = _attend(q[b], k[b, :used], v[b, :used], sink, p, exact=False)[0]
-    return ForwardReference(out=out, lse=lse, out_lowp=out_lowp, empty=empty)
+    unused = torch.zeros_like(empty)
+    cq = p.cu_seqlens_q.tolist() if p.varlen else None
+    ck = p.cu_seqlens_k.tolist() if p.varlen else None
+    for b, (_, _, used) in enumerate(p.lengths):
+        # Sequence b's rows (a slice of the packed tokens, or batch entry b), its queries in use
+        # (seqused_q: they alone define the causal alignment) and its keys.
+        if p.varlen:
+            first, keys = cq[b], slice(ck[b], ck[b] + used)
+            kb, vb, seq = k[keys], v[keys], slice(cq[b], cq[b + 1])
+        else:
+            first, kb, vb, seq = 0, k[b, :used], v[b, :used], b
+        rows = slice(first, first + p.used_q(b))
+        qb = q[rows] if p.varlen else q[b, :p.used_q(b)]
+        exact, lowp = _attend(qb, kb, vb, sink, p, exact=True), _attend(qb, kb, vb, sink, p, exact=False)
+        if p.varlen:
+            out[rows], lse[:, rows], empty[rows] = exact
+            out_lowp[rows] = lowp[0]
+            unused[first + p.used_q(b):cq[b + 1]] = True
+        else:
+            out[b, rows], lse[b, :, rows], empty[b, rows] = exact
+            out_lowp[b, rows] = lowp[0]
+            unused[seq, p.used_q(b):] = True
+    return ForwardReference(out=out, lse=lse, out_lowp=out_lowp, empty=empty, unused=unused)
+
+
+def merge_partials(out_partial: torch.Tensor, lse_partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-KV kernel's (splits, *out) and (splits, *lse) partials merged in float64 by the
+    combine kernel's rule (fa4_kernels/combine.py): weights exp(LSE_s - max); a split with LSE -inf
+    adds nothing and its partial output is not read; every split empty gives O = 0, LSE = -inf."""
+    out_partial, lse_partial = out_partial.double(), lse_partial.double()
+    top = lse_partial.amax(0)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    weights = torch.exp(lse_partial - top)  # 0 for an empty split; NaN/inf propagate (unwritten)
+    total = weights.sum(0)
+    lse = torch.log(total) + top
+    w = (weights / torch.where(total > 0, total, 1.0)).transpose(-1, -2)[..., None]  # out's layout
+    out = torch.where(w != 0, w * out_partial, 0.0).sum(0)
+    return out, lse
 
 
 # ---- the comparison ----
@@ -371,6 +423,9 @@ def compare_forward(p: ForwardProblem, out: torch.Tensor, lse: torch.Tensor,
         fail(f"output shapes out {tuple(out.shape)} lse {tuple(lse.shape)}, expected {tuple(ref.out.shape)} and "
              f"{tuple(ref.lse.shape)}")
         return report
+    if ref.unused.any():  # rows past seqused_q: unspecified, so they compare as the reference
+        out = torch.where(ref.unused[..., None, None], ref.out, out)
+        lse = torch.where(ref.unused[None, :] if p.varlen else ref.unused[:, None, :], ref.lse, lse)
 
     bad = ~torch.isfinite(out)
     if bad.any():
@@ -421,10 +476,12 @@ def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Opti
     p = build_forward_problem(cfg, seed)
     (q, k, v), rest = p.launch_args(device)
     out_shape, lse_shape = p.output_shapes()
-    out = torch.full(out_shape, float("nan"), dtype=q.dtype, device=device)
-    lse = torch.full(lse_shape, float("inf"), dtype=torch.float32, device=device)
+    splits = (p.num_splits,) if p.num_splits > 1 else ()
+    out = torch.full(splits + out_shape, float("nan"), dtype=torch.float32 if splits else q.dtype, device=device)
+    lse = torch.full(splits + lse_shape, float("inf"), dtype=torch.float32, device=device)
     t1 = time.perf_counter()
-    launch(kernel, q, k, v, out, lse, *rest)
+    extra = {} if p.seqused_q is None else {"seqused_q": p.seqused_q.to(device)}
+    launch(kernel, q, k, v, out, lse, *rest, **extra)
     if not await_completion(completion_probe(device)):
         # A problem of a few hundred rows takes milliseconds: the kernel is stuck (a barrier that
         # never completes). Nothing else is queued behind it, and the failure is recorded, so later
@@ -435,6 +492,8 @@ def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Opti
     t2 = time.perf_counter()
     ref = reference_forward(p, device)
     t3 = time.perf_counter()
+    if splits:
+        out, lse = merge_partials(out, lse)
     report = compare_forward(p, out, lse, ref)
     report.build_s, report.reference_s = t1 - t0, t3 - t2
     report.compare_s = time.perf_counter() - t3

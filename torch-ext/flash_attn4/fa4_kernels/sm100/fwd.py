@@ -41,6 +41,13 @@ are read after a wait on the commit's barrier, directly (softmax: S; correction:
 through the softmax's stats barrier, which it arrives on after waiting for S_t(i) (correction: O_t
 between blocks, as FA4's own kernel does).
 
+Split-KV (``split_kv``): the scheduler's head mode holds head * num_splits + split
+(scheduler.KVSplits); every role derives the same split from its tile, walks that split's share of
+the KV blocks, and the CTA stores O normalised over those keys alone, in float32, with their LSE,
+into the split's slice of the partial buffers (an empty share: O = 0, LSE = -inf, as a tile whose
+rows see no key); fa4_kernels/combine.py merges them. Padded batches (``has_seqused_q``): a
+sequence's query length is seqused_q[b]; rows past it are loaded with the tile but never stored.
+
 Tensor memory (512 columns, 32-bit each, lane = query row): S_t at t * 128, O_t after both S tiles;
 P_t (two 16-bit values per column) over S_t's columns 64..127, which the softmax thread has read
 into registers before it writes P.
@@ -64,10 +71,10 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
-from ..layouts import pack_query_heads
+from ..layouts import last_mode_slice, pack_query_heads
 from ..mask import AttentionMask
 from ..pipelines import advanced
-from ..scheduler import TileScheduler, longest_first_applies
+from ..scheduler import KVSplits, TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
 from ..softmax import OnlineSoftmax, score_scales
 from ..tile_work import OutputTile
@@ -132,6 +139,8 @@ class FlashAttentionForwardSm100:
     def __init__(self, cfg: ForwardConfig):
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        # What O is stored as: the input dtype, or float32 split-KV partials.
+        self.o_dtype = Float32 if cfg.split_kv else self.dtype
         self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
         self.hdim_tile, self.hdim_v_tile = _pad16(cfg.head_dim), _pad16(cfg.head_dim_v)
         self.q_tiles = query_tiles(cfg.head_dim, cfg.head_dim_v)
@@ -164,18 +173,28 @@ class FlashAttentionForwardSm100:
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_q: Int32, stream: cuda.CUstream):
         cfg = self.cfg
+        splits = None
+        if cutlass.const_expr(cfg.split_kv):
+            # Partials: the leading split mode moves last, where a CTA slices its split off; what
+            # remains is laid out like the unsplit O and LSE.
+            splits = KVSplits(mO.shape[0])
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[*range(1, cute.rank(mO)), 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[*range(1, cute.rank(mLSE)), 0]))
+        split_mode = [cute.rank(mQ)] if cutlass.const_expr(cfg.split_kv) else []
+        lse_split_mode = [m - 1 for m in split_mode]
         # (seq, dim, head[, batch]) for Q, K, O; V as (dim, seq, head[, batch]): the PV MMA reads
-        # V^T (N = head_dim_v, K = keys) with the head dim contiguous.
+        # V^T (N = head_dim_v, K = keys) with the head dim contiguous. Split-KV partials: (..., split).
         if cutlass.const_expr(cfg.varlen):
-            mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK, mO)]
+            mQ, mK = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK)]
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1] + split_mode))
             mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + lse_split_mode))
             num_batch = mCuSeqlensQ.shape[0] - 1
         else:
-            mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                          for t in (mQ, mK, mO)]
+            mQ, mK = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK)]
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0] + split_mode))
             mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0] + lse_split_mode))
             num_batch = mQ.shape[3]
         num_heads = mQ.shape[2]
         qhead_per_kvhead = num_heads // mK.shape[2]
@@ -243,12 +262,16 @@ class FlashAttentionForwardSm100:
 
         num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
-        scheduler = TileScheduler.create(num_m_blocks, num_heads, num_batch, kv_bytes_per_head,
-                                         longest_first=longest_first_applies(cfg), l2_budget_bytes=L2_BUDGET_BYTES)
+        # Split-KV folds the split into the head mode (KVSplits); its tiles keep the launch order.
+        scheduler = TileScheduler.create(num_m_blocks, num_heads if splits is None else splits.fold(num_heads),
+                                         num_batch, kv_bytes_per_head,
+                                         longest_first=longest_first_applies(cfg) and not cfg.split_kv,
+                                         l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSink, score_prescale, scale_log2, window_left, window_right,
-            qhead_per_kvhead, sQ_layout, sK_layout, sV_layout, tP_layout, mma_qk, mma_pv, scheduler,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, score_prescale, scale_log2, window_left,
+            window_right, qhead_per_kvhead, sQ_layout, sK_layout, sV_layout, tP_layout, mma_qk, mma_pv, scheduler,
+            splits,
         ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -258,11 +281,11 @@ class FlashAttentionForwardSm100:
     def kernel(self, tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
                tma_atom_V: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+               mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
                score_prescale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
                qhead_per_kvhead: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout, mma_qk: cute.TiledMma,
-               mma_pv: cute.TiledMma, scheduler: TileScheduler):
+               mma_pv: cute.TiledMma, scheduler: TileScheduler, splits: Optional[KVSplits]):
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == Warp.LOAD:
@@ -290,11 +313,11 @@ class FlashAttentionForwardSm100:
 
         # Each role derives its tile after its setmaxnreg: values live across the register-budget
         # change must fit the smallest budget (48), or ptxas spills them to local memory.
-        tile_args = (scheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
-                     qhead_per_kvhead)
+        tile_args = (scheduler, splits, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_left,
+                     window_right, qhead_per_kvhead)
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
-            tile = self.output_tile(*tile_args)
+            tile, _ = self.output_tile(*tile_args)
             if warp == Warp.LOAD:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes, tile)
             if warp == Warp.MMA:
@@ -303,38 +326,48 @@ class FlashAttentionForwardSm100:
                          self.num_blocks(tile))
         elif warp >= Warp.CORRECTION:
             set_registers(self.registers["correction"])
-            tile = self.output_tile(*tile_args)
+            tile, split = self.output_tile(*tile_args)
             tmem.allocate(TMEM_COLUMNS)
             tmem.relinquish_alloc_permit()
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction(tmem_ptr, tmem_layouts, pipes, row_stats, mO, tile)
+            self.correction(tmem_ptr, tmem_layouts, pipes, row_stats, self.split_slice(mO, split), tile)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE), num_threads=WARPGROUP).arrive_and_wait()
             tmem.free(tmem_ptr)
         elif warp < Warp.SOFTMAX0 + 4 * self.q_tiles:
             set_registers(self.registers["softmax"])
-            tile = self.output_tile(*tile_args)
+            tile, split = self.output_tile(*tile_args)
             tmem.wait_for_alloc()
-            self.softmax(tmem.retrieve_ptr(Float32), warp // 4, tmem_layouts, pipes, row_stats, mLSE, mSink, tile,
-                         score_prescale, scale_log2)
+            self.softmax(tmem.retrieve_ptr(Float32), warp // 4, tmem_layouts, pipes, row_stats,
+                         self.split_slice(mLSE, split), mSink, tile, score_prescale, scale_log2)
         elif cutlass.const_expr(self.q_tiles == 1):  # the second softmax warpgroup: idle
             set_registers(self.registers["idle"])
 
     @cute.jit
-    def output_tile(self, scheduler: TileScheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left,
-                    window_right, qhead_per_kvhead) -> OutputTile:
-        """The CTA's tile: its query block, head and batch entry, their lengths and the KV blocks the
-        tile's rows see."""
+    def output_tile(self, scheduler: TileScheduler, splits: Optional[KVSplits], mQ, mK, mCuSeqlensQ, mCuSeqlensK,
+                    mSeqUsedQ, mSeqUsedK, window_left, window_right, qhead_per_kvhead):
+        """(the CTA's tile, its split): the query block, head and batch entry, their lengths and the
+        KV blocks the tile's rows see (with split-KV, the split's share of them; split 0 without)."""
         cfg = self.cfg
         m_block, head, batch = scheduler.tile()
+        split = Int32(0)
+        if cutlass.const_expr(splits is not None):
+            head, split = splits.unfold(head)
         # With GQA packing Q's sequence mode is (query heads of the group, tokens).
         tokens_q = mQ.shape[0] if cutlass.const_expr(cfg.pack_gqa == 1) else mQ.shape[0][1]
-        seqlen = SeqlenInfo.create(batch, tokens_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        seqlen = SeqlenInfo.create(batch, tokens_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSeqUsedQ)
         mask = AttentionMask(cfg.tile_m, TILE_N, cfg.causal, cfg.local, window_left, window_right,
                              rows_per_query=cfg.pack_gqa)
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
-        return OutputTile(cfg.tile_m, seqlen, mask, m_block, head, batch, head // qhead_per_kvhead, n_block_min,
+        if cutlass.const_expr(splits is not None):
+            n_block_min, n_block_max = splits.block_range(n_block_min, n_block_max, split)
+        tile = OutputTile(cfg.tile_m, seqlen, mask, m_block, head, batch, head // qhead_per_kvhead, n_block_min,
                           n_block_max)
+        return tile, split
+
+    def split_slice(self, t: cute.Tensor, split) -> cute.Tensor:
+        """Split ``split``'s partial O or LSE (the whole tensor without split-KV)."""
+        return last_mode_slice(t, split) if self.cfg.split_kv else t
 
     @cute.jit
     def num_blocks(self, tile: OutputTile) -> Int32:
@@ -697,12 +730,12 @@ class FlashAttentionForwardSm100:
                 cute.arch.fence_view_async_tmem_load()
                 for e in cutlass.range_constexpr(0, chunk, 2):
                     r[e], r[e + 1] = cute.arch.mul_packed_f32x2((r[e], r[e + 1]), (out_scale, out_scale))
-                rO = cute.make_rmem_tensor(chunk, self.dtype)
-                rO.store(r.load().to(self.dtype))
+                rO = cute.make_rmem_tensor(chunk, self.o_dtype)
+                rO.store(r.load().to(self.o_dtype))
                 if row_inside:
                     self.store_o_chunk(rO, gO_row, c)
         else:  # no P V ran (no key for any row): O = 0 without reading TMEM
-            rO = cute.make_rmem_tensor(chunk, self.dtype)
+            rO = cute.make_rmem_tensor(chunk, self.o_dtype)
             rO.fill(0.0)
             if row_inside:
                 for c in cutlass.range_constexpr(cute.size(chunks[0], mode=[3])):

@@ -44,9 +44,11 @@ def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> 
                 num_stages=kv_stages(head_dim, head_dim_v))
 
 
-def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
-    """ForwardConfig overrides for the softmax and GQA packing of a problem class."""
-    del varlen
+def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1,
+                     split_kv: bool = False) -> dict:
+    """ForwardConfig overrides for the softmax and GQA packing of a problem class (the split-KV
+    variant, which stores float32 partials, schedules its softmax the same way)."""
+    del varlen, split_kv
     return dict(
         rescale_threshold=RESCALE_THRESHOLD,
         exp2_emulated_eighths=1 if max(head_dim, head_dim_v) <= 128 else 0,
@@ -100,8 +102,6 @@ def check_forward(cfg) -> None:
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off), got {cfg.pack_gqa}")
-    if cfg.has_seqused_q:
-        raise NotImplementedError(f"{cfg.arch.value} forward: seqused_q is not implemented yet; it runs on sm_90a")
     if cfg.page_size:
         raise NotImplementedError(f"{cfg.arch.value} forward: a paged KV cache is not implemented yet (page_size="
                                   f"{cfg.page_size}); it runs on sm_90a")
@@ -118,7 +118,14 @@ FORWARD_KERNEL_SET = (
     dict(has_softcap=True, has_sink=True), dict(causal=True, qhead_per_kvhead=4), dict(qhead_per_kvhead=4),
     dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96), dict(d=192, dv=128),
     dict(d=256, dv=256), dict(d=256, dv=256, causal=True), dict(d=256, dv=128),
+    # Decoding and padded batches: split-KV partials (GQA-packed, varlen with a KV cache's lengths,
+    # one query tile at d = 256) and seqused_q, batched and varlen.
+    dict(split_kv=True, qhead_per_kvhead=4), dict(split_kv=True, causal=True, varlen=True, has_seqused_k=True),
+    dict(d=256, dv=256, split_kv=True), dict(d=64, dv=64, split_kv=True, local=True),
+    dict(has_seqused_q=True, causal=True), dict(varlen=True, has_seqused_q=True, has_seqused_k=True, qhead_per_kvhead=4),
 )
+# This arch's forward has the split-KV variant (ForwardConfig.split_kv).
+FORWARD_SPLIT_KV = True
 
 
 def _pad16(d: int) -> int:

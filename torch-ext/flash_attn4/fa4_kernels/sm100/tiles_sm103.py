@@ -8,9 +8,10 @@ its MMAs only thanks to the FMA pipe: the polynomial would cost FMA-pipe issue s
 
 from __future__ import annotations
 
-from .tiles import FORWARD_KERNEL_SET, L2_BUDGET_BYTES, check_forward, forward_tiles  # noqa: F401
+from .tiles import FORWARD_KERNEL_SET, FORWARD_SPLIT_KV, L2_BUDGET_BYTES, check_forward, forward_tiles  # noqa: F401
 from .tiles import forward_schedule as _sm100_schedule
 
 
-def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1) -> dict:
-    return {**_sm100_schedule(head_dim, head_dim_v, varlen, qhead_per_kvhead), "exp2_emulated_eighths": 0}
+def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1,
+                     split_kv: bool = False) -> dict:
+    return {**_sm100_schedule(head_dim, head_dim_v, varlen, qhead_per_kvhead, split_kv), "exp2_emulated_eighths": 0}
