@@ -183,8 +183,9 @@ def test_page_size_is_part_of_the_kernel_and_checked():
         dense.replace(page_size=24)
     with pytest.raises(ValueError, match="varlen"):
         ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, page_size=16)
-    with pytest.raises(NotImplementedError, match="paged KV cache is not implemented"):
-        dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, page_size=16, **flags)
+    # The sm100 family reads pages too, with its own tiles (two 128-row query tiles, 128-key blocks).
+    sm100 = dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, page_size=16, **flags)
+    assert sm100.page_size == 16 and sm100.tile_n == 128
 
 
 @pytest.mark.parametrize("tile_n", [80, 96, 128, 176])

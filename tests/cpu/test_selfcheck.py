@@ -20,7 +20,7 @@ from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_func, f
 from flash_attn4 import selfcheck, settings, validate
 from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import ForwardConfig
-from tests.reference import attention_ref, attention_used_into
+from tests.reference import attention_ref, attention_used_into, unpage
 
 BF16 = torch.bfloat16
 
@@ -69,9 +69,11 @@ class FakeKernel:
     def __call__(self, q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, sink, scale, softcap, left, right,
                  max_seqlen_q):
         cfg = self.cfg
-        assert page_table is None  # the self-check's problems are never paged
-        assert (used_q is not None) == cfg.has_seqused_q
+        assert (used_q is not None) == cfg.has_seqused_q and (page_table is not None) == (cfg.page_size > 0)
         self.calls.append(tuple(q.shape))
+        if page_table is not None:  # the pages' keys as the packed varlen batch they hold
+            assert cu_k is None and k.shape[1] == cfg.page_size
+            k, v, cu_k = unpage(k, v, page_table, used)
         if cfg.split_kv:
             assert out.dtype == torch.float32 and out.shape[0] == lse.shape[0] == selfcheck.SPLITS
             lse[1:] = float("-inf")
@@ -183,7 +185,9 @@ def test_varlen_with_every_feature_passes(fake_gpu):
     (128, 128, 1, dict(has_seqused_q=True, causal=True)),
     (128, 128, 4, dict(varlen=True, has_seqused_q=True, has_seqused_k=True, local=True)),
     (128, 128, 4, dict(split_kv=True)), (64, 64, 1, dict(split_kv=True, varlen=True, has_seqused_k=True, causal=True)),
-    (256, 256, 2, dict(split_kv=True, has_seqused_q=True, has_softcap=True))])
+    (256, 256, 2, dict(split_kv=True, has_seqused_q=True, has_softcap=True)),
+    (128, 128, 4, dict(varlen=True, has_seqused_k=True, page_size=16, causal=True)),
+    (64, 64, 1, dict(varlen=True, has_seqused_k=True, page_size=256, split_kv=True, has_seqused_q=True))])
 def test_correct_kernel_passes_every_configuration(seed, d, dv, ratio, flags):
     """check_forward directly: the correct stand-in passes for every feature combination, so the
     check's reference and tolerances agree with tests/reference.py."""
@@ -347,6 +351,35 @@ def test_wrong_split_kv_partials_fail(seed, how, failure):
     report = selfcheck.check_forward(cfg, split_kernel(cfg, how), ops._launch_forward, torch.device("cpu"))
     assert not report.ok and any(failure in f for f in report.failures), report.failures
     assert f"{selfcheck.SPLITS} KV splits" in report.problem
+
+
+def pages_misread(cfg, q, k, v, out, lse, cu_q, cu_k, used, *rest):
+    """Reads the pool as if the pages were in table order 0, 1, 2, ... (the page table ignored)."""
+    keys = [k.flatten(0, 1)[:int(n)] for n in used]
+    vals = [v.flatten(0, 1)[:int(n)] for n in used]
+    cu = torch.tensor([0] + [int(n) for n in used], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    reference_into(cfg, q, torch.cat(keys), torch.cat(vals), out, lse, cu_q, cu, used, *rest)
+
+
+def test_paged_kernel_that_ignores_the_page_table_fails(seed):
+    cfg = config(varlen=True, has_seqused_k=True, page_size=64)
+
+    def run(q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, *rest):
+        pages_misread(cfg, q, k, v, out, lse, cu_q, cu_k, used, *rest[:-1])
+    report = selfcheck.check_forward(cfg, run, ops._launch_forward, torch.device("cpu"))
+    assert not report.ok and report.out_err > report.out_allowed
+    assert "paged:" in report.problem and "shuffled" in report.problem
+
+
+def test_paged_problem_holds_the_reference_keys(seed):
+    """The check's pages, read through its table, are exactly the packed keys the reference uses."""
+    p = selfcheck.build_forward_problem(config(varlen=True, has_seqused_k=True, page_size=16))
+    k, v, cu = unpage(p.k_pages, p.v_pages, p.page_table, p.seqused_k)
+    for b, (_, _, used) in enumerate(p.lengths):
+        start = int(p.cu_seqlens_k[b])
+        assert torch.equal(k[int(cu[b]):int(cu[b + 1])], p.k[start:start + used])
+        assert torch.equal(v[int(cu[b]):int(cu[b + 1])], p.v[start:start + used])
+    assert len(set(p.page_table[0, :-(-p.lengths[0][1] // 16)].tolist())) == -(-p.lengths[0][1] // 16)
 
 
 def test_merge_partials_matches_the_whole_attention(seed):

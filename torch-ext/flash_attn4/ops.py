@@ -134,8 +134,7 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
                 varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, page_size: int = 0,
                 has_seqused_q: bool = False, split_kv: bool = False):
     """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
-    on its first use where selfcheck asks for it (every kernel but the paged ones, which exist only
-    where we run them, sm90)."""
+    on its first use where selfcheck asks for it."""
     arch = dispatch.arch_for_device(q.device)
     cfg = dispatch.forward_config(
         arch, dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal, local=local,
@@ -149,8 +148,7 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
     kernel = compile_cache.get_forward_kernel(cfg)
     # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
     # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
-    if not page_size:
-        selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+    selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
     return kernel
 
 

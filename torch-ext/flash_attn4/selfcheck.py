@@ -35,8 +35,9 @@ unspecified and take the reference's values. The launch goes through ``ops._laun
 function every forward call launches through, into outputs filled with NaN (out) and +inf (lse) so
 that anything left unwritten fails. A split-KV kernel writes SPLITS float32 partials (short sequences
 leave some splits empty); they are merged in float64 by :func:`merge_partials` (the combine kernel's
-rule, which leaves an empty split's partial unread) and the merge is compared. Paged kernels are not
-checked: they exist only where we run them (sm_90a).
+rule, which leaves an empty split's partial unread) and the merge is compared. A paged kernel reads the same
+keys from a paged copy of the cache (pages shuffled, spare pages and the tables' unused entries
+holding other data).
 
 The comparison (:func:`compare_forward`) is the GPU test suite's rule, against a reference computed
 on the kernel's device with float64 GEMMs (so no TF32 or reduced-precision setting can loosen it;
@@ -106,6 +107,7 @@ BATCH = 2
 # 263, 0, 129 and 1 used) and per batch element (the stored length less 37, and 1).
 SEQUSED_Q_CUT = (37, 0, 0, 99)
 SPLITS = 3  # split-KV: KV blocks shared among 3 CTAs per tile (the 333-key sequences: one block each)
+SPARE_PAGES = 2  # paged: pages no sequence owns, in the shuffled pool
 
 
 class SelfCheckError(RuntimeError):
@@ -138,6 +140,11 @@ class ForwardProblem:
     lengths: tuple = ()
     seqused_q: Optional[torch.Tensor] = None  # int32 per sequence: queries used (rows past it unspecified)
     num_splits: int = 1  # > 1: a split-KV kernel's partials, merged before the comparison
+    # paged: the kernel reads k and v from these (num_pages, page_size, hk, d) pages through
+    # page_table (batch, max_pages); the reference reads k, v and cu_seqlens_k
+    k_pages: Optional[torch.Tensor] = None
+    v_pages: Optional[torch.Tensor] = None
+    page_table: Optional[torch.Tensor] = None
 
     def used_q(self, b: int) -> int:
         return self.lengths[b][0] if self.seqused_q is None else int(self.seqused_q[b])
@@ -153,6 +160,9 @@ class ForwardProblem:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         tensors = (self.q, self.k, self.v)
         rest = (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, self.learnable_sink)
+        if self.page_table is not None:
+            tensors = (self.q, self.k_pages, self.v_pages)
+            rest = (self.cu_seqlens_q, None, self.seqused_k, self.learnable_sink)
         return (tuple(move(t) for t in tensors),
                 tuple(move(t) for t in rest) + (self.softmax_scale, self.softcap, self.window_left,
                                                 self.window_right, self.max_seqlen_q))
@@ -176,6 +186,8 @@ class ForwardProblem:
             parts.append(f"seqused_q {self.seqused_q.tolist()}")
         if self.num_splits > 1:
             parts.append(f"{self.num_splits} KV splits (float32 partials, merged)")
+        if self.page_table is not None:
+            parts.append(f"paged: {self.k_pages.shape[0]} pages of {self.k_pages.shape[1]} keys, shuffled")
         parts += [f"heads q/kv {hq}/{hk}", f"head_dim {self.q.shape[-1]}/{self.v.shape[-1]}", str(self.q.dtype),
                   mask, f"softmax_scale {self.softmax_scale:.6g}"]
         if self.softcap:
@@ -231,11 +243,34 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
         left, right = WINDOW
     else:
         left, right = -1, -1
+    pages = _paged(k, v, lengths, cfg.page_size, gen) if cfg.page_size else (None, None, None)
     return ForwardProblem(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
                           learnable_sink=sink, softmax_scale=1.25 / math.sqrt(d),
                           softcap=SOFTCAP if cfg.has_softcap else 0.0, causal=cfg.causal, window_left=left,
                           window_right=right, max_seqlen_q=max_seqlen_q, seed=seed, lengths=lengths,
-                          seqused_q=seqused_q, num_splits=SPLITS if cfg.split_kv else 1)
+                          seqused_q=seqused_q, num_splits=SPLITS if cfg.split_kv else 1,
+                          k_pages=pages[0], v_pages=pages[1], page_table=pages[2])
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, lengths: tuple, page_size: int, gen: torch.Generator):
+    """(k_pages, v_pages, page_table): the packed varlen keys and values of ``lengths`` copied into
+    pages of ``page_size`` keys, drawn in a shuffled order from a pool with SPARE_PAGES more than
+    needed; everything else (page tails, spare pages, unused table entries) holds other data."""
+    per_seq = [-(-stored // page_size) for _, stored, _ in lengths]
+    num_pages = sum(per_seq) + SPARE_PAGES
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    k_pages = torch.randn(num_pages, page_size, *k.shape[1:], generator=gen).to(k.dtype)
+    v_pages = torch.randn(num_pages, page_size, *v.shape[1:], generator=gen).to(v.dtype)
+    table = torch.randint(0, num_pages, (len(lengths), max(max(per_seq), 1)), generator=gen, dtype=torch.int32)
+    start = 0
+    for b, (_, stored, _) in enumerate(lengths):
+        for i in range(per_seq[b]):
+            page, n = order.pop(), min(page_size, stored - i * page_size)
+            table[b, i] = page
+            k_pages[page, :n] = k[start + i * page_size:start + i * page_size + n]
+            v_pages[page, :n] = v[start + i * page_size:start + i * page_size + n]
+        start += stored
+    return k_pages, v_pages, table
 
 
 # ---- the reference ----
@@ -481,6 +516,8 @@ def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Opti
     lse = torch.full(splits + lse_shape, float("inf"), dtype=torch.float32, device=device)
     t1 = time.perf_counter()
     extra = {} if p.seqused_q is None else {"seqused_q": p.seqused_q.to(device)}
+    if p.page_table is not None:
+        extra["page_table"] = p.page_table.to(device)
     launch(kernel, q, k, v, out, lse, *rest, **extra)
     if not await_completion(completion_probe(device)):
         # A problem of a few hundred rows takes milliseconds: the kernel is stuck (a barrier that

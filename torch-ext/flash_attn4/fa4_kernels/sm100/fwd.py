@@ -47,6 +47,10 @@ the KV blocks, and the CTA stores O normalised over those keys alone, in float32
 into the split's slice of the partial buffers (an empty share: O = 0, LSE = -inf, as a tile whose
 rows see no key); fa4_kernels/combine.py merges them. Padded batches (``has_seqused_q``): a
 sequence's query length is seqused_q[b]; rows past it are loaded with the tile but never stored.
+Paged KV caches (``page_size``, fa4_kernels/paged_kv.py): a K or V tile arrives as
+gcd(128, page_size)-row TMA boxes, each from the page the page table names, into the same ring
+stage (kv_box_layouts: the MMA layouts' rows are 128-byte swizzled lines, so a box of whole rows is
+a contiguous slice of them).
 
 Tensor memory (512 columns, 32-bit each, lane = query row): S_t at t * 128, O_t after both S tiles;
 P_t (two 16-bit values per column) over S_t's columns 64..127, which the softmax thread has read
@@ -73,6 +77,7 @@ from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..layouts import last_mode_slice, pack_query_heads
 from ..mask import AttentionMask
+from ..paged_kv import PagedKV, kernel_view, rows_per_copy
 from ..pipelines import advanced
 from ..scheduler import KVSplits, TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows
@@ -116,6 +121,9 @@ REGISTERS = {
 }
 LAUNCH_REGISTERS = 65536 // (NUM_WARPS * 32)
 
+# Paged KV: K/V tiles of at most this many page boxes read their page-table entries before waiting
+# for a free ring stage (load_kv).
+PREFETCHED_PAGE_BOXES = 4
 # Columns of P a softmax thread computes, converts and stores to TMEM at a time.
 P_CHUNK = 32
 # Columns of O a correction thread loads, scales and stores at a time.
@@ -184,7 +192,14 @@ class FlashAttentionForwardSm100:
         lse_split_mode = [m - 1 for m in split_mode]
         # (seq, dim, head[, batch]) for Q, K, O; V as (dim, seq, head[, batch]): the PV MMA reads
         # V^T (N = head_dim_v, K = keys) with the head dim contiguous. Split-KV partials: (..., split).
-        if cutlass.const_expr(cfg.varlen):
+        if cutlass.const_expr(cfg.page_size > 0):
+            # Paged: K and V as (page_size, dim, head, page), both loaded in (keys, dim) boxes.
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
+            mK, mV = kernel_view(mK), kernel_view(mV)
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1] + split_mode))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + lse_split_mode))
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        elif cutlass.const_expr(cfg.varlen):
             mQ, mK = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK)]
             mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1] + split_mode))
             mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
@@ -229,10 +244,17 @@ class FlashAttentionForwardSm100:
         tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
             tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), tiler_qk, mma_qk)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), tiler_qk, mma_qk)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), tiler_pv, mma_pv)
+        if cutlass.const_expr(cfg.page_size > 0):
+            rows = rows_per_copy(TILE_N, cfg.page_size)
+            sK_box, _ = self.kv_box_layouts(sK_layout, self.hdim_tile, rows, stage_elems, keys_mode=0)
+            sV_box, _ = self.kv_box_layouts(sV_layout, self.hdim_v_tile, rows, stage_elems, keys_mode=1)
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, mK, sK_box, (rows, self.hdim_tile), 1)
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_box, (rows, self.hdim_v_tile), 1)
+        else:
+            tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), tiler_qk, mma_qk)
+            tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), tiler_pv, mma_pv)
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
         self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
         self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
@@ -269,9 +291,9 @@ class FlashAttentionForwardSm100:
                                          l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSink, score_prescale, scale_log2, window_left,
-            window_right, qhead_per_kvhead, sQ_layout, sK_layout, sV_layout, tP_layout, mma_qk, mma_pv, scheduler,
-            splits,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, score_prescale, scale_log2,
+            window_left, window_right, qhead_per_kvhead, sQ_layout, sK_layout, sV_layout, tP_layout, mma_qk, mma_pv,
+            scheduler, splits, stage_elems,
         ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -281,11 +303,12 @@ class FlashAttentionForwardSm100:
     def kernel(self, tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
                tma_atom_V: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-               mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
-               score_prescale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-               qhead_per_kvhead: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout, mma_qk: cute.TiledMma,
-               mma_pv: cute.TiledMma, scheduler: TileScheduler, splits: Optional[KVSplits]):
+               mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor],
+               mSink: Optional[cute.Tensor], score_prescale: Float32, scale_log2: Float32, window_left: Int32,
+               window_right: Int32, qhead_per_kvhead: Int32, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, scheduler: TileScheduler, splits: Optional[KVSplits],
+               stage_elems: cutlass.Constexpr[int]):
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == Warp.LOAD:
@@ -319,7 +342,12 @@ class FlashAttentionForwardSm100:
             set_registers(self.registers["other"])
             tile, _ = self.output_tile(*tile_args)
             if warp == Warp.LOAD:
-                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes, tile)
+                paged = None
+                if cutlass.const_expr(cfg.page_size > 0):
+                    paged = self.paged_kv_sources(tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sK_layout,
+                                                  sV_layout, stage_elems, tile)
+                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes, tile,
+                          paged)
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
                 self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes,
@@ -406,22 +434,27 @@ class FlashAttentionForwardSm100:
     # ---- load warp -------------------------------------------------------------------------------
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes,
-             tile: OutputTile):
+             tile: OutputTile, paged: Optional[tuple] = None):
         """Q tiles, then K and V blocks in the order the MMA warp consumes them (K_0, K_1, V_0, K_2,
-        V_1, ..., V_last), visiting KV blocks from n_block_max - 1 down."""
+        V_1, ..., V_last), visiting KV blocks from n_block_max - 1 down. ``paged``: the (K, V)
+        sources of a paged cache (paged_kv_sources), in place of mK and mV."""
         varlen = self.cfg.varlen
         seqlen, mask, head, batch, head_kv = tile.seqlen, tile.mask, tile.head, tile.batch, tile.head_kv
         m_block, n_block_max, num_blocks = tile.m_block, tile.n_block_max, self.num_blocks(tile)
         thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
         gQ = cute.local_tile(head_rows(mQ, mask.rows_before(seqlen), head, batch, varlen),
                              (TILE_M, self.hdim_tile), (None, 0))
-        gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen),
-                             (TILE_N, self.hdim_tile), (None, 0))
-        mV_head = self.head_cols(mV, seqlen.offset_k, head_kv, batch)
-        gV = cute.local_tile(mV_head, (self.hdim_v_tile, TILE_N), (0, None))
         tQsQ, tQgQ = self.tma_partition(tma_atom_Q, sQ, thr_qk.partition_A(gQ))
-        tKsK, tKgK = self.tma_partition(tma_atom_K, sK, thr_qk.partition_B(gK))
-        tVsV, tVgV = self.tma_partition(tma_atom_V, sV, thr_pv.partition_B(gV))
+        if cutlass.const_expr(paged is None):
+            gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen),
+                                 (TILE_N, self.hdim_tile), (None, 0))
+            mV_head = self.head_cols(mV, seqlen.offset_k, head_kv, batch)
+            gV = cute.local_tile(mV_head, (self.hdim_v_tile, TILE_N), (0, None))
+            tKsK, tKgK = self.tma_partition(tma_atom_K, sK, thr_qk.partition_B(gK))
+            tVsV, tVgV = self.tma_partition(tma_atom_V, sV, thr_pv.partition_B(gV))
+            k_src, v_src = (tma_atom_K, tKgK, tKsK, None), (tma_atom_V, tVgV, tVsV, None)
+        else:
+            k_src, v_src = paged
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
@@ -432,24 +465,86 @@ class FlashAttentionForwardSm100:
                           tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
                 q_state = advanced(q_state)
                 if cutlass.const_expr(t == 0):
-                    kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_K, tKgK, tKsK, n_block_max - 1,
-                                            self.tma_bytes_k)
+                    kv_state = self.load_kv(pipes.kv, kv_state, k_src, n_block_max - 1, self.tma_bytes_k, seqlen)
             for i in cutlass.range(1, num_blocks, unroll=1):
-                kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_K, tKgK, tKsK, n_block_max - 1 - i,
-                                        self.tma_bytes_k)
-                kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_V, tVgV, tVsV, n_block_max - i,
-                                        self.tma_bytes_v)
-            kv_state = self.load_kv(pipes.kv, kv_state, tma_atom_V, tVgV, tVsV, n_block_max - num_blocks,
-                                    self.tma_bytes_v)
+                kv_state = self.load_kv(pipes.kv, kv_state, k_src, n_block_max - 1 - i, self.tma_bytes_k, seqlen)
+                kv_state = self.load_kv(pipes.kv, kv_state, v_src, n_block_max - i, self.tma_bytes_v, seqlen)
+            kv_state = self.load_kv(pipes.kv, kv_state, v_src, n_block_max - num_blocks, self.tma_bytes_v, seqlen)
             # Wait until the MMA warp has released every stage: its last releases are tcgen05
             # commits, which must not arrive after the CTA has exited.
             pipes.kv.producer_tail(kv_state)
 
     @cute.jit
-    def load_kv(self, pipe, state, atom, gmem, smem, n_block, tx_bytes: cutlass.Constexpr[int]):
-        pipe.producer_acquire(state, expected_tx=tx_bytes)
-        cute.copy(atom, gmem[None, n_block], smem[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+    def load_kv(self, pipe, state, src, n_block, tx_bytes: cutlass.Constexpr[int], seqlen: SeqlenInfo):
+        """One K or V tile into the ring's next stage: one TMA box, or with a paged cache
+        PagedKV.copies boxes from the pages the page table names (zeros past the sequence's end)."""
+        atom, gmem, smem, pages = src
+        if cutlass.const_expr(pages is None):
+            pipe.producer_acquire(state, expected_tx=tx_bytes)
+            cute.copy(atom, gmem[None, n_block], smem[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
+        else:
+            # Up to PREFETCHED_PAGE_BOXES boxes, the page-table reads go first, so that their latency
+            # overlaps the wait for a free stage; more (small pages) would not fit the load warp's
+            # 48 registers (ptxas spills at 8 boxes), so those are read box by box.
+            early = pages.copies <= PREFETCHED_PAGE_BOXES
+            sources = []
+            if cutlass.const_expr(early):
+                for box in cutlass.range_constexpr(pages.copies):
+                    sources.append(pages.box_source(n_block, box, seqlen.seqlen_k, gmem.shape[2]))
+            pipe.producer_acquire(state, expected_tx=tx_bytes)
+            for box in cutlass.range_constexpr(pages.copies):
+                if cutlass.const_expr(not early):
+                    sources.append(pages.box_source(n_block, box, seqlen.seqlen_k, gmem.shape[2]))
+                cute.copy(atom, gmem[None, sources[box][0], sources[box][1]], smem[None, box, state.index],
+                          tma_bar_ptr=pipe.producer_get_barrier(state))
         return advanced(state)
+
+    @cute.jit
+    def paged_kv_sources(self, tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sK_layout, sV_layout,
+                         stage_elems: cutlass.Constexpr[int], tile: OutputTile):
+        """The (atom, gmem boxes (TMA, box in page, page), smem boxes (TMA, box, stage), PagedKV) of
+        K and of V for the load warp, over the ring's storage viewed as boxes of whole rows."""
+        pages = PagedKV(self.cfg.page_size, TILE_N, mPageTable, tile.batch)
+        sources = []
+        for atom, mX, layout, cols, keys_mode in ((tma_atom_K, mK, sK_layout, self.hdim_tile, 0),
+                                                  (tma_atom_V, mV, sV_layout, self.hdim_v_tile, 1)):
+            _, ring = self.kv_box_layouts(layout, cols, pages.rows, stage_elems, keys_mode)
+            s_boxes = storage.sKV.get_tensor(ring.outer, swizzle=ring.inner)  # ((rows, cols), box, stage)
+            g_boxes = pages.head_boxes(mX, tile.head_kv, cols)  # (rows, cols, box in page, page)
+            s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), s_boxes,
+                                                   cute.group_modes(g_boxes, 0, 2))
+            sources.append((atom, g_part, s_part, pages))
+        return tuple(sources)
+
+    def kv_box_layouts(self, layout: cute.ComposedLayout, cols: int, rows: int, stage_elems: int, keys_mode: int):
+        """(one box, the ring as boxes) of a K (keys_mode 0) or V (keys_mode 1) ring stage whose MMA
+        layout is ``layout``, in plain (key, column) coordinates: box layout (rows, cols) and ring
+        ((rows, cols), box, stage). The MMA layouts keep each key's row as swizzle-atom lines ``w``
+        columns wide, consecutive keys ``w`` apart and column chunks ``chunk`` apart; both are read
+        off the layout and every (key, column) is checked against it here, at trace time, so a box
+        lands exactly where the MMA reads (ValueError otherwise)."""
+        outer = layout.outer
+
+        def mma_offset(key, col):
+            # K: ((key, col % 16), 0, col // 16, 0). V^T: ((col, key % 16), 0, key // 16, 0).
+            if keys_mode == 0:
+                return cute.crd2idx(((key, col % 16), 0, col // 16, 0), outer)
+            return cute.crd2idx(((col, key % 16), 0, key // 16, 0), outer)
+
+        w = mma_offset(1, 0)
+        chunks = max(cols // w, 1)
+        chunk = mma_offset(0, w) if chunks > 1 else w * TILE_N
+        box = cute.make_layout((rows, (w, chunks)), stride=(w, (1, chunk)))
+        for key in range(TILE_N):
+            for col in sorted({0, 1, w - 1, min(w, cols - 1), cols - 1}) if key not in (0, 1, 63, 127) else range(cols):
+                plain = key * w + (col % w) + (col // w) * chunk
+                if mma_offset(key, col) != plain:
+                    raise ValueError(f"sm100 forward: paged K/V boxes do not match the MMA's shared-memory layout at "
+                                     f"key {key}, column {col} ({mma_offset(key, col)} vs {plain}; head dim {cols})")
+        ring = cute.make_layout(((rows, (w, chunks)), TILE_N // rows, self.kv_stages),
+                                stride=((w, (1, chunk)), rows * w, stage_elems))
+        return (cute.make_composed_layout(layout.inner, 0, box), cute.make_composed_layout(layout.inner, 0, ring))
 
     @staticmethod
     def tma_partition(atom, smem, gmem_mma):

@@ -102,9 +102,6 @@ def check_forward(cfg) -> None:
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off), got {cfg.pack_gqa}")
-    if cfg.page_size:
-        raise NotImplementedError(f"{cfg.arch.value} forward: a paged KV cache is not implemented yet (page_size="
-                                  f"{cfg.page_size}); it runs on sm_90a")
     for name in ("tma_store_o", "rescale_o_before_pv", "whole_k_gemms", "persistent_ctas"):
         if getattr(cfg, name):
             raise ValueError(f"sm100 forward: {name} is a Hopper schedule switch; the sm100 kernel has no such "
@@ -123,6 +120,10 @@ FORWARD_KERNEL_SET = (
     dict(split_kv=True, qhead_per_kvhead=4), dict(split_kv=True, causal=True, varlen=True, has_seqused_k=True),
     dict(d=256, dv=256, split_kv=True), dict(d=64, dv=64, split_kv=True, local=True),
     dict(has_seqused_q=True, causal=True), dict(varlen=True, has_seqused_q=True, has_seqused_k=True, qhead_per_kvhead=4),
+    # Paged KV caches: one box per tile (page 256), two (64, d = 128) and eight (16), through split-KV too.
+    dict(varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=4),
+    dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=64, causal=True),
+    dict(varlen=True, has_seqused_k=True, page_size=16, qhead_per_kvhead=4),
 )
 # This arch's forward has the split-KV variant (ForwardConfig.split_kv).
 FORWARD_SPLIT_KV = True
