@@ -12,8 +12,9 @@ For every backend in build.toml's [general] backends, this writes build/torch-<b
 - metadata.json as kernels reads it (name, id, version, license, python-depends, kernel-depends,
   backend {type, archs}, and a sha256 digest of the variant's files).
 
-The unique id is the source's git revision (7 hex digits, "_dirty" appended when tracked files
-have changes), like a kernel-builder flake build; outside a git checkout it is random.
+The unique id is the first 7 hex digits of HEAD's git tree id ("_dirty" appended when tracked files
+have changes), as kernel-builder derives it: the same source gives the same id whatever commit
+carries it. Outside a git checkout it is random.
 
 Usage: python scripts/build_hub.py [--build-dir DIR] [--unique-id ID]
 """
@@ -96,8 +97,8 @@ def _git(root: Path, *args: str) -> str | None:
 
 
 def unique_id(root: Path) -> str:
-    """Git revision of the source (7 hex digits, "_dirty" when tracked files changed), else random."""
-    commit = _git(root, "rev-parse", "--verify", "--quiet", "HEAD")
+    """HEAD's git tree id (7 hex digits, "_dirty" when tracked files changed), else random."""
+    commit = _git(root, "rev-parse", "--verify", "--quiet", "HEAD^{tree}")
     if not commit:
         return base64.b32encode(secrets.token_bytes(8)).decode().rstrip("=").lower()
     dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
@@ -214,7 +215,7 @@ def build(root: Path = REPO_ROOT, build_dir: Path | None = None, uid: str | None
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build-dir", type=Path, default=None, help="output directory (default: build/)")
-    parser.add_argument("--unique-id", default=None, help="op namespace suffix (default: git revision)")
+    parser.add_argument("--unique-id", default=None, help="op namespace suffix (default: the git tree id)")
     args = parser.parse_args(argv)
     try:
         variants = build(REPO_ROOT, args.build_dir, args.unique_id)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,47 +187,186 @@ def test_get_local_kernel_loads_the_build_folder(hub_build, work, tmp_path):
     assert_loaded_from(result_of(done), hub_build / "build" / "torch-cuda")
 
 
-def test_load_kernel_from_a_lockfile(hub_cache, work, tmp_path):
-    # `kernels lock` needs the Hub (publisher trust check, branch list, file listing), which this
-    # machine cannot reach. The lock file is therefore written the way `kernels lock` writes it: the
-    # project's [tool.kernels.dependencies] read as kernels' CLI reads them, each version resolved to
-    # the commit of its v<N> branch (here: the seeded cache's refs/v<N>, i.e. what the Hub answered
-    # when the kernel was downloaded), serialized with kernels' own KernelLocks.to_json.
-    cache, commit = hub_cache
+# A fake Hub for the project-lock flow: HfApi's network methods answered from a folder laid out as
+# the Hub repository (remote/<commit>/build/...), downloads written into the HF cache the way
+# huggingface_hub writes them. Everything else in `kernels lock` / `kernels download` is the real
+# code; HF_HUB_OFFLINE=1 stays set, so any network call this fake does not answer fails the test.
+FAKE_HUB = """
+import json, os, shutil
+from fnmatch import fnmatch
+from pathlib import Path
+from types import SimpleNamespace
+from huggingface_hub import HfApi, constants
+from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.hf_api import GitRefInfo, GitRefs, RepoFolder
+
+REMOTE = Path(os.environ["FAKE_HUB_REMOTE"])
+BRANCHES = json.loads(os.environ["FAKE_HUB_BRANCHES"])
+TRUSTED = json.loads(os.environ["FAKE_HUB_TRUSTED_ORGS"])
+CALLS = Path(os.environ["FAKE_HUB_CALLS"])
+
+def _log(name, **kw):
+    with CALLS.open("a") as f:
+        f.write(json.dumps({"call": name, **{k: str(v) for k, v in kw.items()}}) + "\\n")
+
+def _snapshot(repo_id, revision, cache_dir):
+    repo = Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="kernel")
+    return repo / "snapshots" / revision
+
+def get_organization_overview(self, organization, *a, **kw):
+    _log("get_organization_overview", organization=organization)
+    return SimpleNamespace(name=organization, trustedKernelPublisher=organization in TRUSTED)
+
+def list_repo_refs(self, repo_id, *a, **kw):
+    _log("list_repo_refs", repo_id=repo_id)
+    branches = [GitRefInfo(name=b, ref=f"refs/heads/{b}", target_commit=c) for b, c in BRANCHES.items()]
+    return GitRefs(branches=branches, converts=[], tags=[])
+
+def list_repo_tree(self, repo_id, path_in_repo=None, *, revision=None, **kw):
+    _log("list_repo_tree", repo_id=repo_id, path=path_in_repo, revision=revision)
+    folder = REMOTE / revision / (path_in_repo or "")
+    return [RepoFolder(path=str(e.relative_to(REMOTE / revision)), oid=revision) for e in folder.iterdir() if e.is_dir()]
+
+def hf_hub_download(self, repo_id, filename, *, revision=None, cache_dir=None, **kw):
+    _log("hf_hub_download", repo_id=repo_id, filename=filename, revision=revision)
+    target = _snapshot(repo_id, revision, cache_dir) / filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(REMOTE / revision / filename, target)
+    return str(target)
+
+def snapshot_download(self, repo_id, *, revision=None, cache_dir=None, allow_patterns=None, **kw):
+    _log("snapshot_download", repo_id=repo_id, revision=revision, allow=allow_patterns)
+    root = REMOTE / revision
+    for path in root.rglob("*"):
+        rel = str(path.relative_to(root))
+        if path.is_file() and any(fnmatch(rel, p) for p in allow_patterns or ["*"]):
+            target = _snapshot(repo_id, revision, cache_dir) / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+    return str(_snapshot(repo_id, revision, cache_dir))
+
+for _name in ("get_organization_overview", "list_repo_refs", "list_repo_tree", "hf_hub_download", "snapshot_download"):
+    setattr(HfApi, _name, globals()[_name])
+"""
+
+KERNELS_CLI = """
+import sys
+from kernels.cli import main
+sys.argv = ["kernels", *{argv!r}]
+main()
+"""
+
+
+@pytest.fixture
+def fake_hub(tmp_path, hub_build) -> dict:
+    """The Hub repository REPO_ID as the Hub holds it: branch v<VERSION> -> commit -> build/."""
+    commit = hashlib.sha1(b"flash-attn4 fake hub commit").hexdigest()
+    remote = tmp_path / "remote"
+    shutil.copytree(hub_build / "build", remote / commit / "build")
     project = tmp_path / "project"
     project.mkdir()
+    # The README's project-lock section, as a user's pyproject.toml.
     (project / "pyproject.toml").write_text(
         f'[project]\nname = "uses-fa4"\nversion = "0.1"\n\n[tool.kernels.dependencies]\n"{REPO_ID}" = {VERSION}\n'
     )
+    return {"commit": commit, "remote": remote, "project": project, "cache": tmp_path / "empty-hf-cache",
+            "calls": tmp_path / "hub-calls.jsonl"}
+
+
+def _hub_env(hub: dict, trusted_orgs: list[str]) -> dict[str, str]:
+    return {
+        **_cache_env(hub["cache"]),
+        "FAKE_HUB_REMOTE": str(hub["remote"]),
+        "FAKE_HUB_BRANCHES": json.dumps({f"v{VERSION}": hub["commit"]}),
+        "FAKE_HUB_TRUSTED_ORGS": json.dumps(trusted_orgs),
+        "FAKE_HUB_CALLS": str(hub["calls"]),
+    }
+
+
+def _kernels_cli(hub: dict, trusted_orgs: list[str], *argv: str, prefix: str = "") -> subprocess.CompletedProcess:
+    code = FAKE_HUB + textwrap.dedent(prefix) + KERNELS_CLI.format(argv=list(argv))
+    return run_python(code, hub["project"], _hub_env(hub, trusted_orgs), emulate_cuda=True)
+
+
+def _hub_calls(hub: dict) -> list[str]:
+    return [json.loads(line)["call"] for line in hub["calls"].read_text().splitlines()]
+
+
+def _readme_lock_workaround() -> str:
+    """The README's Python lines that run `kernels lock .` with REPO_ID trusted by the user."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    [block] = re.findall(r"```python\n(# lock_trusting_repo\.py.*?)```", readme, re.S)
+    return block
+
+
+def _load_locked_kernel(hub: dict) -> dict:
+    # The user's program after `kernels download .`: the real Hub is not faked here, and load_kernel
+    # must not need it (HF_HUB_OFFLINE=1 makes any network call fail).
     done = run_python(
         f"""
-        import tomllib
         from pathlib import Path
-        from huggingface_hub import constants
-        from huggingface_hub.file_download import repo_folder_name
         from kernels import load_kernel
-        from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
-
-        project = Path({str(project)!r})
-        deps = tomllib.loads((project / "pyproject.toml").read_text())["tool"]["kernels"]["dependencies"]
-        locks = {{}}
-        for repo_id, version in deps.items():
-            refs = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="kernel") / "refs"
-            commit = (refs / f"v{{version}}").read_text().strip()
-            locks[KernelDependency(repo_id=repo_id, version=KernelVersion.Version(version))] = KernelLock(commit=commit)
-        (project / "kernels.lock").write_text(KernelLocks(locks=locks).to_json())
-
-        module = load_kernel({REPO_ID!r}, lockfile=project / "kernels.lock")
+        module = load_kernel({REPO_ID!r}, lockfile=Path("kernels.lock"))
         report(module)
         """,
-        work,
-        _cache_env(cache),
+        hub["project"],
+        _cache_env(hub["cache"]),
     )
-    variant = cache / f"kernels--{REPO_ID.replace('/', '--')}" / "snapshots" / commit / "build" / "torch-cuda"
-    assert_loaded_from(result_of(done), variant)
-    [entry] = json.loads((project / "kernels.lock").read_text())
+    return result_of(done)
+
+
+def _assert_lock_names_the_branch_commit(hub: dict) -> None:
+    [entry] = json.loads((hub["project"] / "kernels.lock").read_text())
     assert entry["dependency"] == {"repo-id": REPO_ID, "version": VERSION}
-    assert entry["lock"]["commit"] == commit
+    assert entry["lock"]["commit"] == hub["commit"]
+
+
+def test_project_lock_flow_with_a_trusted_publisher(fake_hub):
+    # The README's commands verbatim: `kernels lock .`, `kernels download .`, then load_kernel.
+    org = REPO_ID.split("/")[0]
+    locked = _kernels_cli(fake_hub, [org], "lock", ".")
+    assert locked.returncode == 0, locked.stderr
+    _assert_lock_names_the_branch_commit(fake_hub)
+    assert _hub_calls(fake_hub)[0] == "get_organization_overview", "kernels lock checks the publisher first"
+
+    downloaded = _kernels_cli(fake_hub, [org], "download", ".")
+    assert downloaded.returncode == 0, downloaded.stderr
+    assert "snapshot_download" in _hub_calls(fake_hub)
+
+    variant = fake_hub["cache"] / f"kernels--{REPO_ID.replace('/', '--')}" / "snapshots" / fake_hub["commit"]
+    assert_loaded_from(_load_locked_kernel(fake_hub), variant / "build" / "torch-cuda")
+
+
+def test_kernels_lock_refuses_an_untrusted_publisher(fake_hub):
+    # kernels 0.17.2 `lock` has no trust option: an org without the Hub's trusted-kernel-publisher
+    # status is refused, and no lock file is written.
+    done = _kernels_cli(fake_hub, [], "lock", ".")
+    assert done.returncode != 0
+    assert f"Kernel repository '{REPO_ID}' is not from a trusted publisher" in done.stderr
+    assert not (fake_hub["project"] / "kernels.lock").exists()
+
+
+def test_readme_lock_workaround_trusts_exactly_the_named_repo(fake_hub):
+    # The README's workaround for an untrusted org: the same `kernels lock .`, with REPO_ID (and only
+    # it) on kernels' own trust allowlist. The org stays untrusted on the fake Hub.
+    script = _readme_lock_workaround()
+    assert f'"{REPO_ID}"' in script
+    done = run_python(FAKE_HUB + script, fake_hub["project"], _hub_env(fake_hub, []))
+    assert done.returncode == 0, done.stderr
+    _assert_lock_names_the_branch_commit(fake_hub)
+    assert "get_organization_overview" not in _hub_calls(fake_hub), "the named repo needs no publisher check"
+
+    downloaded = _kernels_cli(fake_hub, [], "download", ".")
+    assert downloaded.returncode == 0, downloaded.stderr
+    variant = fake_hub["cache"] / f"kernels--{REPO_ID.replace('/', '--')}" / "snapshots" / fake_hub["commit"]
+    assert_loaded_from(_load_locked_kernel(fake_hub), variant / "build" / "torch-cuda")
+
+    # Another repository is still checked: the workaround widens trust by one name only.
+    other = script.replace(f'"{REPO_ID}"', '"someone-else/other-kernel"', 1)
+    (fake_hub["project"] / "kernels.lock").unlink()
+    refused = run_python(FAKE_HUB + other, fake_hub["project"], _hub_env(fake_hub, []))
+    assert refused.returncode != 0
+    assert "is not from a trusted publisher" in refused.stderr
 
 
 def test_loading_the_hub_module_registers_fa4_with_transformers(hub_cache, work):

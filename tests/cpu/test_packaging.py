@@ -109,7 +109,9 @@ def test_build_toml_is_accepted_by_kernels_parser():
 def test_python_depends_are_allowed_by_kernels_and_installed_by_pip():
     allowed = json.loads((Path(kernels.__file__).parent / "python_depends.json").read_text())
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    pip_deps = {d.split("=")[0].split(">")[0].split("<")[0].strip() for d in pyproject["project"]["dependencies"]}
+    from packaging.requirements import Requirement
+
+    pip_deps = {Requirement(d).name for d in pyproject["project"]["dependencies"]}
     general = CONFIG["general"]
     declared = [(d, allowed["general"]) for d in general.get("python-depends", [])]
     declared += [(d, {**allowed["general"], **allowed["backends"]["cuda"]}) for d in general["cuda"]["python-depends"]]
@@ -178,8 +180,9 @@ def test_metadata_is_read_by_kernels(variant):
 
 
 def _git_revision_id() -> str | None:
-    """HEAD's first 7 hex digits, with "_dirty" when tracked files have changes; None without a commit."""
-    commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    """HEAD's tree id, first 7 hex digits (kernel-builder's unique id: the tree, not the commit), with
+    "_dirty" when tracked files have changes; None without a commit."""
+    commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD^{tree}"], capture_output=True, text=True)
     if commit.returncode != 0:
         return None
     status = subprocess.run(
@@ -189,7 +192,7 @@ def _git_revision_id() -> str | None:
     return commit.stdout.strip()[:7] + ("_dirty" if status.stdout.strip() else "")
 
 
-def test_ops_namespace_is_the_git_revision(tmp_path):
+def test_ops_namespace_is_the_git_tree_id(tmp_path):
     # Built here rather than taken from the session's build: in a shared checkout a commit can land
     # in between. Git is read before and after, and the build retried if the two disagree.
     for attempt in range(3):
@@ -361,3 +364,107 @@ def test_wheel_ships_the_kernels_inside_the_package(tmp_path):
     for rel in _source_files(REPO_ROOT / "torch-ext" / MODULE):
         assert f"{MODULE}/{rel}" in names
     assert not [n for n in names if n.startswith("fa4_kernels/")], "fa4_kernels must ship inside the package only"
+
+
+# --- dependencies ------------------------------------------------------------------------------------
+
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+
+
+def _requirement(name: str, group: str | None = None):
+    from packaging.requirements import Requirement
+
+    lines = PYPROJECT["project"]["optional-dependencies"][group] if group else PYPROJECT["project"]["dependencies"]
+    [found] = [Requirement(line) for line in lines if Requirement(line).name == name]
+    return found
+
+
+def test_dsl_is_pinned_to_one_version_with_both_toolkit_flavours():
+    import importlib.metadata
+
+    dsl = _requirement("nvidia-cutlass-dsl")
+    [spec] = dsl.specifier
+    assert spec.operator == "==", "the kernels are validated against one DSL version: pin it exactly"
+    assert importlib.metadata.version("nvidia-cutlass-dsl") == spec.version
+    # cu13 beside the default cu12: the DSL picks the flavour by the driver at import (README).
+    assert dsl.extras == {"cu13"}
+    assert any('extra == "cu13"' in r for r in importlib.metadata.requires("nvidia-cutlass-dsl")), (
+        "this DSL version has no cu13 extra any more"
+    )
+
+
+def _upper_and_lower(specifier) -> tuple[str | None, str | None]:
+    lower = [s.version for s in specifier if s.operator == ">="]
+    upper = [s.version for s in specifier if s.operator == "<"]
+    assert len(lower) == len(upper) == 1 and len(specifier) == 2, f"{specifier}: want one >= and one <"
+    return lower[0], upper[0]
+
+
+def test_tvm_ffi_range_admits_the_installed_version_and_excludes_the_next_minor():
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    spec = _requirement("apache-tvm-ffi").specifier
+    lower, upper = _upper_and_lower(spec)
+    assert importlib.metadata.version("apache-tvm-ffi") in spec
+    assert Version(upper) <= Version("0.2"), "a new tvm-ffi minor may change the ABI"
+    assert Version(lower) >= Version("0.1.15.post2"), "nothing older than the validated version"
+
+
+def test_nvdisasm_range_sits_inside_the_dsls_own_bounds():
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    ours = _requirement("nvidia-cuda-nvdisasm", "dev").specifier
+    assert importlib.metadata.version("nvidia-cuda-nvdisasm") in ours
+    [dsl] = [
+        Requirement(r) for r in importlib.metadata.requires("nvidia-cutlass-dsl-libs-base")
+        if Requirement(r).name == "nvidia-cuda-nvdisasm"
+    ]
+    lower, upper = _upper_and_lower(ours)
+    dsl_lower, dsl_upper = _upper_and_lower(dsl.specifier)
+    assert Version(lower) >= Version(dsl_lower) and Version(upper) <= Version(dsl_upper)
+
+
+# --- the tree kernel-builder would write ---------------------------------------------------------------
+# kernel-builder (huggingface/kernels, kernel-builder/src/pyproject/, torch noarch) writes _ops.py into
+# torch-ext/<module>/, then copies every file of that folder (bytecode excepted, directory symlinks
+# not followed) into build/torch-<backend>/ for each backend of build.toml, and metadata-<backend>.json
+# to build/torch-<backend>/metadata.json; `kernel-builder hash` then adds the digest.
+# Metadata keys: kernels-data/src/metadata.rs. Differences that remain: docs/DEVELOPMENT.md.
+KERNEL_BUILDER_METADATA_REQUIRED = {"name", "id", "version", "license", "python-depends", "kernel-depends", "backend"}
+KERNEL_BUILDER_METADATA_OPTIONAL = {"upstream", "source", "digest", "provenance"}
+
+
+def _kernel_builder_noarch_files(module_dir: Path) -> set[str]:
+    files = set()
+    for dirpath, dirnames, filenames in os.walk(module_dir):  # like Path.rglob: no directory symlinks
+        dirnames[:] = [d for d in dirnames if d != "__pycache__" and not (Path(dirpath) / d).is_symlink()]
+        files |= {(Path(dirpath) / f).relative_to(module_dir).as_posix() for f in filenames if not f.endswith(".pyc")}
+    return files | {"_ops.py", "metadata.json"}
+
+
+def test_variants_are_kernel_builders_one_per_backend(hub_build):
+    expected = {f"torch-{backend}" for backend in CONFIG["general"]["backends"]}
+    assert {p.name for p in (hub_build / "build").iterdir()} == expected
+
+
+def test_file_list_is_kernel_builders_noarch_copy(variant):
+    shipped = {p.relative_to(variant).as_posix() for p in variant.rglob("*") if p.is_file()}
+    assert shipped == _kernel_builder_noarch_files(REPO_ROOT / "torch-ext" / MODULE)
+
+
+def test_metadata_keys_are_kernel_builders(variant):
+    metadata = json.loads((variant / "metadata.json").read_text())
+    assert KERNEL_BUILDER_METADATA_REQUIRED <= set(metadata)
+    assert set(metadata) <= KERNEL_BUILDER_METADATA_REQUIRED | KERNEL_BUILDER_METADATA_OPTIONAL
+    assert set(metadata["backend"]) == {"type", "archs"}
+    assert metadata["backend"]["type"] == variant.name.removeprefix("torch-")
+    # kernel-builder's noarch archs are build.toml's cuda_capabilities as written; its id is
+    # _<python name>_<backend>_<unique id>.
+    assert metadata["backend"]["archs"] == CONFIG["torch-noarch"]["cuda_capabilities"]
+    assert metadata["id"].startswith(f"_{MODULE}_{metadata['backend']['type']}_")
+    assert metadata["name"] == CONFIG["general"]["name"]
