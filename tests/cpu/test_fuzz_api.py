@@ -432,3 +432,63 @@ def test_return_attn_probs_tensor_is_a_clean_error():
     q, k = tensor((1, 3, 2, 64)), tensor((1, 3, 2, 64))
     with pytest.raises(TypeError, match=r"^return_attn_probs must be a bool"):
         flash_attn_func(q, k, k.clone(), return_attn_probs=torch.ones(2, dtype=torch.bool))
+
+
+# ---- scripts/fuzz_gpu.py: its problems are valid and its broken calls invalid (checked here on CPU) ----
+
+
+def test_fuzz_gpu_script_problems_and_breaks():
+    import random
+
+    from scripts import fuzz_gpu
+
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(40):
+        p = fuzz_gpu.random_problem(rng, max_len=40, device="cpu")
+        with pytest.raises(ValueError, match=DEVICE_ERROR):  # validates: stops at the device check
+            p["fn"](*p["args"], **p["kwargs"])
+        varlen = p["fn"] is flash_attn_varlen_func
+        # cpu_k and cu_values are checked after the device (a second device, the opt-in value check)
+        for what in fuzz_gpu.BREAKS + (fuzz_gpu.VARLEN_BREAKS if varlen else []):
+            if what in ("cpu_k", "cu_values"):
+                continue
+            _, args, kwargs, env = fuzz_gpu.break_one(p, rng, "cpu", what)
+            with pytest.raises(CLEAN) as info:
+                p["fn"](*args, **kwargs)
+            assert not DEVICE_ERROR.search(str(info.value)), f"{what} was not rejected before the device check"
+            seen.add(what)
+    assert seen == set(fuzz_gpu.BREAKS + fuzz_gpu.VARLEN_BREAKS) - {"cpu_k", "cu_values"}
+
+
+def test_fuzz_gpu_script_checker_accepts_the_reference_and_rejects_an_error():
+    """check_problem on CPU with the reference standing in for the kernels: the float32 reference
+    rounded to the input dtype passes; the same with one element off by 0.05 fails."""
+    import random
+
+    from scripts import fuzz_gpu
+    from tests.reference import attention_ref
+
+    def stand_in(shift):
+        def fn(q, k, v, *cu, return_lse, num_splits, max_seqlen_q=None, max_seqlen_k=None, **opts):
+            ref = dict(opts, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1]) if cu else opts
+            out, lse = attention_ref(q, k, v, upcast=True, **ref)
+            out = out.to(q.dtype)
+            if shift and out.numel():
+                out = out + torch.nn.functional.one_hot(torch.tensor(0), out.numel()).reshape(out.shape) * shift
+            return out, lse
+        return fn
+
+    rng, checked = random.Random(1), {"bwd": 0, "varlen": 0}
+    while not (checked["bwd"] and checked["varlen"]):
+        p = fuzz_gpu.random_problem(rng, max_len=12, device="cpu")
+        varlen = len(p["args"]) == 5
+        if p["args"][0].numel() == 0 or not (p["bwd"] and not checked["bwd"] or varlen and not checked["varlen"]):
+            continue
+        checked["bwd"] += p["bwd"]
+        checked["varlen"] += varlen
+        p["fn"] = stand_in(0.0)
+        fuzz_gpu.check_problem(p)
+        p["fn"], p["bwd"] = stand_in(0.05), False
+        with pytest.raises(AssertionError, match="exceeds"):
+            fuzz_gpu.check_problem(p)
