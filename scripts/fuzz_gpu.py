@@ -14,8 +14,9 @@
 3. a sanity call afterwards: a valid problem, checked, then torch.cuda.synchronize(), so that a
    corrupted CUDA context shows.
 
-The head dims and options come from small sets so that the number of kernels compiled stays bounded
-(lengths, batch and heads vary freely: they are runtime values). Prints the counts and the first
+Problems are drawn from ``--templates`` random kernel configurations (head dims, heads, dtype, mask
+kind, softcap, sink, layout, split-KV), so that the kernels compiled stay bounded; lengths, batch,
+window sizes and the inputs are random for every problem. Prints the counts and the first
 failures; exit status 1 on any mismatch or unclean error, 0 otherwise. With --time-limit, problems
 stop being drawn when it is reached (the counts say how many ran).
 """
@@ -46,18 +47,22 @@ HEADS = [(1, 1), (4, 4), (6, 2), (8, 1)]
 # ---- problems ----
 
 
-def random_problem(rng: random.Random, max_len: int = 700, device: str = "cuda") -> dict:
-    """A random valid call: {"fn", "args", "kwargs", "ref" (attention_ref kwargs), "bwd"}."""
-    d, dv = rng.choice(HEAD_DIMS)
-    hq, hk = rng.choice(HEADS)
-    dtype = rng.choice([torch.bfloat16, torch.float16])
-    causal = rng.random() < 0.4
-    window = (-1, -1)
-    if not causal and rng.random() < 0.25:
-        window = (rng.choice([0, 1, 17, 128, -1]), rng.choice([0, 5, 64, -1]))
-    softcap = rng.choice([0.0, 0.0, 0.0, 15.0])
-    sink = torch.randn(hq, device=device) if rng.random() < 0.2 else None
-    num_splits = rng.choice([1, 1, 1, 0, 3])
+def random_template(rng: random.Random) -> dict:
+    """What decides which kernels compile: head dims, heads, dtype, mask kind, softcap, sink, layout, split."""
+    return dict(dims=rng.choice(HEAD_DIMS), heads=rng.choice(HEADS), dtype=rng.choice([torch.bfloat16, torch.float16]),
+                mask=rng.choice(["none", "causal", "causal", "local"]), softcap=rng.choice([0.0, 0.0, 15.0]),
+                sink=rng.random() < 0.2, batched=rng.random() < 0.5, num_splits=rng.choice([1, 1, 0, 3]))
+
+
+def random_problem(rng: random.Random, max_len: int = 700, device: str = "cuda", template: dict | None = None) -> dict:
+    """A random valid call: {"fn", "args", "kwargs", "ref" (attention_ref kwargs), "bwd"}; sizes, lengths
+    and window sizes are random, the rest comes from ``template`` (a random one by default)."""
+    t = template or random_template(rng)
+    (d, dv), (hq, hk), dtype, softcap, num_splits = t["dims"], t["heads"], t["dtype"], t["softcap"], t["num_splits"]
+    causal, window = t["mask"] == "causal", (-1, -1)
+    if t["mask"] == "local":
+        window = rng.choice([(rng.choice([0, 1, 17, 128]), rng.choice([0, 5, 64, -1])), (-1, rng.choice([1, 33]))])
+    sink = torch.randn(hq, device=device) if t["sink"] else None
     # the backward of batched calls without a sink (test_bwd.py's rule then needs no per-case allowance)
     bwd = rng.random() < 0.2 and sink is None
 
@@ -65,7 +70,7 @@ def random_problem(rng: random.Random, max_len: int = 700, device: str = "cuda")
         return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
 
     opts = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=sink)
-    if rng.random() < 0.5:
+    if t["batched"]:
         b = rng.randint(1, 4)
         sq, sk = rng.randint(1, max_len), rng.randint(1, max_len)
         q, k, v = rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, dv)
@@ -149,10 +154,10 @@ def break_one(p: dict, rng: random.Random, device: str, what: str | None = None)
         args[1] = k.cpu() if device != "cpu" else k.to("meta")
     elif what == "scale_nan":
         kwargs["softmax_scale"] = math.nan
-    elif what == "v_rows":
-        args[2] = v[..., :-1, :, :] if v.dim() == 4 else v[:-1]
-        if args[2].shape == v.shape or v.shape[-3] == 0:
-            args[2] = torch.cat([v, v[..., :1, :, :] if v.dim() == 4 else v[:1]], dim=-3)
+    elif what == "v_rows":  # one key row more than k
+        extra = list(v.shape)
+        extra[-3] = 1
+        args[2] = torch.cat([v, torch.randn(extra, device=v.device).to(v.dtype)], dim=-3)
     elif what == "cu_dtype":
         args[3] = args[3].long()
     elif what == "cu_length":
@@ -201,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-len", type=int, default=700)
     ap.add_argument("--time-limit", type=float, default=0.0, help="seconds; 0 = none")
+    ap.add_argument("--templates", type=int, default=24,
+                    help="kernel configurations the problems are drawn from (each compiles once)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("fuzz_gpu: needs a CUDA GPU", file=sys.stderr)
@@ -215,11 +222,12 @@ def main(argv=None) -> int:
 
     counts = dict(valid_ok=0, valid_bad=0, bwd_ok=0, invalid_clean=0, invalid_unclean=0)
     failures = []
+    templates = [random_template(rng) for _ in range(args.templates)]
     for i in range(args.valid):
         if out_of_time():
             print(f"time limit: stopped after {i} valid problems", flush=True)
             break
-        p = random_problem(rng, args.max_len)
+        p = random_problem(rng, args.max_len, template=rng.choice(templates))
         try:
             check_problem(p)
             counts["valid_ok"] += 1
@@ -235,7 +243,7 @@ def main(argv=None) -> int:
         if out_of_time():
             print(f"time limit: stopped after {i} invalid calls", flush=True)
             break
-        problem = random_problem(rng, min(args.max_len, 200))
+        problem = random_problem(rng, min(args.max_len, 200), template=rng.choice(templates))
         bad = run_invalid(problem, rng)
         if bad is None:
             counts["invalid_clean"] += 1
@@ -244,7 +252,7 @@ def main(argv=None) -> int:
             failures.append(f"invalid #{i}: {describe(problem)}: {bad}")
     sanity = "ok"
     try:
-        check_problem(random_problem(rng, 300))
+        check_problem(random_problem(rng, 300, template=rng.choice(templates)))
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
         sanity = f"FAILED: {type(e).__name__}: {e}"
