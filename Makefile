@@ -3,7 +3,7 @@ PYTHON ?= python
 ARCH ?= sm_90a
 BUILD_DIR ?= build
 
-.PHONY: help setup build compile sass-report test test-gpu demo bench bench-decode clean
+.PHONY: help setup build compile sass-report test test-gpu fuzz fuzz-gpu sanitize demo bench bench-decode clean
 
 # A bare `make` lists the targets and does nothing else (installing is `make setup`, asked for by name).
 .DEFAULT_GOAL := help
@@ -51,6 +51,33 @@ test: ## CPU tests: python -m pytest tests -m "not gpu" -q -n 2 (TEST_WORKERS=..
 # GPU tests: need an sm90/sm100 GPU, skipped otherwise.
 test-gpu: ## GPU tests (an sm90/sm100 GPU; skipped otherwise)
 	$(PYTHON) -m pytest tests -m gpu -q -n $(GPU_TEST_WORKERS)
+
+# Reliability (docs/VERIFICATION.md, "Reliability"). fuzz: the CPU parts, hypothesis over the public
+# functions' arguments and the kernel disk cache under faults (real sm_90a compiles, no GPU).
+fuzz: ## CPU fuzzing of the API arguments + the disk cache under faults (no GPU)
+	$(PYTHON) -m pytest tests/cpu/test_fuzz_api.py tests/cpu/test_compile_cache_faults.py -q -n $(TEST_WORKERS)
+
+# fuzz-gpu: random valid problems against the reference, random invalid calls, a sanity call after;
+# FUZZ_TIME bounds the run (the first run mostly compiles the FUZZ_TEMPLATES configurations).
+FUZZ_VALID ?= 2000
+FUZZ_INVALID ?= 500
+FUZZ_SEED ?= 0
+FUZZ_TIME ?= 540
+FUZZ_TEMPLATES ?= 24
+fuzz-gpu: ## bounded GPU fuzz vs the reference (FUZZ_VALID, FUZZ_INVALID, FUZZ_SEED, FUZZ_TIME)
+	$(PYTHON) scripts/fuzz_gpu.py --valid $(FUZZ_VALID) --invalid $(FUZZ_INVALID) --seed $(FUZZ_SEED) \
+	  --time-limit $(FUZZ_TIME) --templates $(FUZZ_TEMPLATES)
+
+# sanitize: each compute-sanitizer tool over scripts/sanitize_calls.py; any finding fails the target.
+# The caching allocator is off so that memcheck sees each tensor's own bounds, not the pool's.
+SANITIZER ?= compute-sanitizer
+SANITIZE_TOOLS ?= memcheck racecheck synccheck initcheck
+sanitize: ## compute-sanitizer memcheck/racecheck/synccheck/initcheck on small calls (GPU)
+	@rc=0; for tool in $(SANITIZE_TOOLS); do \
+	  echo "== $(SANITIZER) --tool $$tool"; \
+	  PYTORCH_NO_CUDA_MEMORY_CACHING=1 $(SANITIZER) --tool $$tool --report-api-errors no --error-exitcode 1 \
+	    $(PYTHON) scripts/sanitize_calls.py || { echo "== $$tool: FAILED"; rc=1; }; \
+	done; exit $$rc
 
 demo: ## build, load as a Hub kernel, run (GPU) or compile (no GPU)
 	$(PYTHON) scripts/demo.py

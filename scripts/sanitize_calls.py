@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Small forward + backward calls over the kernel layouts, for compute-sanitizer (needs a GPU).
 
+    make sanitize     # memcheck, racecheck, synccheck and initcheck in turn, each must be clean
     compute-sanitizer --report-api-errors no --tool memcheck python scripts/sanitize_calls.py
     compute-sanitizer --tool racecheck python scripts/sanitize_calls.py
 
-Shapes are small (the sanitizers slow kernels down by orders of magnitude) and cover: 128-query
-blocks at d=64, d=128 with sk > sq and with deterministic dQ, the split-head-dim layout (d=256, and
-192/128 with softcap), and varlen with an empty sequence. The API errors memcheck reports by
+Shapes are small (the sanitizers slow kernels down by orders of magnitude) and odd (not multiples
+of the tiles), and cover forward + backward of: 128-query blocks at d=64 (causal, GQA 4/2), d=128
+with sk > sq (MQA-like 2/1) and with deterministic dQ, the split-head-dim layout (d=256, and 192/128
+with softcap), local windows (batched GQA and varlen), varlen with an empty sequence; then
+forward-only calls: split-KV with its combine kernel, and a KV-cache append + decode step. The API errors memcheck reports by
 default are the driver probing entry points (cuGetProcAddress), not errors of ours: hence
 --report-api-errors no. Prints one line per call; a sanitizer finding makes compute-sanitizer exit
 non-zero. Last run on the H200 (2026-12-04, at 8776f91): memcheck 0 errors, racecheck 0 hazards.
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch-ext"))
-from flash_attn4 import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from flash_attn4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 
 
 def leaf(*shape):
@@ -43,13 +46,34 @@ def main() -> int:
     batched(128, 128, 200, 200, 2, 2, causal=True, deterministic=True)
     batched(256, 256, 130, 150, 2, 1, causal=True)
     batched(192, 128, 100, 150, 2, 2, softcap=5.0)
+    batched(128, 128, 201, 333, 4, 2, window_size=(48, 16))  # local, GQA
     cu = torch.tensor([0, 70, 70, 233], dtype=torch.int32, device="cuda")
     q, k, v = leaf(233, 4, 64), leaf(233, 2, 64), leaf(233, 2, 64)
     out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen_q=163, max_seqlen_k=163, causal=True)
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     print("ok: varlen d=64 with an empty sequence", flush=True)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen_q=163, max_seqlen_k=163, window_size=(20, 3))
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    print("ok: varlen d=64 local window (20, 3)", flush=True)
+    forward_only()
     return 0
+
+
+def forward_only() -> None:
+    """Split-KV (partial outputs + the combine kernel) and a KV-cache append + decode, no backward."""
+    with torch.no_grad():
+        q, k, v = leaf(2, 3, 8, 128), leaf(2, 1000, 2, 128), leaf(2, 1000, 2, 128)
+        flash_attn_func(q, k, v, causal=True, num_splits=3)
+        torch.cuda.synchronize()
+        print("ok: split-KV d=128 sq=3 sk=1000 GQA 8/2, 3 splits", flush=True)
+        k_cache, v_cache = leaf(2, 300, 2, 128).detach(), leaf(2, 300, 2, 128).detach()
+        seqlens = torch.tensor([17, 250], dtype=torch.int32, device="cuda")
+        flash_attn_with_kvcache(q.detach(), k_cache, v_cache, k=leaf(2, 3, 2, 128).detach(),
+                                v=leaf(2, 3, 2, 128).detach(), cache_seqlens=seqlens, causal=True)
+        torch.cuda.synchronize()
+        print("ok: kvcache append 3 tokens + decode, d=128, GQA 8/2", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,13 @@ makes a second process wait for the first one's compile instead of compiling the
 (e.g. eight ranks of one job starting together); if the lock cannot be had within LOCK_TIMEOUT_S the
 process compiles on its own, which is still correct. Threads of one process share one lock.
 A new kernel is compiled without an in-process JIT engine, written, and loaded from its entry like any
-later process would. A corrupt or unloadable entry is logged, removed and recompiled; a failed export
+later process would. Integrity: the sidecar records the sha256 of the object file and is published
+before it; an entry is loaded only when its bytes match (a flipped bit in an object file still links
+and would run). A corrupt, truncated, unrecorded or unloadable entry is logged, removed and recompiled; a failed export
 or load costs a second compile, with a JIT engine and in memory only, as every later kernel of that
-process then compiles. Nothing on disk is ever required for correctness.
+process then compiles. A folder that cannot be written (read-only, full) or locked still serves the entries it holds;
+what cannot be written is compiled in memory. Temporary files of a killed writer are removed by the
+next holder of the entry's lock. Nothing on disk is ever required for correctness.
 """
 
 from __future__ import annotations
@@ -102,13 +106,19 @@ def entry_path(kind: str, key: tuple, fingerprint: str | None = None) -> Path:
 
 @contextlib.contextmanager
 def _file_lock(path: Path, timeout: float):
-    """Exclusive advisory lock on ``path`` (a .lock file); yields True if held, False on timeout."""
+    """Exclusive advisory lock on ``path`` (a .lock file); yields True if held, False on timeout or
+    when the lock file cannot be opened (a read-only or full folder: entries there are still read)."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no cross-process lock, atomic replace still keeps files whole
         yield False
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        settings.get_logger().debug("cannot open cache lock %s (%s); going on without it", path, e)
+        yield False
+        return
     try:
         deadline = time.monotonic() + timeout
         held = False
@@ -144,14 +154,59 @@ def write_atomic(path: Path, writer: Callable[[str], None]) -> None:
         raise
 
 
+class CacheEntryError(RuntimeError):
+    """A disk-cache entry whose bytes are not the ones its sidecar recorded (or without a record)."""
+
+
+def _sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _export(fn, path: Path, key: tuple) -> None:
-    write_atomic(path, lambda tmp: fn.export_to_c(tmp, function_name=EXPORT_NAME))
+    """Object file to a temp file, its sha256 into the sidecar, the sidecar published, then the object:
+    whoever sees the object file also finds the record its bytes are checked against."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        fn.export_to_c(tmp, function_name=EXPORT_NAME)
+        record = {"key": list(key), "fingerprint": path.parent.name, "sha256": _sha256_file(tmp),
+                  "size": os.path.getsize(tmp)}
 
-    def write_sidecar(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump({"key": list(key), "fingerprint": path.parent.name}, f, indent=1)
+        def write_sidecar(sidecar_tmp: str) -> None:
+            with open(sidecar_tmp, "w") as f:
+                json.dump(record, f, indent=1)
 
-    write_atomic(path.with_suffix(".json"), write_sidecar)
+        write_atomic(path.with_suffix(".json"), write_sidecar)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared FLASH_ATTN4_CACHE_DIR should be readable
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _verify(path: Path) -> None:
+    """CacheEntryError unless ``path``'s bytes have the size and sha256 its sidecar recorded."""
+    try:
+        record = json.loads(path.with_suffix(".json").read_text())
+        want, size = record["sha256"], record["size"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CacheEntryError(f"no integrity record ({type(e).__name__}: {e})") from None
+    if os.path.getsize(path) != size:
+        raise CacheEntryError(f"size {os.path.getsize(path)} != recorded {size} (truncated?)")
+    if _sha256_file(path) != want:
+        raise CacheEntryError("sha256 differs from the recorded one (corrupt)")
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Temp files of this entry left by a writer that was killed (called with the entry's lock held)."""
+    for pattern in (path.name + ".*.tmp", path.with_suffix(".json").name + ".*.tmp"):
+        for tmp in path.parent.glob(pattern):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def _load(path: Path):
@@ -240,8 +295,11 @@ def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
     with _file_lock(path.with_suffix(".lock"), LOCK_TIMEOUT_S) as held:
         if not held:
             log.debug("cache lock %s not acquired; compiling without it", path)
+        else:
+            _remove_stale_temps(path)
         if path.exists():
             try:
+                _verify(path)
                 fn = _load(path)
                 _stats["disk_hits"] += 1
                 log.info("loaded %s kernel from %s", kind, path)
@@ -249,8 +307,9 @@ def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
             except Exception as e:  # corrupt or incompatible entry: drop it and rebuild
                 _stats["disk_errors"] += 1
                 log.warning("could not load cached kernel %s (%s: %s); recompiling", path, type(e).__name__, e)
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                for stale in (path, path.with_suffix(".json")):
+                    with contextlib.suppress(OSError):
+                        stale.unlink()
         return _compile_to_disk(kind, cfg, key, compile_fn, path)
 
 

@@ -22,7 +22,8 @@ def _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs) -> None:
         raise NotImplementedError(f"flash-attn4: dropout_p={dropout_p} is not supported (only dropout_p=0.0)")
     if alibi_slopes is not None:
         raise NotImplementedError("flash-attn4: alibi_slopes is not supported")
-    if return_attn_probs:
+    # check_flag, not truthiness: a tensor would raise torch's own "ambiguous" RuntimeError.
+    if return_attn_probs is not None and validate.check_flag("return_attn_probs", return_attn_probs):
         raise NotImplementedError(
             "flash-attn4: return_attn_probs=True is not supported (use return_lse=True for the log-sum-exp)"
         )
@@ -272,6 +273,9 @@ def flash_attn_with_kvcache(
         if page_table is not None:
             raise ValueError("pass page_table or block_table (the same argument under two names), not both")
         page_table = block_table
+    # Flags first: on a tensor of the wrong device a bad flag should still be reported as itself.
+    return_softmax_lse = validate.check_flag("return_softmax_lse", return_softmax_lse)
+    rotary_interleaved = validate.check_flag("rotary_interleaved", rotary_interleaved)
     validate.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos,
                            rotary_sin, page_table)
     validate.check_learnable_sink(learnable_sink, q.shape[2])
@@ -291,6 +295,5 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     out, lse = ops.forward_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                    cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, left,
-                                   right, num_splits, validate.check_flag("return_softmax_lse", return_softmax_lse),
-                                   validate.check_flag("rotary_interleaved", rotary_interleaved))
+                                   right, num_splits, return_softmax_lse, rotary_interleaved)
     return (out, lse) if return_softmax_lse else out

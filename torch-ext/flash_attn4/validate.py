@@ -72,17 +72,18 @@ def check_devices(q: torch.Tensor, **others) -> None:
             )
 
 
-def check_head_dims(head_dim: int, head_dim_v: int) -> None:
+def check_head_dims(head_dim: int, head_dim_v: int, qk: str = "q and k", v: str = "v") -> None:
     """ValueError for a head dim that is not a multiple of 8 in [8, 256]; NotImplementedError for one
-    below MIN_HEAD_DIM (8: valid in FlashAttention, served by no kernel here), before anything runs."""
-    for name, what, d in (("head_dim", "last dim of q and k", head_dim), ("head_dim_v", "last dim of v", head_dim_v)):
+    below MIN_HEAD_DIM (8: valid in FlashAttention, served by no kernel here), before anything runs.
+    ``qk`` and ``v`` name the arguments the dims come from (the caches for flash_attn_with_kvcache)."""
+    for name, what, d in (("head_dim", f"last dim of {qk}", head_dim), ("head_dim_v", f"last dim of {v}", head_dim_v)):
         if d % HEAD_DIM_MULTIPLE != 0 or not HEAD_DIM_MULTIPLE <= d <= MAX_HEAD_DIM:
             raise ValueError(
                 f"{name} ({what}) must be a multiple of {HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, "
                 f"{MAX_HEAD_DIM}], got {d}"
             )
-    for name, what, d, pad in (("head_dim", "q and k", head_dim, f"pass softmax_scale={head_dim} ** -0.5"),
-                               ("head_dim_v", "v", head_dim_v, f"take out[..., :{head_dim_v}]")):
+    for name, what, d, pad in (("head_dim", qk, head_dim, f"pass softmax_scale={head_dim} ** -0.5"),
+                               ("head_dim_v", v, head_dim_v, f"take out[..., :{head_dim_v}]")):
         if d < MIN_HEAD_DIM:
             raise NotImplementedError(
                 f"flash-attn4: {name} = {d} is not implemented (the kernels' smallest head dim is "
@@ -152,7 +153,8 @@ def check_seqused_k(seqused_k, batch: int) -> None:
 
 def check_no_grad(what: str, *tensors) -> None:
     """NotImplementedError when autograd would need a backward that ``what`` has none of."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    # Only tensors can require grad: a wrong type (a list for learnable_sink) is its own check's error.
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         raise NotImplementedError(f"flash-attn4: no backward with {what} (forward only, for inference); call it "
                                   f"under torch.no_grad() / torch.inference_mode() or on detached tensors")
 
@@ -323,6 +325,9 @@ def check_combine(out_partial, lse_partial, out_dtype) -> None:
     if dv % HEAD_DIM_MULTIPLE or not 0 < dv <= MAX_HEAD_DIM:
         raise ValueError(f"out_partial's head dim must be a multiple of {HEAD_DIM_MULTIPLE} in "
                          f"[{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}], got {dv}")
+    if not isinstance(out_dtype, torch.dtype):  # `in` on a tensor or string compares elementwise or not at all
+        raise TypeError(f"out_dtype must be a torch.dtype (one of {COMBINE_OUT_DTYPES}) or None, got {out_dtype!r} "
+                        f"of type {type(out_dtype).__name__}")
     if out_dtype not in COMBINE_OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {COMBINE_OUT_DTYPES}, got {out_dtype!r}")
     if out_partial.device.type not in DEVICE_TYPES:
@@ -494,7 +499,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
     if k_cache.shape[-1] != q.shape[-1]:
         raise ValueError(f"k_cache must have the head_dim of q: q {_shape(q)}, k_cache {_shape(k_cache)}")
     _check_heads(q.shape[2], k_cache.shape[2])
-    check_head_dims(q.shape[-1], v_cache.shape[-1])
+    check_head_dims(q.shape[-1], v_cache.shape[-1], qk="q and k_cache", v="v_cache")
     batch, b_cache, s_cache = q.shape[0], k_cache.shape[0], k_cache.shape[1]
     if page_table is not None:
         s_cache = check_page_table(page_table, k_cache, v_cache, batch) * page_table.shape[1]  # per sequence
