@@ -275,11 +275,14 @@ def test_causal_flag_zeroes_the_right_window(forward_spy):
     assert (forward_spy[0]["window_left"], forward_spy[0]["window_right"]) == (8, 0)
 
 
-def test_num_splits_ignored_on_an_arch_without_split_kv(forward_spy, monkeypatch):
+def test_num_splits_ignored_on_an_arch_without_split_kv(forward_spy, monkeypatch, caplog):
     monkeypatch.setattr(torch_provider, "has_split_kv", lambda arch: False)
     q = rand(1, 24, 2, 64)
-    torch.ops.aten._flash_attention_forward(q, q, q, None, None, 24, 24, 0.0, False, False, num_splits=4)
-    assert forward_spy[0]["num_splits"] == 1
+    with caplog.at_level(logging.DEBUG, logger="flash_attn4"):
+        torch.ops.aten._flash_attention_forward(q, q, q, None, None, 24, 24, 0.0, False, False, num_splits=4)
+    assert forward_spy[0]["num_splits"] == 1, "ours ran, unsplit"
+    assert [r.getMessage() for r in caplog.records] == [
+        "flash-attn4 attention provider: num_splits=4 ignored, sm_90a has no split-KV"]
 
 
 def test_deterministic_algorithms_reach_our_backward(provider, monkeypatch):

@@ -123,7 +123,7 @@ class _Call:
         self.op, self.original, self.keyset, self.args, self.kwargs = op, original, keyset, args, kwargs
 
     def fallback(self, reason: str):
-        _log_fallback_once(self.op, reason)
+        _log_once(f"flash-attn4 attention provider: aten::{self.op} runs PyTorch's kernel: {reason}")
         if self.original is None:
             raise RuntimeError(f"flash-attn4 attention provider: aten::{self.op} cannot run this call on our kernels "
                                f"({reason}) and PyTorch has no kernel of its own to fall back to here")
@@ -133,13 +133,13 @@ class _Call:
 _LOGGED: set = set()
 
 
-def _log_fallback_once(op: str, reason: str) -> None:
-    key = (op, reason)
-    if key in _LOGGED:
+def _log_once(message: str) -> None:
+    """A debug log line, once per distinct message (fallback reasons repeat on every call)."""
+    if message in _LOGGED:
         return
     if len(_LOGGED) < 1024:
-        _LOGGED.add(key)
-    settings.get_logger().debug("flash-attn4 attention provider: aten::%s runs PyTorch's kernel: %s", op, reason)
+        _LOGGED.add(message)
+    settings.get_logger().debug(message)
 
 
 def _kernel(name: str, impl, original):
@@ -203,7 +203,7 @@ def _split_count(num_splits, arch, num_heads_q: int) -> int:
     except ValueError as exc:
         raise _Unsupported(str(exc)) from None
     if num_splits > 1 and not has_split_kv(arch):
-        _log_fallback_once("_flash_attention_forward", f"num_splits={num_splits} ignored: {arch.value} has no split-KV")
+        _log_once(f"flash-attn4 attention provider: num_splits={num_splits} ignored, {arch.value} has no split-KV")
         return 1
     return num_splits
 
