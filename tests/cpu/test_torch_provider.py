@@ -401,6 +401,8 @@ def test_options_from_a_newer_torch(provider, forward_spy):
         result = torch_provider._flash_forward(call, *fwd_args(q), future_option=value)
         assert from_pytorch(result[0]) != ours
     assert len(forward_spy) == 1 and len(original.calls) == 1
+    call = torch_provider._Call("_flash_attention_forward", original, None, (*fwd_args(q), 1.0), {})
+    assert from_pytorch(torch_provider._flash_forward(call, *fwd_args(q), 1.0)[0]), "an extra positional argument"
 
 
 def test_a_problem_without_our_kernel_falls_back(provider, monkeypatch):

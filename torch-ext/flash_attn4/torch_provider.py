@@ -159,6 +159,11 @@ def _check_options(options: dict, known: frozenset) -> None:
         raise _Unsupported(f"option(s) {', '.join(unknown)} (from a newer torch) are not handled by flash-attn4")
 
 
+def _check_positional(extra: tuple) -> None:
+    if extra:
+        raise _Unsupported(f"{len(extra)} positional argument(s) more than this schema has (a newer torch)")
+
+
 def _arch(device: torch.device, kernel: str):
     try:
         return dispatch.arch_for_device(device, kernel=kernel)
@@ -299,8 +304,9 @@ def _laid_out_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _flash_forward(call, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                   return_debug_mask, **options):
+                   return_debug_mask, *extra, **options):
     try:
+        _check_positional(extra)
         args = _forward_args(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                              return_debug_mask, options)
     except _Unsupported as exc:
@@ -313,8 +319,9 @@ def _flash_forward(call, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, 
 
 
 def _flash_forward_into(call, out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                        return_debug_mask, **options):
+                        return_debug_mask, *extra, **options):
     try:
+        _check_positional(extra)
         args = _forward_args(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                              return_debug_mask, options)
         want = (*query.shape[:-1], value.shape[-1])
@@ -331,8 +338,9 @@ def _flash_forward_into(call, out, query, key, value, cum_seq_q, cum_seq_k, max_
 
 
 def _flash_backward(call, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-                    dropout_p, is_causal, rng_state, unused, **options):
+                    dropout_p, is_causal, rng_state, unused, *extra, **options):
     try:
+        _check_positional(extra)
         args = _backward_args(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                               dropout_p, is_causal, options)
     except _Unsupported as exc:
@@ -345,8 +353,10 @@ def _bshd(*tensors):
     return tuple(t.transpose(1, 2) for t in tensors)
 
 
-def _sdpa_forward(call, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, **options):
+def _sdpa_forward(call, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *extra,
+                  **options):
     try:
+        _check_positional(extra)
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise _Unsupported("the SDPA op takes 4-D (batch, heads, seqlen, head_dim) tensors")
         q, k, v = _bshd(query, key, value)
@@ -363,8 +373,9 @@ def _sdpa_forward(call, query, key, value, dropout_p=0.0, is_causal=False, retur
 
 
 def _sdpa_backward(call, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                   is_causal, philox_seed, philox_offset, **options):
+                   is_causal, philox_seed, philox_offset, *extra, **options):
     try:
+        _check_positional(extra)
         if any(t.dim() != 4 for t in (grad_out, query, key, value, out)):
             raise _Unsupported("the SDPA op takes 4-D (batch, heads, seqlen, head_dim) tensors")
         go, q, k, v, o = _bshd(grad_out, query, key, value, out)
