@@ -291,9 +291,7 @@ def _no_dropout_outputs(q: torch.Tensor):
 def _laid_out_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy with the strides of ``torch.empty_like(ref)`` (what the meta functions of the
     SDPA ops promise, and what compiled graphs may assert)."""
-    if t.shape != ref.shape or t.stride() == ref.stride():
-        return t
-    if t.stride() == torch.empty_like(ref, device="meta").stride():
+    if t.shape != ref.shape or t.stride() == torch.empty_like(ref, device="meta").stride():
         return t
     fresh = torch.empty_like(ref)
     fresh.copy_(t)
