@@ -19,6 +19,8 @@ Implementations (each skipped with a note when unavailable or unsupported for a 
 - ours: flash_attn4.flash_attn_func / flash_attn_varlen_func;
 - cudnn: torch SDPA restricted to the cuDNN backend;
 - sdpa-flash: torch SDPA restricted to its FlashAttention-2 backend;
+- sdpa-flash-fa4: the same SDPA call with flash-attn4's torch attention provider activated (our
+  kernels through ATen's flash ops: activate_flash_attention_impl("flash-attn4"));
 - flex: torch.compile'd flex_attention (causal, GQA and packed sequences through block masks);
 - fa4-upstream: flash-attn-4's flash_attn.cute.flash_attn_func, only when it is importable.
 
@@ -62,7 +64,7 @@ DECODE_SEQLENS_Q = (1, 8, 32, 128, 512)
 HEAD_DIMS = (64, 128, 256)
 TOKENS = 16384
 HIDDEN = 2048  # heads * head_dim for the grid
-IMPL_ORDER = ("ours", "cudnn", "sdpa-flash", "flex", "fa4-upstream")
+IMPL_ORDER = ("ours", "cudnn", "sdpa-flash", "sdpa-flash-fa4", "flex", "fa4-upstream")
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,6 +366,45 @@ def _sdpa_fwd(backend_name: str, impl_notes: dict):
     return prepare
 
 
+def _set_provider(active: bool) -> None:
+    """Our torch attention provider activated (True) or PyTorch's flash kernels back (False)."""
+    import torch
+
+    attention = torch.nn.attention
+    if not hasattr(attention, "current_flash_attention_impl"):
+        if active:
+            raise Unsupported(f"torch {torch.__version__} has no flash-attention provider registry")
+        return
+    current = attention.current_flash_attention_impl()
+    if active and current != "flash-attn4":
+        _import_ours()  # registers the provider
+        attention.activate_flash_attention_impl("flash-attn4")
+    elif not active and current == "flash-attn4":
+        attention.restore_flash_attention_impl()
+
+
+def _with_provider(prepare, active: bool):
+    """``prepare`` whose runs (and preparation) first put the provider in the state the row names:
+    sdpa-flash and sdpa-flash-fa4 are timed interleaved, and ATen picks the kernel at call time (the
+    backward's too). Only a timed batch's first call switches; later ones find it set."""
+    def prepared(case: Case, x: Inputs):
+        _set_provider(active)
+        run = prepare(case, x)
+
+        def timed():
+            _set_provider(active)
+            return run()
+        return timed
+    return prepared
+
+
+def _sdpa_flash_impl(name: str, provider: bool) -> Impl:
+    notes = {}
+    fwd = _sdpa_fwd("FLASH_ATTENTION", notes)
+    return Impl(name, _sdpa_available("FLASH_ATTENTION"), _with_provider(fwd, provider), notes,
+                _with_provider(_backward_of(fwd), provider))
+
+
 _FLEX = {}
 
 
@@ -442,13 +483,13 @@ def _upstream_fwd(case: Case, x: Inputs):
 
 
 def make_impls() -> dict[str, Impl]:
-    cudnn_notes, flash_notes = {}, {}
+    cudnn_notes = {}
     return {
         "ours": Impl("ours", _ours_available, _ours_fwd),
         "cudnn": Impl("cudnn", _sdpa_available("CUDNN_ATTENTION"), _sdpa_fwd("CUDNN_ATTENTION", cudnn_notes),
                       cudnn_notes),
-        "sdpa-flash": Impl("sdpa-flash", _sdpa_available("FLASH_ATTENTION"),
-                           _sdpa_fwd("FLASH_ATTENTION", flash_notes), flash_notes),
+        "sdpa-flash": _sdpa_flash_impl("sdpa-flash", provider=False),
+        "sdpa-flash-fa4": _sdpa_flash_impl("sdpa-flash-fa4", provider=True),
         "flex": Impl("flex", _flex_available, _flex_fwd),
         "fa4-upstream": Impl("fa4-upstream", _upstream_available, _upstream_fwd),
     }

@@ -15,6 +15,7 @@ not imported here: importing transformers would cost every user of the plain fun
 import sys as _sys
 
 from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .torch_provider import register as _register_torch_provider
 
 __version__ = "0.1.0"
 
@@ -25,3 +26,6 @@ if "transformers" in _sys.modules:
     from . import transformers_adapter as _transformers_adapter
 
     _transformers_adapter.maybe_register()
+
+# torch.nn.attention.activate_flash_attention_impl("flash-attn4") opts in (torch_provider); never activated here.
+_register_torch_provider()

@@ -671,6 +671,21 @@ def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool, grad_lse=None) 
     return dsink.sum(-1) if varlen else dsink.sum((0, 2))
 
 
+def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap, causal,
+             window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, dlse=None):
+    """``bwd`` for every head dim the forward takes (the autograd formula's and the torch attention
+    provider's backward): head dims that are multiples of 8 but not of 16 (or below 32) run
+    zero-padded. Zero columns of Q and K add nothing to Q K^T, zero columns of V, O and dO nothing to
+    dO V^T or rowsum(dO * O), and the padded gradient columns are dropped; the price is the copies
+    and the padded work."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    qp, kp = _padded_head_dims((q, k), _kernel_head_dim(head_dim))
+    vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), _kernel_head_dim(head_dim_v))
+    dq, dk, dv = bwd(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
+                     softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, dlse)
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
+
+
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
@@ -680,17 +695,8 @@ def _backward(ctx, grad_out, grad_lse):
                                   f"cache, padded queries): that forward is for inference")
     if grad_out is None:  # only the LSE was used: dO = 0
         grad_out = torch.zeros_like(out)
-    softmax_scale, softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic = ctx.options
-    # Head dims that are multiples of 8 but not of 16 (or below 32) run zero-padded: zero columns of
-    # Q and K add nothing to Q K^T, zero columns of V, O and dO nothing to dO V^T or rowsum(dO * O),
-    # and the padded gradient columns are dropped. The price is the copies and the padded work.
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    qp, kp = _padded_head_dims((q, k), _kernel_head_dim(head_dim))
-    vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), _kernel_head_dim(head_dim_v))
     dlse = None if grad_lse is None else grad_lse.float().contiguous()
-    dq, dk, dv = bwd(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
-                     softcap, causal, left, right, max_seqlen_q, max_seqlen_k, deterministic, dlse)
-    dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
+    dq, dk, dv = backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.options, dlse)
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[6]:
         dsink = _sink_grad(grad_out, out, lse, learnable_sink, cu_seqlens_q is not None, grad_lse)
