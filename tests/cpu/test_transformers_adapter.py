@@ -48,11 +48,12 @@ class RefBackend:
 
     def flash_attn_func(self, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                         learnable_sink=None, dropout_p=0.0, alibi_slopes=None, deterministic=False,
-                        return_lse=False, return_attn_probs=False):
+                        return_lse=False, return_attn_probs=False, num_splits=1):
         assert q.dim() == 4 and k.dim() == 4, "flash_attn_func takes (batch, seqlen, heads, head_dim)"
         assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
         self.calls.append(dict(fn="dense", q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal,
-                               window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink))
+                               window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink,
+                               num_splits=num_splits))
         out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                softcap=softcap, learnable_sink=learnable_sink)
         return out
@@ -60,7 +61,8 @@ class RefBackend:
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                                seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, learnable_sink=None, dropout_p=0.0,
-                               alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False):
+                               alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False,
+                               num_splits=1):
         assert q.dim() == 3 and k.dim() == 3, "flash_attn_varlen_func takes (total, heads, head_dim)"
         assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
         assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
@@ -73,6 +75,49 @@ class RefBackend:
                                cu_seqlens_k=cu_seqlens_k)
         return out
 
+    def flash_attn_with_kvcache(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                                block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                softcap=0.0, learnable_sink=None, rotary_interleaved=True, num_splits=0,
+                                return_softmax_lse=False):
+        """Attention over the keys [cache_leftpad[b], cache_seqlens[b]) of cache row b (no append: the
+        adapter never passes new keys), from a masked dense computation: static shapes, no host reads,
+        so it also runs inside a compiled graph."""
+        assert q.dim() == 4 and k_cache.dim() == 4 and k is None and v is None and page_table is None
+        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
+        assert cache_leftpad is None or cache_leftpad.dtype == torch.int32
+        self.calls.append(dict(fn="kvcache", q=q, k=k_cache, v=v_cache, cache_seqlens=cache_seqlens.clone(),
+                               cache_leftpad=None if cache_leftpad is None else cache_leftpad.clone(),
+                               softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+                               softcap=softcap, learnable_sink=learnable_sink, num_splits=num_splits))
+        b, sq, hq, d = q.shape
+        s_cache, hk = k_cache.shape[1], k_cache.shape[2]
+        scale = softmax_scale if softmax_scale is not None else d ** -0.5
+        kr = k_cache.float().repeat_interleave(hq // hk, dim=2)
+        vr = v_cache.float().repeat_interleave(hq // hk, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), kr) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        j = torch.arange(s_cache).view(1, 1, s_cache)
+        start = (cache_leftpad if cache_leftpad is not None else torch.zeros_like(cache_seqlens)).view(b, 1, 1)
+        end = cache_seqlens.view(b, 1, 1)
+        diag = torch.arange(sq).view(1, sq, 1) + end - sq  # bottom-right: the last query sees key end - 1
+        left, right = window_size
+        right = 0 if causal else right
+        visible = ((j >= start) & (j < end)).expand(b, sq, s_cache).clone()
+        if left >= 0:
+            visible &= j >= diag - left
+        if right >= 0:
+            visible &= j <= diag + right
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        if learnable_sink is not None:
+            sink = learnable_sink.float().view(1, hq, 1, 1).expand(b, hq, sq, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs.nan_to_num(0.0), vr)
+        return out.to(q.dtype)
+
     def fns(self, fn):
         return [c for c in self.calls if c["fn"] == fn]
 
@@ -83,6 +128,7 @@ def backend(monkeypatch):
     rb = RefBackend()
     monkeypatch.setattr(flash_attn4, "flash_attn_func", rb.flash_attn_func, raising=False)
     monkeypatch.setattr(flash_attn4, "flash_attn_varlen_func", rb.flash_attn_varlen_func, raising=False)
+    monkeypatch.setattr(flash_attn4, "flash_attn_with_kvcache", rb.flash_attn_with_kvcache, raising=False)
     return rb
 
 
@@ -266,19 +312,78 @@ def test_padding_mask_unpads_to_varlen_and_repads_with_zeros(backend, side):
     torch.testing.assert_close(out[valid], ref[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_padded_decode_step_and_padded_chunk(backend):
+def test_padded_decode_step_and_padded_chunk_read_the_cache_in_place(backend):
+    """Left-padded steps on a cache go to flash_attn_with_kvcache on the (B * Hk, S, 1, D) rows of
+    transformers' (B, Hk, S, D) cache, with the padding as cache_leftpad: no copy of the keys."""
     gen = torch.Generator().manual_seed(6)
-    b, sk, hq, hk = 3, 17, 4, 1
+    b, sk, hq, hk = 3, 17, 6, 2
     lengths = torch.tensor([17, 9, 3])
     valid = _left_padding_mask(lengths, sk)
     for sq in (1, 3):  # decode step, then a 3-token chunk on top of the cache
         q, k, v = _qkv(b, hq, hk, sq, sk, gen=gen)
         out, _ = ta.attention_forward(_module(), q, k, v, valid)
         call = backend.calls[-1]
-        assert call["fn"] == "varlen" and call["causal"] is (sq > 1)
-        assert torch.equal(call["cu_seqlens_q"], torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32))
+        assert call["fn"] == "kvcache" and call["causal"] is (sq > 1)
+        assert call["q"].shape == (b * hk, sq, hq // hk, 32) and call["k"].shape == (b * hk, sk, 1, 32)
+        assert call["k"].data_ptr() == k.data_ptr()  # the cache itself, not a copy
+        assert call["cache_leftpad"].tolist() == (sk - lengths).repeat_interleave(hk).tolist()
+        assert call["cache_seqlens"].tolist() == [sk] * (b * hk)
+        assert call["num_splits"] == 0  # automatic split-KV
         ref = _sdpa(q, k, v, _causal_allowed(b, sq, sk, key_valid=valid))
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_step_with_holes_or_per_head_sinks_unpads(backend):
+    """Masks whose valid keys are not one range per row, and sinks that differ between KV heads'
+    query groups, cannot use the cache rows: they take transformers' unpadding and varlen."""
+    gen = torch.Generator().manual_seed(16)
+    b, sk, hq, hk = 2, 13, 4, 2
+    valid = _left_padding_mask([13, 8], sk)
+    valid[0, 5] = False  # a hole
+    q, k, v = _qkv(b, hq, hk, 1, sk, gen=gen)
+    out, _ = ta.attention_forward(_module(), q, k, v, valid)
+    assert backend.calls[-1]["fn"] == "varlen"
+    torch.testing.assert_close(out, _sdpa(q, k, v, _causal_allowed(b, 1, sk, key_valid=valid)), atol=1e-5, rtol=1e-5)
+    sinks = torch.randn(hq, generator=gen)
+    left = _left_padding_mask([13, 8], sk)
+    out, _ = ta.attention_forward(_module(), q, k, v, left, s_aux=sinks)
+    assert backend.calls[-1]["fn"] == "varlen" and backend.calls[-1]["learnable_sink"] is not None
+    # one KV head: its query group holds every head, so the sinks fit the cache rows
+    q1, k1, v1 = _qkv(b, hq, 1, 1, sk, gen=gen)
+    ta.attention_forward(_module(), q1, k1, v1, left, s_aux=sinks)
+    assert backend.calls[-1]["fn"] == "kvcache" and torch.equal(backend.calls[-1]["learnable_sink"], sinks)
+
+
+def test_static_cache_tail_is_not_attended(backend):
+    """A static cache's keys run past the tokens seen: the mask (shorter than the keys) bounds them."""
+    gen = torch.Generator().manual_seed(17)
+    b, s_cache, seen, hq, hk = 2, 40, 11, 4, 2
+    q, k, v = _qkv(b, hq, hk, 1, s_cache, gen=gen)
+    k[:, :, seen:] = 1e3  # garbage in the unused tail would dominate the softmax
+    mask = ta.padding_mask(b, 1, s_cache, q_offset=seen - 1, attention_mask=None)
+    out, _ = ta.attention_forward(_module(), q, k, v, mask)
+    call = backend.calls[-1]
+    assert call["fn"] == "kvcache" and call["cache_seqlens"].tolist() == [seen] * (b * hk)
+    expected = _sdpa(q[:, :, :, :], k[:, :, :seen], v[:, :, :seen], torch.ones(b, 1, seen, dtype=torch.bool))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_traced_padding_mask_has_static_shape_and_marks_tail_and_padding():
+    valid = _left_padding_mask([7, 4], 7)
+    seen = torch.tensor(6)  # StaticLayer hands the query offset over as a tensor
+    m = ta._traced_padding_mask(2, 1, 16, seen, 0, valid, None)
+    assert m.shape == (2, 16) and torch.equal(m[:, :7], valid) and not m[:, 7:].any()
+    m = ta._traced_padding_mask(2, 1, 16, seen, 0, None, None)
+    assert m.shape == (2, 16) and m[:, :7].all() and not m[:, 7:].any()
+    assert ta._traced_padding_mask(2, 1, 16, 15, 0, None, None) is None  # every key in use
+    assert ta._traced_padding_mask(2, 1, 16, seen, 3, None, None) is None  # sliding layers: no tail
+
+
+def test_key_ranges():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 0]], dtype=torch.bool)
+    leftpad, end, contiguous = ta._key_ranges(mask)
+    assert leftpad.tolist() == [2, 0, 1] and end.tolist() == [5, 6, 4] and not bool(contiguous)
+    assert bool(ta._key_ranges(mask[:2])[2])
 
 
 def test_noncausal_mask_with_fewer_queries_pads_keys_only(backend):
@@ -301,8 +406,10 @@ def test_mask_shorter_than_keys_ignores_the_cache_tail(backend):
     for valid in (torch.ones(b, seen, dtype=torch.bool), _left_padding_mask([13, 6], seen)):
         out, _ = ta.attention_forward(_module(), q, k, v, valid)
         call = backend.calls[-1]
-        assert call["k"].shape[-3] in (seen, int(valid.sum()))  # dense (seen) or varlen (total)
-        assert call["fn"] == ("dense" if bool(valid.all()) else "varlen")
+        # the cache rows in place, bounded by the mask: its left padding and its length
+        assert call["fn"] == "kvcache" and call["k"].shape[1] == cache
+        assert call["cache_seqlens"].tolist() == [seen] * 4
+        assert call["cache_leftpad"].tolist() == (seen - valid.sum(-1)).repeat_interleave(2).tolist()
         ref = _sdpa(q[..., :seen, :], k[:, :, :seen], v[:, :, :seen], _causal_allowed(b, sq, seen, key_valid=valid))
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -489,9 +596,10 @@ def test_llama_greedy_generation_matches_sdpa(backend, cache_implementation):
     assert torch.equal(out, out_ref)
     # prefill and the 7 decode steps (single-query calls) of every layer went through us
     layers = ours.config.num_hidden_layers
-    decode = [c for c in backend.calls
-              if (c["fn"] == "dense" and c["q"].shape[1] == 1) or (c["fn"] == "varlen" and c["max_seqlen_q"] == 1)]
+    # (left padding: the prefill unpads to varlen, every decode step reads the cache in place)
+    decode = [c for c in backend.calls if c["fn"] == "kvcache" and c["q"].shape[1] == 1]
     assert len(decode) == 7 * layers and len(backend.calls) == 8 * layers
+    assert [c["fn"] for c in backend.calls[:layers]] == ["varlen"] * layers
     # and without padding, generation uses the dense path (no mask) or the seen-length mask (static)
     backend.calls.clear()
     full = torch.randint(3, VOCAB, (2, 12), generator=gen)
