@@ -368,17 +368,6 @@ def test_static_cache_tail_is_not_attended(backend):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_traced_padding_mask_has_static_shape_and_marks_tail_and_padding():
-    valid = _left_padding_mask([7, 4], 7)
-    seen = torch.tensor(6)  # StaticLayer hands the query offset over as a tensor
-    m = ta._traced_padding_mask(2, 1, 16, seen, 0, valid, None)
-    assert m.shape == (2, 16) and torch.equal(m[:, :7], valid) and not m[:, 7:].any()
-    m = ta._traced_padding_mask(2, 1, 16, seen, 0, None, None)
-    assert m.shape == (2, 16) and m[:, :7].all() and not m[:, 7:].any()
-    assert ta._traced_padding_mask(2, 1, 16, 15, 0, None, None) is None  # every key in use
-    assert ta._traced_padding_mask(2, 1, 16, seen, 3, None, None) is None  # sliding layers: no tail
-
-
 def test_key_ranges():
     mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 0]], dtype=torch.bool)
     leftpad, end, contiguous = ta._key_ranges(mask)
@@ -429,12 +418,16 @@ def test_padding_mask_function_rules():
     # dynamic cache, nothing padded: nothing to do
     assert ta.padding_mask(2, 1, 11, q_offset=10, attention_mask=None) is None
     assert ta.padding_mask(2, 7, 7, attention_mask=None) is None
-    # static cache (keys longer than what was seen), nothing padded: an all-true mask of the seen length
+    # static cache (keys longer than what was seen): a (batch, kv_length) mask, False on the unused
+    # tail, built from the tensor query offset StaticLayer gives (no sync), padded or not
     m = ta.padding_mask(2, 1, 64, q_offset=torch.tensor(10), attention_mask=None, device="cpu")
-    assert m.dtype == torch.bool and m.shape == (2, 11) and bool(m.all())
-    # a static-cache mask shorter than kv_length comes back as it is, padded or not
-    assert torch.equal(ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=padded), padded)
-    assert torch.equal(ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=full), full)
+    assert m.dtype == torch.bool and m.shape == (2, 64) and m[:, :11].all() and not m[:, 11:].any()
+    m = ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=padded)
+    assert m.shape == (2, 64) and torch.equal(m[:, :10], padded) and not m[:, 10:].any()
+    m = ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=full)
+    assert m.shape == (2, 64) and m[:, :10].all() and not m[:, 10:].any()
+    # a sliding-window layer of a static cache holds only keys in use
+    assert ta.padding_mask(2, 1, 8, q_offset=torch.tensor(20), kv_offset=13, attention_mask=None) is None
 
 
 def test_packed_position_ids_go_varlen(backend):
@@ -596,10 +589,12 @@ def test_llama_greedy_generation_matches_sdpa(backend, cache_implementation):
     assert torch.equal(out, out_ref)
     # prefill and the 7 decode steps (single-query calls) of every layer went through us
     layers = ours.config.num_hidden_layers
-    # (left padding: the prefill unpads to varlen, every decode step reads the cache in place)
+    # (left padding: every decode step reads the cache in place; the prefill unpads to varlen, or with
+    # a static cache, whose keys run past the prompt, reads the cache in place too)
     decode = [c for c in backend.calls if c["fn"] == "kvcache" and c["q"].shape[1] == 1]
     assert len(decode) == 7 * layers and len(backend.calls) == 8 * layers
-    assert [c["fn"] for c in backend.calls[:layers]] == ["varlen"] * layers
+    prefill = "kvcache" if cache_implementation == "static" else "varlen"
+    assert [c["fn"] for c in backend.calls[:layers]] == [prefill] * layers
     # and without padding, generation uses the dense path (no mask) or the seen-length mask (static)
     backend.calls.clear()
     full = torch.randint(3, VOCAB, (2, 12), generator=gen)

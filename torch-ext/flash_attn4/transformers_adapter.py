@@ -76,8 +76,9 @@ _MASK_MODULE = "transformers.masking_utils"
 
 
 def _backend():
-    """The package whose public functions we call (resolved per call, never cached)."""
-    return importlib.import_module(__package__)
+    """The package whose public functions we call (resolved per call, never cached; a dict lookup
+    that torch.compile traces, where importlib.import_module would break the graph)."""
+    return sys.modules[__package__]
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,43 +244,31 @@ def padding_mask(
     device=None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """The 2-D (batch, kv_len) boolean padding mask, or None when nothing is padded.
+    """The 2-D (batch, kv_length) boolean mask of the keys in use, or None when all are.
 
-    The rule of transformers' ``flash_attention_mask`` (only the padding mask matters: causal and
+    The rule of transformers' ``flash_attention_mask`` (only the padding matters: causal and
     sliding-window structure travel as kernel arguments), plus what its flash path gets from the
-    generation loop by name ("flash" in the implementation name, which "fa4" cannot have): with a
-    static cache and no padding, where the keys are longer than the tokens seen so far, a mask of
-    the seen tokens, which tells ``attention_forward`` to ignore the unused tail of the cache.
-    While compiling, the mask is always (batch, kv_length) and built without a device sync:
-    padding and the unused tail are False.
+    generation loop by name ("flash" in the implementation name, which "fa4" cannot have): a static
+    cache, whose keys run past the tokens seen so far, gets a mask whose unused tail is False. The
+    mask always spans kv_length keys (a static shape: a compiled decode step does not recompile as
+    the sequence grows) and is built without a device sync, except for the eager all-true check
+    that turns an unpadded mask into None, as transformers does.
     """
-    if torch.compiler.is_compiling():
-        return _traced_padding_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
-    if attention_mask is not None:
-        attention_mask = attention_mask[:, -kv_length:]
-        if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
-            return None
-        return attention_mask.bool()
-    if isinstance(kv_offset, int) and kv_offset == 0:
-        seen = int(q_offset) + int(q_length)
-        if seen < kv_length:
-            return torch.ones(batch_size, seen, dtype=torch.bool, device=device)
-    return None
-
-
-def _traced_padding_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device):
-    """padding_mask under torch.compile: static shapes, no data-dependent branch."""
     if attention_mask is not None:
         mask = attention_mask[:, -kv_length:].bool()
-        if mask.shape[-1] < kv_length:  # static cache: the tail after the seen tokens is unused
-            mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]), value=False)
+        if mask.shape[-1] < kv_length:  # static cache: the keys after the seen tokens are unused
+            return torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]), value=False)
+        if not torch.compiler.is_compiling() and bool(mask.all()):
+            return None
         return mask
     if not (isinstance(kv_offset, int) and kv_offset == 0):
-        return None
+        return None  # sliding-window cache layers hold only keys in use
     if isinstance(q_offset, int) and q_offset + q_length >= kv_length:
-        return None  # dynamic cache: every key is in use
-    seen = q_offset + q_length
-    keys = torch.arange(kv_length, device=device if device is not None else getattr(seen, "device", None))
+        return None  # dynamic cache (or none): every key is in use
+    seen = q_offset + q_length  # StaticLayer gives q_offset as a tensor: no sync here
+    if device is None:
+        device = seen.device if isinstance(seen, torch.Tensor) else None
+    keys = torch.arange(kv_length, device=device)
     return (keys < seen).view(1, kv_length).expand(batch_size, kv_length)
 
 
