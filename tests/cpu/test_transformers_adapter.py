@@ -603,6 +603,68 @@ def test_llama_greedy_generation_matches_sdpa(backend, cache_implementation):
                        ref.generate(full, attention_mask=torch.ones_like(full), **kw))
 
 
+_OPAQUE_KVCACHE_RUNS = []
+
+
+@torch.library.custom_op("fa4_adapter_test::kvcache_ref", mutates_args=())
+def _kvcache_ref_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                    cache_leftpad: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
+                    window_right: int, softcap: float) -> torch.Tensor:
+    """The reference flash_attn_with_kvcache as an opaque op, like the real one: torch.compile sees
+    its fake, not its body (a record of each run is kept, since a compiled graph replays it)."""
+    _OPAQUE_KVCACHE_RUNS.append(q.shape)
+    return RefBackend().flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, softmax_scale=softmax_scale,
+        causal=causal, window_size=(window_left, window_right), softcap=softcap)
+
+
+@_kvcache_ref_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_left, window_right, softcap):
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+
+
+def _opaque_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_leftpad=None, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, learnable_sink=None, num_splits=0, **unused):
+    assert learnable_sink is None and not unused
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _kvcache_ref_op(q, k_cache, v_cache, cache_seqlens, cache_leftpad, scale, causal, window_size[0],
+                           window_size[1], softcap)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@torch.no_grad()
+def test_compiled_static_cache_decode_is_one_graph_without_recompiles(backend, monkeypatch, padded):
+    """generate() with a static cache compiles the decode step (transformers does so on a GPU; forced here
+    on the CPU): with "fa4" the step must trace as one graph (fullgraph=True: no graph break), must not
+    recompile as the sequence grows, and must give the tokens that eager SDPA gives."""
+    monkeypatch.setattr(flash_attn4, "flash_attn_with_kvcache", _opaque_kvcache)
+    gen = torch.Generator().manual_seed(26 + padded)
+    ref, ours = _model_pair(_llama_config(), seed=3)
+    if padded:
+        ids, mask = _left_padded_batch([16, 9], 16, gen)
+    else:
+        ids = torch.randint(3, VOCAB, (2, 16), generator=gen)
+        mask = torch.ones_like(ids)
+    new_tokens = 12
+    kw = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+              cache_implementation="static")
+    compile_config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles by itself on accelerators only
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _OPAQUE_KVCACHE_RUNS.clear()
+    out = ours.generate(ids, compile_config=compile_config, **kw)
+    assert torch.equal(out, ref.generate(ids, **kw))
+    # one graph for the decode step, traced once: no recompile for any of the later tokens
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["recompiles"]
+    assert not torch._dynamo.utils.counters["graph_break"]
+    # every decode step of every layer ran our KV-cache path (the prefill runs eagerly, through it too)
+    layers = ours.config.num_hidden_layers
+    assert len(_OPAQUE_KVCACHE_RUNS) == new_tokens * layers
+    assert not [c for c in backend.calls if c["fn"] != "kvcache"]
+
+
 @torch.no_grad()
 def test_llama_packed_sequences_match_separate_runs(backend):
     gen = torch.Generator().manual_seed(23)
