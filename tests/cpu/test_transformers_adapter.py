@@ -687,6 +687,35 @@ def test_llama_packed_sequences_match_separate_runs(backend):
     assert all(type(c["max_seqlen_q"]) is int for c in backend.calls)
 
 
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+def test_padding_free_training_step_with_flattening_collator(backend, flash_kwargs):
+    """DataCollatorWithFlattening packs a batch into one row (position_ids restart; with
+    return_flash_attn_kwargs=True also cu_seq_lens / max_length): one training step's loss and every
+    parameter's gradient must equal SDPA's on the sequences run one by one."""
+    gen = torch.Generator().manual_seed(27 + flash_kwargs)
+    ref, ours = _model_pair(_llama_config(), seed=4)
+    lens = [11, 3, 17, 6]
+    seqs = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lens]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = collator([{"input_ids": s.tolist()} for s in seqs])
+    assert ("cu_seq_lens_q" in batch) is flash_kwargs
+    ours.train()
+    ours.zero_grad()
+    loss = ours(**batch).loss  # transformers' loss: mean over the targets that are not -100
+    loss.backward()
+    ref.train()
+    ref.zero_grad()
+    total = sum(F.cross_entropy(ref(s[None]).logits[0, :-1], s[1:], reduction="sum") for s in seqs)
+    ref_loss = total / sum(n - 1 for n in lens)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for (name, p), (_, p_ref) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+    layers = ours.config.num_hidden_layers
+    assert [c["fn"] for c in backend.calls] == ["varlen"] * layers
+    assert all(c["cu_seqlens_q"].tolist() == [0, 11, 14, 31, 37] and c["max_seqlen_q"] == 17 for c in backend.calls)
+
+
 def test_llama_training_with_dropout_raises(backend):
     _, ours = _model_pair(_llama_config(attention_dropout=0.1))
     ours.train()
