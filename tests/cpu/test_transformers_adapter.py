@@ -219,6 +219,85 @@ def test_maybe_register_with_import_and_without_transformers(monkeypatch):
     assert ta.maybe_register("fa4_absent", import_transformers=True) is None
 
 
+_ORDER_PRELUDE = """
+import sys, importlib.util
+sys.path[:0] = [{torch_ext!r}, {root!r}]
+def load_built(variant):  # as kernels.get_kernel does: the package under a name of its own
+    spec = importlib.util.spec_from_file_location("fa4_hub_build", variant + "/__init__.py",
+                                                  submodule_search_locations=[variant])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fa4_hub_build"] = module
+    spec.loader.exec_module(module)
+    return module
+"""
+
+_ORDER_MODEL = """
+import transformers
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1)
+model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="fa4")
+print("built", model.config._attn_implementation, ALL_ATTENTION_FUNCTIONS["fa4"].__module__,
+      ALL_MASK_ATTENTION_FUNCTIONS["fa4"].__module__)
+"""
+
+
+def _run_order(code: str, **fmt) -> str:
+    import subprocess
+
+    prelude = _ORDER_PRELUDE.format(torch_ext=str(REPO_ROOT / "torch-ext"), root=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", prelude + code + _ORDER_MODEL], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_fa4_registered_when_flash_attn4_is_imported_before_transformers():
+    out = _run_order("""
+import flash_attn4
+assert not [m for m in sys.modules if m.split(".")[0] == "transformers"], "importing flash_attn4 imported transformers"
+""")
+    assert "built fa4 flash_attn4.transformers_adapter flash_attn4.transformers_adapter" in out
+
+
+def test_fa4_registered_when_flash_attn4_is_imported_after_transformers():
+    out = _run_order("""
+import transformers, transformers.modeling_utils  # the registry modules are loaded: registration is at once
+import flash_attn4
+""")
+    assert "built fa4 flash_attn4.transformers_adapter flash_attn4.transformers_adapter" in out
+    # the lazy top-level package alone (registries not loaded yet): the hook registers later
+    out = _run_order("""
+import transformers
+import flash_attn4
+assert "transformers.modeling_utils" not in sys.modules
+""")
+    assert "built fa4 flash_attn4.transformers_adapter" in out
+
+
+@pytest.mark.parametrize("first", ["hub_build", "transformers"])
+def test_fa4_registered_by_the_hub_build_alone(hub_build, first):
+    """Only the kernel loaded (as kernels.get_kernel loads it: its own module name), in either order."""
+    variant = str(hub_build / "build" / "torch-cuda")
+    load = f"built = load_built({variant!r})\n"
+    code = load + "import transformers\n" if first == "hub_build" else "import transformers\n" + load
+    out = _run_order(code + "assert 'flash_attn4' not in sys.modules\n")
+    assert "built fa4 fa4_hub_build.transformers_adapter fa4_hub_build.transformers_adapter" in out
+
+
+def test_import_hook_is_idempotent_and_never_breaks_an_import(monkeypatch):
+    before = list(sys.meta_path)
+    ta.install_import_hook()
+    ta.install_import_hook()
+    assert sum(getattr(f, "flash_attn4_registration", False) for f in sys.meta_path) == 1
+    # a failing registration warns instead of failing transformers' import
+    monkeypatch.setattr(ta, "_register_mask", lambda name: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.warns(UserWarning, match="boom"):
+        ta._register_part(ta._MASK_MODULE, "fa4")
+    assert [f for f in sys.meta_path if f not in before] == []
+
+
 def test_hub_constants_match_build_toml():
     build_toml = REPO_ROOT / "build.toml"
     if not build_toml.exists():
