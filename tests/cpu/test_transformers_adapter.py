@@ -734,13 +734,16 @@ def test_compiled_static_cache_decode_is_one_graph_without_recompiles(backend, m
     _OPAQUE_KVCACHE_RUNS.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile for a later token raises
         out = ours.generate(ids, compile_config=compile_config, **kw)
-    assert torch.equal(out, ref.generate(ids, **kw))
+        assert torch.equal(out, ref.generate(ids, **kw))
+        # a second prompt of the same shape reuses the cache and the graph
+        ids2 = torch.randint(3, VOCAB, ids.shape, generator=gen).masked_fill(mask == 0, 0)
+        assert torch.equal(ours.generate(ids2, compile_config=compile_config, **kw), ref.generate(ids2, **kw))
     # one graph for the decode step, traced once
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
     # every decode step of every layer ran our KV-cache path (the prefill runs eagerly, through it too)
     layers = ours.config.num_hidden_layers
-    assert len(_OPAQUE_KVCACHE_RUNS) == new_tokens * layers
+    assert len(_OPAQUE_KVCACHE_RUNS) == 2 * new_tokens * layers
     assert not [c for c in backend.calls if c["fn"] != "kvcache"]
 
 
