@@ -930,6 +930,27 @@ def test_hub_string_sliding_window_model(hub_kernel, backend):
     assert {c["window_size"] for c in backend.calls} == {(5, 5)} and all(c["causal"] for c in backend.calls)
 
 
+@torch.no_grad()
+def test_continuous_batching_runs_on_our_varlen_through_the_hub_string(hub_kernel, backend):
+    """generate_batch (continuous batching) accepts flash-named implementations only: the Hub string
+    runs it on our flash_attn_varlen_func (transformers' paged decode fast path is for FA2/FA3 names
+    only); "fa4" is refused by transformers (README: which name works on which path)."""
+    if not hasattr(transformers.GenerationMixin, "generate_batch"):
+        pytest.skip("this transformers has no generate_batch")
+    gen = torch.Generator().manual_seed(32)
+    ref, ours = _model_pair(_llama_config(), impl=ta.HUB_ATTN_IMPLEMENTATION, seed=5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (7, 13, 4)]
+    config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = ours.generate_batch(prompts, generation_config=config)
+    got = sorted(o.generated_tokens for o in out.values())
+    expected = sorted(ref.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts)
+    assert got == expected
+    assert backend.calls and {c["fn"] for c in backend.calls} == {"varlen"}
+    _, fa4_model = _model_pair(_llama_config(), seed=5)
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        fa4_model.generate_batch(prompts, generation_config=config)
+
+
 # ----------------------------------------------------------------------------------------------
 # The adapter as it ships: inside the Hub build, imported under a unique module name
 # ----------------------------------------------------------------------------------------------
