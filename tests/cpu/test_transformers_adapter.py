@@ -798,6 +798,28 @@ def test_padding_free_training_step_with_flattening_collator(backend, flash_kwar
     assert all(c["cu_seqlens_q"].tolist() == [0, 11, 14, 31, 37] and c["max_seqlen_q"] == 17 for c in backend.calls)
 
 
+@torch.no_grad()
+def test_llama4_chunked_attention_within_one_chunk_runs_and_past_it_raises(backend):
+    """Chunked layers: inside one chunk they are causal attention (must match SDPA); past it the
+    kernels cannot express the chunks, so fa4 raises as transformers' flash path does."""
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip("no Llama 4 in this transformers")
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8, num_local_experts=2,
+        pad_token_id=0)
+    torch.manual_seed(6)
+    ref = transformers.Llama4ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    ours = transformers.Llama4ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="fa4").eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(3, VOCAB, (2, 8))
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="chunked attention"):
+        ours(torch.randint(3, VOCAB, (2, 9)))
+    # the sliding-window mask call passes local_size too: it must not be mistaken for a chunk
+    assert ta.padding_mask(1, 20, 20, config=types.SimpleNamespace(sliding_window=8), local_size=8) is None
+
+
 def test_llama_training_with_dropout_raises(backend):
     _, ours = _model_pair(_llama_config(attention_dropout=0.1))
     ours.train()

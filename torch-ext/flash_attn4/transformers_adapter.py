@@ -254,6 +254,7 @@ def padding_mask(
     the sequence grows) and is built without a device sync, except for the eager all-true check
     that turns an unpadded mask into None, as transformers does.
     """
+    _reject_chunked_attention(kv_length, kv_offset, kwargs)
     if attention_mask is not None:
         mask = attention_mask[:, -kv_length:].bool()
         if mask.shape[-1] < kv_length:  # static cache: the keys after the seen tokens are unused
@@ -270,6 +271,24 @@ def padding_mask(
         device = seen.device if isinstance(seen, torch.Tensor) else None
     keys = torch.arange(kv_length, device=device)
     return (keys < seen).view(1, kv_length).expand(batch_size, kv_length)
+
+
+def _reject_chunked_attention(kv_length, kv_offset, kwargs) -> None:
+    """Chunked attention (Llama 4's local layers: a query sees only keys of its own chunk) has no
+    kernel argument; past one chunk it would silently become full causal attention. transformers'
+    flash path raises there too (masking_utils.create_chunked_causal_mask). Its mask call is the one
+    whose ``local_size`` is the config's attention_chunk_size (sliding windows pass theirs)."""
+    config = kwargs.get("config")
+    chunk = getattr(config, "attention_chunk_size", None)
+    local = kwargs.get("local_size")
+    if chunk is None or local is None or local != chunk or getattr(config, "sliding_window", None) == chunk:
+        return
+    if kv_length + kv_offset > chunk:
+        raise ValueError(
+            f"attn_implementation 'fa4' cannot run chunked attention (attention_chunk_size={chunk}) over "
+            f"{kv_length + kv_offset} keys: the kernels have no chunk mask. Use attn_implementation='sdpa' "
+            "or 'flex_attention' for this model, or inputs of at most one chunk."
+        )
 
 
 # --------------------------------------------------------------------------------------------
