@@ -33,6 +33,7 @@ from flash_attn4 import transformers_adapter as ta  # noqa: E402
 from tests.reference import attention_ref  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_TRANSFORMERS_VERSION = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -732,14 +733,17 @@ def test_compiled_static_cache_decode_is_one_graph_without_recompiles(backend, m
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     _OPAQUE_KVCACHE_RUNS.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile for a later token raises
+    # transformers 5.17's generate passes the mask to the first decode step of an unpadded batch only
+    # (later steps get none): one recompile there, from transformers' kwargs, never one per token
+    graphs = 2 if _TRANSFORMERS_VERSION < (5, 18) and not padded else 1
+    with torch._dynamo.config.patch(error_on_recompile=graphs == 1):  # a recompile for a later token raises
         out = ours.generate(ids, compile_config=compile_config, **kw)
         assert torch.equal(out, ref.generate(ids, **kw))
-        # a second prompt of the same shape reuses the cache and the graph
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        # a second prompt of the same shape reuses the cache and the graph(s)
         ids2 = torch.randint(3, VOCAB, ids.shape, generator=gen).masked_fill(mask == 0, 0)
         assert torch.equal(ours.generate(ids2, compile_config=compile_config, **kw), ref.generate(ids2, **kw))
-    # one graph for the decode step, traced once
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert not torch._dynamo.utils.counters["graph_break"]
     # every decode step of every layer ran our KV-cache path (the prefill runs eagerly, through it too)
     layers = ours.config.num_hidden_layers
@@ -960,17 +964,21 @@ def test_continuous_batching_runs_on_our_varlen_through_the_hub_string(hub_kerne
     if not hasattr(transformers.GenerationMixin, "generate_batch"):
         pytest.skip("this transformers has no generate_batch")
     gen = torch.Generator().manual_seed(32)
-    ref, ours = _model_pair(_llama_config(), impl=ta.HUB_ATTN_IMPLEMENTATION, seed=5)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (7, 13, 4)]
     config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    _, fa4_model = _model_pair(_llama_config(), seed=5)
+    # 5.22: "Implementation fa4 is not supported for continuous batching"; 5.17 renames it "paged|fa4"
+    # first and then finds no such implementation ("... is not supported")
+    with pytest.raises(ValueError, match="not supported"):
+        fa4_model.generate_batch(prompts, generation_config=config)
+    if _TRANSFORMERS_VERSION < (5, 18) and importlib.util.find_spec("psutil") is None:
+        pytest.skip("transformers 5.17 sizes the paged cache from psutil's view of CPU memory")
+    ref, ours = _model_pair(_llama_config(), impl=ta.HUB_ATTN_IMPLEMENTATION, seed=5)
     out = ours.generate_batch(prompts, generation_config=config)
     got = sorted(o.generated_tokens for o in out.values())
     expected = sorted(ref.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts)
     assert got == expected
     assert backend.calls and {c["fn"] for c in backend.calls} == {"varlen"}
-    _, fa4_model = _model_pair(_llama_config(), seed=5)
-    with pytest.raises(ValueError, match="not supported for continuous batching"):
-        fa4_model.generate_batch(prompts, generation_config=config)
 
 
 # ----------------------------------------------------------------------------------------------
