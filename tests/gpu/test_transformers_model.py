@@ -387,7 +387,8 @@ def _assert_generation_matches_sdpa(ref32, ref16, ids, mask, seq_o, logits_o, se
     assert err_o <= 2 * err_r + slack, f"per-step logits: fa4 error {err_o:.4g} vs SDPA bf16 error {err_r:.4g}"
     _assert_greedy_ok(ref32, ids, mask, seq_o, seq_r, 2 * (err_r + slack))
     same = (seq_o == seq_r).all(dim=1)
-    print(f"rows with identical tokens: {int(same.sum())}/{len(same)}; max logit error fa4 {err_o:.3g}, sdpa {err_r:.3g}")
+    print(f"rows with identical tokens: {int(same.sum())}/{len(same)}; "
+          f"max logit error fa4 {err_o:.3g}, sdpa {err_r:.3g}")
 
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
