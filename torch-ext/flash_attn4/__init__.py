@@ -8,7 +8,8 @@ Environment overrides are documented in ``settings``.
 
 transformers: importing this package registers ``attn_implementation="fa4"`` with transformers in any
 import order, without importing transformers itself: at once if its registries are loaded, else when
-they load (an import hook, ``transformers_adapter.install_import_hook``).
+they load (an import hook, ``transformers_adapter.install_import_hook``). By hand (or under another
+name): ``from flash_attn4 import transformers_adapter; transformers_adapter.register()``.
 """
 
 from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
