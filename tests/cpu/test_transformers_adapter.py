@@ -33,6 +33,7 @@ from flash_attn4 import transformers_adapter as ta  # noqa: E402
 from tests.reference import attention_ref  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_TRANSFORMERS_VERSION = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -48,11 +49,12 @@ class RefBackend:
 
     def flash_attn_func(self, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                         learnable_sink=None, dropout_p=0.0, alibi_slopes=None, deterministic=False,
-                        return_lse=False, return_attn_probs=False):
+                        return_lse=False, return_attn_probs=False, num_splits=1):
         assert q.dim() == 4 and k.dim() == 4, "flash_attn_func takes (batch, seqlen, heads, head_dim)"
         assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
         self.calls.append(dict(fn="dense", q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal,
-                               window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink))
+                               window_size=tuple(window_size), softcap=softcap, learnable_sink=learnable_sink,
+                               num_splits=num_splits))
         out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                softcap=softcap, learnable_sink=learnable_sink)
         return out
@@ -60,7 +62,8 @@ class RefBackend:
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                                seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, learnable_sink=None, dropout_p=0.0,
-                               alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False):
+                               alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False,
+                               num_splits=1):
         assert q.dim() == 3 and k.dim() == 3, "flash_attn_varlen_func takes (total, heads, head_dim)"
         assert dropout_p == 0.0 and alibi_slopes is None and not return_lse
         assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
@@ -73,6 +76,49 @@ class RefBackend:
                                cu_seqlens_k=cu_seqlens_k)
         return out
 
+    def flash_attn_with_kvcache(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                                block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                softcap=0.0, learnable_sink=None, rotary_interleaved=True, num_splits=0,
+                                return_softmax_lse=False):
+        """Attention over the keys [cache_leftpad[b], cache_seqlens[b]) of cache row b (no append: the
+        adapter never passes new keys), from a masked dense computation: static shapes, no host reads,
+        so it also runs inside a compiled graph."""
+        assert q.dim() == 4 and k_cache.dim() == 4 and k is None and v is None and page_table is None
+        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
+        assert cache_leftpad is None or cache_leftpad.dtype == torch.int32
+        self.calls.append(dict(fn="kvcache", q=q, k=k_cache, v=v_cache, cache_seqlens=cache_seqlens.clone(),
+                               cache_leftpad=None if cache_leftpad is None else cache_leftpad.clone(),
+                               softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+                               softcap=softcap, learnable_sink=learnable_sink, num_splits=num_splits))
+        b, sq, hq, d = q.shape
+        s_cache, hk = k_cache.shape[1], k_cache.shape[2]
+        scale = softmax_scale if softmax_scale is not None else d ** -0.5
+        kr = k_cache.float().repeat_interleave(hq // hk, dim=2)
+        vr = v_cache.float().repeat_interleave(hq // hk, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), kr) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        j = torch.arange(s_cache).view(1, 1, s_cache)
+        start = (cache_leftpad if cache_leftpad is not None else torch.zeros_like(cache_seqlens)).view(b, 1, 1)
+        end = cache_seqlens.view(b, 1, 1)
+        diag = torch.arange(sq).view(1, sq, 1) + end - sq  # bottom-right: the last query sees key end - 1
+        left, right = window_size
+        right = 0 if causal else right
+        visible = ((j >= start) & (j < end)).expand(b, sq, s_cache).clone()
+        if left >= 0:
+            visible &= j >= diag - left
+        if right >= 0:
+            visible &= j <= diag + right
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        if learnable_sink is not None:
+            sink = learnable_sink.float().view(1, hq, 1, 1).expand(b, hq, sq, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs.nan_to_num(0.0), vr)
+        return out.to(q.dtype)
+
     def fns(self, fn):
         return [c for c in self.calls if c["fn"] == fn]
 
@@ -83,6 +129,7 @@ def backend(monkeypatch):
     rb = RefBackend()
     monkeypatch.setattr(flash_attn4, "flash_attn_func", rb.flash_attn_func, raising=False)
     monkeypatch.setattr(flash_attn4, "flash_attn_varlen_func", rb.flash_attn_varlen_func, raising=False)
+    monkeypatch.setattr(flash_attn4, "flash_attn_with_kvcache", rb.flash_attn_with_kvcache, raising=False)
     return rb
 
 
@@ -171,6 +218,85 @@ def test_maybe_register_with_import_and_without_transformers(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a, **k: None if n == "transformers" else real_find_spec(n, *a, **k))
     assert ta.maybe_register("fa4_absent", import_transformers=True) is None
+
+
+_ORDER_PRELUDE = """
+import sys, importlib.util
+sys.path[:0] = [{torch_ext!r}, {root!r}]
+def load_built(variant):  # as kernels.get_kernel does: the package under a name of its own
+    spec = importlib.util.spec_from_file_location("fa4_hub_build", variant + "/__init__.py",
+                                                  submodule_search_locations=[variant])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fa4_hub_build"] = module
+    spec.loader.exec_module(module)
+    return module
+"""
+
+_ORDER_MODEL = """
+import transformers
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1)
+model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="fa4")
+print("built", model.config._attn_implementation, ALL_ATTENTION_FUNCTIONS["fa4"].__module__,
+      ALL_MASK_ATTENTION_FUNCTIONS["fa4"].__module__)
+"""
+
+
+def _run_order(code: str, **fmt) -> str:
+    import subprocess
+
+    prelude = _ORDER_PRELUDE.format(torch_ext=str(REPO_ROOT / "torch-ext"), root=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", prelude + code + _ORDER_MODEL], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_fa4_registered_when_flash_attn4_is_imported_before_transformers():
+    out = _run_order("""
+import flash_attn4
+assert not [m for m in sys.modules if m.split(".")[0] == "transformers"], "importing flash_attn4 imported transformers"
+""")
+    assert "built fa4 flash_attn4.transformers_adapter flash_attn4.transformers_adapter" in out
+
+
+def test_fa4_registered_when_flash_attn4_is_imported_after_transformers():
+    out = _run_order("""
+import transformers, transformers.modeling_utils  # the registry modules are loaded: registration is at once
+import flash_attn4
+""")
+    assert "built fa4 flash_attn4.transformers_adapter flash_attn4.transformers_adapter" in out
+    # the lazy top-level package alone (registries not loaded yet): the hook registers later
+    out = _run_order("""
+import transformers
+import flash_attn4
+assert "transformers.modeling_utils" not in sys.modules
+""")
+    assert "built fa4 flash_attn4.transformers_adapter" in out
+
+
+@pytest.mark.parametrize("first", ["hub_build", "transformers"])
+def test_fa4_registered_by_the_hub_build_alone(hub_build, first):
+    """Only the kernel loaded (as kernels.get_kernel loads it: its own module name), in either order."""
+    variant = str(hub_build / "build" / "torch-cuda")
+    load = f"built = load_built({variant!r})\n"
+    code = load + "import transformers\n" if first == "hub_build" else "import transformers\n" + load
+    out = _run_order(code + "assert 'flash_attn4' not in sys.modules\n")
+    assert "built fa4 fa4_hub_build.transformers_adapter fa4_hub_build.transformers_adapter" in out
+
+
+def test_import_hook_is_idempotent_and_never_breaks_an_import(monkeypatch):
+    before = list(sys.meta_path)
+    ta.install_import_hook()
+    ta.install_import_hook()
+    assert sum(getattr(f, "flash_attn4_registration", False) for f in sys.meta_path) == 1
+    # a failing registration warns instead of failing transformers' import
+    monkeypatch.setattr(ta, "_register_mask", lambda name: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.warns(UserWarning, match="boom"):
+        ta._register_part(ta._MASK_MODULE, "fa4")
+    assert [f for f in sys.meta_path if f not in before] == []
 
 
 def test_hub_constants_match_build_toml():
@@ -266,19 +392,67 @@ def test_padding_mask_unpads_to_varlen_and_repads_with_zeros(backend, side):
     torch.testing.assert_close(out[valid], ref[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_padded_decode_step_and_padded_chunk(backend):
+def test_padded_decode_step_and_padded_chunk_read_the_cache_in_place(backend):
+    """Left-padded steps on a cache go to flash_attn_with_kvcache on the (B * Hk, S, 1, D) rows of
+    transformers' (B, Hk, S, D) cache, with the padding as cache_leftpad: no copy of the keys."""
     gen = torch.Generator().manual_seed(6)
-    b, sk, hq, hk = 3, 17, 4, 1
+    b, sk, hq, hk = 3, 17, 6, 2
     lengths = torch.tensor([17, 9, 3])
     valid = _left_padding_mask(lengths, sk)
     for sq in (1, 3):  # decode step, then a 3-token chunk on top of the cache
         q, k, v = _qkv(b, hq, hk, sq, sk, gen=gen)
         out, _ = ta.attention_forward(_module(), q, k, v, valid)
         call = backend.calls[-1]
-        assert call["fn"] == "varlen" and call["causal"] is (sq > 1)
-        assert torch.equal(call["cu_seqlens_q"], torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32))
+        assert call["fn"] == "kvcache" and call["causal"] is (sq > 1)
+        assert call["q"].shape == (b * hk, sq, hq // hk, 32) and call["k"].shape == (b * hk, sk, 1, 32)
+        assert call["k"].data_ptr() == k.data_ptr()  # the cache itself, not a copy
+        assert call["cache_leftpad"].tolist() == (sk - lengths).repeat_interleave(hk).tolist()
+        assert call["cache_seqlens"].tolist() == [sk] * (b * hk)
+        assert call["num_splits"] == 0  # automatic split-KV
         ref = _sdpa(q, k, v, _causal_allowed(b, sq, sk, key_valid=valid))
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_step_with_holes_or_per_head_sinks_unpads(backend):
+    """Masks whose valid keys are not one range per row, and sinks that differ between KV heads'
+    query groups, cannot use the cache rows: they take transformers' unpadding and varlen."""
+    gen = torch.Generator().manual_seed(16)
+    b, sk, hq, hk = 2, 13, 4, 2
+    valid = _left_padding_mask([13, 8], sk)
+    valid[0, 5] = False  # a hole
+    q, k, v = _qkv(b, hq, hk, 1, sk, gen=gen)
+    out, _ = ta.attention_forward(_module(), q, k, v, valid)
+    assert backend.calls[-1]["fn"] == "varlen"
+    torch.testing.assert_close(out, _sdpa(q, k, v, _causal_allowed(b, 1, sk, key_valid=valid)), atol=1e-5, rtol=1e-5)
+    sinks = torch.randn(hq, generator=gen)
+    left = _left_padding_mask([13, 8], sk)
+    out, _ = ta.attention_forward(_module(), q, k, v, left, s_aux=sinks)
+    assert backend.calls[-1]["fn"] == "varlen" and backend.calls[-1]["learnable_sink"] is not None
+    # one KV head: its query group holds every head, so the sinks fit the cache rows
+    q1, k1, v1 = _qkv(b, hq, 1, 1, sk, gen=gen)
+    ta.attention_forward(_module(), q1, k1, v1, left, s_aux=sinks)
+    assert backend.calls[-1]["fn"] == "kvcache" and torch.equal(backend.calls[-1]["learnable_sink"], sinks)
+
+
+def test_static_cache_tail_is_not_attended(backend):
+    """A static cache's keys run past the tokens seen: the mask (shorter than the keys) bounds them."""
+    gen = torch.Generator().manual_seed(17)
+    b, s_cache, seen, hq, hk = 2, 40, 11, 4, 2
+    q, k, v = _qkv(b, hq, hk, 1, s_cache, gen=gen)
+    k[:, :, seen:] = 1e3  # garbage in the unused tail would dominate the softmax
+    mask = ta.padding_mask(b, 1, s_cache, q_offset=seen - 1, attention_mask=None)
+    out, _ = ta.attention_forward(_module(), q, k, v, mask)
+    call = backend.calls[-1]
+    assert call["fn"] == "kvcache" and call["cache_seqlens"].tolist() == [seen] * (b * hk)
+    expected = _sdpa(q[:, :, :, :], k[:, :, :seen], v[:, :, :seen], torch.ones(b, 1, seen, dtype=torch.bool))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_key_ranges():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 0]], dtype=torch.bool)
+    leftpad, end, contiguous = ta._key_ranges(mask)
+    assert leftpad.tolist() == [2, 0, 1] and end.tolist() == [5, 6, 4] and not bool(contiguous)
+    assert bool(ta._key_ranges(mask[:2])[2])
 
 
 def test_noncausal_mask_with_fewer_queries_pads_keys_only(backend):
@@ -301,8 +475,10 @@ def test_mask_shorter_than_keys_ignores_the_cache_tail(backend):
     for valid in (torch.ones(b, seen, dtype=torch.bool), _left_padding_mask([13, 6], seen)):
         out, _ = ta.attention_forward(_module(), q, k, v, valid)
         call = backend.calls[-1]
-        assert call["k"].shape[-3] in (seen, int(valid.sum()))  # dense (seen) or varlen (total)
-        assert call["fn"] == ("dense" if bool(valid.all()) else "varlen")
+        # the cache rows in place, bounded by the mask: its left padding and its length
+        assert call["fn"] == "kvcache" and call["k"].shape[1] == cache
+        assert call["cache_seqlens"].tolist() == [seen] * 4
+        assert call["cache_leftpad"].tolist() == (seen - valid.sum(-1)).repeat_interleave(2).tolist()
         ref = _sdpa(q[..., :seen, :], k[:, :, :seen], v[:, :, :seen], _causal_allowed(b, sq, seen, key_valid=valid))
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -322,12 +498,16 @@ def test_padding_mask_function_rules():
     # dynamic cache, nothing padded: nothing to do
     assert ta.padding_mask(2, 1, 11, q_offset=10, attention_mask=None) is None
     assert ta.padding_mask(2, 7, 7, attention_mask=None) is None
-    # static cache (keys longer than what was seen), nothing padded: an all-true mask of the seen length
+    # static cache (keys longer than what was seen): a (batch, kv_length) mask, False on the unused
+    # tail, built from the tensor query offset StaticLayer gives (no sync), padded or not
     m = ta.padding_mask(2, 1, 64, q_offset=torch.tensor(10), attention_mask=None, device="cpu")
-    assert m.dtype == torch.bool and m.shape == (2, 11) and bool(m.all())
-    # a static-cache mask shorter than kv_length comes back as it is, padded or not
-    assert torch.equal(ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=padded), padded)
-    assert torch.equal(ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=full), full)
+    assert m.dtype == torch.bool and m.shape == (2, 64) and m[:, :11].all() and not m[:, 11:].any()
+    m = ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=padded)
+    assert m.shape == (2, 64) and torch.equal(m[:, :10], padded) and not m[:, 10:].any()
+    m = ta.padding_mask(2, 1, 64, q_offset=9, attention_mask=full)
+    assert m.shape == (2, 64) and m[:, :10].all() and not m[:, 10:].any()
+    # a sliding-window layer of a static cache holds only keys in use
+    assert ta.padding_mask(2, 1, 8, q_offset=torch.tensor(20), kv_offset=13, attention_mask=None) is None
 
 
 def test_packed_position_ids_go_varlen(backend):
@@ -489,15 +669,86 @@ def test_llama_greedy_generation_matches_sdpa(backend, cache_implementation):
     assert torch.equal(out, out_ref)
     # prefill and the 7 decode steps (single-query calls) of every layer went through us
     layers = ours.config.num_hidden_layers
-    decode = [c for c in backend.calls
-              if (c["fn"] == "dense" and c["q"].shape[1] == 1) or (c["fn"] == "varlen" and c["max_seqlen_q"] == 1)]
+    # (left padding: every decode step reads the cache in place; the prefill unpads to varlen, or with
+    # a static cache, whose keys run past the prompt, reads the cache in place too)
+    decode = [c for c in backend.calls if c["fn"] == "kvcache" and c["q"].shape[1] == 1]
     assert len(decode) == 7 * layers and len(backend.calls) == 8 * layers
+    prefill = "kvcache" if cache_implementation == "static" else "varlen"
+    assert [c["fn"] for c in backend.calls[:layers]] == [prefill] * layers
     # and without padding, generation uses the dense path (no mask) or the seen-length mask (static)
     backend.calls.clear()
     full = torch.randint(3, VOCAB, (2, 12), generator=gen)
     kw.pop("attention_mask")
     assert torch.equal(ours.generate(full, attention_mask=torch.ones_like(full), **kw),
                        ref.generate(full, attention_mask=torch.ones_like(full), **kw))
+
+
+_OPAQUE_KVCACHE_RUNS = []
+
+
+@torch.library.custom_op("fa4_adapter_test::kvcache_ref", mutates_args=())
+def _kvcache_ref_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                    cache_leftpad: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
+                    window_right: int, softcap: float) -> torch.Tensor:
+    """The reference flash_attn_with_kvcache as an opaque op, like the real one: torch.compile sees
+    its fake, not its body (a record of each run is kept, since a compiled graph replays it)."""
+    _OPAQUE_KVCACHE_RUNS.append(q.shape)
+    return RefBackend().flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, softmax_scale=softmax_scale,
+        causal=causal, window_size=(window_left, window_right), softcap=softcap)
+
+
+@_kvcache_ref_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_left, window_right, softcap):
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+
+
+def _opaque_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_leftpad=None, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, learnable_sink=None, num_splits=0, **unused):
+    assert learnable_sink is None and not unused
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _kvcache_ref_op(q, k_cache, v_cache, cache_seqlens, cache_leftpad, scale, causal, window_size[0],
+                           window_size[1], softcap)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@torch.no_grad()
+def test_compiled_static_cache_decode_is_one_graph_without_recompiles(backend, monkeypatch, padded):
+    """generate() with a static cache compiles the decode step (transformers does so on a GPU; forced here
+    on the CPU): with "fa4" the step must trace as one graph (fullgraph=True: no graph break), must not
+    recompile as the sequence grows, and must give the tokens that eager SDPA gives."""
+    monkeypatch.setattr(flash_attn4, "flash_attn_with_kvcache", _opaque_kvcache)
+    gen = torch.Generator().manual_seed(26 + padded)
+    ref, ours = _model_pair(_llama_config(), seed=3)
+    if padded:
+        ids, mask = _left_padded_batch([16, 9], 16, gen)
+    else:
+        ids = torch.randint(3, VOCAB, (2, 16), generator=gen)
+        mask = torch.ones_like(ids)
+    new_tokens = 12
+    kw = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+              cache_implementation="static")
+    compile_config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles by itself on accelerators only
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _OPAQUE_KVCACHE_RUNS.clear()
+    # transformers 5.17's generate passes the mask to the first decode step of an unpadded batch only
+    # (later steps get none): one recompile there, from transformers' kwargs, never one per token
+    graphs = 2 if _TRANSFORMERS_VERSION < (5, 18) and not padded else 1
+    with torch._dynamo.config.patch(error_on_recompile=graphs == 1):  # a recompile for a later token raises
+        out = ours.generate(ids, compile_config=compile_config, **kw)
+        assert torch.equal(out, ref.generate(ids, **kw))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        # a second prompt of the same shape reuses the cache and the graph(s)
+        ids2 = torch.randint(3, VOCAB, ids.shape, generator=gen).masked_fill(mask == 0, 0)
+        assert torch.equal(ours.generate(ids2, compile_config=compile_config, **kw), ref.generate(ids2, **kw))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert not torch._dynamo.utils.counters["graph_break"]
+    # every decode step of every layer ran our KV-cache path (the prefill runs eagerly, through it too)
+    layers = ours.config.num_hidden_layers
+    assert len(_OPAQUE_KVCACHE_RUNS) == 2 * new_tokens * layers
+    assert not [c for c in backend.calls if c["fn"] != "kvcache"]
 
 
 @torch.no_grad()
@@ -520,6 +771,57 @@ def test_llama_packed_sequences_match_separate_runs(backend):
                    max_length_q=mx, max_length_k=mx).logits
     torch.testing.assert_close(logits2, expected, atol=1e-4, rtol=1e-4)
     assert all(type(c["max_seqlen_q"]) is int for c in backend.calls)
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+def test_padding_free_training_step_with_flattening_collator(backend, flash_kwargs):
+    """DataCollatorWithFlattening packs a batch into one row (position_ids restart; with
+    return_flash_attn_kwargs=True also cu_seq_lens / max_length): one training step's loss and every
+    parameter's gradient must equal SDPA's on the sequences run one by one."""
+    gen = torch.Generator().manual_seed(27 + flash_kwargs)
+    ref, ours = _model_pair(_llama_config(), seed=4)
+    lens = [11, 3, 17, 6]
+    seqs = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lens]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = collator([{"input_ids": s.tolist()} for s in seqs])
+    assert ("cu_seq_lens_q" in batch) is flash_kwargs
+    ours.train()
+    ours.zero_grad()
+    loss = ours(**batch).loss  # transformers' loss: mean over the targets that are not -100
+    loss.backward()
+    ref.train()
+    ref.zero_grad()
+    total = sum(F.cross_entropy(ref(s[None]).logits[0, :-1], s[1:], reduction="sum") for s in seqs)
+    ref_loss = total / sum(n - 1 for n in lens)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for (name, p), (_, p_ref) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+    layers = ours.config.num_hidden_layers
+    assert [c["fn"] for c in backend.calls] == ["varlen"] * layers
+    assert all(c["cu_seqlens_q"].tolist() == [0, 11, 14, 31, 37] and c["max_seqlen_q"] == 17 for c in backend.calls)
+
+
+@torch.no_grad()
+def test_llama4_chunked_attention_within_one_chunk_runs_and_past_it_raises(backend):
+    """Chunked layers: inside one chunk they are causal attention (must match SDPA); past it the
+    kernels cannot express the chunks, so fa4 raises as transformers' flash path does."""
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip("no Llama 4 in this transformers")
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8, num_local_experts=2,
+        pad_token_id=0)
+    torch.manual_seed(6)
+    ref = transformers.Llama4ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    ours = transformers.Llama4ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="fa4").eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(3, VOCAB, (2, 8))
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="chunked attention"):
+        ours(torch.randint(3, VOCAB, (2, 9)))
+    # the sliding-window mask call passes local_size too: it must not be mistaken for a chunk
+    assert ta.padding_mask(1, 20, 20, config=types.SimpleNamespace(sliding_window=8), local_size=8) is None
 
 
 def test_llama_training_with_dropout_raises(backend):
@@ -652,6 +954,31 @@ def test_hub_string_sliding_window_model(hub_kernel, backend):
     ids = torch.randint(3, VOCAB, (2, 24), generator=gen)
     torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
     assert {c["window_size"] for c in backend.calls} == {(5, 5)} and all(c["causal"] for c in backend.calls)
+
+
+@torch.no_grad()
+def test_continuous_batching_runs_on_our_varlen_through_the_hub_string(hub_kernel, backend):
+    """generate_batch (continuous batching) accepts flash-named implementations only: the Hub string
+    runs it on our flash_attn_varlen_func (transformers' paged decode fast path is for FA2/FA3 names
+    only); "fa4" is refused by transformers (README: which name works on which path)."""
+    if not hasattr(transformers.GenerationMixin, "generate_batch"):
+        pytest.skip("this transformers has no generate_batch")
+    gen = torch.Generator().manual_seed(32)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (7, 13, 4)]
+    config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    _, fa4_model = _model_pair(_llama_config(), seed=5)
+    # 5.22: "Implementation fa4 is not supported for continuous batching"; 5.17 renames it "paged|fa4"
+    # first and then finds no such implementation ("... is not supported")
+    with pytest.raises(ValueError, match="not supported"):
+        fa4_model.generate_batch(prompts, generation_config=config)
+    if _TRANSFORMERS_VERSION < (5, 18) and importlib.util.find_spec("psutil") is None:
+        pytest.skip("transformers 5.17 sizes the paged cache from psutil's view of CPU memory")
+    ref, ours = _model_pair(_llama_config(), impl=ta.HUB_ATTN_IMPLEMENTATION, seed=5)
+    out = ours.generate_batch(prompts, generation_config=config)
+    got = sorted(o.generated_tokens for o in out.values())
+    expected = sorted(ref.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts)
+    assert got == expected
+    assert backend.calls and {c["fn"] for c in backend.calls} == {"varlen"}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -333,3 +333,131 @@ def test_hub_string_sliding_window(hub_string):
     _assert_logits_close(ref32, ref16, ours, ids)
     ids, mask = _left_padded([200, 120], 200, gen)
     _assert_logits_close(ref32, ref16, ours, ids, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation on the KV-cache / split-KV path: 64 new tokens, dynamic and static caches, eager and
+# compiled (the decode steps of "fa4" call flash_attn_with_kvcache on transformers' cache in place,
+# or flash_attn_func with automatic split-KV when nothing is padded)
+# ---------------------------------------------------------------------------------------------
+
+NEW_TOKENS = 64
+
+
+def _spy(monkeypatch):
+    """Count the calls of the package's public functions (the adapter looks them up per call)."""
+    calls = {}
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        real = getattr(flash_attn4, name)
+        calls[name] = 0
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(flash_attn4, name, counted)
+    return calls
+
+
+def _generate(model, ids, mask, **kw):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             eos_token_id=None, output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits, dim=1).float()
+
+
+def _float32_step_logits(ref32, seq, mask, prompt):
+    """The logits each generated token should have come from: the float32 model, teacher-forced."""
+    full = torch.cat([mask, mask.new_ones(mask.shape[0], seq.shape[1] - prompt)], dim=1)
+    with torch.no_grad():
+        return ref32(seq, attention_mask=full).logits[:, prompt - 1:-1].float()
+
+
+def _assert_generation_matches_sdpa(ref32, ref16, ids, mask, seq_o, logits_o, seq_r, logits_r):
+    """Per-step logits: fa4's error against the float32 model (teacher-forced on fa4's own tokens) at
+    most twice SDPA bf16's (on its tokens) plus slack; tokens: identical to SDPA's, or parting at a
+    near tie of the float32 model (_assert_greedy_ok)."""
+    prompt = ids.shape[1]
+    l32_o = _float32_step_logits(ref32, seq_o, mask, prompt)
+    l32_r = _float32_step_logits(ref32, seq_r, mask, prompt)
+    err_o = (logits_o - l32_o).abs().max().item()
+    err_r = (logits_r - l32_r).abs().max().item()
+    slack = 1e-2 * l32_r.abs().max().item()
+    assert torch.isfinite(logits_o).all()
+    assert err_o <= 2 * err_r + slack, f"per-step logits: fa4 error {err_o:.4g} vs SDPA bf16 error {err_r:.4g}"
+    _assert_greedy_ok(ref32, ids, mask, seq_o, seq_r, 2 * (err_r + slack))
+    same = (seq_o == seq_r).all(dim=1)
+    print(f"rows with identical tokens: {int(same.sum())}/{len(same)}; "
+          f"max logit error fa4 {err_o:.3g}, sdpa {err_r:.3g}")
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("lengths", [[61], [61, 40, 9, 61]], ids=["batch1", "batch4-left-padded"])
+def test_generate_64_tokens_on_the_kv_cache_path(monkeypatch, cache_implementation, lengths):
+    gen = torch.Generator().manual_seed(100 + len(lengths) + (cache_implementation == "static"))
+    ref32, ref16, ours = _models(_llama_config(128), seed=5)
+    layers = ours.config.num_hidden_layers
+    ids, mask = _left_padded(lengths, max(lengths), gen)
+    kw = dict(cache_implementation=cache_implementation, disable_compile=True)
+    calls = _spy(monkeypatch)
+    seq_o, logits_o = _generate(ours, ids, mask, **kw)
+    spied = dict(calls)
+    seq_r, logits_r = _generate(ref16, ids, mask, **kw)
+    _assert_generation_matches_sdpa(ref32, ref16, ids, mask, seq_o, logits_o, seq_r, logits_r)
+    # the path each step took: a static cache (keys past the tokens seen) or padding -> the KV-cache
+    # call on the cache in place (the static prefill too); otherwise flash_attn_func (split-KV auto)
+    padded, static = len(lengths) > 1, cache_implementation == "static"
+    if static and padded:
+        assert spied == dict(flash_attn_func=0, flash_attn_varlen_func=0,
+                             flash_attn_with_kvcache=NEW_TOKENS * layers), spied
+    elif static:  # the last step fills the cache: every key in use, no mask (5.22), flash_attn_func
+        assert spied["flash_attn_varlen_func"] == 0 and spied["flash_attn_with_kvcache"] >= (NEW_TOKENS - 1) * layers
+        assert spied["flash_attn_with_kvcache"] + spied["flash_attn_func"] == NEW_TOKENS * layers, spied
+    elif padded:
+        assert spied == dict(flash_attn_func=0, flash_attn_varlen_func=layers,
+                             flash_attn_with_kvcache=(NEW_TOKENS - 1) * layers), spied
+    else:
+        assert spied == dict(flash_attn_func=NEW_TOKENS * layers, flash_attn_varlen_func=0,
+                             flash_attn_with_kvcache=0), spied
+
+
+@pytest.mark.parametrize("lengths", [[50], [50, 31, 7, 50]], ids=["batch1", "batch4-left-padded"])
+def test_compiled_static_cache_generate_does_not_recompile(lengths):
+    """generate() with a static cache compiles the decode step by itself on a GPU (inductor, CUDA graphs).
+    With "fa4" it must trace as one graph (fullgraph=True) and never recompile as the sequence grows, nor
+    for a second prompt of the same shape; the tokens and per-step logits as in the eager test."""
+    from torch._dynamo.utils import counters
+
+    gen = torch.Generator().manual_seed(200 + len(lengths))
+    ref32, ref16, ours = _models(_llama_config(128), seed=6)
+    torch._dynamo.reset()
+    counters.clear()
+    kw = dict(cache_implementation="static", compile_config=transformers.CompileConfig(fullgraph=True))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            ids, mask = _left_padded(lengths, max(lengths), gen)
+            seq_o, logits_o = _generate(ours, ids, mask, **kw)
+            assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+            seq_r, logits_r = _generate(ref16, ids, mask, cache_implementation="static", disable_compile=True)
+            _assert_generation_matches_sdpa(ref32, ref16, ids, mask, seq_o, logits_o, seq_r, logits_r)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+@pytest.mark.backward
+def test_training_step_flattening_collator(flash_kwargs):
+    """Padding-free training as transformers documents it: DataCollatorWithFlattening packs the batch
+    into one row (position_ids; with return_flash_attn_kwargs=True also cu_seq_lens / max_length).
+    Loss and gradients against SDPA on the sequences one by one (_assert_training_step_close)."""
+    seed = _seed_from_urandom()
+    gen = torch.Generator().manual_seed(seed)
+    ref32, ref16, ours = _models(_llama_config(128), seed=seed)
+    lens = [77, 5, 130, 33]
+    seqs = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lens]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+             for k, v in collator([{"input_ids": s.tolist()} for s in seqs]).items()}
+    labels = batch.pop("labels")
+    ids = batch.pop("input_ids")
+    pieces = [(s[None].to(DEVICE), s[None].to(DEVICE), {}) for s in seqs]
+    _assert_training_step_close(ref32, ref16, ours, pieces, [(ids, labels, batch)])

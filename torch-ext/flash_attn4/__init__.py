@@ -6,13 +6,11 @@ Public API: :func:`flash_attn_func`, :func:`flash_attn_varlen_func` and :func:`f
 key sets).
 Environment overrides are documented in ``settings``.
 
-transformers: when transformers is already imported, importing this package registers
-``attn_implementation="fa4"`` (see ``transformers_adapter``); otherwise
-``from flash_attn4 import transformers_adapter; transformers_adapter.register()`` (the submodule is
-not imported here: importing transformers would cost every user of the plain functions seconds).
+transformers: importing this package registers ``attn_implementation="fa4"`` with transformers in any
+import order, without importing transformers itself: at once if its registries are loaded, else when
+they load (an import hook, ``transformers_adapter.install_import_hook``). By hand (or under another
+name): ``from flash_attn4 import transformers_adapter; transformers_adapter.register()``.
 """
-
-import sys as _sys
 
 from .interface import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .torch_provider import register as _register_torch_provider
@@ -22,10 +20,9 @@ __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
            "__version__"]
 
-if "transformers" in _sys.modules:
-    from . import transformers_adapter as _transformers_adapter
+from . import transformers_adapter as _transformers_adapter  # imports torch only
 
-    _transformers_adapter.maybe_register()
+_transformers_adapter.install_import_hook()
 
 # torch.nn.attention.activate_flash_attention_impl("flash-attn4") opts in (torch_provider); never activated here.
 _register_torch_provider()

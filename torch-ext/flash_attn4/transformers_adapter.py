@@ -1,57 +1,67 @@
-"""Hugging Face transformers integration.
+"""Hugging Face transformers integration (transformers 5.17 to 5.22).
 
 Two ways to run a transformers model on these kernels:
 
-1. ``attn_implementation="fa4"`` (this module). ``register()`` adds an attention function and a
-   padding-mask function to transformers' ``AttentionInterface`` / ``AttentionMaskInterface``;
-   ``maybe_register()`` does the same only when transformers is already imported (the package's
-   ``__init__`` calls it, so that importing flash_attn4 alone never imports transformers).
-
-       import transformers
-       import flash_attn4                     # registers "fa4" (or call transformers_adapter.register())
-       model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fa4")
+1. ``attn_implementation="fa4"`` (this module). Importing flash_attn4 (from a checkout, a wheel or
+   ``kernels.get_kernel``) registers an attention function and a padding-mask function under "fa4"
+   with transformers' ``AttentionInterface`` / ``AttentionMaskInterface``, whatever the import order:
+   at once when ``transformers.modeling_utils`` / ``transformers.masking_utils`` are loaded, else
+   from an import hook when they load (``install_import_hook``), so importing flash_attn4 never
+   imports transformers (seconds) by itself. ``register()`` does it by hand, under any name.
 
 2. The Hub string ``attn_implementation=HUB_ATTN_IMPLEMENTATION`` ("<org>/flash-attn4@v1").
    transformers then calls ``kernels.get_kernel`` and wraps our ``flash_attn_varlen_func`` /
    ``flash_attn_func`` with its own flash-attention wrapper (it inspects their parameter names).
    Keep the "@v1": transformers 5.17 asks for branch v0 of any repo whose id matches ".*flash.*4"
    when no revision is given; 5.18+ asks for v1. Non-``kernels-community`` repos also need
-   ``allow_all_kernels=True``.
+   ``allow_all_kernels=True``. This name contains "flash", so every ``is_flash_attention_requested``
+   branch of transformers takes its flash side (README: which name works on which path).
 
-What the attention function does with transformers' arguments (both 5.17 and 5.22):
+What the "fa4" attention function does with transformers' arguments (both 5.17 and 5.22):
 
 - query (B, Hq, Sq, D), key/value (B, Hk, Sk, D[v]) with Hk unrepeated (GQA/MQA go to the kernel
   as they are). They are re-viewed as (B, S, H, D) without a copy; the op copies only a layout a
   kernel cannot read (see validate.kernel_layout).
 - attention_mask: the 2-D (B, kv_len) boolean padding mask built by ``padding_mask`` below (or
-  None). Padded batches are unpadded to the varlen layout (cu_seqlens), run through
-  ``flash_attn_varlen_func``, and re-padded with zeros at padded query positions. A mask shorter
-  than the keys (static cache) slices the keys to the mask length. 4-D masks are rejected.
-- Packed batches: ``cu_seq_lens_q/k`` (+ ``max_length_q/k``, ints or 0-d tensors) kwargs, or
-  ``position_ids`` that restart (B == 1, no padding mask, Sq == Sk) -> varlen.
+  None); 4-D masks are rejected. Then, as transformers' own flash path (``_flash_attention_forward``,
+  whose helpers from ``transformers.modeling_flash_attention_utils`` we call):
+  - prefill / training with padding: ``_upad_input`` -> ``flash_attn_varlen_func`` -> ``_pad_input``
+    (zeros at padded query positions). A non-causal call with fewer queries than keys
+    (cross-attention) pads the keys only (transformers' helper would treat the key mask as a query
+    mask there).
+  - a step on a KV cache (fewer queries than keys: decoding, chunked prefill; dynamic or static
+    cache): when each row's valid keys are one contiguous range (left padding, the unused tail of a
+    static cache), ``flash_attn_with_kvcache`` reads the cache in place (cache_leftpad /
+    cache_seqlens, automatic split-KV), with no copy and no device sync under torch.compile; each
+    (batch, KV head) pair is one cache row, since transformers stores (B, Hk, S, D). Other masks,
+    and attention sinks with several KV heads, go through the unpadding above.
+- no mask: ``flash_attn_func`` (``num_splits=0``, automatic split-KV, when no gradient is needed).
+- packed sequences: ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs (DataCollatorWithFlattening
+  with ``return_flash_attn_kwargs=True``), or ``position_ids`` that restart (B == 1, no padding
+  mask; transformers' ``_is_packed_sequence`` / ``prepare_fa_kwargs_from_position_ids``) -> varlen.
 - Causality: ``kwargs["is_causal"]`` if given, else ``module.is_causal``. Masks are aligned
   bottom-right (CONTRACTS.md), so a single-query step (decode) is the same as non-causal and is
   sent as such.
 - ``scaling`` -> ``softmax_scale``; ``softcap`` -> ``softcap``; ``s_aux`` (attention sinks, one
   logit per query head) -> ``learnable_sink`` in float32.
-- ``sliding_window`` follows transformers' flash-attention path exactly: only when the key length
-  exceeds it, left window ``sliding_window - 1`` (the query plus ``sliding_window - 1`` earlier
-  keys), right window 0 when causal and ``sliding_window - 1`` when not. (transformers' own SDPA
-  mask for *bidirectional* sliding windows admits distance <= sliding_window, one more than its
-  flash path; we follow the flash path.)
+- ``sliding_window`` follows transformers' flash-attention path: only when the key length exceeds
+  it, left window ``sliding_window - 1`` (the query plus ``sliding_window - 1`` earlier keys), right
+  window 0 when causal and ``sliding_window - 1`` when not.
 - ``dropout > 0`` on a module in training mode raises NotImplementedError (the kernels have no
   dropout); in eval mode dropout is ignored, as in any attention implementation.
 
 The kernels are looked up on the package at call time (``flash_attn4.flash_attn_func`` /
-``flash_attn_varlen_func``), so tests can substitute a reference implementation.
+``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``), so tests can substitute a reference.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import sys
 import warnings
+import weakref
 
 import torch
 
@@ -60,10 +70,15 @@ HUB_REPO_ID = "flash-attn4-org/flash-attn4"
 HUB_VERSION = 1
 HUB_ATTN_IMPLEMENTATION = f"{HUB_REPO_ID}@v{HUB_VERSION}"
 
+# The transformers modules that define the two registries; registration waits for them to load.
+_ATTENTION_MODULE = "transformers.modeling_utils"
+_MASK_MODULE = "transformers.masking_utils"
+
 
 def _backend():
-    """The package whose public functions we call (resolved per call, never cached)."""
-    return importlib.import_module(__package__)
+    """The package whose public functions we call (resolved per call, never cached; a dict lookup
+    that torch.compile traces, where importlib.import_module would break the graph)."""
+    return sys.modules[__package__]
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,11 +86,7 @@ def _backend():
 # --------------------------------------------------------------------------------------------
 
 
-def register(name: str = DEFAULT_NAME) -> str:
-    """Register ``attention_forward`` and ``padding_mask`` with transformers under ``name``.
-
-    Returns the name, for ``attn_implementation=``. Raises ImportError without transformers.
-    """
+def _check_name(name) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if "/" in name or ":" in name:
@@ -88,19 +99,36 @@ def register(name: str = DEFAULT_NAME) -> str:
         # transformers treats every name containing "flash" as one of its own flash-attention
         # implementations and tries to import or download it at model construction.
         raise ValueError(f"{name!r} contains 'flash', which transformers reserves for its own loaders")
-    from transformers import AttentionInterface, AttentionMaskInterface
+
+
+def _register_attention(name: str) -> None:
+    from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(name, attention_forward)
+
+
+def _register_mask(name: str) -> None:
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionMaskInterface.register(name, padding_mask)
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register ``attention_forward`` and ``padding_mask`` with transformers under ``name``.
+
+    Returns the name, for ``attn_implementation=``. Imports transformers' two registry modules;
+    raises ImportError without transformers.
+    """
+    _check_name(name)
+    _register_attention(name)
+    _register_mask(name)
     return name
 
 
 def maybe_register(name: str = DEFAULT_NAME, import_transformers: bool = False) -> str | None:
     """``register(name)`` when transformers is already imported; otherwise do nothing, return None.
 
-    Meant for the package's ``__init__``: importing flash_attn4 never pulls in transformers (seconds
-    of import time) by itself. A program that imports flash_attn4 first calls ``register()`` later,
-    or passes ``import_transformers=True`` to import it here when it is installed. Never raises: a
+    With ``import_transformers=True`` it imports transformers when it is installed. Never raises: a
     transformers that fails to import or lacks the interfaces gives a warning.
     """
     if "transformers" not in sys.modules:
@@ -116,6 +144,88 @@ def maybe_register(name: str = DEFAULT_NAME, import_transformers: bool = False) 
     except Exception as exc:  # an incompatible or broken transformers must not break our import
         warnings.warn(f"flash_attn4: could not register attn_implementation={name!r} with transformers: {exc}")
         return None
+
+
+def _register_part(module_name: str, name: str) -> None:
+    """Register the half of ``name`` that lives in ``module_name`` (just loaded). Never raises: an
+    exception here would fail the user's ``import transformers``."""
+    try:
+        (_register_attention if module_name == _ATTENTION_MODULE else _register_mask)(name)
+    except Exception as exc:
+        warnings.warn(f"flash_attn4: could not register attn_implementation={name!r} with transformers: {exc}")
+
+
+class _HookedLoader(importlib.abc.Loader):
+    """A module's own loader, followed by a callback once the module has executed."""
+
+    def __init__(self, loader, callback):
+        self._loader, self._callback = loader, callback
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._callback(module.__name__)
+
+    def __getattr__(self, attr):  # get_source, get_filename, is_package, ... for tools that ask
+        return getattr(self._loader, attr)
+
+
+class _RegistrationFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when transformers' registry modules are about to load, it wraps the
+    loader that the other finders return so that "fa4" is registered right after they execute.
+    There is no plugin hook in transformers for attention implementations, hence this."""
+
+    # Marks the finders of every copy of this module (a checkout and a Hub build loaded side by side):
+    # they skip each other, so the copy imported last (first on sys.meta_path) registers.
+    flash_attn4_registration = True
+
+    def __init__(self, names):
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in (_ATTENTION_MODULE, _MASK_MODULE):
+            return None
+        for finder in sys.meta_path:
+            if getattr(finder, "flash_attn4_registration", False) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        names = tuple(self.names)
+        spec.loader = _HookedLoader(spec.loader, lambda mod: [_register_part(mod, n) for n in names])
+        return spec
+
+
+_FINDER: _RegistrationFinder | None = None
+
+
+def install_import_hook(name: str = DEFAULT_NAME) -> None:
+    """Register ``name`` with transformers now for the registry modules already loaded, and when
+    each of the others loads (a ``sys.meta_path`` finder; it imports nothing). Called by the
+    package's ``__init__``; idempotent. Never raises for transformers' sake (warnings instead)."""
+    global _FINDER
+    _check_name(name)
+    for module_name in (_ATTENTION_MODULE, _MASK_MODULE):
+        if module_name in sys.modules:
+            _register_part(module_name, name)
+    if _FINDER is None:
+        _FINDER = _RegistrationFinder([])
+    if name not in _FINDER.names:
+        _FINDER.names.append(name)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def remove_import_hook() -> None:
+    """Undo ``install_import_hook``'s finder (registrations already made stay)."""
+    if _FINDER is not None and _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,25 +244,51 @@ def padding_mask(
     device=None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """The 2-D (batch, kv_len) boolean padding mask, or None when nothing is padded.
+    """The 2-D (batch, kv_length) boolean mask of the keys in use, or None when all are.
 
-    The same rule as transformers' ``flash_attention_mask`` (only the padding mask matters: causal
-    and sliding-window structure travel as kernel arguments), plus one case transformers' flash
-    path gets from its generation loop by name ("flash" in the implementation name, which ours
-    cannot have): a static cache with no padding, where the keys are longer than the tokens seen
-    so far. There we return an all-true mask of the seen length, which tells ``attention_forward``
-    to ignore the unused tail of the cache.
+    The rule of transformers' ``flash_attention_mask`` (only the padding matters: causal and
+    sliding-window structure travel as kernel arguments), plus what its flash path gets from the
+    generation loop by name ("flash" in the implementation name, which "fa4" cannot have): a static
+    cache, whose keys run past the tokens seen so far, gets a mask whose unused tail is False. The
+    mask always spans kv_length keys (a static shape: a compiled decode step does not recompile as
+    the sequence grows) and is built without a device sync, except for the eager all-true check
+    that turns an unpadded mask into None, as transformers does.
     """
+    _reject_chunked_attention(kv_length, kv_offset, kwargs)
     if attention_mask is not None:
-        attention_mask = attention_mask[:, -kv_length:]
-        if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
+        mask = attention_mask[:, -kv_length:].bool()
+        if mask.shape[-1] < kv_length:  # static cache: the keys after the seen tokens are unused
+            return torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]), value=False)
+        if not torch.compiler.is_compiling() and bool(mask.all()):
             return None
-        return attention_mask.bool()
-    if isinstance(kv_offset, int) and kv_offset == 0 and not torch.compiler.is_compiling():
-        seen = int(q_offset) + int(q_length)
-        if seen < kv_length:
-            return torch.ones(batch_size, seen, dtype=torch.bool, device=device)
-    return None
+        return mask
+    if not (isinstance(kv_offset, int) and kv_offset == 0):
+        return None  # sliding-window cache layers hold only keys in use
+    if isinstance(q_offset, int) and q_offset + q_length >= kv_length:
+        return None  # dynamic cache (or none): every key is in use
+    seen = q_offset + q_length  # StaticLayer gives q_offset as a tensor: no sync here
+    if device is None:
+        device = seen.device if isinstance(seen, torch.Tensor) else None
+    keys = torch.arange(kv_length, device=device)
+    return (keys < seen).view(1, kv_length).expand(batch_size, kv_length)
+
+
+def _reject_chunked_attention(kv_length, kv_offset, kwargs) -> None:
+    """Chunked attention (Llama 4's local layers: a query sees only keys of its own chunk) has no
+    kernel argument; past one chunk it would silently become full causal attention. transformers'
+    flash path raises there too (masking_utils.create_chunked_causal_mask). Its mask call is the one
+    whose ``local_size`` is the config's attention_chunk_size (sliding windows pass theirs)."""
+    config = kwargs.get("config")
+    chunk = getattr(config, "attention_chunk_size", None)
+    local = kwargs.get("local_size")
+    if chunk is None or local is None or local != chunk or getattr(config, "sliding_window", None) == chunk:
+        return
+    if kv_length + kv_offset > chunk:
+        raise ValueError(
+            f"attn_implementation 'fa4' cannot run chunked attention (attention_chunk_size={chunk}) over "
+            f"{kv_length + kv_offset} keys: the kernels have no chunk mask. Use attn_implementation='sdpa' "
+            "or 'flex_attention' for this model, or inputs of at most one chunk."
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,38 +306,19 @@ def _bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
-
-
-def _packed_attention(fa, q, k, v, cu_q, cu_k, max_q: int, max_k: int, options: dict) -> torch.Tensor:
-    """Packed sequences in a (batch, seq, heads, dim) batch (batch is 1 in practice): attend through
-    the varlen entry point and give the output back in the batch's shape."""
-    batch, sq = q.shape[0], q.shape[1]
-    out = _first_tensor(fa.flash_attn_varlen_func(
-        q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
-        cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **options))
-    return out.reshape(batch, sq, *out.shape[-2:])
-
-
 def _first_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _packed_cu_seqlens(position_ids, batch: int, sq: int, sk: int):
-    """cu_seqlens (int32) and max length when ``position_ids`` describe several packed sequences."""
-    if position_ids is None or batch != 1 or sq != sk or sq < 2:
-        return None
-    if not isinstance(position_ids, torch.Tensor) or position_ids.numel() != sq:
-        return None
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1
-    if starts.numel() == 0:
-        return None
-    bounds = torch.cat(
-        [starts.new_zeros(1), starts, starts.new_full((1,), sq)]
-    ).to(torch.int32)
-    return bounds, _as_int((bounds[1:] - bounds[:-1]).max())
+def _flash_utils():
+    """transformers' flash-attention helpers (present with these names in 5.17 to 5.22)."""
+    from transformers import modeling_flash_attention_utils as mfau
+
+    return mfau
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def attention_forward(
@@ -233,13 +350,12 @@ def attention_forward(
     is_causal = kwargs.pop("is_causal", None)
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    is_causal = bool(is_causal)
 
-    batch, hq, sq, _ = query.shape
-    q, k, v = _bshd(query), _bshd(key), _bshd(value)
-    device_type = q.device.type
-    if q.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+    device_type = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
 
     mask = attention_mask
     if mask is not None:
@@ -249,22 +365,18 @@ def attention_forward(
                 "mask (a custom mask?). Use attn_implementation='sdpa' or 'eager' for arbitrary masks."
             )
         mask = mask.bool()
-        if mask.shape[-1] < k.shape[1]:  # static cache: ignore the unused tail
-            k, v = k[:, : mask.shape[-1]], v[:, : mask.shape[-1]]
-        elif mask.shape[-1] > k.shape[1]:
-            mask = mask[:, -k.shape[1]:]
-        if bool(mask.all()):
-            mask = None
-    sk = k.shape[1]
+        if mask.shape[-1] > key.shape[2]:
+            mask = mask[:, -key.shape[2]:]
 
-    causal = bool(is_causal) and sq > 1  # one query row sees every key under bottom-right alignment
+    sq = query.shape[2]
+    sk = key.shape[2] if mask is None else min(key.shape[2], mask.shape[-1])
     window = (-1, -1)
     if sliding_window is not None and sk > sliding_window:
         left = int(sliding_window) - 1
         window = (left, 0) if is_causal else (left, left)
     options = dict(
         softmax_scale=scaling,
-        causal=causal,
+        causal=is_causal and sq > 1,  # one query row sees every key under bottom-right alignment
         window_size=window,
         softcap=float(softcap) if softcap else 0.0,
         learnable_sink=s_aux.float() if s_aux is not None else None,
@@ -272,8 +384,28 @@ def attention_forward(
     fa = _backend()
 
     if mask is not None:
-        return _padded_forward(fa, q, k, v, mask, bool(is_causal), options), None
+        if sq < mask.shape[-1] and (is_causal or sq == 1):  # a step on a KV cache
+            out = _cache_forward(fa, query, key, value, mask, options)
+            if out is not None:
+                return out, None
+        return _padded_forward(fa, query, key, value, mask, is_causal, options), None
 
+    q, k, v = _bshd(query), _bshd(key), _bshd(value)
+    packed = _packed_kwargs(kwargs, q.shape[0], sq, k.shape[1])
+    if packed is not None:
+        return _packed_attention(fa, q, k, v, *packed, options), None
+    if not _needs_grad(q, k, v):
+        options["num_splits"] = 0  # automatic split-KV: decoding's few (batch, head) pairs fill the GPU
+    return _first_tensor(fa.flash_attn_func(q, k, v, **options)), None
+
+
+# ---- packed sequences (padding-free training) ----
+
+
+def _packed_kwargs(kwargs: dict, batch: int, sq: int, sk: int):
+    """(cu_q, cu_k, max_q, max_k) when the batch holds packed sequences, else None: transformers'
+    flash kwargs when given (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), else
+    restarting ``position_ids``, detected and converted as transformers' flash path does."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         if cu_q is None or cu_k is None:
@@ -282,52 +414,122 @@ def attention_forward(
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = _as_int(max_q) if max_q is not None else _as_int((cu_q[1:] - cu_q[:-1]).max())
         max_k = _as_int(max_k) if max_k is not None else _as_int((cu_k[1:] - cu_k[:-1]).max())
-        return _packed_attention(fa, q, k, v, cu_q, cu_k, max_q, max_k, options), None
+        return cu_q, cu_k, max_q, max_k
+    position_ids = kwargs.get("position_ids")
+    # transformers 5.17's _is_packed_sequence lacks the shape checks of 5.22's: make them here
+    if not isinstance(position_ids, torch.Tensor) or batch != 1 or sq != sk or sq < 2:
+        return None
+    if position_ids.shape[-1] != sq:
+        return None
+    mfau = _flash_utils()
+    if not bool(mfau._is_packed_sequence(position_ids, batch)):
+        return None
+    (cu_q, cu_k), (max_q, max_k) = mfau.prepare_fa_kwargs_from_position_ids(position_ids)
+    return cu_q, cu_k, _as_int(max_q), _as_int(max_k)
 
-    packed = _packed_cu_seqlens(kwargs.get("position_ids"), batch, sq, sk)
-    if packed is not None:
-        cu, max_len = packed
-        return _packed_attention(fa, q, k, v, cu, cu, max_len, max_len, options), None
 
-    return _first_tensor(fa.flash_attn_func(q, k, v, **options)), None
+def _packed_attention(fa, q, k, v, cu_q, cu_k, max_q: int, max_k: int, options: dict) -> torch.Tensor:
+    """Packed sequences in a (batch, seq, heads, dim) batch (batch is 1 in practice): attend through
+    the varlen entry point and give the output back in the batch's shape."""
+    batch, sq = q.shape[0], q.shape[1]
+    out = _first_tensor(fa.flash_attn_varlen_func(
+        q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+        cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **options))
+    return out.reshape(batch, sq, *out.shape[-2:])
 
 
-def _padded_forward(fa, q, k, v, mask, is_causal: bool, options: dict) -> torch.Tensor:
-    """Unpad (B, S, H, D) q/k/v with a (B, Sk) padding mask, run varlen, re-pad with zeros."""
-    batch, sq, hq, _ = q.shape
-    sk = k.shape[1]
-    if sq == sk:
-        q_mask = mask
-    elif is_causal:
-        # Queries are the last sq positions (generation with a cache; left padding).
-        q_mask = mask[:, -sq:]
-    else:
-        q_mask = None  # e.g. cross-attention: the mask pads the keys only
+# ---- padded batches: unpad, varlen, re-pad ----
+
+
+def _padded_forward(fa, query, key, value, mask, is_causal: bool, options: dict) -> torch.Tensor:
+    """(B, H, S, D) q/k/v with a (B, Sk) padding mask -> (B, Sq, Hq, Dv), padded query rows zero."""
+    q, k, v = _bshd(query), _bshd(key), _bshd(value)
+    batch, sq = q.shape[0], q.shape[1]
+    if not is_causal and 1 < sq != mask.shape[-1]:
+        return _keys_only_padded(fa, q, k, v, mask, options)
+    mfau = _flash_utils()
+    q_un, k_un, v_un, indices_q, (cu_q, cu_k), (max_q, max_k) = mfau._upad_input(
+        q, k, v, mask, sq, mfau._unpad_input)
+    out = _first_tensor(fa.flash_attn_varlen_func(
+        q_un, k_un, v_un, cu_q, cu_k, max_seqlen_q=_as_int(max_q), max_seqlen_k=_as_int(max_k), **options))
+    return mfau._pad_input(out, indices_q, batch, sq)
+
+
+def _keys_only_padded(fa, q, k, v, mask, options: dict) -> torch.Tensor:
+    """Non-causal attention of unpadded queries to padded keys (cross-attention): transformers'
+    ``_upad_input`` would read the last Sq columns of the key mask as a query mask here."""
+    batch, sq = q.shape[0], q.shape[1]
+    k = k[:, : mask.shape[-1]]
+    v = v[:, : mask.shape[-1]]
     k_lens = mask.sum(dim=-1, dtype=torch.int32)
-    cu_k = _cu_seqlens(k_lens)
-    k_un, v_un = k[mask], v[mask]
-    if q_mask is None:
-        q_un = q.reshape(batch * sq, *q.shape[2:])
-        cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32, device=q.device)
-        max_q = sq
+    cu_k = torch.nn.functional.pad(torch.cumsum(k_lens, dim=0, dtype=torch.int32), (1, 0))
+    cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    out = _first_tensor(fa.flash_attn_varlen_func(
+        q.reshape(batch * sq, *q.shape[2:]), k[mask], v[mask], cu_q, cu_k,
+        max_seqlen_q=sq, max_seqlen_k=_as_int(k_lens.max()), **options))
+    return out.reshape(batch, sq, *out.shape[-2:])
+
+
+# ---- steps on a KV cache: flash_attn_with_kvcache over transformers' (B, Hk, S, D) cache ----
+
+_RANGE_CACHE: list = []  # [(weakref to a mask, its key ranges)]: one mask serves every layer of a step
+
+
+def _key_ranges(mask: torch.Tensor):
+    """(leftpad, end, contiguous) of a (B, L) bool mask, on the device without a sync: row b's first
+    valid key, one past its last, and whether every row's valid keys are exactly [leftpad, end)."""
+    length = mask.shape[-1]
+    as_int = mask.to(torch.int32)
+    leftpad = torch.argmax(as_int, dim=-1).to(torch.int32)
+    end = (length - torch.argmax(as_int.flip(-1), dim=-1)).to(torch.int32)
+    contiguous = (as_int.sum(dim=-1) == end - leftpad).all()
+    return leftpad, end, contiguous
+
+
+def _eager_key_ranges(mask: torch.Tensor):
+    """_key_ranges with the contiguity read on the host (one sync), remembered for the mask object:
+    the layers of one forward share it."""
+    if _RANGE_CACHE:
+        ref, version, ranges = _RANGE_CACHE[0]
+        if ref() is mask and version == mask._version:
+            return ranges
+    leftpad, end, contiguous = _key_ranges(mask)
+    ranges = (leftpad, end, bool(contiguous))
+    _RANGE_CACHE[:] = [(weakref.ref(mask), mask._version, ranges)]
+    return ranges
+
+
+def _cache_forward(fa, query, key, value, mask, options: dict):
+    """Attention of the last Sq positions over a cache whose valid keys per row are given by mask
+    (B, L), L <= cache length. Each (batch, KV head) pair becomes one row of a one-head KV cache:
+    (B, Hk, S, D) storage is (B * Hk, S, 1, D) rows without a copy. Returns None (caller unpads)
+    when the mask has holes, the storage does not allow the view, or per-head sinks would have to
+    differ between the pairs' query-head groups."""
+    batch, hq, sq, d = query.shape
+    hk, s_cache = key.shape[1], key.shape[2]
+    if options["learnable_sink"] is not None and hk > 1:
+        return None
+    if _needs_grad(query, key, value) or not hasattr(fa, "flash_attn_with_kvcache"):
+        return None
+    try:
+        k_rows = key.view(batch * hk, s_cache, 1, d)
+        v_rows = value.view(batch * hk, s_cache, 1, value.shape[-1])
+    except RuntimeError:
+        return None
+    if torch.compiler.is_compiling():
+        leftpad, end, contiguous = _key_ranges(mask)
+        # no host sync while tracing: a mask with holes stops the program instead of attending wrongly
+        torch._assert_async(contiguous, "flash_attn4: under torch.compile a KV-cache step needs each row's "
+                                        "valid keys to be one contiguous range (left padding)")
     else:
-        q_lens = q_mask.sum(dim=-1, dtype=torch.int32)
-        cu_q = _cu_seqlens(q_lens)
-        q_un = q[q_mask]
-        max_q = _as_int(q_lens.max())
-    out = fa.flash_attn_varlen_func(
-        q_un,
-        k_un,
-        v_un,
-        cu_q,
-        cu_k,
-        max_seqlen_q=max_q,
-        max_seqlen_k=_as_int(k_lens.max()),
-        **options,
-    )
-    out = _first_tensor(out)
-    if q_mask is None:
-        return out.reshape(batch, sq, *out.shape[-2:])
-    full = out.new_zeros(batch, sq, *out.shape[-2:])
-    full[q_mask] = out
-    return full
+        leftpad, end, contiguous = _eager_key_ranges(mask)
+        if not contiguous:
+            return None
+    group = hq // hk
+    # (B, Hq, Sq, D) -> (B * Hk, Sq, group, D): the query heads of one KV head share its cache row
+    q_rows = query.reshape(batch, hk, group, sq, d).transpose(2, 3).reshape(batch * hk, sq, group, d)
+    out = _first_tensor(fa.flash_attn_with_kvcache(
+        q_rows, k_rows, v_rows,
+        cache_seqlens=end.repeat_interleave(hk), cache_leftpad=leftpad.repeat_interleave(hk), **options))
+    dv = out.shape[-1]
+    return out.view(batch, hk, sq, group, dv).transpose(1, 2).reshape(batch, sq, hq, dv)
