@@ -793,20 +793,22 @@ def torch_preprocess_kernel(cfg, calls):
     return run
 
 
-def _bwd_without_and_with(monkeypatch, switch: str, calls: list, *args):
-    """ops.bwd(*args) with the ops.py kernel switch off (the stand-in kernel must not be called),
-    then on: (without, with)."""
-    monkeypatch.setattr(ops, switch, False)
-    without = ops.bwd(*args)
-    assert not calls
-    monkeypatch.setattr(ops, switch, True)
-    return without, ops.bwd(*args)
+def _bwd_with_switch(monkeypatch, switch: str, use_kernel: bool, calls: list, *args):
+    """ops.bwd(*args) with the ops.py kernel switch set to ``use_kernel``; the stand-in kernel must be
+    called exactly when it is on."""
+    monkeypatch.setattr(ops, switch, use_kernel)
+    grads = ops.bwd(*args)
+    assert len(calls) == int(use_kernel), f"{switch}={use_kernel}: the kernel ran {len(calls)} times"
+    return grads
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch, varlen):
-    """With ops.PREPROCESS_KERNEL (the default) the rows reach the kernel in its convention (packed
-    inputs as one batch entry) and the gradients do not change."""
+def test_backward_rows_from_the_preprocess_kernel_or_torch_give_the_reference_gradients(cpu_backward, monkeypatch,
+                                                                                        varlen, use_kernel):
+    """ops.PREPROCESS_KERNEL on (the default: the rows reach the kernel in its convention, packed
+    inputs as one batch entry) or off (torch computes them): either way the gradients are those of
+    the float32 reference through autograd."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward_preprocess",
                         lambda cfg, **_: torch_preprocess_kernel(cfg, calls))
@@ -814,15 +816,18 @@ def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch,
         q, k, v, cu_q, cu_k = rand_varlen(3, 9, 4, 2, 64)
         out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
         args = (cu_q, cu_k, None, 0.125, 0.0, True, -1, 0, int((cu_q[1:] - cu_q[:-1]).max()), -1, False)
+        ref = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     else:
         q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
         out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
         args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
+        ref = {}
     dout = torch.randn_like(out)
-    want, got = _bwd_without_and_with(monkeypatch, "PREPROCESS_KERNEL", calls, dout, q, k, v, out, lse, *args)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    assert len(calls) == 1 and calls[0].head_dim_v == 64 and calls[0].dtype == "bfloat16"
+    got = _bwd_with_switch(monkeypatch, "PREPROCESS_KERNEL", use_kernel, calls, dout, q, k, v, out, lse, *args)
+    want = _reference_grads((q, k, v, None), dout, causal=True, softmax_scale=0.125, **ref)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    assert all(c.head_dim_v == 64 and c.dtype == "bfloat16" for c in calls)
 
 
 def torch_postprocess_kernel(cfg, calls):
@@ -874,21 +879,25 @@ def test_dq_accum_index_places_every_element_of_dq_once_inside_its_query_block(t
         assert (index // block == ((b * hq + h) * blocks + t // tile_m)[..., None]).all()
 
 
-def test_backward_with_the_postprocess_kernel_plumbing(cpu_backward, monkeypatch):
-    """With ops.POSTPROCESS_KERNEL (the default), dQ comes from the kernel in its convention and does
-    not change."""
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_dq_from_the_postprocess_kernel_or_torch_gives_the_reference_gradient(cpu_backward, monkeypatch, use_kernel):
+    """ops.POSTPROCESS_KERNEL on (the default: dQ comes from the kernel in its convention, scaled once
+    by softmax_scale) or off (torch reorders the accumulator): either way dQ is the float32
+    reference's through autograd, at a softmax_scale other than the default."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward_postprocess",
                         lambda cfg, **_: torch_postprocess_kernel(cfg, calls))
     q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
-    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    scale = float(torch.empty(()).uniform_(0.05, 0.3))
+    out, lse = flash_attn_func(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
     dout = torch.randn_like(out)
-    args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
-    want, got = _bwd_without_and_with(monkeypatch, "POSTPROCESS_KERNEL", calls, dout, q, k, v, out, lse, *args)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert len(calls) == 1 and calls[0].dtype == "bfloat16" and calls[0].head_dim == 64
-
+    args = (None, None, None, scale, 0.0, True, -1, 0, 9, 13, False)
+    dq, dk, dv = _bwd_with_switch(monkeypatch, "POSTPROCESS_KERNEL", use_kernel, calls, dout, q, k, v, out, lse, *args)
+    want = _reference_grads((q, k, v, None), dout, causal=True, softmax_scale=scale)
+    for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert g.dtype == BF16 and g.shape == w.shape
+        torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    assert all(c.dtype == "bfloat16" and c.head_dim == 64 for c in calls)
 
 
 def test_inference_calls_skip_the_dispatcher_and_training_calls_do_not(cpu_kernel, monkeypatch):
