@@ -13,7 +13,8 @@ Refused today (anything else must run):
 - sm_100a and sm_103a (Blackwell) forward: ``seqused_q``, a paged KV cache (``page_table``) and
   ``num_splits`` > 1 (no split-KV kernel);
 - sm_100a and sm_103a: the backward pass (the kernels are forward only; tests marked ``backward`` are
-  skipped there by tests/conftest.py for the same reason).
+  skipped there by tests/conftest.py for the same reason);
+- every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ NO_SEQUSED_Q = r"seqused_q is not implemented yet"
 NO_PAGED_KV = r"a paged KV cache is not implemented yet"
 NO_SPLIT_KV = r"has no split-KV kernel yet"
 NO_BACKWARD = r"backward kernels are not implemented yet"
+# raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)
+NO_INFERENCE_ONLY_BACKWARD = r"no backward (with (page_table|seqused_q)|through a paged KV cache)"
 
 
 def forward_refusals(arch: Arch, *, head_dim: int, head_dim_v: int, seqused_q: bool = False, paged: bool = False,
@@ -46,9 +49,10 @@ def forward_refusals(arch: Arch, *, head_dim: int, head_dim_v: int, seqused_q: b
     return reasons
 
 
-def backward_refusals(arch: Arch) -> list[str]:
+def backward_refusals(arch: Arch, *, seqused_q: bool = False, paged: bool = False) -> list[str]:
     """The reasons a backward pass is refused on ``arch`` (after a forward that ran)."""
-    return [NO_BACKWARD] if arch in BLACKWELL else []
+    reasons = [NO_BACKWARD] if arch in BLACKWELL else []
+    return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])
 
 
 def refusal_pattern(reasons: list[str]) -> Optional[str]:

@@ -116,11 +116,15 @@ def test_the_grid_meets_every_kind_of_refusal_and_support():
 
 
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256)])
-@pytest.mark.parametrize("varlen", [False, True])
-def test_backward_refuses_exactly_what_the_list_names(target, d, dv, varlen):
-    out = _call(d, dv, varlen=varlen, causal=True, requires_grad=True)
-    pattern = refusal_pattern(backward_refusals(target))
-    message = _outcome(lambda: out.float().sum().backward())
+@pytest.mark.parametrize("option", ["plain", "varlen", "seqused_q", "paged"])
+def test_backward_refuses_exactly_what_the_list_names(target, d, dv, option):
+    opts = dict(OPTIONS[option])
+    if forward_refusals(target, head_dim=d, head_dim_v=dv, seqused_q=opts.get("seqused_q", False),
+                        paged=opts.get("paged", False)):
+        pytest.skip(f"{target.value} refuses this forward already (test_forward_refuses_exactly_what_the_list_names)")
+    pattern = refusal_pattern(backward_refusals(target, seqused_q=opts.get("seqused_q", False),
+                                                paged=opts.get("paged", False)))
+    message = _outcome(lambda: _call(d, dv, causal=True, requires_grad=True, **opts).float().sum().backward())
     if pattern is None:
         assert message is None, f"{target.value} backward d={d}/{dv}: not listed as unsupported, raised: {message}"
     else:
