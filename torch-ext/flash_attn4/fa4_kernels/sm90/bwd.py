@@ -77,7 +77,7 @@ from ..tile_work import QueryBlocks, TileWork
 from .dq_accum import ROW, DqTiling, dq_tiled_mma, part_tile, register_order
 from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy
 from .tiles import L2_BUDGET_BYTES
-from .wgmma import WARPGROUP_THREADS, WarpGroup, smem_layout, warpgroup_index, warpgroup_slice_thread, wgmma
+from .wgmma import WARPGROUP_THREADS, WGMMA_M, WarpGroup, smem_layout, warpgroup_index, warpgroup_slice_thread, wgmma
 
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
@@ -98,6 +98,10 @@ class Warp(enum.IntEnum):
 
     LOAD = 0  # TMA loads of K, V, then Q, dO, LSE and rowsum per query block
     DQ_WRITER = 1  # TMA reduce-adds of the staged dQ parts into dq_accum
+
+
+# A dQ part changes hands between its consumer warpgroup and the writer warp: both count.
+DQ_HANDSHAKE_THREADS = WARPGROUP_THREADS + cute.arch.WARP_SIZE
 
 
 class FlashAttentionBackwardSm90:
@@ -169,20 +173,20 @@ class FlashAttentionBackwardSm90:
             # S^T = K Q^T and dP^T = V dO^T: keys are the M mode, one 64-key atom per consumer warpgroup.
             tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, K_major, Float32,
-                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, self.tile_m))
+                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(WGMMA_M, self.tile_m))
             # dK += dS^T Q and dV += P^T dO: A from registers, B = Q / dO read N-major.
             tiled_mma_dk = tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, MN_major, Float32,
-                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(WGMMA_M, d), a_source=warpgroup.OperandSource.RMEM)
         else:
             # One 64-key tile for both warpgroups: S^T and dP^T split by query halves; dK and dV by
             # head-dim halves, A = dS^T / P^T from shared memory (all queries), B = Q / dO N-major.
             tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, K_major, Float32,
-                atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, self.tile_m // wgs))
+                atom_layout_mnk=(1, wgs, 1), tiler_mn=(WGMMA_M, self.tile_m // wgs))
             tiled_mma_dk, tiled_mma_dv = [sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, MN_major, Float32,
-                atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, dim // wgs)) for dim in (d, dv)]
+                atom_layout_mnk=(1, wgs, 1), tiler_mn=(WGMMA_M, dim // wgs)) for dim in (d, dv)]
         # dQ = dS K, one part per warpgroup (__init__); dS is read from its (keys, queries) tile, M-major
         # (N-major as the B operand of dQ^T).
         tiled_mma_dq = dq_tiled_mma(self.dtype, self.dq)
@@ -544,7 +548,7 @@ class FlashAttentionBackwardSm90:
         # would spill, and read them from shared memory as each column needs them.
         sLSE, sdPsum = smem.lse[None, stage], smem.dpsum[None, stage]
         rLSE = None
-        if cutlass.const_expr(self.tile_m == 64):
+        if cutlass.const_expr(self.tile_m == WGMMA_M):
             rLSE = self.per_query(scores.coords, sLSE)
         warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
         # P^T for the first exp_eighths_under_dp of the thread's query columns while dP^T runs; the
@@ -562,7 +566,7 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(convert_p_early):
             rP.store(scores.acc_s.load().to(self.dtype))
         rdPsum = None
-        if cutlass.const_expr(self.tile_m == 64):
+        if cutlass.const_expr(self.tile_m == WGMMA_M):
             rdPsum = self.per_query(scores.coords, sdPsum)
         warpgroup.wait_group(0)  # dP^T is in
         if cutlass.const_expr(under_dp < columns):
@@ -657,7 +661,7 @@ class FlashAttentionBackwardSm90:
         """This warpgroup's part of the KV tile's dQ (unscaled) into its shared-memory buffer, once
         the writer warp has read the previous one, and signalled to the writer warp (write_dq)."""
         part = warpgroup_index(tidx)
-        handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
+        handshake = DQ_HANDSHAKE_THREADS
         cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY_FIRST + part, number_of_threads=handshake)
         tdQsdQ.store(acc_dQ.load())
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
@@ -670,7 +674,7 @@ class FlashAttentionBackwardSm90:
         shared memory (DQ_FULL), one TMA reduce-add of it; the part's buffer is handed back
         (DQ_EMPTY) once the TMA has read it. Both buffers start free. The warp returns only once
         every reduce-add has read shared memory, which keeps the CTA (and sdQ) alive until then."""
-        handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
+        handshake = DQ_HANDSHAKE_THREADS
         num_steps = work.num_steps
         if num_steps > 0:  # arrivals match the consumers' waits one for one
             for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
