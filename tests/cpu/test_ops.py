@@ -360,6 +360,39 @@ def test_eager_calls_do_not_import_dynamo():
 # ---- autograd ----
 
 
+def dq_accum_positions(cfg, q: torch.Tensor, cu_q) -> torch.Tensor:
+    """Where each dQ element (q's shape) sits in the flattened dq_accum, written out here from the
+    layout sm90/dq_accum.py documents, not through ops._dq_accum_index, so that the stand-in kernels
+    below do not share its mistakes: per head, query block after query block (varlen sequence b
+    from block cu_q[b] // tile_m + b), and inside a block the inverse of DqTiling.block_order."""
+    from flash_attn4.fa4_kernels.sm90.dq_accum import DqTiling
+
+    tile_m, d = cfg.tile_m, cfg.head_dim
+    order = DqTiling(tile_m, d).block_order()
+    where = [0] * len(order)
+    for position, element in enumerate(order):
+        where[element] = position
+    where = torch.tensor(where).view(tile_m, d)  # (row of the block, col) -> position in the block
+    block = tile_m * d
+    index = torch.empty(q.shape, dtype=torch.long)
+    if cu_q is None:
+        batch, sq, hq = q.shape[:3]
+        blocks = -(-sq // tile_m)
+        for b in range(batch):
+            for t in range(sq):
+                for h in range(hq):
+                    index[b, t, h] = ((b * hq + h) * blocks + t // tile_m) * block + where[t % tile_m]
+        return index
+    cu = [int(x) for x in cu_q]
+    hq, blocks = q.shape[1], q.shape[0] // tile_m + len(cu) - 1
+    for b in range(len(cu) - 1):
+        for t in range(cu[b + 1] - cu[b]):
+            for h in range(hq):
+                first = h * blocks + cu[b] // tile_m + b
+                index[cu[b] + t, h] = (first + t // tile_m) * block + where[t % tile_m]
+    return index
+
+
 def torch_backward_kernel(cfg, calls):
     """A stand-in for compile_backward(cfg): same call convention (BackwardConfig docstring) and the
     same math as the kernel, from the inputs the torch layer prepares (LSE in log2 units, rowsum(dout *
@@ -410,7 +443,7 @@ def torch_backward_kernel(cfg, calls):
                 sq = q.shape[1]
                 dq[b], dk[b], dv[b] = one_sequence(q[b], k[b], v[b], dout[b], lse_log2[b, :, :sq], dpsum[b, :, :sq],
                                                    softmax_scale, softcap, window)
-            dq_acc.view(-1).index_add_(0, ops._dq_accum_index(cfg, q, None).flatten(), dq.flatten())
+            dq_acc.view(-1).index_add_(0, dq_accum_positions(cfg, q, None).flatten(), dq.flatten())
             return
         assert max_seqlen_k >= int((cu_k[1:] - cu_k[:-1]).max())
         for b in range(cu_q.shape[0] - 1):
@@ -428,7 +461,7 @@ def torch_backward_kernel(cfg, calls):
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = one_sequence(q[q0:q1], k[k0:k1], v[k0:k1], dout[q0:q1],
                                                            lse_log2[:, rows], dpsum[:, rows], softmax_scale, softcap,
                                                            window)
-        dq_acc.view(-1).index_add_(0, ops._dq_accum_index(cfg, q, cu_q).flatten(), dq.flatten())
+        dq_acc.view(-1).index_add_(0, dq_accum_positions(cfg, q, cu_q).flatten(), dq.flatten())
 
     return run
 
@@ -840,7 +873,7 @@ def torch_postprocess_kernel(cfg, calls):
         assert dq_accum.dtype == torch.float32 and dq.dtype == {"bfloat16": torch.bfloat16,
                                                                 "float16": torch.float16}[cfg.dtype]
         assert isinstance(softmax_scale, float) and isinstance(max_seqlen_q, int)
-        dq.copy_(dq_accum.view(-1)[ops._dq_accum_index(cfg, dq, cu_seqlens_q)] * softmax_scale)
+        dq.copy_(dq_accum.view(-1)[dq_accum_positions(cfg, dq, cu_seqlens_q)] * softmax_scale)
 
     return run
 
@@ -877,6 +910,21 @@ def test_dq_accum_index_places_every_element_of_dq_once_inside_its_query_block(t
         blocks = -(-q.shape[1] // tile_m)
         b, t, h = torch.meshgrid(torch.arange(2), torch.arange(q.shape[1]), torch.arange(hq), indexing="ij")
         assert (index // block == ((b * hq + h) * blocks + t // tile_m)[..., None]).all()
+
+
+@pytest.mark.parametrize("tile_m,head_dim", [(128, 64), (80, 128), (64, 48), (64, 256)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dq_accum_index_matches_the_layout_written_out_by_hand(tile_m, head_dim, varlen):
+    """ops._dq_accum_index (vectorised; what the torch fallback reorders dQ by) places every element
+    where dq_accum_positions (loops over the documented layout) does."""
+    cfg = BackwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=head_dim, head_dim_v=head_dim, tile_m=tile_m,
+                         varlen=varlen, **({"split_head_dim": True, "tile_n": 64} if head_dim in (48, 256) else {}))
+    if varlen:
+        cu = torch.tensor([0, tile_m + 5, tile_m + 5, 3 * tile_m + 5, 3 * tile_m + 12], dtype=torch.int32)
+        q = torch.empty(int(cu[-1]), 3, head_dim)
+    else:
+        cu, q = None, torch.empty(2, 2 * tile_m + 3, 3, head_dim)
+    assert torch.equal(ops._dq_accum_index(cfg, q, cu), dq_accum_positions(cfg, q, cu))
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])
