@@ -9,7 +9,6 @@ import pytest
 from flash_attn4 import device_info, dispatch
 from flash_attn4.fa4_kernels import arch as arch_mod
 from flash_attn4.fa4_kernels.arch import Arch
-from flash_attn4.fa4_kernels.config import ForwardConfig
 
 
 @pytest.fixture
@@ -67,20 +66,22 @@ def test_backward_dispatch_hopper_yes_blackwell_clear_error():
         assert name in str(info.value) and "(forward only)" in str(info.value)
 
 
-@pytest.mark.parametrize("d,dv,split,tile_m,tile_n,stages", [
-    (64, 64, False, 128, 128, 2), (96, 96, False, 64, 128, 2), (128, 128, False, 80, 128, 2),
-    (128, 64, True, 64, 64, 2), (192, 192, True, 64, 64, 2), (192, 128, True, 64, 64, 2), (256, 256, True, 64, 64, 1)])
+# exp_eighths_under_dp (how much of P^T is computed under dP^T's GEMM, in eighths) as measured per
+# tiling: 3 at 80-query blocks, 2 at 128-query blocks without a mask (causal: 8, all first), 8 for
+# the 64-query and split layouts (the field's default: nothing moved).
+@pytest.mark.parametrize("d,dv,split,tile_m,tile_n,stages,eighths,eighths_causal", [
+    (64, 64, False, 128, 128, 2, 2, 8), (96, 96, False, 64, 128, 2, 8, 8), (128, 128, False, 80, 128, 2, 3, 3),
+    (128, 64, True, 64, 64, 2, 8, 8), (192, 192, True, 64, 64, 2, 8, 8), (192, 128, True, 64, 64, 2, 8, 8),
+    (256, 256, True, 64, 64, 1, 8, 8)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_tiles_per_head_dims(d, dv, split, tile_m, tile_n, stages, causal):
+def test_backward_tiles_per_head_dims(d, dv, split, tile_m, tile_n, stages, eighths, eighths_causal, causal):
     """The head dims whose dK/dV accumulators fit a warpgroup per 64 keys keep the unsplit layout
     (128-query blocks up to d = 64, 80 at d = 128); the rest split the head dim, with one Q/dO stage
     above 192 (shared memory)."""
     cfg = dispatch.backward_config(Arch.SM90, "bfloat16", d, dv, causal=causal, local=False, has_softcap=False,
                                    varlen=False, has_seqused_k=False, deterministic=False)
     assert (cfg.split_head_dim, cfg.tile_m, cfg.tile_n, cfg.num_stages) == (split, tile_m, tile_n, stages)
-    # Part of P^T after dP^T (interleaved with dS^T) only where it was measured to pay: 80-query
-    # blocks, and 128-query blocks without a mask.
-    assert cfg.exp_eighths_under_dp == (3 if tile_m == 80 else 2 if tile_m == 128 and not causal else 8)
+    assert cfg.exp_eighths_under_dp == (eighths_causal if causal else eighths)
 
 
 @pytest.mark.parametrize("flag", ["local", "has_softcap"])
@@ -158,13 +159,26 @@ def test_kernel_set_of_the_compiler_is_what_dispatch_builds():
         assert dispatch.forward_config(cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, **flags) == cfg
 
 
-def test_forward_config_fields_and_cache():
-    flags = dict(causal=True, local=False, has_softcap=False, varlen=True, has_seqused_k=True, has_sink=False)
-    cfg = dispatch.forward_config(Arch.SM90, "float16", 96, 96, **flags)
-    assert isinstance(cfg, ForwardConfig)
-    assert (cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v) == (Arch.SM90, "float16", 96, 96)
-    assert cfg.causal and cfg.varlen and cfg.has_seqused_k and not cfg.has_sink
-    assert dispatch.forward_config(Arch.SM90, "float16", 96, 96, **flags) is cfg
+FORWARD_FLAGS = ("causal", "local", "has_softcap", "varlen", "has_seqused_k", "has_sink")
+
+
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100])
+def test_every_problem_class_input_gets_its_own_compile_key_and_one_cached_config(arch):
+    """A kernel compiled for one problem class must never be reused for another: each mask flag, the
+    dtype and each head dim change the compile key (a flag the key missed would silently reuse a
+    stale kernel); the same arguments return the cached object itself."""
+    base = dict.fromkeys(FORWARD_FLAGS, False)
+    cfg = dispatch.forward_config(arch, "bfloat16", 128, 128, **base)
+    assert dispatch.forward_config(arch, "bfloat16", 128, 128, **base) is cfg
+    variants = {"float16": dispatch.forward_config(arch, "float16", 128, 128, **base),
+                "head_dim": dispatch.forward_config(arch, "bfloat16", 64, 128, **base),
+                "head_dim_v": dispatch.forward_config(arch, "bfloat16", 128, 64, **base)}
+    for flag in FORWARD_FLAGS:
+        flags = dict(base, **{flag: True}, **({"varlen": True} if flag == "has_seqused_k" else {}))
+        variants[flag] = dispatch.forward_config(arch, "bfloat16", 128, 128, **flags)
+    keys = {name: c.key() for name, c in variants.items()}
+    assert cfg.key() not in keys.values()
+    assert len(set(keys.values())) == len(keys), keys
 
 
 def test_forward_config_stores_o_by_tma_for_batched_inputs_in_16_column_tiles():

@@ -360,6 +360,39 @@ def test_eager_calls_do_not_import_dynamo():
 # ---- autograd ----
 
 
+def dq_accum_positions(cfg, q: torch.Tensor, cu_q) -> torch.Tensor:
+    """Where each dQ element (q's shape) sits in the flattened dq_accum, written out here from the
+    layout sm90/dq_accum.py documents, not through ops._dq_accum_index, so that the stand-in kernels
+    below do not share its mistakes: per head, query block after query block (varlen sequence b
+    from block cu_q[b] // tile_m + b), and inside a block the inverse of DqTiling.block_order."""
+    from flash_attn4.fa4_kernels.sm90.dq_accum import DqTiling
+
+    tile_m, d = cfg.tile_m, cfg.head_dim
+    order = DqTiling(tile_m, d).block_order()
+    where = [0] * len(order)
+    for position, element in enumerate(order):
+        where[element] = position
+    where = torch.tensor(where).view(tile_m, d)  # (row of the block, col) -> position in the block
+    block = tile_m * d
+    index = torch.empty(q.shape, dtype=torch.long)
+    if cu_q is None:
+        batch, sq, hq = q.shape[:3]
+        blocks = -(-sq // tile_m)
+        for b in range(batch):
+            for t in range(sq):
+                for h in range(hq):
+                    index[b, t, h] = ((b * hq + h) * blocks + t // tile_m) * block + where[t % tile_m]
+        return index
+    cu = [int(x) for x in cu_q]
+    hq, blocks = q.shape[1], q.shape[0] // tile_m + len(cu) - 1
+    for b in range(len(cu) - 1):
+        for t in range(cu[b + 1] - cu[b]):
+            for h in range(hq):
+                first = h * blocks + cu[b] // tile_m + b
+                index[cu[b] + t, h] = (first + t // tile_m) * block + where[t % tile_m]
+    return index
+
+
 def torch_backward_kernel(cfg, calls):
     """A stand-in for compile_backward(cfg): same call convention (BackwardConfig docstring) and the
     same math as the kernel, from the inputs the torch layer prepares (LSE in log2 units, rowsum(dout *
@@ -410,7 +443,7 @@ def torch_backward_kernel(cfg, calls):
                 sq = q.shape[1]
                 dq[b], dk[b], dv[b] = one_sequence(q[b], k[b], v[b], dout[b], lse_log2[b, :, :sq], dpsum[b, :, :sq],
                                                    softmax_scale, softcap, window)
-            dq_acc.view(-1).index_add_(0, ops._dq_accum_index(cfg, q, None).flatten(), dq.flatten())
+            dq_acc.view(-1).index_add_(0, dq_accum_positions(cfg, q, None).flatten(), dq.flatten())
             return
         assert max_seqlen_k >= int((cu_k[1:] - cu_k[:-1]).max())
         for b in range(cu_q.shape[0] - 1):
@@ -428,7 +461,7 @@ def torch_backward_kernel(cfg, calls):
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = one_sequence(q[q0:q1], k[k0:k1], v[k0:k1], dout[q0:q1],
                                                            lse_log2[:, rows], dpsum[:, rows], softmax_scale, softcap,
                                                            window)
-        dq_acc.view(-1).index_add_(0, ops._dq_accum_index(cfg, q, cu_q).flatten(), dq.flatten())
+        dq_acc.view(-1).index_add_(0, dq_accum_positions(cfg, q, cu_q).flatten(), dq.flatten())
 
     return run
 
@@ -793,20 +826,22 @@ def torch_preprocess_kernel(cfg, calls):
     return run
 
 
-def _bwd_without_and_with(monkeypatch, switch: str, calls: list, *args):
-    """ops.bwd(*args) with the ops.py kernel switch off (the stand-in kernel must not be called),
-    then on: (without, with)."""
-    monkeypatch.setattr(ops, switch, False)
-    without = ops.bwd(*args)
-    assert not calls
-    monkeypatch.setattr(ops, switch, True)
-    return without, ops.bwd(*args)
+def _bwd_with_switch(monkeypatch, switch: str, use_kernel: bool, calls: list, *args):
+    """ops.bwd(*args) with the ops.py kernel switch set to ``use_kernel``; the stand-in kernel must be
+    called exactly when it is on."""
+    monkeypatch.setattr(ops, switch, use_kernel)
+    grads = ops.bwd(*args)
+    assert len(calls) == int(use_kernel), f"{switch}={use_kernel}: the kernel ran {len(calls)} times"
+    return grads
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch, varlen):
-    """With ops.PREPROCESS_KERNEL (the default) the rows reach the kernel in its convention (packed
-    inputs as one batch entry) and the gradients do not change."""
+def test_backward_rows_from_the_preprocess_kernel_or_torch_give_the_reference_gradients(cpu_backward, monkeypatch,
+                                                                                        varlen, use_kernel):
+    """ops.PREPROCESS_KERNEL on (the default: the rows reach the kernel in its convention, packed
+    inputs as one batch entry) or off (torch computes them): either way the gradients are those of
+    the float32 reference through autograd."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward_preprocess",
                         lambda cfg, **_: torch_preprocess_kernel(cfg, calls))
@@ -814,15 +849,18 @@ def test_backward_with_the_preprocess_kernel_plumbing(cpu_backward, monkeypatch,
         q, k, v, cu_q, cu_k = rand_varlen(3, 9, 4, 2, 64)
         out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
         args = (cu_q, cu_k, None, 0.125, 0.0, True, -1, 0, int((cu_q[1:] - cu_q[:-1]).max()), -1, False)
+        ref = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     else:
         q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
         out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
         args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
+        ref = {}
     dout = torch.randn_like(out)
-    want, got = _bwd_without_and_with(monkeypatch, "PREPROCESS_KERNEL", calls, dout, q, k, v, out, lse, *args)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    assert len(calls) == 1 and calls[0].head_dim_v == 64 and calls[0].dtype == "bfloat16"
+    got = _bwd_with_switch(monkeypatch, "PREPROCESS_KERNEL", use_kernel, calls, dout, q, k, v, out, lse, *args)
+    want = _reference_grads((q, k, v, None), dout, causal=True, softmax_scale=0.125, **ref)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    assert all(c.head_dim_v == 64 and c.dtype == "bfloat16" for c in calls)
 
 
 def torch_postprocess_kernel(cfg, calls):
@@ -835,7 +873,7 @@ def torch_postprocess_kernel(cfg, calls):
         assert dq_accum.dtype == torch.float32 and dq.dtype == {"bfloat16": torch.bfloat16,
                                                                 "float16": torch.float16}[cfg.dtype]
         assert isinstance(softmax_scale, float) and isinstance(max_seqlen_q, int)
-        dq.copy_(dq_accum.view(-1)[ops._dq_accum_index(cfg, dq, cu_seqlens_q)] * softmax_scale)
+        dq.copy_(dq_accum.view(-1)[dq_accum_positions(cfg, dq, cu_seqlens_q)] * softmax_scale)
 
     return run
 
@@ -874,21 +912,40 @@ def test_dq_accum_index_places_every_element_of_dq_once_inside_its_query_block(t
         assert (index // block == ((b * hq + h) * blocks + t // tile_m)[..., None]).all()
 
 
-def test_backward_with_the_postprocess_kernel_plumbing(cpu_backward, monkeypatch):
-    """With ops.POSTPROCESS_KERNEL (the default), dQ comes from the kernel in its convention and does
-    not change."""
+@pytest.mark.parametrize("tile_m,head_dim", [(128, 64), (80, 128), (64, 48), (64, 256)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dq_accum_index_matches_the_layout_written_out_by_hand(tile_m, head_dim, varlen):
+    """ops._dq_accum_index (vectorised; what the torch fallback reorders dQ by) places every element
+    where dq_accum_positions (loops over the documented layout) does."""
+    cfg = BackwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=head_dim, head_dim_v=head_dim, tile_m=tile_m,
+                         varlen=varlen, **({"split_head_dim": True, "tile_n": 64} if head_dim in (48, 256) else {}))
+    if varlen:
+        cu = torch.tensor([0, tile_m + 5, tile_m + 5, 3 * tile_m + 5, 3 * tile_m + 12], dtype=torch.int32)
+        q = torch.empty(int(cu[-1]), 3, head_dim)
+    else:
+        cu, q = None, torch.empty(2, 2 * tile_m + 3, 3, head_dim)
+    assert torch.equal(ops._dq_accum_index(cfg, q, cu), dq_accum_positions(cfg, q, cu))
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_dq_from_the_postprocess_kernel_or_torch_gives_the_reference_gradient(cpu_backward, monkeypatch, use_kernel):
+    """ops.POSTPROCESS_KERNEL on (the default: dQ comes from the kernel in its convention, scaled once
+    by softmax_scale) or off (torch reorders the accumulator): either way dQ is the float32
+    reference's through autograd, at a softmax_scale other than the default."""
     calls = []
     monkeypatch.setattr(compile_cache, "_compile_backward_postprocess",
                         lambda cfg, **_: torch_postprocess_kernel(cfg, calls))
     q, k, v = rand_qkv(2, 9, 13, 4, 2, 64)
-    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    scale = float(torch.empty(()).uniform_(0.05, 0.3))
+    out, lse = flash_attn_func(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
     dout = torch.randn_like(out)
-    args = (None, None, None, 0.125, 0.0, True, -1, 0, 9, 13, False)
-    want, got = _bwd_without_and_with(monkeypatch, "POSTPROCESS_KERNEL", calls, dout, q, k, v, out, lse, *args)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert len(calls) == 1 and calls[0].dtype == "bfloat16" and calls[0].head_dim == 64
-
+    args = (None, None, None, scale, 0.0, True, -1, 0, 9, 13, False)
+    dq, dk, dv = _bwd_with_switch(monkeypatch, "POSTPROCESS_KERNEL", use_kernel, calls, dout, q, k, v, out, lse, *args)
+    want = _reference_grads((q, k, v, None), dout, causal=True, softmax_scale=scale)
+    for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert g.dtype == BF16 and g.shape == w.shape
+        torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    assert all(c.dtype == "bfloat16" and c.head_dim == 64 for c in calls)
 
 
 def test_inference_calls_skip_the_dispatcher_and_training_calls_do_not(cpu_kernel, monkeypatch):

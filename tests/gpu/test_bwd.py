@@ -16,10 +16,13 @@ Before each backward the caching allocator is handed NaN-filled blocks of the gr
 instead of passing on zeros or a previous run's correct values (best effort: the allocator is not
 obliged to hand the same blocks back).
 
-What the backward supports (head dims that are multiples of 8 up to 256, equal or not; bf16/fp16,
-causal, local windows, GQA/MQA, softcap, learnable_sink, varlen with seqused_k, sq != sk,
-deterministic) must pass; what it does not (a gradient through the returned lse) must raise
-NotImplementedError mentioning "backward" when .backward() runs, after a forward that works.
+What the backward supports (head dims that are multiples of 8 from 16 to 256, equal or not;
+bf16/fp16, causal, local windows, GQA/MQA, softcap, learnable_sink, varlen with seqused_k, sq != sk,
+deterministic, gradients through the returned lse) must pass: a NotImplementedError is a failure.
+What it refuses is listed in tests/unsupported.py (backward_refusals; tests/cpu/test_unsupported.py
+keeps the list equal to the code): on a GPU without a backward kernel every test here is skipped by
+tests/conftest.py, and test_inference_only_inputs_refuse_the_backward checks the listed refusals of
+forward-only inputs (seqused_q, a paged KV cache).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 
 from flash_attn4 import flash_attn_func, flash_attn_varlen_func, ops
 from tests.gpu.helpers import DEVICE, HEADS, rand, random_lengths, seed_from_urandom
-from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
+from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff, random_pages
+from tests.unsupported import backward_refusals, refusal_pattern
 
 pytestmark = [pytest.mark.gpu, pytest.mark.backward]
 
@@ -644,3 +648,28 @@ def test_varlen_gradients_through_the_returned_lse(seed):
     ref = lse_loss_grads(None, q, k, v, dout, dlse, upcast=True, **kwargs)
     pt = lse_loss_grads(None, q, k, v, dout, dlse, upcast=False, **kwargs)
     assert_grads_close(got, ref, pt, "varlen lse loss: ")
+
+
+@pytest.mark.parametrize("inference_only", ["seqused_q", "paged"])
+def test_inference_only_inputs_refuse_the_backward(seed, inference_only):
+    """Inputs that require grad with seqused_q or a page table: the listed NotImplementedError (the
+    forward raises it before it runs), never a wrong gradient."""
+    from flash_attn4 import dispatch
+
+    pattern = refusal_pattern(backward_refusals(dispatch.arch_for_device(torch.device(DEVICE)),
+                                                **{inference_only: True}))
+    lens = [37, 90]
+    cu = torch.tensor([0, 37, 127], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = leaf(rand(127, 4, 128))
+    if inference_only == "paged":
+        table, num_pages = random_pages(lens, 64)
+        k, v = leaf(rand(num_pages, 64, 2, 128)), leaf(rand(num_pages, 64, 2, 128))
+        kwargs = dict(page_table=table.to(DEVICE), seqused_k=used)
+        cu_k = None
+    else:
+        k, v = leaf(rand(127, 2, 128)), leaf(rand(127, 2, 128))
+        kwargs, cu_k = dict(seqused_q=used), cu
+    with pytest.raises(NotImplementedError, match=pattern):
+        out = flash_attn_varlen_func(q, k, v, cu, cu_k, max_seqlen_q=90, causal=True, **kwargs)
+        out.float().sum().backward()

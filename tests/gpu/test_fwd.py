@@ -5,9 +5,12 @@ Outputs are poisoned: the op's test hook (ops._poison_outputs_for_tests) fills o
 +inf right after allocation, so an element the kernel forgets to write fails the test instead of passing
 on whatever torch.empty returned. Inputs are fresh random tensors; the seed is printed for reruns.
 
-Core features (dense, causal, GQA/MQA, varlen, fp16/bf16, all head dims) must pass. Optional features
-(local windows, softcap, sinks, seqused_k, head_dim_v != head_dim) xfail with the kernel's own
-NotImplementedError message until the kernel supports them; any other failure is a failure.
+Every feature these tests call (dense, causal, local windows, softcap, sinks, GQA/MQA and its packing,
+varlen, seqused_k, fp16/bf16, head dims 64-256, equal or not) must pass on every arch the suite runs on:
+none of them is in tests/unsupported.py, the explicit list of what the library refuses with
+NotImplementedError (tests/cpu/test_unsupported.py keeps that list equal to what the code raises), so a
+NotImplementedError here is a failure. test_listed_refusals runs the listed combinations on this GPU:
+each must be refused with its listed reason where the list says so for this arch, and run elsewhere.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 
 from flash_attn4 import compile_cache, flash_attn_func, flash_attn_varlen_func, ops
 from tests.gpu.helpers import DEVICE, HEADS, rand, random_lengths, seed_from_urandom
-from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
+from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff, random_pages, unpage
+from tests.unsupported import forward_refusals, refusal_pattern
 
 pytestmark = pytest.mark.gpu
 
@@ -32,14 +36,6 @@ def poison_outputs(monkeypatch):
 @pytest.fixture
 def seed():
     return seed_from_urandom()
-
-
-def optional_feature(feature, fn):
-    """Run fn; a NotImplementedError from the library (the kernel lacks ``feature``) is an xfail."""
-    try:
-        return fn()
-    except NotImplementedError as e:
-        pytest.xfail(f"{feature} not supported by the kernel yet: {e}")
 
 
 def check(out, lse, q, k, v, *, atol=None, lse_atol=2e-3, **ref_kwargs):
@@ -360,29 +356,26 @@ def test_strided_inputs(seed):
 
 def test_head_dim_v_differs(seed):
     q, k, v = rand(2, 129, 4, 192), rand(2, 211, 2, 192), rand(2, 211, 2, 128)
-    out, lse = optional_feature("head_dim_v != head_dim",
-                                lambda: flash_attn_func(q, k, v, causal=True, return_lse=True))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert out.shape == (2, 129, 4, 128)
     check(out, lse, q, k, v, causal=True)
 
 
-# ---- optional features ----
+# ---- masks and score options ----
 
 
 @pytest.mark.parametrize("window", [(32, 0), (17, 5), (-1, 9), (0, 0), (64, -1)])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (256, 256), (203, 113)])
 def test_local_window(seed, window, sq, sk):
     q, k, v = rand(2, sq, 4, 128), rand(2, sk, 2, 128), rand(2, sk, 2, 128)
-    out, lse = optional_feature("local window", lambda: flash_attn_func(q, k, v, window_size=window,
-                                                                        return_lse=True))
+    out, lse = flash_attn_func(q, k, v, window_size=window, return_lse=True)
     check(out, lse, q, k, v, window_size=window)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_softcap(seed, causal):
     q, k, v = rand(2, 173, 4, 128, scale=4.0), rand(2, 190, 2, 128), rand(2, 190, 2, 128)
-    out, lse = optional_feature("softcap", lambda: flash_attn_func(q, k, v, causal=causal, softcap=15.0,
-                                                                   return_lse=True))
+    out, lse = flash_attn_func(q, k, v, causal=causal, softcap=15.0, return_lse=True)
     # tanh is typically evaluated approximately in hardware (rel. error ~5e-4): scores move by up to
     # softcap * 5e-4, so lse gets a matching allowance
     check(out, lse, q, k, v, causal=causal, softcap=15.0, lse_atol=15.0 * 1e-3)
@@ -393,8 +386,7 @@ def test_softcap(seed, causal):
 def test_learnable_sink(seed, causal, sink_dtype):
     q, k, v = rand(2, 150, 8, 64), rand(2, 150, 2, 64), rand(2, 150, 2, 64)
     sink = (torch.randn(8, device=DEVICE) * 2).to(sink_dtype)
-    out, lse = optional_feature("learnable_sink", lambda: flash_attn_func(q, k, v, causal=causal,
-                                                                          learnable_sink=sink, return_lse=True))
+    out, lse = flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, return_lse=True)
     check(out, lse, q, k, v, causal=causal, learnable_sink=sink.float())
 
 
@@ -445,8 +437,8 @@ def test_varlen_seqused_k(seed):
     lens_q, lens_k = [70, 0, 200, 33], [90, 12, 150, 40]
     q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, 128)
     used = torch.tensor([int(torch.randint(0, n + 1, ())) for n in lens_k], dtype=torch.int32, device=DEVICE)
-    out, lse = optional_feature("seqused_k", lambda: flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max_seqlen_q=200, seqused_k=used, causal=True, return_lse=True))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=200, seqused_k=used, causal=True,
+                                      return_lse=True)
     check(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used)
 
 
@@ -505,3 +497,54 @@ def test_new_lengths_do_not_recompile(seed):
     after = compile_cache.stats()
     assert after["compiled"] == before["compiled"], (before, after)
     assert after["disk_hits"] == before["disk_hits"], (before, after)
+
+
+# ---- what tests/unsupported.py lists as refused ----
+
+
+def _listed_problem(case: str):
+    """(problem for forward_refusals, call, reference kwargs) of a combination the list names: the
+    call runs it on random inputs; where it runs, its result is compared with the reference."""
+    hq, hk = HEADS["gqa"]
+    if case in ("head_dim_8", "head_dim_v_8", "num_splits_3"):
+        d, dv = {"head_dim_8": (8, 8), "head_dim_v_8": (64, 8), "num_splits_3": (128, 128)}[case]
+        q, k, v = rand(2, 70, hq, d), rand(2, 900, hk, d), rand(2, 900, hk, dv)
+        splits = 3 if case == "num_splits_3" else 1
+        return (dict(head_dim=d, head_dim_v=dv, num_splits=splits),
+                lambda: flash_attn_func(q, k, v, causal=True, num_splits=splits, return_lse=True),
+                dict(q=q, k=k, v=v, causal=True))
+    lens_q, lens_k = [37, 1, 90], [200, 33, 129]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, 128)
+    used_k = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    if case == "seqused_q":  # every query used: the result is plain varlen attention
+        used_q = torch.tensor(lens_q, dtype=torch.int32, device=DEVICE)
+        return (dict(head_dim=128, head_dim_v=128, seqused_q=True),
+                lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=90, seqused_q=used_q, causal=True,
+                                               return_lse=True),
+                dict(q=q, k=k, v=v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    assert case == "paged", case
+    table, num_pages = random_pages(lens_k, 64)
+    table = table.to(DEVICE)
+    k_pages, v_pages = rand(num_pages, 64, hk, 128), rand(num_pages, 64, hk, 128)
+    k_ref, v_ref, cu_ref = unpage(k_pages, v_pages, table, lens_k)
+    return (dict(head_dim=128, head_dim_v=128, paged=True),
+            lambda: flash_attn_varlen_func(q, k_pages, v_pages, cu_q, None, max_seqlen_q=90, seqused_k=used_k,
+                                           page_table=table, causal=True, return_lse=True),
+            dict(q=q, k=k_ref, v=v_ref, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_ref))
+
+
+@pytest.mark.parametrize("case", ["head_dim_8", "head_dim_v_8", "seqused_q", "paged", "num_splits_3"])
+def test_listed_refusals(seed, case):
+    """Each kind of combination tests/unsupported.py lists: refused with its listed reason on the
+    archs the list names, computed correctly on the others."""
+    from flash_attn4 import dispatch
+
+    arch = dispatch.arch_for_device(torch.device(DEVICE))
+    problem, call, ref = _listed_problem(case)
+    pattern = refusal_pattern(forward_refusals(arch, **problem))
+    if pattern is not None:
+        with pytest.raises(NotImplementedError, match=pattern):
+            call()
+        return
+    out, lse = call()
+    check(out, lse, ref.pop("q"), ref.pop("k"), ref.pop("v"), **ref)

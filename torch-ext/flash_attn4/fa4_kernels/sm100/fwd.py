@@ -88,6 +88,7 @@ from .tiles import L2_BUDGET_BYTES, SMEM_BYTES, TILE_M, TILE_N, query_tiles, sha
 
 WARP = 32
 WARPGROUP = 128
+WARPS_PER_GROUP = WARPGROUP // WARP
 TMEM_COLUMNS = 512
 
 
@@ -161,7 +162,8 @@ class FlashAttentionForwardSm100:
         self.registers = REGISTERS[self.q_tiles]
         budget = self.registers
         softmax_groups = budget["softmax"] * self.q_tiles + budget["idle"] * (2 - self.q_tiles)
-        assert softmax_groups + budget["correction"] + budget["other"] == 4 * LAUNCH_REGISTERS
+        warpgroups = NUM_WARPS // WARPS_PER_GROUP
+        assert softmax_groups + budget["correction"] + budget["other"] == warpgroups * LAUNCH_REGISTERS
         # Tensor-memory plan (columns): S_t, then O_t, then P_t over the upper half of S_t.
         self.tmem_s = tuple(t * TILE_N for t in range(self.q_tiles))
         o_width = self.hdim_v_tile
@@ -325,7 +327,8 @@ class FlashAttentionForwardSm100:
         tmem = cutlass.memory.TmemAllocator(
             storage.tmem_address.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=WARP * (1 + 4 * self.q_tiles + 4)),
+                barrier_id=int(Barrier.TMEM_ALLOC),
+                num_threads=WARP * (1 + WARPS_PER_GROUP * self.q_tiles + WARPS_PER_GROUP)),
             allocator_warp_id=int(Warp.CORRECTION))
         pipeline.pipeline_init_arrive(is_relaxed=True)
 
@@ -362,11 +365,11 @@ class FlashAttentionForwardSm100:
             self.correction(tmem_ptr, tmem_layouts, pipes, row_stats, self.split_slice(mO, split), tile)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE), num_threads=WARPGROUP).arrive_and_wait()
             tmem.free(tmem_ptr)
-        elif warp < Warp.SOFTMAX0 + 4 * self.q_tiles:
+        elif warp < Warp.SOFTMAX0 + WARPS_PER_GROUP * self.q_tiles:
             set_registers(self.registers["softmax"])
             tile, split = self.output_tile(*tile_args)
             tmem.wait_for_alloc()
-            self.softmax(tmem.retrieve_ptr(Float32), warp // 4, tmem_layouts, pipes, row_stats,
+            self.softmax(tmem.retrieve_ptr(Float32), warp // WARPS_PER_GROUP, tmem_layouts, pipes, row_stats,
                          self.split_slice(mLSE, split), mSink, tile, score_prescale, scale_log2)
         elif cutlass.const_expr(self.q_tiles == 1):  # the second softmax warpgroup: idle
             set_registers(self.registers["idle"])

@@ -50,6 +50,8 @@ the TMA that loads them requires.
 
 from __future__ import annotations
 
+import enum
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,16 +77,31 @@ from ..tile_work import QueryBlocks, TileWork
 from .dq_accum import ROW, DqTiling, dq_tiled_mma, part_tile, register_order
 from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy
 from .tiles import L2_BUDGET_BYTES
-from .wgmma import WARPGROUP_THREADS, smem_layout, warpgroup_index, warpgroup_slice_thread, wgmma
+from .wgmma import WARPGROUP_THREADS, WGMMA_M, WarpGroup, smem_layout, warpgroup_index, warpgroup_slice_thread, wgmma
 
 NUM_CONSUMER_WARPGROUPS = 2
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
-# Named barriers (0 is __syncthreads): the consumers' shared dS tile; then, per consumer
-# warpgroup, "its dQ part is staged" and "the writer warp has read it".
-DS_BARRIER = 1
-DQ_FULL_FIRST = 2
-DQ_EMPTY_FIRST = DQ_FULL_FIRST + NUM_CONSUMER_WARPGROUPS
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads). The *_FIRST ids are per consumer warpgroup: FIRST + w
+    for consumer w's part of dQ."""
+
+    DS = 1  # the consumers' shared dS tile
+    DQ_FULL_FIRST = 2  # consumer w's dQ part is staged in shared memory
+    DQ_EMPTY_FIRST = DQ_FULL_FIRST + NUM_CONSUMER_WARPGROUPS  # the writer warp has read it
+
+
+class Warp(enum.IntEnum):
+    """Warps of the producer warpgroup (warp index in the CTA); its other two warps are idle."""
+
+    LOAD = 0  # TMA loads of K, V, then Q, dO, LSE and rowsum per query block
+    DQ_WRITER = 1  # TMA reduce-adds of the staged dQ parts into dq_accum
+
+
+# A dQ part changes hands between its consumer warpgroup and the writer warp: both count.
+DQ_HANDSHAKE_THREADS = WARPGROUP_THREADS + cute.arch.WARP_SIZE
 
 
 class FlashAttentionBackwardSm90:
@@ -156,20 +173,20 @@ class FlashAttentionBackwardSm90:
             # S^T = K Q^T and dP^T = V dO^T: keys are the M mode, one 64-key atom per consumer warpgroup.
             tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, K_major, Float32,
-                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, self.tile_m))
+                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(WGMMA_M, self.tile_m))
             # dK += dS^T Q and dV += P^T dO: A from registers, B = Q / dO read N-major.
             tiled_mma_dk = tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, MN_major, Float32,
-                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+                atom_layout_mnk=(wgs, 1, 1), tiler_mn=(WGMMA_M, d), a_source=warpgroup.OperandSource.RMEM)
         else:
             # One 64-key tile for both warpgroups: S^T and dP^T split by query halves; dK and dV by
             # head-dim halves, A = dS^T / P^T from shared memory (all queries), B = Q / dO N-major.
             tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, K_major, Float32,
-                atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, self.tile_m // wgs))
+                atom_layout_mnk=(1, wgs, 1), tiler_mn=(WGMMA_M, self.tile_m // wgs))
             tiled_mma_dk, tiled_mma_dv = [sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_major, MN_major, Float32,
-                atom_layout_mnk=(1, wgs, 1), tiler_mn=(64, dim // wgs)) for dim in (d, dv)]
+                atom_layout_mnk=(1, wgs, 1), tiler_mn=(WGMMA_M, dim // wgs)) for dim in (d, dv)]
         # dQ = dS K, one part per warpgroup (__init__); dS is read from its (keys, queries) tile, M-major
         # (N-major as the B operand of dQ^T).
         tiled_mma_dq = dq_tiled_mma(self.dtype, self.dq)
@@ -267,7 +284,7 @@ class FlashAttentionBackwardSm90:
                tiled_mma_dq: cute.TiledMma, scheduler: TileScheduler):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
+        if warp_idx == Warp.LOAD:
             for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_dPsum,
                          tma_atom_dQ):
                 cpasync.prefetch_descriptor(atom)
@@ -310,11 +327,11 @@ class FlashAttentionBackwardSm90:
             work = TileWork(seqlen, mask, blocks, blocks.per_head * qhead_per_kvhead, n_block, head_kv, batch)
 
             warpgroup_idx = warpgroup_index(tidx)
-            if warpgroup_idx == 0:
+            if warpgroup_idx == WarpGroup.PRODUCER:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-                if warp_idx == 1:
+                if warp_idx == Warp.DQ_WRITER:
                     self.write_dq(tma_atom_dQ, smem.dq, mdQacc, mSemaphore, work)
-                if warp_idx == 0:
+                if warp_idx == Warp.LOAD:
                     self.produce(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
                                  tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, smem, pipe_kv, pipe_qdo, work)
             else:
@@ -404,7 +421,7 @@ class FlashAttentionBackwardSm90:
             buffer = step % 2
             cute.copy(store_ds, tdSrdS, tdSsdS[None, None, None, buffer])
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
+            cute.arch.barrier(barrier_id=int(Barrier.DS), number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
             self.dq_gemm(mmas.dq, acc_dQ, tQrdS[None, None, None, buffer], tQrKt)
             # dK after dQ: dQ's staging for the writer warp runs while dK's GEMM does.
@@ -455,11 +472,11 @@ class FlashAttentionBackwardSm90:
             self.scores_and_gradients(pipe_qdo, state, mmas.sdp, scores, rP, rdS, smem, work, m_block, scales)
 
             # The first barrier: the other warpgroup's GEMMs of the previous block have read sP and sdS.
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=all_consumers)
+            cute.arch.barrier(barrier_id=int(Barrier.DS), number_of_threads=all_consumers)
             tPsP.store(rP.load())
             tdSsdS.store(rdS.load())
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=all_consumers)
+            cute.arch.barrier(barrier_id=int(Barrier.DS), number_of_threads=all_consumers)
             wgmma(mmas.dv, acc_dV, tVrP, tVrdOt[None, None, None, stage], zero_init=False)
             wgmma(mmas.dk, acc_dK, tKrdS, tKrQt[None, None, None, stage], zero_init=False)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
@@ -531,7 +548,7 @@ class FlashAttentionBackwardSm90:
         # would spill, and read them from shared memory as each column needs them.
         sLSE, sdPsum = smem.lse[None, stage], smem.dpsum[None, stage]
         rLSE = None
-        if cutlass.const_expr(self.tile_m == 64):
+        if cutlass.const_expr(self.tile_m == WGMMA_M):
             rLSE = self.per_query(scores.coords, sLSE)
         warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
         # P^T for the first exp_eighths_under_dp of the thread's query columns while dP^T runs; the
@@ -549,7 +566,7 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(convert_p_early):
             rP.store(scores.acc_s.load().to(self.dtype))
         rdPsum = None
-        if cutlass.const_expr(self.tile_m == 64):
+        if cutlass.const_expr(self.tile_m == WGMMA_M):
             rdPsum = self.per_query(scores.coords, sdPsum)
         warpgroup.wait_group(0)  # dP^T is in
         if cutlass.const_expr(under_dp < columns):
@@ -644,11 +661,11 @@ class FlashAttentionBackwardSm90:
         """This warpgroup's part of the KV tile's dQ (unscaled) into its shared-memory buffer, once
         the writer warp has read the previous one, and signalled to the writer warp (write_dq)."""
         part = warpgroup_index(tidx)
-        handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
-        cute.arch.barrier(barrier_id=DQ_EMPTY_FIRST + part, number_of_threads=handshake)
+        handshake = DQ_HANDSHAKE_THREADS
+        cute.arch.barrier(barrier_id=Barrier.DQ_EMPTY_FIRST + part, number_of_threads=handshake)
         tdQsdQ.store(acc_dQ.load())
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL_FIRST + part, number_of_threads=handshake)
+        cute.arch.barrier_arrive(barrier_id=Barrier.DQ_FULL_FIRST + part, number_of_threads=handshake)
 
     @cute.jit
     def write_dq(self, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,
@@ -657,21 +674,21 @@ class FlashAttentionBackwardSm90:
         shared memory (DQ_FULL), one TMA reduce-add of it; the part's buffer is handed back
         (DQ_EMPTY) once the TMA has read it. Both buffers start free. The warp returns only once
         every reduce-add has read shared memory, which keeps the CTA (and sdQ) alive until then."""
-        handshake = WARPGROUP_THREADS + cute.arch.WARP_SIZE
+        handshake = DQ_HANDSHAKE_THREADS
         num_steps = work.num_steps
         if num_steps > 0:  # arrivals match the consumers' waits one for one
             for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + part, number_of_threads=handshake)
+                cute.arch.barrier_arrive(barrier_id=Barrier.DQ_EMPTY_FIRST + part, number_of_threads=handshake)
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
             for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
-                cute.arch.barrier(barrier_id=DQ_FULL_FIRST + part, number_of_threads=handshake)
+                cute.arch.barrier(barrier_id=Barrier.DQ_FULL_FIRST + part, number_of_threads=handshake)
                 self.add_dq(part, tma_atom_dQ, sdQ, mdQacc, mSemaphore, work, head, m_block)
             for part in cutlass.range_constexpr(NUM_CONSUMER_WARPGROUPS):
                 # Bulk groups complete in order: this part's reduce-add has read its buffer.
                 cute.arch.cp_async_bulk_wait_group(NUM_CONSUMER_WARPGROUPS - 1 - part, read=True)
                 if step + 1 < num_steps:  # no consumer waits after the last block
-                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_FIRST + part, number_of_threads=handshake)
+                    cute.arch.barrier_arrive(barrier_id=Barrier.DQ_EMPTY_FIRST + part, number_of_threads=handshake)
 
     @cute.jit
     def add_dq(self, part, tma_atom_dQ: cute.CopyAtom, sdQ: cute.Tensor, mdQacc: cute.Tensor,

@@ -34,6 +34,7 @@ merges them.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -60,19 +61,32 @@ from ..softmax import OnlineSoftmax, exp2_rows, score_scales
 from ..tile_work import OutputTile
 from .fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
 from .tiles import L2_BUDGET_BYTES
-from .wgmma import (WARPGROUP_THREADS, mma_k_multiple, smem_layout, warpgroup_index, warpgroup_slice_thread,
-                    wgmma)
+from .wgmma import (WARPGROUP_THREADS, WGMMA_M, WarpGroup, mma_k_multiple, smem_layout, warpgroup_index,
+                    warpgroup_slice_thread, wgmma)
 
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
 # split over 128 producer threads and 128 threads per consumer warpgroup.
 REGISTERS = {2: (24, 240), 3: (32, 160)}
-# Named barrier 0 is __syncthreads; 1, 2 (and 3) gate the consumer warpgroups' GEMM turns; with
-# tma_store_o, 4, 5 (and 6) hold each warpgroup's TMA store until its O tile is in shared memory,
-# and 7 gathers the consumers before O overwrites Q where it is staged in Q's buffer.
-PINGPONG_BARRIER = 1
-EPILOGUE_BARRIER = 4
-Q_FREE_BARRIER = 7  # tma_store_o with O staged in Q's buffer: every consumer warpgroup is past its GEMMs
+MAX_CONSUMER_WARPGROUPS = max(REGISTERS)
+# The producer warpgroup's warp that issues the TMA loads (and prefetches their descriptors).
+LOAD_WARP = 0
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads). The *_FIRST ids are per consumer warpgroup: FIRST + w
+    for consumer w, one id for each of up to MAX_CONSUMER_WARPGROUPS."""
+
+    PINGPONG_FIRST = 1  # 1, 2 (and 3): consumer w's turn to issue its GEMMs
+    # tma_store_o: 4, 5 (and 6) hold each warpgroup's TMA store until its O tile is in shared memory
+    EPILOGUE_FIRST = PINGPONG_FIRST + MAX_CONSUMER_WARPGROUPS
+    # tma_store_o with O staged in Q's buffer: every consumer warpgroup is past its GEMMs
+    Q_FREE = EPILOGUE_FIRST + MAX_CONSUMER_WARPGROUPS
+
+
+# A GEMM turn is handed from one warpgroup (arriving) to the next (waiting): both count.
+PINGPONG_THREADS = 2 * WARPGROUP_THREADS
 SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
+SMEM_RESERVED_BYTES = 4 * 1024  # beside the tiles: mbarriers, alignment
 
 
 class FlashAttentionForwardSm90:
@@ -92,7 +106,7 @@ class FlashAttentionForwardSm90:
         # O columns that are never stored).
         self.hdim_tile, self.hdim_v_tile = mma_k_multiple(self.hdim), mma_k_multiple(self.hdim_v)
         self.num_stages = cfg.num_stages
-        self.num_consumer_wg = cfg.tile_m // 64
+        self.num_consumer_wg = cfg.tile_m // WGMMA_M
         self.producer_regs, self.consumer_regs = REGISTERS[self.num_consumer_wg]
         self.num_threads = WARPGROUP_THREADS * (1 + self.num_consumer_wg)
 
@@ -161,12 +175,12 @@ class FlashAttentionForwardSm90:
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, self.tile_n),
+            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(WGMMA_M, self.tile_n),
         )
         # P comes from registers; V^T is read N-major straight from V's row-major tile.
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, self.hdim_v_tile),
+            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(WGMMA_M, self.hdim_v_tile),
             a_source=warpgroup.OperandSource.RMEM,
         )
 
@@ -186,14 +200,14 @@ class FlashAttentionForwardSm90:
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_box, (kv_rows, self.hdim_v_tile), 1)
         # tma_store_o: one (64, dv) slab per consumer warpgroup, each its own TMA box, and a
         # one-warpgroup view of the P @ V MMA for the stmatrix copy out of its accumulator.
-        sO_layout = smem_layout(self.dtype, 64, self.hdim_v_tile, self.num_consumer_wg)
+        sO_layout = smem_layout(self.dtype, WGMMA_M, self.hdim_v_tile, self.num_consumer_wg)
         tma_atom_O, tma_O, tiled_mma_o = None, mO, None
         if cutlass.const_expr(cfg.tma_store_o):
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, self.hdim_v_tile))
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (WGMMA_M, self.hdim_v_tile))
             tiled_mma_o = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.hdim_v_tile),
+                Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(WGMMA_M, self.hdim_v_tile),
                 a_source=warpgroup.OperandSource.RMEM)
         # The slabs get shared memory of their own where it fits beside Q, K and V (d <= 192); else
         # they reuse Q's buffer, dead once every consumer warpgroup's last Q K^T has retired
@@ -201,7 +215,7 @@ class FlashAttentionForwardSm90:
         # it cannot lend Q's buffer.
         element_bytes = self.dtype.width // 8
         tile_bytes = sum(cute.cosize(x) for x in (sQ_layout, sK_layout, sV_layout, sO_layout)) * element_bytes
-        self.o_in_q = cfg.tma_store_o and tile_bytes + 4 * 1024 > SMEM_BYTES_PER_BLOCK  # 4 KiB: barriers, alignment
+        self.o_in_q = cfg.tma_store_o and tile_bytes + SMEM_RESERVED_BYTES > SMEM_BYTES_PER_BLOCK
         if cutlass.const_expr(self.o_in_q and cfg.persistent_ctas > 0):
             raise ValueError(f"sm90 forward: tma_store_o at head dims {self.hdim}/{self.hdim_v} stages O in Q's "
                              f"shared memory, which a persistent CTA needs for its next tile's Q")
@@ -266,7 +280,7 @@ class FlashAttentionForwardSm90:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
+        if warp_idx == LOAD_WARP:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
                 cpasync.prefetch_descriptor(atom)
 
@@ -307,9 +321,9 @@ class FlashAttentionForwardSm90:
             # Persistent: CTA i works on tiles i, i + grid, ... of the scheduler's order; the
             # pipelines' states (and the ping-pong turn) carry over from one tile to the next.
             first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
-            if warpgroup_idx == 0:
+            if warpgroup_idx == WarpGroup.PRODUCER:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
+                if warp_idx == LOAD_WARP:
                     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
                     for tile_index in cutlass.range(first, scheduler.num_tiles(), stride, unroll=1):
@@ -318,7 +332,7 @@ class FlashAttentionForwardSm90:
                             q_state, kv_state = self.produce(*loads, smem, pipes, tile, q_state, kv_state)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.gemm_turn_init(warpgroup_idx - 1)
+                self.gemm_turn_init(warpgroup_idx - WarpGroup.FIRST_CONSUMER)
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
                 for tile_index in cutlass.range(first, scheduler.num_tiles(), stride, unroll=1):
@@ -336,9 +350,9 @@ class FlashAttentionForwardSm90:
                                   tma_atom_o=tma_atom_O)
             tile = self.tile_work(m_block, head, batch, *tile_args, splits=splits, split=split)
             if tile.in_sequence():
-                if warpgroup_idx == 0:
+                if warpgroup_idx == WarpGroup.PRODUCER:
                     cute.arch.setmaxregister_decrease(self.producer_regs)
-                    if warp_idx == 0:
+                    if warp_idx == LOAD_WARP:
                         self.produce(*loads, smem, pipes, tile,
                                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -636,18 +650,18 @@ class FlashAttentionForwardSm90:
         return sinks
 
     # ---- ping-pong between the consumer warpgroups ----------------------------------------------
-    # Named barrier PINGPONG_BARRIER + w gates warpgroup w's GEMM issue. A warpgroup waits on its
+    # Named barrier Barrier.PINGPONG_FIRST + w gates warpgroup w's GEMM issue. A warpgroup waits on its
     # own barrier, issues, then arrives on the next one's (cyclically); warpgroup 0 has the first turn.
     @cute.jit
     def gemm_turn_init(self, wg: Int32):
         if cutlass.const_expr(self.cfg.pingpong):
             if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * WARPGROUP_THREADS)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.PINGPONG_FIRST), number_of_threads=PINGPONG_THREADS)
 
     @cute.jit
     def gemm_turn_wait(self, wg: Int32):
         if cutlass.const_expr(self.cfg.pingpong):
-            cute.arch.barrier(barrier_id=PINGPONG_BARRIER + wg, number_of_threads=2 * WARPGROUP_THREADS)
+            cute.arch.barrier(barrier_id=Barrier.PINGPONG_FIRST + wg, number_of_threads=PINGPONG_THREADS)
 
     @cute.jit
     def gemm_turn_pass(self, wg: Int32):
@@ -655,7 +669,7 @@ class FlashAttentionForwardSm90:
             nxt = wg + 1
             if nxt == self.num_consumer_wg:
                 nxt = 0
-            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + nxt, number_of_threads=2 * WARPGROUP_THREADS)
+            cute.arch.barrier_arrive(barrier_id=Barrier.PINGPONG_FIRST + nxt, number_of_threads=PINGPONG_THREADS)
 
     @cute.jit
     def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,
@@ -692,11 +706,12 @@ class FlashAttentionForwardSm90:
         wg = warpgroup_index(tidx)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
             # The slab's previous TMA store has read it (its issuing warp waited for that).
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WARPGROUP_THREADS)
+            cute.arch.barrier(barrier_id=Barrier.EPILOGUE_FIRST + wg, number_of_threads=WARPGROUP_THREADS)
         if cutlass.const_expr(self.o_in_q):
             # The slabs overlay all of Q, not each warpgroup's own rows: every consumer warpgroup's
             # GEMMs must have retired (each waited for them before its epilogue) before any writes.
-            cute.arch.barrier(barrier_id=Q_FREE_BARRIER, number_of_threads=self.num_consumer_wg * WARPGROUP_THREADS)
+            cute.arch.barrier(barrier_id=int(Barrier.Q_FREE),
+                              number_of_threads=self.num_consumer_wg * WARPGROUP_THREADS)
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         o_rows, ro_rows = acc_rows_view(acc_O), acc_rows_view(rO)
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
@@ -708,9 +723,9 @@ class FlashAttentionForwardSm90:
         thr_store = store.get_slice(tidx % WARPGROUP_THREADS)
         cute.copy(store, thr_store.retile(rO), thr_store.partition_D(slab))
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=WARPGROUP_THREADS)
+        cute.arch.barrier(barrier_id=Barrier.EPILOGUE_FIRST + wg, number_of_threads=WARPGROUP_THREADS)
         if cute.arch.make_warp_uniform((tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE) == 0:
-            gO = cute.local_tile(head_rows(mO, Int32(0), head, batch, False), (64, self.hdim_v_tile),
+            gO = cute.local_tile(head_rows(mO, Int32(0), head, batch, False), (WGMMA_M, self.hdim_v_tile),
                                  (m_block * self.num_consumer_wg + wg, 0))
             t_smem, t_gmem = tma_partition_tile(tma_atom_O, slab, gO)
             cute.copy(tma_atom_O, t_smem, t_gmem)

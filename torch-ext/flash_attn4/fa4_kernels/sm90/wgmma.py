@@ -4,6 +4,7 @@ not Hopper's own live in fa4_kernels/layouts.py and pipelines.py.)"""
 
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 import cutlass
@@ -11,6 +12,16 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
 WARPGROUP_THREADS = 128
+# Rows of one WGMMA (its M): the query rows a consumer warpgroup owns in a tile.
+WGMMA_M = 64
+
+
+class WarpGroup(enum.IntEnum):
+    """Warpgroup roles of the sm90 kernels (warpgroup index in the CTA): warpgroup 0 produces (TMA
+    loads; the backward's dQ writer too), the consumers (MMAs, softmax, epilogue) follow it."""
+
+    PRODUCER = 0
+    FIRST_CONSUMER = 1
 
 
 @cute.jit

@@ -1,0 +1,60 @@
+"""What the public functions refuse with NotImplementedError, per compile target: the one explicit list
+the GPU tests consult, so that a feature regressing into "unsupported" fails instead of passing.
+
+Written out by hand from the rules (validate.MIN_HEAD_DIM, each arch's ``check_forward`` in
+fa4_kernels/<arch>/tiles.py, ``FORWARD_SPLIT_KV``, the registry's forward-only families in
+fa4_kernels/arch.py), not computed from them: tests/cpu/test_unsupported.py runs the public
+functions on CPU tensors over a grid of head dims and options for every arch and fails when this
+list and the code disagree in either direction, so the list cannot drift.
+
+Refused today (anything else must run):
+
+- every arch: head_dim or head_dim_v below 16 (valid FlashAttention input, served by no kernel);
+- sm_100a and sm_103a (Blackwell) forward: ``seqused_q``, a paged KV cache (``page_table``) and
+  ``num_splits`` > 1 (no split-KV kernel);
+- sm_100a and sm_103a: the backward pass (the kernels are forward only; tests marked ``backward`` are
+  skipped there by tests/conftest.py for the same reason);
+- every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from flash_attn4.fa4_kernels.arch import Arch
+
+BLACKWELL = (Arch.SM100, Arch.SM103)
+SMALLEST_HEAD_DIM = 16
+
+# Each reason is a regex of the message the library raises (matched with re.search).
+HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
+NO_SEQUSED_Q = r"seqused_q is not implemented yet"
+NO_PAGED_KV = r"a paged KV cache is not implemented yet"
+NO_SPLIT_KV = r"has no split-KV kernel yet"
+NO_BACKWARD = r"backward kernels are not implemented yet"
+# raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)
+NO_INFERENCE_ONLY_BACKWARD = r"no backward (with (page_table|seqused_q)|through a paged KV cache)"
+
+
+def forward_refusals(arch: Arch, *, head_dim: int, head_dim_v: int, seqused_q: bool = False, paged: bool = False,
+                     num_splits: int = 1) -> list[str]:
+    """The reasons (regexes) the forward of a problem is refused on ``arch``; empty when it must run.
+    Several reasons may apply at once; the library raises for one of them."""
+    reasons = []
+    if min(head_dim, head_dim_v) < SMALLEST_HEAD_DIM:
+        reasons.append(HEAD_DIM_TOO_SMALL)
+    if arch in BLACKWELL:
+        reasons += [r for r, on in ((NO_SEQUSED_Q, seqused_q), (NO_PAGED_KV, paged), (NO_SPLIT_KV, num_splits > 1))
+                    if on]
+    return reasons
+
+
+def backward_refusals(arch: Arch, *, seqused_q: bool = False, paged: bool = False) -> list[str]:
+    """The reasons a backward pass is refused on ``arch`` (after a forward that ran)."""
+    reasons = [NO_BACKWARD] if arch in BLACKWELL else []
+    return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])
+
+
+def refusal_pattern(reasons: list[str]) -> Optional[str]:
+    """One regex that any of ``reasons`` matches, or None when there is none."""
+    return "|".join(f"(?:{r})" for r in reasons) or None
