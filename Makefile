@@ -3,7 +3,7 @@ PYTHON ?= python
 ARCH ?= sm_90a
 BUILD_DIR ?= build
 
-.PHONY: help setup build compile sass-report test test-gpu fuzz fuzz-gpu sanitize demo bench bench-decode clean
+.PHONY: help setup build aot compile sass-report test test-gpu fuzz fuzz-gpu sanitize demo bench bench-decode clean
 
 # A bare `make` lists the targets and does nothing else (installing is `make setup`, asked for by name).
 .DEFAULT_GOAL := help
@@ -22,9 +22,18 @@ setup: ## install torch (TORCH=...; TORCH= keeps yours), then this package edita
 	$(if $(TORCH),$(PYTHON) -m pip install "$(TORCH)")
 	$(PYTHON) -m pip install -e ".[dev]"
 
-# The Hub tree: $(BUILD_DIR)/torch-cuda/ (module files, generated _ops.py, metadata.json).
-build: ## the Hub tree in build/torch-cuda/ (BUILD_DIR=...)
-	$(PYTHON) scripts/build_hub.py --build-dir $(BUILD_DIR)
+# The Hub tree: $(BUILD_DIR)/torch-cuda/ (module files, generated _ops.py, metadata.json) with the
+# precompiled kernels of `make aot` as flash_attn4/aot/. AOT= builds the tree without them.
+AOT ?= 1
+build: $(if $(AOT),aot) ## the Hub tree in build/torch-cuda/ with the AOT kernels (BUILD_DIR=..., AOT= skips them)
+	$(PYTHON) scripts/build_hub.py --build-dir $(BUILD_DIR) $(if $(AOT),--aot-dir $(BUILD_DIR)/aot)
+
+# The precompiled kernel set (docs/AOT.md), cross-compiled on the CPU with AOT_JOBS processes.
+AOT_ARCHS ?= sm_90a sm_100a
+AOT_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+aot: ## precompile the shipped kernel set into build/aot/ (AOT_ARCHS="sm_90a sm_100a", AOT_JOBS=N)
+	rm -rf $(BUILD_DIR)/aot
+	$(PYTHON) scripts/build_aot.py --out $(BUILD_DIR)/aot -j $(AOT_JOBS) $(foreach a,$(AOT_ARCHS),--arch $(a))
 
 # Compile the kernel set for ARCH without a GPU; an arch without kernels is an error. The module is
 # run as flash_attn4.fa4_kernels.compile from torch-ext/ (this tree's, not an installed copy),

@@ -9,6 +9,9 @@ For every backend in build.toml's [general] backends, this writes build/torch-<b
 - a generated _ops.py in place of the development one: the torch.ops namespace
   ``_<module>_<backend>_<unique id>`` and ``add_op_namespace_prefix``, so that several builds can
   register their ops in one process;
+- with ``--aot-dir DIR`` (scripts/build_aot.py's output), the precompiled kernels as <module>/aot/:
+  DIR's manifest and the one fingerprint folder it names, which must be the fingerprint of the
+  kernel sources being shipped (a stale set is an error, never shipped);
 - metadata.json as kernels reads it (name, id, version, license, python-depends, kernel-depends,
   backend {type, archs}, and a sha256 digest of the variant's files).
 
@@ -16,7 +19,7 @@ The unique id is the first 7 hex digits of HEAD's git tree id ("_dirty" appended
 have changes), as kernel-builder derives it: the same source gives the same id whatever commit
 carries it. Outside a git checkout it is random.
 
-Usage: python scripts/build_hub.py [--build-dir DIR] [--unique-id ID]
+Usage: python scripts/build_hub.py [--build-dir DIR] [--unique-id ID] [--aot-dir DIR]
 """
 
 from __future__ import annotations
@@ -174,7 +177,37 @@ def metadata(config: dict, backend: str, ops_id: str, variant_dir: Path) -> dict
     return meta
 
 
-def build_variant(root: Path, config: dict, backend: str, build_dir: Path, uid: str) -> Path:
+def copy_aot(aot_dir: Path, variant_dir: Path) -> int:
+    """Copy the precompiled set into variant_dir/aot; returns its size in bytes. The manifest's
+    fingerprint must be the shipped sources' (what the package computes at run time)."""
+    manifest_path = aot_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise BuildError(f"--aot-dir {aot_dir}: no manifest.json (build it with scripts/build_aot.py --out {aot_dir})")
+    manifest = json.loads(manifest_path.read_text())
+    sys.path.insert(0, str(REPO_ROOT / "torch-ext"))
+    from flash_attn4.compile_cache import source_fingerprint  # the rule the package applies
+
+    shipped = source_fingerprint(variant_dir / "fa4_kernels")
+    if manifest["fingerprint"] != shipped:
+        raise BuildError(f"--aot-dir {aot_dir} was built from other kernel sources or DSL version (fingerprint "
+                         f"{manifest['fingerprint']}, these sources: {shipped}); rebuild it (make aot)")
+    dest = variant_dir / "aot"
+    dest.mkdir()
+    shutil.copyfile(manifest_path, dest / "manifest.json")
+    (dest / shipped).mkdir()
+    size = 0
+    for entry in manifest["entries"]:
+        for name in (entry["file"], Path(entry["file"]).with_suffix(".json").name):
+            src = aot_dir / shipped / name
+            if not src.is_file():
+                raise BuildError(f"--aot-dir {aot_dir}: the manifest lists {name}, which is missing")
+            shutil.copyfile(src, dest / shipped / name)
+            size += src.stat().st_size
+    return size
+
+
+def build_variant(root: Path, config: dict, backend: str, build_dir: Path, uid: str,
+                  aot_dir: Path | None = None) -> Path:
     module = module_name(config)
     module_dir = root / "torch-ext" / module
     if not (module_dir / "__init__.py").is_file():
@@ -194,13 +227,17 @@ def build_variant(root: Path, config: dict, backend: str, build_dir: Path, uid: 
         shutil.copyfile(src, dest)
 
     (variant_dir / "_ops.py").write_text(OPS_PY.format(module=module, unique_id=uid))
+    if aot_dir is not None and backend == "cuda":
+        size = copy_aot(aot_dir, variant_dir)
+        print(f"build_hub: {size / 2**20:.1f} MiB of precompiled kernels in {variant_dir / 'aot'}", file=sys.stderr)
     ops_id = f"_{module}_{backend}_{uid}"
     meta = metadata(config, backend, ops_id, variant_dir)
     (variant_dir / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     return variant_dir
 
 
-def build(root: Path = REPO_ROOT, build_dir: Path | None = None, uid: str | None = None) -> list[Path]:
+def build(root: Path = REPO_ROOT, build_dir: Path | None = None, uid: str | None = None,
+          aot_dir: Path | None = None) -> list[Path]:
     config = load_config(root)
     general = config["general"]
     if general.get("edition") != 5 or "torch-noarch" not in config:
@@ -209,16 +246,18 @@ def build(root: Path = REPO_ROOT, build_dir: Path | None = None, uid: str | None
         raise BuildError("kernel-depends is not supported by this build script")
     build_dir = build_dir if build_dir is not None else root / "build"
     uid = uid or unique_id(root)
-    return [build_variant(root, config, b, build_dir, uid) for b in config["general"]["backends"]]
+    return [build_variant(root, config, b, build_dir, uid, aot_dir) for b in config["general"]["backends"]]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build-dir", type=Path, default=None, help="output directory (default: build/)")
     parser.add_argument("--unique-id", default=None, help="op namespace suffix (default: the git tree id)")
+    parser.add_argument("--aot-dir", type=Path, default=None,
+                        help="ship this precompiled kernel set (scripts/build_aot.py --out) as <module>/aot")
     args = parser.parse_args(argv)
     try:
-        variants = build(REPO_ROOT, args.build_dir, args.unique_id)
+        variants = build(REPO_ROOT, args.build_dir, args.unique_id, args.aot_dir)
     except BuildError as e:
         print(f"build_hub: {e}", file=sys.stderr)
         return 1

@@ -74,11 +74,12 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def hub_build(tmp_path_factory) -> Path:
-    """Folder holding ``build/torch-cuda/``, made by ``make build`` (so the Makefile is exercised too)."""
+    """Folder holding ``build/torch-cuda/``, made by ``make build AOT=`` (so the Makefile is exercised too;
+    without the precompiled kernels, minutes of compiling that tests/cpu/test_aot.py covers on a small set)."""
     root = tmp_path_factory.mktemp("hub")
     build_dir = root / "build"
     done = subprocess.run(
-        ["make", "-s", "-C", str(REPO_ROOT), "build", f"BUILD_DIR={build_dir}", f"PYTHON={sys.executable}"],
+        ["make", "-s", "-C", str(REPO_ROOT), "build", "AOT=", f"BUILD_DIR={build_dir}", f"PYTHON={sys.executable}"],
         capture_output=True,
         text=True,
     )

@@ -98,8 +98,8 @@ def test_disk_round_trip(cache_dir):
     fn2 = compile_cache.get_kernel("t", cfg, counting_compiler(log))
     assert fn2() == "loaded:" + cfg.name
     assert len(log) == 1
-    assert compile_cache.stats() == {"compiled": 0, "memory_hits": 0, "disk_hits": 1, "disk_writes": 0,
-                                     "disk_errors": 0}
+    assert compile_cache.stats() == {"compiled": 0, "memory_hits": 0, "aot_hits": 0, "aot_errors": 0,
+                                     "disk_hits": 1, "disk_writes": 0, "disk_errors": 0}
 
 
 def test_entry_path_depends_on_kind_key_and_fingerprint(cache_dir):

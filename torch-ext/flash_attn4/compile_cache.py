@@ -1,7 +1,8 @@
 """Compiled kernels: an in-process dict in front of a persistent on-disk cache.
 
-Lookup order for a ForwardConfig: memory (keyed by ``cfg.key()``, which contains the arch) -> disk ->
-compile. The disk cache is on by default; settings.py documents the folder and the switch.
+Lookup order for a ForwardConfig: memory (keyed by ``cfg.key()``, which contains the arch) -> the
+precompiled set shipped with the package (read-only, ``aot``; same fingerprint rule) -> disk ->
+compile. The disk cache is on by default; settings.py documents the folders and the switches.
 
 Disk format. CuTe DSL's TVM-FFI compiled function can ``export_to_c(path.o, function_name=...)``: a
 relocatable object holding the host launcher and the embedded device code. ``cutlass.runtime.load_module
@@ -283,6 +284,9 @@ def get_kernel(kind: str, cfg, compile_fn: Callable):
 
 def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
     log = settings.get_logger()
+    fn = _load_shipped(kind, key)
+    if fn is not None:
+        return fn
     if not settings.disk_cache_enabled() or _disk_failed:
         return _timed_compile(kind, cfg, compile_fn)
     try:
@@ -311,6 +315,27 @@ def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
                     with contextlib.suppress(OSError):
                         stale.unlink()
         return _compile_to_disk(kind, cfg, key, compile_fn, path)
+
+
+def _load_shipped(kind: str, key: tuple):
+    """The kernel from the shipped precompiled set (aot.py), or None: not shipped, switched off,
+    built from other sources, or not loadable (then the disk cache or a compile takes over)."""
+    from . import aot
+
+    try:
+        path = aot.shipped_entry(kind, key, entry_path(kind, key).name, source_fingerprint())
+    except OSError:
+        return None
+    if path is None:
+        return None
+    try:
+        fn = _load(path)
+    except Exception as e:  # read-only: never removed, only passed over
+        _stats["aot_errors"] += 1
+        settings.get_logger().warning("could not load shipped kernel %s (%s: %s)", path, type(e).__name__, e)
+        return None
+    _stats["aot_hits"] += 1
+    return fn
 
 
 def _compile_to_disk(kind: str, cfg, key: tuple, compile_fn: Callable, path: Path):
@@ -362,8 +387,10 @@ def get_forward_kernel(cfg: ForwardConfig):
 
 
 def stats() -> dict:
-    """Counters since start (or the last clear): compiled, memory_hits, disk_hits, disk_writes, disk_errors."""
-    return {k: _stats[k] for k in ("compiled", "memory_hits", "disk_hits", "disk_writes", "disk_errors")}
+    """Counters since start (or the last clear): compiled, memory_hits, aot_hits, aot_errors, disk_hits,
+    disk_writes, disk_errors."""
+    return {k: _stats[k] for k in ("compiled", "memory_hits", "aot_hits", "aot_errors", "disk_hits", "disk_writes",
+                                   "disk_errors")}
 
 
 def clear(memory: bool = True, counters: bool = True) -> None:

@@ -10,6 +10,11 @@ variable                            default    effect
                                                flash_attn4``, or ``~/.cache/flash_attn4`` without XDG_CACHE_HOME
 ``FLASH_ATTN4_DISABLE_DISK_CACHE``  ``0``      ``1``/``true``/``yes``/``on``: never read or write compiled
                                                kernels on disk (the in-process cache stays on)
+``FLASH_ATTN4_DISABLE_AOT``         ``0``      ``1``/``true``/``yes``/``on``: ignore the kernels shipped
+                                               precompiled with the package (``aot``); lookups go memory
+                                               -> disk cache -> compile
+``FLASH_ATTN4_AOT_DIR``             (unset)    folder of the precompiled kernel set (``scripts/build_aot.py
+                                               --out``); unset: the ``aot`` folder inside the package
 ``FLASH_ATTN4_CHECK_CU_SEQLENS``    ``0``      ``1``: check the *values* of cu_seqlens (start at 0,
                                                non-decreasing, end at the total) and seqused_k (within
                                                range) on every varlen call, and flash_attn_with_kvcache's
@@ -49,12 +54,14 @@ LOGGER_NAME = "flash_attn4"
 
 CACHE_DIR = "FLASH_ATTN4_CACHE_DIR"
 DISABLE_DISK_CACHE = "FLASH_ATTN4_DISABLE_DISK_CACHE"
+DISABLE_AOT = "FLASH_ATTN4_DISABLE_AOT"
+AOT_DIR = "FLASH_ATTN4_AOT_DIR"
 CHECK_CU_SEQLENS = "FLASH_ATTN4_CHECK_CU_SEQLENS"
 LOG_LEVEL = "FLASH_ATTN4_LOG_LEVEL"
 SLOW_COMPILE_S = "FLASH_ATTN4_SLOW_COMPILE_S"
 SELF_CHECK = "FLASH_ATTN4_SELF_CHECK"
 
-ALL = (CACHE_DIR, DISABLE_DISK_CACHE, CHECK_CU_SEQLENS, LOG_LEVEL, SLOW_COMPILE_S, SELF_CHECK)
+ALL = (CACHE_DIR, DISABLE_DISK_CACHE, DISABLE_AOT, AOT_DIR, CHECK_CU_SEQLENS, LOG_LEVEL, SLOW_COMPILE_S, SELF_CHECK)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -81,6 +88,16 @@ def cache_dir() -> Path:
 
 def disk_cache_enabled() -> bool:
     return not _flag(DISABLE_DISK_CACHE)
+
+
+def aot_disabled() -> bool:
+    return _flag(DISABLE_AOT)
+
+
+def aot_dir() -> Path | None:
+    """FLASH_ATTN4_AOT_DIR, or None for the package's own shipped set."""
+    explicit = os.environ.get(AOT_DIR, "").strip()
+    return Path(explicit).expanduser() if explicit else None
 
 
 def check_cu_seqlens() -> bool:

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Build the precompiled kernel set (flash_attn4.aot) on the CPU: cross-compile every configuration of
+aot.shipped_configs for each arch, export it as an object file, write the manifest.
+
+    python scripts/build_aot.py --out build/aot                       # sm_90a and sm_100a, all cores
+    python scripts/build_aot.py --arch sm_90a --out /tmp/fa4_aot -j 16
+    python scripts/build_aot.py --list                                # the configurations only
+
+The output folder is what scripts/build_hub.py --aot-dir copies into the Hub tree as <module>/aot, or
+what FLASH_ATTN4_AOT_DIR points at. Entries use the disk cache's naming under the fingerprint of the
+sources they were compiled from, so an edited kernel never picks up an old object. Exit 1 when any
+configuration fails to compile (the others are still written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "torch-ext"))
+
+from flash_attn4 import aot, compile_cache  # noqa: E402
+from flash_attn4.fa4_kernels.arch import Arch  # noqa: E402
+
+DEFAULT_ARCHS = ("sm_90a", "sm_100a")
+COMPILERS = {"fwd": "compile_forward", "bwd": "compile_backward", "bwd_pre": "compile_backward_preprocess",
+             "bwd_post": "compile_backward_postprocess", "combine": "compile_combine"}
+
+
+def _entry_name(kind: str, key: tuple, fingerprint: str) -> str:
+    return compile_cache.entry_path(kind, key, fingerprint).name
+
+
+def build_one(cfg, folder: str, fingerprint: str) -> tuple[str, float, int]:
+    """Compile ``cfg`` (no JIT engine: export only) into ``folder``; returns (file name, seconds, bytes)."""
+    from flash_attn4.fa4_kernels import compile as kernels_compile
+
+    kind, key = aot.kind_of(cfg), cfg.key()
+    path = Path(folder) / _entry_name(kind, key, fingerprint)
+    start = time.perf_counter()
+    fn = getattr(kernels_compile, COMPILERS[kind])(cfg, jit_engine=False)
+    compile_cache.write_atomic(path, lambda tmp: fn.export_to_c(tmp, function_name=compile_cache.EXPORT_NAME))
+
+    def sidecar(tmp: str) -> None:
+        Path(tmp).write_text(json.dumps({"kind": kind, "key": list(key), "fingerprint": fingerprint}, indent=1))
+
+    compile_cache.write_atomic(path.with_suffix(".json"), sidecar)
+    return path.name, time.perf_counter() - start, path.stat().st_size
+
+
+def _models_of(arch: Arch, dtypes) -> dict[tuple, list[str]]:
+    """(kind,) + key -> the profiles whose calls dispatch to it (for the manifest and docs/AOT.md)."""
+    users: dict[tuple, list[str]] = {}
+    for p in aot.MODEL_PROFILES:
+        for cfg in aot.model_configs(arch, p, dtypes):
+            users.setdefault((aot.kind_of(cfg),) + cfg.key(), []).append(p.name)
+    return users
+
+
+def build(out: Path, archs: list[Arch], jobs: int, only: int | None = None, dtypes=aot.SHIPPED_DTYPES) -> int:
+    fingerprint = compile_cache.source_fingerprint()
+    folder = out / fingerprint
+    folder.mkdir(parents=True, exist_ok=True)
+    entries, failures, total = [], 0, time.perf_counter()
+    work = []
+    for arch in archs:
+        users = _models_of(arch, dtypes)
+        for cfg in aot.shipped_configs(arch, dtypes=dtypes)[:only]:
+            work.append((arch, cfg, users.get((aot.kind_of(cfg),) + cfg.key(), [])))
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(build_one, cfg, str(folder), fingerprint): (arch, cfg, users)
+                   for arch, cfg, users in work}
+        for i, future in enumerate(as_completed(futures), 1):
+            arch, cfg, users = futures[future]
+            try:
+                name, seconds, size = future.result()
+            except Exception as exc:  # report every failure, then fail
+                failures += 1
+                print(f"[{i}/{len(work)}] FAILED {aot.kind_of(cfg)} {cfg.key()}: {type(exc).__name__}: {exc}",
+                      flush=True)
+                continue
+            entries.append({"arch": arch.value, "kind": aot.kind_of(cfg), "key": list(cfg.key()), "file": name,
+                            "bytes": size, "models": users})
+            print(f"[{i}/{len(work)}] {seconds:6.2f} s {size / 1024:6.0f} KiB  {arch.value} {aot.kind_of(cfg)} "
+                  f"{', '.join(cfg.key()[1:])}", flush=True)
+    entries.sort(key=lambda e: (e["arch"], e["kind"], e["key"]))
+    manifest = {"fingerprint": fingerprint,
+                "nvidia-cutlass-dsl": compile_cache._package_version("nvidia-cutlass-dsl"),
+                "apache-tvm-ffi": compile_cache._package_version("apache-tvm-ffi"),
+                "archs": [a.value for a in archs], "dtypes": list(dtypes), "entries": entries}
+    (out / aot.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    size = sum(e["bytes"] for e in entries)
+    print(f"{len(entries)}/{len(work)} kernels for {', '.join(a.value for a in archs)} in "
+          f"{time.perf_counter() - total:.1f} s ({jobs} processes), {size / 2**20:.1f} MiB, in {folder}")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", help=f"compile target, repeatable (default: {DEFAULT_ARCHS})")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "aot", help="output folder")
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    parser.add_argument("--dtype", action="append", choices=aot.DTYPES,
+                        help=f"dtype to ship, repeatable (default: {aot.SHIPPED_DTYPES})")
+    parser.add_argument("--only", type=int, default=None, help="the first N configurations of each arch only")
+    parser.add_argument("--list", action="store_true", help="print the configurations, compile nothing")
+    args = parser.parse_args(argv)
+    try:
+        archs = [Arch.parse(a) for a in (args.arch or DEFAULT_ARCHS)]
+    except ValueError as exc:
+        print(f"build_aot: {exc}", file=sys.stderr)
+        return 2
+    dtypes = tuple(args.dtype or aot.SHIPPED_DTYPES)
+    if args.list:
+        for arch in archs:
+            for cfg in aot.shipped_configs(arch, dtypes=dtypes)[:args.only]:
+                print(arch.value, aot.kind_of(cfg), ", ".join(cfg.key()[1:]))
+        return 0
+    return build(args.out, archs, max(1, args.jobs), args.only, dtypes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
