@@ -10,8 +10,6 @@ list and the code disagree in either direction, so the list cannot drift.
 Refused today (anything else must run):
 
 - every arch: head_dim or head_dim_v below 16 (valid FlashAttention input, served by no kernel);
-- sm_100a and sm_103a (Blackwell) forward: ``seqused_q``, a paged KV cache (``page_table``) and
-  ``num_splits`` > 1 (no split-KV kernel);
 - sm_100a and sm_103a: the backward pass (the kernels are forward only; tests marked ``backward`` are
   skipped there by tests/conftest.py for the same reason);
 - every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
@@ -28,9 +26,6 @@ SMALLEST_HEAD_DIM = 16
 
 # Each reason is a regex of the message the library raises (matched with re.search).
 HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
-NO_SEQUSED_Q = r"seqused_q is not implemented yet"
-NO_PAGED_KV = r"a paged KV cache is not implemented yet"
-NO_SPLIT_KV = r"has no split-KV kernel yet"
 NO_BACKWARD = r"backward kernels are not implemented yet"
 # raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)
 NO_INFERENCE_ONLY_BACKWARD = r"no backward (with (page_table|seqused_q)|through a paged KV cache)"
@@ -43,9 +38,7 @@ def forward_refusals(arch: Arch, *, head_dim: int, head_dim_v: int, seqused_q: b
     reasons = []
     if min(head_dim, head_dim_v) < SMALLEST_HEAD_DIM:
         reasons.append(HEAD_DIM_TOO_SMALL)
-    if arch in BLACKWELL:
-        reasons += [r for r, on in ((NO_SEQUSED_Q, seqused_q), (NO_PAGED_KV, paged), (NO_SPLIT_KV, num_splits > 1))
-                    if on]
+    del arch, seqused_q, paged, num_splits  # every arch runs these (sm100 since its decode kernels)
     return reasons
 
 

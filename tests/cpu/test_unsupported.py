@@ -111,7 +111,7 @@ def test_the_grid_meets_every_kind_of_refusal_and_support():
     reasons = {r for arch in CAPABILITY for d, dv in HEAD_DIMS for o in OPTIONS.values()
                for r in forward_refusals(arch, head_dim=d, head_dim_v=dv, seqused_q=o.get("seqused_q", False),
                                          paged=o.get("paged", False), num_splits=o.get("num_splits", 1))}
-    assert len(reasons) == 4
+    assert len(reasons) == 1  # head dims below 16; the sm100 decode inputs run since its decode kernels
     assert not forward_refusals(Arch.SM90, head_dim=16, head_dim_v=16, seqused_q=True, paged=True, num_splits=3)
 
 
