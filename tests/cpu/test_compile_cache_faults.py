@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from flash_attn4 import compile_cache
+from tests.cpu.test_compile_cache import _compile_trivial_kernel
 
 pytest.importorskip("cutlass")
 tvm_ffi = pytest.importorskip("tvm_ffi")
@@ -31,28 +32,9 @@ REPO = Path(__file__).resolve().parents[2]
 # A small real kernel (the child processes import it from this file: the DSL needs its source file).
 
 
-def compile_scale_kernel(cfg, *, jit_engine=True):
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-    @cute.kernel
-    def scale_kernel(x: cute.Tensor, y: cute.Tensor, alpha: cutlass.Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        i = bidx * 128 + tidx
-        if i < x.shape[0]:
-            y[i] = (x[i].to(cutlass.Float32) * alpha).to(y.element_type)
-
-    @cute.jit
-    def launch(x: cute.Tensor, y: cute.Tensor, alpha: cutlass.Float32, stream):
-        scale_kernel(x, y, alpha).launch(grid=[(x.shape[0] + 127) // 128, 1, 1], block=[128, 1, 1], stream=stream)
-
-    n = cute.sym_int()
-    x = make_fake_compact_tensor(cutlass.BFloat16, (n,), assumed_align=16)
-    y = make_fake_compact_tensor(cutlass.BFloat16, (n,), assumed_align=16)
-    return cute.compile(launch, x, y, cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True),
-                        options="--enable-tvm-ffi --gpu-arch sm_90a", no_jit_engine=not jit_engine)
+# The cache tests' trivial kernel (a real CuTe DSL compile, sm_90a on the CPU), under the name the
+# child processes import.
+compile_scale_kernel = _compile_trivial_kernel
 
 
 class Cfg:
