@@ -6,7 +6,7 @@
 #      four compute-sanitizer tools.
 # Device time is scarce, so every step has its own time limit (seconds, from the environment) and
 # the batch goes on after a failure; the summary at the end gives each step's exit status
-# (124: its limit ran out).
+# (124: its limit ran out; pytest stopped by the limit exits 2 after its summary).
 #
 #   run(command="FA4_TREE=<commit> bash scripts/gpu_batch.sh", carry=[".device", ".device-extras"], timeout_s=600)
 #
@@ -26,7 +26,7 @@ source scripts/use_device_extras.sh >>"$OUT/setup.log" 2>&1
 step() {  # step NAME LIMIT_S CMD...: runs CMD under its limit, output to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout -s INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "$name rc=$? ${limit}s-limit took=$((SECONDS - t0))s" >>"$OUT/summary.txt"
 }
 
@@ -35,8 +35,9 @@ step aot "$AOT_S" python scripts/build_aot.py --arch sm_90a --out "$AOT_DIR" -j 
 step cold "$COLD_S" env FLASH_ATTN4_AOT_DIR="$AOT_DIR" python -m pytest tests/gpu/test_cold_start.py -q -s -rA
 step aot_so "$COLD_S" python scripts/aot_so_probe.py "$AOT_DIR"
 
+# SIGINT first: pytest then still prints the summary of what ran before the limit
 step suite "$SUITE_S" python -u -m pytest tests/gpu -n "$WORKERS" -q -rfEx --durations=15 &
 step fuzz "$FUZZ_S" make fuzz-gpu FUZZ_TIME=$((FUZZ_S - 30)) &
-step sanitize "$SANITIZE_S" make sanitize &
+step sanitize "$SANITIZE_S" make sanitize SANITIZE_TOOLS="${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}" &
 wait
 cat "$OUT/summary.txt"
