@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Build the precompiled kernel set (flash_attn4.aot) on the CPU: cross-compile every configuration of
-aot.shipped_configs for each arch, export it as an object file, write the manifest.
+aot.shipped_configs for each arch, export it as an object file, link that into a shared library
+(flash_attn4/native.py: a process loads it without importing the DSL; needs a C compiler, cc or
+$CC), write the manifest.
 
     python scripts/build_aot.py --out build/aot                       # sm_90a and sm_100a, all cores
     python scripts/build_aot.py --arch sm_90a --out /tmp/fa4_aot -j 16
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -25,7 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "torch-ext"))
 
-from flash_attn4 import aot, compile_cache  # noqa: E402
+from flash_attn4 import aot, compile_cache, native  # noqa: E402
 from flash_attn4.fa4_kernels.arch import Arch  # noqa: E402
 
 DEFAULT_ARCHS = ("sm_90a", "sm_100a")
@@ -34,18 +37,22 @@ COMPILERS = {"fwd": "compile_forward", "bwd": "compile_backward", "bwd_pre": "co
 
 
 def _entry_name(kind: str, key: tuple, fingerprint: str) -> str:
-    return compile_cache.entry_path(kind, key, fingerprint).name
+    return compile_cache.entry_path(kind, key, fingerprint).with_suffix(native.SUFFIX).name
 
 
 def build_one(cfg, folder: str, fingerprint: str) -> tuple[str, float, int]:
-    """Compile ``cfg`` (no JIT engine: export only) into ``folder``; returns (file name, seconds, bytes)."""
+    """Compile ``cfg`` (no JIT engine: export only), link it into a shared library in ``folder``
+    (flash_attn4/native.py: loaded without the DSL); returns (file name, seconds, bytes)."""
     from flash_attn4.fa4_kernels import compile as kernels_compile
 
     kind, key = aot.kind_of(cfg), cfg.key()
     path = Path(folder) / _entry_name(kind, key, fingerprint)
     start = time.perf_counter()
     fn = getattr(kernels_compile, COMPILERS[kind])(cfg, jit_engine=False)
-    compile_cache.write_atomic(path, lambda tmp: fn.export_to_c(tmp, function_name=compile_cache.EXPORT_NAME))
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        obj = Path(tmp_dir) / "kernel.o"
+        fn.export_to_c(str(obj), function_name=compile_cache.EXPORT_NAME)
+        compile_cache.write_atomic(path, lambda tmp: native.link(obj, tmp))
 
     def sidecar(tmp: str) -> None:
         Path(tmp).write_text(json.dumps({"kind": kind, "key": list(key), "fingerprint": fingerprint}, indent=1))

@@ -6,14 +6,16 @@ under another key; the switch ignores it; the Hub build refuses a stale set; war
 
 import importlib.util
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from flash_attn4 import aot, compile_cache, dispatch, settings, warmup
+from flash_attn4 import aot, compile_cache, dispatch, native, settings, warmup
 from flash_attn4.fa4_kernels.arch import IMPLEMENTED, Arch
 from flash_attn4.fa4_kernels.config import BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig
 
@@ -30,6 +32,13 @@ def _script(name):
 
 
 build_aot, build_hub = _script("build_aot"), _script("build_hub")
+
+
+def _newest_flavour_driver() -> int:
+    """A driver version (cuDriverGetVersion's number) that the newest installed DSL runtime serves:
+    stands in for the driver this machine lacks."""
+    root = native.runtime_library(99000).parents[2]
+    return max(int(p.name[2:]) for p in root.glob("cu[0-9]*") if p.name[2:].isdigit()) * 1000
 
 
 # ---- the list ----
@@ -142,6 +151,8 @@ def _config_of(entry):
 @pytest.fixture
 def shipped_env(small_set, monkeypatch, tmp_path):
     out, manifest = small_set
+    driver = _newest_flavour_driver()
+    monkeypatch.setattr(native, "_driver_cuda_version", lambda: driver)  # no GPU here
     monkeypatch.setenv(settings.AOT_DIR, str(out))
     monkeypatch.delenv(settings.DISABLE_AOT, raising=False)
     monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path / "disk"))
@@ -185,6 +196,36 @@ def _counting(calls):
     return compile_fn
 
 
+LOAD_WITHOUT_DSL = r"""
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from flash_attn4 import aot, compile_cache, native
+from flash_attn4.fa4_kernels.arch import Arch
+native._driver_cuda_version = lambda: int(sys.argv[3])
+def refuse(*args, **kwargs):
+    raise AssertionError("compiled")
+entry = json.loads(sys.argv[4])
+[cfg] = [c for c in aot.shipped_configs(Arch.parse(entry["arch"]))
+         if aot.kind_of(c) == entry["kind"] and list(c.key()) == entry["key"]]
+fn = compile_cache.get_kernel(entry["kind"], cfg, refuse)
+print(json.dumps({"callable": callable(fn), "cutlass": "cutlass" in sys.modules, "stats": compile_cache.stats()}))
+"""
+
+
+def test_shipped_kernel_loads_without_importing_the_dsl(shipped_env):
+    """A fresh process gets a shipped kernel without ``import cutlass`` (native.py: the 0.75 s import
+    is most of a cold start's time otherwise)."""
+    out, manifest = shipped_env
+    entry = manifest["entries"][0]
+    done = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_DSL, str(REPO / "torch-ext"), str(REPO),
+                           str(_newest_flavour_driver()), json.dumps(entry)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["callable"] and not result["cutlass"], result
+    assert (result["stats"]["aot_hits"], result["stats"]["compiled"]) == (1, 0), result
+
+
 def test_switch_ignores_the_shipped_set(shipped_env, monkeypatch):
     _, manifest = shipped_env
     monkeypatch.setenv(settings.DISABLE_AOT, "1")
@@ -213,7 +254,7 @@ def test_object_under_another_key_is_not_used(small_set, tmp_path, monkeypatch):
     other = cfg.replace(dtype="float16")
     folder = tmp_path / "aot" / manifest["fingerprint"]
     folder.mkdir(parents=True)
-    name = compile_cache.entry_path(entry["kind"], other.key()).name
+    name = compile_cache.entry_path(entry["kind"], other.key()).with_suffix(native.SUFFIX).name
     shutil.copyfile(out / manifest["fingerprint"] / entry["file"], folder / name)
     shutil.copyfile((out / manifest["fingerprint"] / entry["file"]).with_suffix(".json"),
                     (folder / name).with_suffix(".json"))
@@ -245,7 +286,7 @@ def test_hub_build_ships_the_set(small_set, tmp_path):
     shipped = variant / "aot"
     assert json.loads((shipped / aot.MANIFEST).read_text()) == manifest
     files = sorted(p.name for p in (shipped / manifest["fingerprint"]).iterdir())
-    assert files == sorted(n for e in manifest["entries"] for n in (e["file"], e["file"][:-2] + ".json"))
+    assert files == sorted(n for e in manifest["entries"] for n in (e["file"], Path(e["file"]).with_suffix(".json").name))
     meta = json.loads((variant / "metadata.json").read_text())
     assert f"aot/{manifest['fingerprint']}/{manifest['entries'][0]['file']}" in meta["digest"]["files"]
     # The tree's own kernel sources give the fingerprint the set was built under (what it computes at run time).
@@ -270,8 +311,6 @@ BUILT = REPO / "build" / "aot"
 
 @pytest.mark.skipif(not (BUILT / aot.MANIFEST).is_file(), reason="no build/aot (run `make aot` or `make build`)")
 def test_every_built_object_loads():
-    from cutlass.runtime import load_module
-
     manifest = json.loads((BUILT / aot.MANIFEST).read_text())
     if manifest["fingerprint"] != compile_cache.source_fingerprint():
         pytest.skip("build/aot is from other sources: rebuild with `make aot`")
@@ -279,8 +318,8 @@ def test_every_built_object_loads():
                 for c in aot.shipped_configs(a, dtypes=tuple(manifest["dtypes"]))}
     assert {(e["arch"], e["kind"]) + tuple(e["key"]) for e in manifest["entries"]} == expected
     for entry in manifest["entries"]:
-        fn = load_module(str(BUILT / manifest["fingerprint"] / entry["file"]), enable_tvm_ffi=True)[
-            compile_cache.EXPORT_NAME]
+        fn = native.load(BUILT / manifest["fingerprint"] / entry["file"], compile_cache.EXPORT_NAME,
+                         driver_version=_newest_flavour_driver())
         assert callable(fn), entry["file"]
 
 

@@ -9,7 +9,10 @@ own functions, so the shipped set holds nothing dispatch cannot pick. docs/AOT.m
 Layout (the disk cache's, so one naming rule serves both; see compile_cache)::
 
     <shipped root>/manifest.json                                  fingerprint, DSL version, entries
-    <shipped root>/<fingerprint>/<kind>-<sha256(key)[:32]>.o      (+ .json sidecar with the key)
+    <shipped root>/<fingerprint>/<kind>-<sha256(key)[:32]>.so     (+ .json sidecar with the key)
+
+Each kernel is a shared library (the exported object linked at build time), which native.py loads
+without importing the DSL.
 
 The shipped root is ``<package>/aot`` (what scripts/build_hub.py writes), or FLASH_ATTN4_AOT_DIR;
 FLASH_ATTN4_DISABLE_AOT=1 ignores it. Only the folder named by the running sources' fingerprint is

@@ -320,16 +320,17 @@ def _get_uncached(kind: str, cfg, key: tuple, compile_fn: Callable):
 def _load_shipped(kind: str, key: tuple):
     """The kernel from the shipped precompiled set (aot.py), or None: not shipped, switched off,
     built from other sources, or not loadable (then the disk cache or a compile takes over)."""
-    from . import aot
+    from . import aot, native
 
+    name = entry_path(kind, key).with_suffix(native.SUFFIX).name
     try:
-        path = aot.shipped_entry(kind, key, entry_path(kind, key).name, source_fingerprint())
+        path = aot.shipped_entry(kind, key, name, source_fingerprint())
     except OSError:
         return None
     if path is None:
         return None
     try:
-        fn = _load(path)
+        fn = native.load(path, EXPORT_NAME)  # linked at build time: no DSL import (native.py)
     except Exception as e:  # read-only: never removed, only passed over
         _stats["aot_errors"] += 1
         settings.get_logger().warning("could not load shipped kernel %s (%s: %s)", path, type(e).__name__, e)
