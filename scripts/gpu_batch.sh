@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One device call that verifies a tree on the H200 (docs/VERIFICATION.md records what it printed):
-#   1. the shipped sm_90a set (scripts/build_aot.py), the cold-start test and the probe of loading
-#      it without the DSL (scripts/aot_so_probe.py) on a quiet machine;
+#   1. the shipped sm_90a set (scripts/build_aot.py) and the cold-start test on a quiet machine;
 #   2. then, side by side (correctness only, no timing): the GPU suite, the bounded GPU fuzz and the
 #      four compute-sanitizer tools.
 # Device time is scarce, so every step has its own time limit (seconds, from the environment) and
@@ -33,7 +32,6 @@ step() {  # step NAME LIMIT_S CMD...: runs CMD under its limit, output to $OUT/N
 AOT_DIR=/tmp/fa4_aot
 step aot "$AOT_S" python scripts/build_aot.py --arch sm_90a --out "$AOT_DIR" -j 16
 step cold "$COLD_S" env FLASH_ATTN4_AOT_DIR="$AOT_DIR" python -m pytest tests/gpu/test_cold_start.py -q -s -rA
-step aot_so "$COLD_S" python scripts/aot_so_probe.py "$AOT_DIR"
 
 # SIGINT first: pytest then still prints the summary of what ran before the limit
 step suite "$SUITE_S" python -u -m pytest tests/gpu -n "$WORKERS" -q -rfEx --durations=15 &

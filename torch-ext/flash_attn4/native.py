@@ -8,7 +8,7 @@ shipped set is therefore linked once, at build time, into one shared library per
 library loading and launches) and TVM-FFI's, so after loading those two with RTLD_GLOBAL,
 ``tvm_ffi.load_module`` finds the kernel's TVM-FFI entry (``__tvm_ffi_<name>``) in the library and
 returns the same callable the DSL's loader would: 0.17-0.20 s to the first result there
-(``scripts/aot_so_probe.py``), and ``cutlass`` is never imported.
+(``scripts/aot_so_probe.py`` at efd6cd4), and ``cutlass`` is never imported.
 
 The runtime library comes in one flavour per CUDA major version (``nvidia_cutlass_dsl/cu12/lib``,
 ``cu13/lib``); ``runtime_library`` applies the rule the DSL applies when it is imported (the newest
