@@ -7,7 +7,10 @@ compared with a PyTorch reference *before* the caller's call gets a result. A wr
 fails loudly at its first call instead of returning wrong numbers.
 
 When: ``ops._kernel_for`` calls :func:`ensure_checked` after it has the compiled forward kernel for a
-(device, ForwardConfig), before the caller's launch. Which configurations are checked:
+(device, ForwardConfig), before the caller's launch; ``ops.bwd`` likewise with the compiled backward
+kernel for a (device, BackwardConfig), whose check runs the whole backward (the preprocessing, that
+kernel and the postprocessing its configuration derives; "The backward" section below). Which
+configurations are checked:
 
 * ``FLASH_ATTN4_SELF_CHECK`` unset (or ``auto``): configurations whose ``arch`` is in
   :data:`UNVERIFIED_ARCHS` (today sm_100a and sm_103a: the registry's ``run_by_us``, the one place
