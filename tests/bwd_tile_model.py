@@ -27,6 +27,8 @@ What the model reproduces, and how exactly:
   rowsum(dO * O).
 
 Parameters: ``BwdTileParams.from_backward_config`` takes them from a BackwardConfig (dispatch's).
+``backward`` runs the three kernels from out, dout and the forward's LSE; ``main`` is the main kernel
+alone, from the preprocessing's rows (a stand-in for it: tests/cpu/test_selfcheck.py).
 """
 
 from __future__ import annotations
@@ -148,13 +150,33 @@ def backward(q, k, v, out, dout, lse, params: BwdTileParams, *, softmax_scale: f
     """One KV head and its g query heads: q (sq, g, d), k (sk, d), v (sk, dv), out and dout (sq, g, dv)
     in the input dtype, lse (g, sq) float32 (natural log, -inf for rows that saw no key), sink (g,)
     or None. ``seed`` draws the dQ arrival order (non-deterministic mode) and the tanh / MUFU
-    perturbations (bounds ``*_rel_error``)."""
+    perturbations (bounds ``*_rel_error``). The preprocessing, ``main`` and the postprocessing."""
+    lse = lse.detach().numpy().astype(F32)
+    out64, do64 = (t.detach().to(torch.float64).numpy() for t in (out, dout))
+    D = np.stack([rowsum_dout_out(do64[:, h], out64[:, h]) for h in range(q.shape[1])])
+    dq_accum, dk, dv, stats = main(q, k, v, dout, D, lse_log2(lse), params, softmax_scale=softmax_scale,
+                                   causal=causal, window=window, softcap=softcap, deterministic=deterministic,
+                                   seed=seed, tanh_rel_error=tanh_rel_error, mufu_rel_error=mufu_rel_error)
+    dq = _round_to(f32(dq_accum.astype(F64) * F64(F32(softmax_scale))), params.dtype)
+    dsink = None
+    if sink is not None:  # ops._sink_grad: torch's own rowsum(dO * O), not the preprocessing's
+        rows = (dout.float() * out.float()).sum(-1).t()  # (g, sq)
+        dsink = -(torch.exp(sink.float()[:, None] - torch.from_numpy(lse)) * rows).sum(-1)
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(params.dtype)  # noqa: E731
+    return BwdResult(dq=to(dq), dk=dk, dv=dv, dq_accum=dq_accum, dpsum=D, dsink=dsink, stats=stats)
+
+
+def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, causal: bool = False,
+         window: tuple[int, int] = (-1, -1), softcap: float = 0.0, deterministic: bool = False, seed: int = 0,
+         tanh_rel_error: float = 0.0, mufu_rel_error: float = 0.0):
+    """The main kernel and the dQ reduction, from the preprocessing's rows D and L2 (g, sq) float32:
+    (dq_accum (sq, g, d) float32, i.e. dQ / softmax_scale; dk (sk, d), dv (sk, dv) in the input dtype;
+    BwdStats)."""
     p = params
     rng = np.random.default_rng(seed)
     q64, k64, v64, do64 = (t.detach().to(torch.float64).numpy() for t in (q, k, v, dout))
     sq, g, d = q64.shape
     sk, dvd = k64.shape[0], v64.shape[1]
-    lse = lse.detach().numpy().astype(F32)
     vis = visible(sq, sk, causal, window)
     if softcap:
         prescale = f32(F32(softmax_scale) / F64(F32(softcap)))
@@ -162,8 +184,6 @@ def backward(q, k, v, out, dout, lse, params: BwdTileParams, *, softmax_scale: f
     else:
         prescale = None
         scale_log2 = f32(F32(softmax_scale) * F64(F32(LOG2_E)))
-    D = np.stack([rowsum_dout_out(do64[:, h], out.detach().to(torch.float64).numpy()[:, h]) for h in range(g)])
-    L2 = lse_log2(lse)
     stats = BwdStats()
     covered = np.zeros((g, sq, sk), dtype=bool)
     # dQ parts per (head, query block): [(n_block, float32 part)], summed in arrival order below
@@ -226,12 +246,5 @@ def backward(q, k, v, out, dout, lse, params: BwdTileParams, *, softmax_scale: f
         for _, part in order:
             acc = add_f32(acc, part)
         dq_accum[r0:r1, h] = acc
-    dq = _round_to(f32(dq_accum.astype(F64) * F64(F32(softmax_scale))), p.dtype)
-
-    dsink = None
-    if sink is not None:  # ops._sink_grad: torch's own rowsum(dO * O), not the preprocessing's
-        rows = (dout.float() * out.float()).sum(-1).t()  # (g, sq)
-        dsink = -(torch.exp(sink.float()[:, None] - torch.from_numpy(lse)) * rows).sum(-1)
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(p.dtype)  # noqa: E731
-    return BwdResult(dq=to(dq), dk=to(dk_out), dv=to(dv_out), dq_accum=dq_accum, dpsum=D, dsink=dsink, stats=stats)
-
+    return dq_accum, to(dk_out), to(dv_out), stats

@@ -1004,3 +1004,65 @@ def test_backward_reference_matches_autograd_through_the_suites_reference(seed, 
                 base = (ref.lowp[name] - ref.grads[name]).abs().max()
                 base_pt = (t.grad.double() - ref.grads[name]).abs().max()
                 assert 0.25 * base_pt <= base <= 4 * base_pt, (name, float(base), float(base_pt))
+
+
+# ---- the kernel's arithmetic passes the backward's check ----
+
+from tests import bwd_tile_model as bm  # noqa: E402
+from tests.cpu.test_ops import dq_accum_positions  # noqa: E402
+
+
+def tile_model_backward_kernel(cfg):
+    """compile_backward(cfg)'s stand-in that runs the backward's tile model (tests/bwd_tile_model.py:
+    the kernel's tiles, rounding points and float32 accumulation, MUFU and tanh.approx errors at their
+    hardware bounds) on the rows the preprocessing stand-in left, per sequence and KV head."""
+    params = bm.BwdTileParams.from_backward_config(cfg)
+
+    def run(q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, semaphore, scale, softcap, left,
+            right, max_seqlen_k):
+        hq, hk = q.shape[-2], k.shape[-2]
+        g = hq // hk
+        opts = dict(softmax_scale=scale, causal=cfg.causal, window=(left, right) if cfg.local else (-1, -1),
+                    softcap=softcap if cfg.has_softcap else 0.0, deterministic=cfg.deterministic,
+                    tanh_rel_error=2.0 ** -11, mufu_rel_error=2.0 ** -22)
+        dq = torch.zeros(q.shape, dtype=torch.float32)
+        if cfg.varlen:  # (query rows, key rows, rows of lse_log2 / dpsum) per sequence
+            sequences = []
+            for b in range(cu_q.shape[0] - 1):
+                q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b])
+                k1 = k0 + int(seqused_k[b]) if seqused_k is not None else int(cu_k[b + 1])
+                r0 = (q0 + 3 * b) // 4 * 4  # the packed row layout (test_ops.torch_backward_kernel)
+                sequences.append(((slice(q0, q1),), (slice(k0, k1),), (slice(None), slice(r0, r0 + q1 - q0))))
+        else:
+            sequences = [((b,), (b,), (b, slice(None), slice(0, q.shape[1]))) for b in range(q.shape[0])]
+        for qs, ks, rs in sequences:
+            qb, kb, vb, dob = q[qs], k[ks], v[ks], dout[qs]
+            if kb.shape[0] == 0:
+                continue
+            for h in range(hk):
+                heads = slice(h * g, (h + 1) * g)
+                if qb.shape[0] == 0:
+                    dk[ks][:, h], dv[ks][:, h] = 0, 0
+                    continue
+                acc, dk_h, dv_h, _ = bm.main(qb[:, heads], kb[:, h], vb[:, h], dob[:, heads],
+                                             dpsum[rs][heads].numpy(), lse_log2[rs][heads].numpy(), params, **opts)
+                dq[qs][:, heads] = torch.from_numpy(acc)
+                dk[ks][:, h], dv[ks][:, h] = dk_h, dv_h
+        dq_acc.view(-1).index_add_(0, dq_accum_positions(cfg, q, cu_q).flatten(), dq.flatten())
+
+    return run
+
+
+@pytest.mark.parametrize("d,dv,flags", [
+    (64, 64, dict()), (128, 128, dict(causal=True)), (128, 128, dict(local=True, has_softcap=True)),
+    (128, 128, dict(varlen=True, has_seqused_k=True, causal=True, deterministic=True)), (96, 96, dict(varlen=True))])
+def test_the_kernels_arithmetic_passes_the_backward_check(seed, fake_bwd, monkeypatch, d, dv, flags):
+    """The check's tolerance admits what the kernel computes: the tile model as the main kernel
+    (P and dS rounded to bf16, float32 accumulation, MUFU / tanh.approx errors) passes with room."""
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: tile_model_backward_kernel(cfg))
+    cfg = bwd_config(d, dv, **flags)
+    report = selfcheck.check_backward(cfg, compile_cache.get_backward_kernel(cfg), ops.BACKWARD_LAUNCH,
+                                      torch.device("cpu"))
+    print(report.summary())
+    assert report.ok, report.failures
+    assert all(err <= 0.6 * allowed for err, allowed in report.grads.values()), report.summary()
