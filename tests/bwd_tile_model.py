@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tests.tile_model import F32, F64, LOG2_E, _round_to, add_f32, exp2_mufu, f32, fma_f32, visible
+from tests.tile_model import (F32, F64, LOG2_E, _round_to, add_f32, exp2_mufu, f32, fma_f32, full_blocks,
+                               visible)
 
 VECTOR = 8  # bwd_preprocess.py: 16-bit elements per 16-byte load
 
@@ -79,19 +80,7 @@ def block_is_full(m_block: int, n_block: int, sq: int, sk: int, tile_m: int, til
                   window: tuple[int, int]) -> bool:
     """AttentionMask.block_is_full: every row of the query block inside the sequence and seeing every
     key of the KV block."""
-    local = not causal and (window[0] >= 0 or window[1] >= 0)
-    wl, wr = window
-    offset = sk - sq
-    hi = sk
-    if causal or local:
-        right = wr if local else 0
-        first_row_hi = sk if local and wr < 0 else m_block * tile_m + offset + right + 1
-        hi = min(hi, first_row_hi)
-    n_max_full = max(hi, 0) // tile_n
-    n_min_full = 0
-    if local and wl >= 0:
-        last_row_lo = (m_block + 1) * tile_m - 1 + offset - wl
-        n_min_full = (max(last_row_lo, 0) + tile_n - 1) // tile_n
+    n_min_full, n_max_full = full_blocks(m_block, sq, sk, tile_m, tile_n, causal, window)
     return (m_block + 1) * tile_m <= sq and n_min_full <= n_block < n_max_full
 
 

@@ -19,6 +19,7 @@ from flash_attn4.fa4_kernels.arch import Arch
 from tests import bwd_tile_model as bm
 from tests import tile_model as tm
 from tests.gpu.test_bwd import dsink_rounding, grad_atol
+from tests.cpu.test_tile_emulation import CASES as FORWARD_CASES
 from tests.reference import assert_close_fa_rule, attention_ref
 
 TANH_REL_ERROR = 2.0 ** -11  # tanh.approx.f32 (softcap)
@@ -119,13 +120,9 @@ def test_tile_params_are_what_dispatch_builds(d, flags, tiles):
 
 # ---- the model against the reference ---------------------------------------------------------------
 
-CASES = {
-    "plain": dict(sq=200, sk=333),
-    "causal-sq<sk": dict(sq=150, sk=400, causal=True),
-    "causal-sq>sk": dict(sq=300, sk=180, causal=True),
-    "local": dict(sq=260, sk=390, window=(100, 20)),
-    "softcap": dict(sq=130, sk=300, softcap=15.0),
-    "sink": dict(sq=140, sk=260, sink=1.5),
+# The forward emulation's problems, then GQA, deterministic mode and the backward's own tiles.
+CASES = {name: FORWARD_CASES[name] for name in ("plain", "causal-sq<sk", "causal-sq>sk", "local", "softcap", "sink")}
+CASES |= {
     "gqa3-causal": dict(sq=130, sk=200, g=3, causal=True),
     "gqa2-sink-deterministic": dict(sq=260, sk=300, g=2, sink=0.5, deterministic=True),
     "d128-causal": dict(sq=170, sk=260, causal=True, d=128),  # 80-query blocks
