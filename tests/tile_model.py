@@ -173,6 +173,26 @@ def visible(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> np.ndarr
     return vis
 
 
+def full_blocks(m_block: int, sq: int, sk: int, tile_m: int, tile_n: int, causal: bool,
+                window: tuple[int, int]) -> tuple[int, int]:
+    """mask.py's (n_block_min_full, n_block_max_full) of a query tile: KV blocks in [min, max) have
+    no key past a mask edge for any row of the tile (the sequence's end, the causal diagonal, the
+    window's sides)."""
+    local = not causal and (window[0] >= 0 or window[1] >= 0)
+    wl, wr = window
+    offset = sk - sq
+    hi = sk
+    if causal or local:
+        right = wr if local else 0
+        first_hi = sk if local and wr < 0 else m_block * tile_m + offset + right + 1
+        hi = min(hi, first_hi)
+    full_min = 0
+    if local and wl >= 0:
+        last_lo = (m_block + 1) * tile_m - 1 + offset - wl
+        full_min = (max(last_lo, 0) + tile_n - 1) // tile_n
+    return full_min, max(hi, 0) // tile_n
+
+
 def block_schedule(m_block: int, sq: int, sk: int, tile_m: int, tile_n: int, causal: bool,
                    window: tuple[int, int]) -> list[tuple[int, bool]]:
     """[(n_block, masked)] in the forward kernel's order (sm90/fwd.py with mask.py's block ranges):
@@ -192,17 +212,7 @@ def block_schedule(m_block: int, sq: int, sk: int, tile_m: int, tile_n: int, cau
         n_min = max(m_block * tile_m + offset - wl, 0) // tile_n
     if n_max <= n_min:
         return []
-    # n_block_max_full / n_block_min_full
-    hi = sk
-    if causal or local:
-        right = wr if local else 0
-        first_hi = sk if local and wr < 0 else m_block * tile_m + offset + right + 1
-        hi = min(hi, first_hi)
-    full_max = max(hi, 0) // tile_n
-    full_min = 0
-    if local and wl >= 0:
-        last_lo = (m_block + 1) * tile_m - 1 + offset - wl
-        full_min = (max(last_lo, 0) + tile_n - 1) // tile_n
+    full_min, full_max = full_blocks(m_block, sq, sk, tile_m, tile_n, causal, window)
     full_max = max(full_max, n_min)
     full_min = max(full_min, n_min)
     full_max = min(max(full_max, full_min), n_max - 1)

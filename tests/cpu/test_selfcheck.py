@@ -690,3 +690,379 @@ def test_await_completion_polls_until_done_or_the_deadline():
     assert not selfcheck.await_completion(lambda: False, timeout_s=0.02, poll_s=0.001)
     assert __import__("time").monotonic() - start >= 0.02
     assert selfcheck.await_completion(None)  # the CPU: nothing to wait for
+
+
+# ---- the backward ----
+#
+# The backward's check runs the whole backward (ops._launch_backward: the pre- and postprocessing
+# stand-ins of test_ops.py and a main-kernel stand-in computing the gradients in float32) on the
+# configuration's problem. The check is required on archs we have not run; the backward exists on
+# sm90 only, so these tests declare sm90 not run (UNVERIFIED_ARCHS) unless they test the default.
+
+from tests.cpu.test_ops import torch_backward_kernel, torch_postprocess_kernel, torch_preprocess_kernel  # noqa: E402
+from flash_attn4.fa4_kernels.config import BackwardConfig  # noqa: E402
+
+
+class FakeBackward:
+    """compile_backward(cfg)'s stand-in: test_ops.py's torch backward kernel, then ``state["bwd_mutate"]``
+    (q, k, v, dq_accum, dk, dv, calls so far) to make it wrong. Records the q shape of every call."""
+
+    def __init__(self, cfg, state):
+        self.cfg, self.state, self.inner = cfg, state, torch_backward_kernel(cfg, [])
+
+    def __call__(self, q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, *rest):
+        self.state["bwd_calls"].append(tuple(q.shape))
+        self.inner(q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, *rest)
+        if self.state["bwd_mutate"] is not None:
+            self.state["bwd_mutate"](q, k, v, dq_acc, dk, dv, len(self.state["bwd_calls"]))
+
+
+@pytest.fixture
+def fake_bwd(fake_gpu, monkeypatch):
+    """fake_gpu on sm90, declared not run by us, with the backward stand-ins; ``bwd_calls`` lists
+    the q shape of every main-kernel call, ``post_mutate`` (dq) spoils the postprocessing's dQ."""
+    fake_gpu.update(arch=Arch.SM90, bwd_mutate=None, bwd_calls=[], post_mutate=None)
+    monkeypatch.setattr(selfcheck, "UNVERIFIED_ARCHS", selfcheck.UNVERIFIED_ARCHS | {Arch.SM90})
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: FakeBackward(cfg, fake_gpu))
+    monkeypatch.setattr(compile_cache, "_compile_backward_preprocess", lambda cfg, **_: torch_preprocess_kernel(cfg, []))
+
+    def postprocess(cfg, **_):
+        inner = torch_postprocess_kernel(cfg, [])
+
+        def run(dq_accum, dq, *rest):
+            inner(dq_accum, dq, *rest)
+            if fake_gpu["post_mutate"] is not None:
+                fake_gpu["post_mutate"](dq)
+        return run
+
+    monkeypatch.setattr(compile_cache, "_compile_backward_postprocess", postprocess)
+    return fake_gpu
+
+
+def bwd_config(d=64, dv=None, **flags):
+    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
+    base.update(flags)
+    return dispatch.backward_config(Arch.SM90, "bfloat16", d, d if dv is None else dv, **base)
+
+
+def bwd_problem_shape(cfg):
+    return tuple(selfcheck.build_backward_problem(cfg).fwd.q.shape)
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def user_backward(hq=4, hk=2, d=64, sink=False, **kwargs):
+    """A user's forward and backward through flash_attn_func; returns the leaves (q, k, v[, sink])."""
+    q, k, v = leaves(*rand_qkv(hq=hq, hk=hk, d=d))
+    tensors = [q, k, v]
+    if sink:
+        tensors.append(torch.randn(hq).requires_grad_())
+        kwargs["learnable_sink"] = tensors[-1]
+    out = flash_attn_func(q, k, v, **kwargs)
+    out.backward(torch.randn_like(out))
+    return tensors
+
+
+def test_correct_backward_is_checked_once_then_cached(fake_bwd):
+    q, k, v = user_backward(causal=True)
+    first = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out = flash_attn_func(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
+    cfg = bwd_config(causal=True)
+    # one check launch before the first user launch, none before the second
+    assert fake_bwd["bwd_calls"] == [bwd_problem_shape(cfg), tuple(q.shape), tuple(q.shape)]
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+    report = selfcheck.report(cfg, "cpu")
+    assert report.ok and set(report.grads) == {"dq", "dk", "dv"}
+    assert all(0 < err <= allowed for err, allowed in report.grads.values())
+    assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in first)
+
+
+def test_each_backward_configuration_is_checked_on_its_first_use(fake_bwd):
+    user_backward()
+    user_backward(causal=True)
+    user_backward(causal=True, deterministic=True)
+    user_backward()
+    plain, causal, det = bwd_config(), bwd_config(causal=True), bwd_config(causal=True, deterministic=True)
+    user = tuple(rand_qkv(hq=4, hk=2, d=64)[0].shape)
+    # deterministic: the check runs the backward twice (and compares the runs bit for bit)
+    assert fake_bwd["bwd_calls"] == [bwd_problem_shape(plain), user, bwd_problem_shape(causal), user,
+                                     bwd_problem_shape(det), bwd_problem_shape(det), user, user]
+    assert [selfcheck.verdict(c, "cpu") for c in (plain, causal, det)] == ["passed"] * 3
+
+
+@pytest.mark.parametrize("d,dv,flags", [
+    (64, 64, dict()), (128, 128, dict(causal=True)), (128, 128, dict(local=True, has_softcap=True)),
+    (96, 96, dict(varlen=True, has_seqused_k=True, causal=True, deterministic=True)),
+    (192, 128, dict(varlen=True, local=True)), (256, 256, dict(causal=True, deterministic=True)),
+    (128, 128, dict(varlen=True, has_seqused_k=True, has_softcap=True))])
+def test_correct_backward_passes_every_configuration(seed, fake_bwd, d, dv, flags):
+    """check_backward directly: the correct stand-in passes for every feature combination."""
+    cfg = bwd_config(d, dv, **flags)
+    kernel = compile_cache.get_backward_kernel(cfg)
+    report = selfcheck.check_backward(cfg, kernel, ops.BACKWARD_LAUNCH, torch.device("cpu"))
+    assert report.ok, report.failures
+    assert fake_bwd["bwd_calls"] == [bwd_problem_shape(cfg)] * (2 if cfg.deterministic else 1)
+    names = {"dq", "dk", "dv"} | ({"dsink"} if selfcheck.backward_has_sink(cfg) else set())
+    assert set(report.grads) == names and all(0 < e <= a for e, a in report.grads.values())
+
+
+# wrong backward kernels: (what the stand-in does wrong, the configuration flags, user-call options)
+
+
+def dk_scaled(q, k, v, dq_acc, dk, dv, call):
+    dk.mul_(1.05)
+
+
+def dq_block_missing(q, k, v, dq_acc, dk, dv, call):
+    """The second query block of the first head gets nothing added (a KV tile's reduce-add lost)."""
+    acc = dq_acc if dq_acc.dim() == 3 else dq_acc[0]
+    rows = acc.shape[1] // -(-q.shape[-3] // 128)  # d = 64: 128-query blocks
+    acc[0, rows:2 * rows] = 0
+
+
+def dv_of_wrong_head(q, k, v, dq_acc, dk, dv, call):
+    dv[..., 0, :] = dv[..., 1, :]
+
+
+def dk_tail_unwritten(q, k, v, dq_acc, dk, dv, call):
+    dk[:, -20:] = float("nan")  # as the op poisoned it: the last keys left unwritten
+
+
+def run_dependent_dq(q, k, v, dq_acc, dk, dv, call):
+    """Deterministic mode, but the second run adds in another order: one element of dQ a few bf16 ulps
+    off (well within the tolerance; a difference that rounding to bf16 erases cannot be seen)."""
+    if call % 2 == 0:
+        flat = dq_acc.view(-1)
+        flat[flat.abs().argmax()] *= 1 + 2.0 ** -6
+
+
+def dk_past_seqused_k(q, k, v, dq_acc, dk, dv, call):
+    """Keys past seqused_k get a small gradient (within the tolerance, but they must read 0)."""
+    dk.add_(1e-3)
+
+
+def dq_in_rows_without_keys(dq):
+    dq[:, 0] = 1e-3  # row 0 sees no key in the causal problem (more queries than keys)
+
+
+WRONG_BACKWARD = {
+    "dK scaled by 1.05": (dict(bwd_mutate=dk_scaled), dict()),
+    "dQ missing a query block": (dict(bwd_mutate=dq_block_missing), dict(causal=True)),
+    "dV of the wrong KV head": (dict(bwd_mutate=dv_of_wrong_head), dict()),
+    "dK of the last keys unwritten": (dict(bwd_mutate=dk_tail_unwritten), dict(causal=True)),
+    "deterministic runs differ": (dict(bwd_mutate=run_dependent_dq), dict(deterministic=True)),
+    "dQ not 0 in rows without keys": (dict(post_mutate=dq_in_rows_without_keys), dict(causal=True)),
+    "dK not 0 past seqused_k": (dict(bwd_mutate=dk_past_seqused_k), dict(varlen=True, has_seqused_k=True)),
+    "dsink 0": (dict(sink_zero=True), dict()),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG_BACKWARD))
+def test_wrong_backward_raises_naming_the_configuration(fake_bwd, monkeypatch, name):
+    hooks, flags = WRONG_BACKWARD[name]
+    hooks = dict(hooks)
+    if hooks.pop("sink_zero", False):
+        monkeypatch.setattr(ops, "_sink_grad", lambda grad_out, out, lse, sink, *_: torch.zeros_like(sink))
+    fake_bwd.update(hooks)
+    cfg = bwd_config(**flags)
+    if cfg.causal:
+        assert selfcheck.reference_backward(selfcheck.build_backward_problem(cfg)).empty[:, 0].all()
+    if cfg.varlen:
+        cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+        q, k, v = leaves(*(torch.randn(45, h, 64, dtype=BF16) for h in (4, 2, 2)))
+        used = torch.tensor([20, 25], dtype=torch.int32) if cfg.has_seqused_k else None
+        call = lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqused_k=used, causal=cfg.causal)  # noqa: E731
+        tensors = [q, k, v]
+    else:
+        q, k, v = tensors = leaves(*rand_qkv(hq=4, hk=2, d=64))
+        if name == "dsink 0":
+            tensors.append(torch.randn(4).requires_grad_())
+        call = lambda: flash_attn_func(q, k, v, causal=cfg.causal, deterministic=cfg.deterministic,  # noqa: E731
+                                       learnable_sink=tensors[3] if len(tensors) > 3 else None)
+    out = call()
+    with pytest.raises(selfcheck.SelfCheckError) as info:
+        out.backward(torch.randn_like(out))
+    message = str(info.value)
+    print(message)
+    assert "flash-attn4 self-check FAILED" in message and "BackwardConfig(arch=sm_90a" in message
+    assert "FLASH_ATTN4_SELF_CHECK=0" in message and selfcheck.ISSUE_TRACKER in message
+    assert all(t.grad is None for t in tensors)  # no gradients returned
+    assert selfcheck.verdict(cfg, "cpu") == "failed"
+    checks = len(fake_bwd["bwd_calls"])
+    assert checks == (2 if cfg.deterministic else 1)  # the check's launches, none for the user
+    with pytest.raises(selfcheck.SelfCheckError):  # again, without running the check again
+        call().backward(torch.ones_like(out))
+    assert len(fake_bwd["bwd_calls"]) == checks
+
+
+def test_backward_error_names_the_gradient_and_where(fake_bwd):
+    fake_bwd["bwd_mutate"] = dv_of_wrong_head
+    with pytest.raises(selfcheck.SelfCheckError, match=r"dv: max\|dv - ref\| = .* at batch \d key row \d+ head 0 "
+                                                       r"exceeds 2 \* max\|dv_bfloat16 - ref\|"):
+        user_backward()
+
+
+def test_backward_small_perturbation_within_the_rule_passes(fake_bwd):
+    fake_bwd["bwd_mutate"] = lambda q, k, v, dq_acc, dk, dv, call: dk.mul_(1.002)
+    user_backward()
+    assert selfcheck.verdict(bwd_config(), "cpu") == "passed"
+
+
+def test_backward_default_checks_unverified_archs_only(fake_bwd, monkeypatch):
+    monkeypatch.setattr(selfcheck, "UNVERIFIED_ARCHS", frozenset({Arch.SM100, Arch.SM103}))
+    fake_bwd["bwd_mutate"] = dk_scaled  # not checked: used as it is
+    user_backward()
+    assert fake_bwd["bwd_calls"] == [tuple(rand_qkv(hq=4, hk=2, d=64)[0].shape)]
+    assert selfcheck.verdict(bwd_config(), "cpu") == "not required"
+
+
+def test_backward_forced_on_checks_sm90_and_off_skips(fake_bwd, monkeypatch):
+    monkeypatch.setattr(selfcheck, "UNVERIFIED_ARCHS", frozenset({Arch.SM100, Arch.SM103}))
+    monkeypatch.setenv(settings.SELF_CHECK, "1")
+    user_backward(causal=True)
+    assert selfcheck.verdict(bwd_config(causal=True), "cpu") == "passed"
+    fake_bwd["bwd_mutate"] = dk_scaled
+    with pytest.raises(selfcheck.SelfCheckError, match="forces it on"):
+        user_backward()
+    monkeypatch.setenv(settings.SELF_CHECK, "0")
+    fake_bwd["bwd_calls"].clear()
+    user_backward(window_size=(8, 2))  # a new configuration, not checked
+    assert len(fake_bwd["bwd_calls"]) == 1 and selfcheck.verdict(bwd_config(local=True), "cpu") == "off"
+
+
+def test_backward_check_that_never_finishes_fails(fake_bwd, monkeypatch):
+    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=64))
+    out = flash_attn_func(q, k, v)  # the forward's check passes first
+    monkeypatch.setattr(selfcheck, "completion_probe", lambda device: (lambda: False))
+    monkeypatch.setattr(selfcheck, "HANG_TIMEOUT_S", 0.05)
+    with pytest.raises(selfcheck.SelfCheckError, match="backward did not finish the check's problem"):
+        out.backward(torch.ones_like(out))
+    assert len(fake_bwd["bwd_calls"]) == 1 and q.grad is None
+
+
+def test_sm100_backward_is_still_refused_to_users(fake_gpu, monkeypatch):
+    """The check is no way in: the torch layer refuses the sm100 backward before any kernel exists."""
+    monkeypatch.setattr(dispatch, "arch_for_device",
+                        lambda device, kernel="forward": dispatch.arch_for_capability((10, 0), "B200", kernel))
+    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=64))
+    out = flash_attn_func(q, k, v)
+    with pytest.raises(NotImplementedError, match="backward kernels are not implemented yet"):
+        out.backward(torch.ones_like(out))
+
+
+# ---- the backward's problem and reference ----
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(causal=True), dict(local=True, has_softcap=True),
+                                   dict(varlen=True, has_seqused_k=True, deterministic=True)])
+def test_backward_problem_covers_the_configuration(flags):
+    cfg = bwd_config(**flags)
+    p = selfcheck.build_backward_problem(cfg)
+    f = p.fwd
+    assert f.q.shape[-2] // f.k.shape[-2] == selfcheck.UNPACKED_HEAD_RATIO > 1  # GQA: dK, dV summed over 3 heads
+    assert p.dout.shape == f.output_shapes()[0] and p.dout.dtype == f.q.dtype and p.dout.float().std() > 0.5
+    assert p.deterministic == cfg.deterministic and (f.learnable_sink is not None) == selfcheck.backward_has_sink(cfg)
+    assert (f.learnable_sink is not None) == (not (cfg.causal or cfg.local))
+    assert f.softcap > 0 if cfg.has_softcap else f.softcap == 0
+    assert p.max_seqlen_k == max(x[1] for x in f.lengths)
+    ref = selfcheck.reference_backward(p)
+    if cfg.causal or cfg.local or cfg.varlen:
+        assert ref.empty.any()  # rows without any key: zero dQ (LSE -inf without a sink)
+    if cfg.has_seqused_k:
+        assert ref.unseen.any()  # keys past seqused_k: zero dK, dV
+    assert not torch.equal(selfcheck.build_backward_problem(cfg, seed=1).dout, selfcheck.build_backward_problem(
+        cfg, seed=2).dout)
+
+
+@pytest.mark.parametrize("flags", [dict(causal=True, varlen=True, has_seqused_k=True),
+                                   dict(local=True, has_softcap=True), dict()])
+def test_backward_reference_matches_autograd_through_the_suites_reference(seed, flags):
+    """selfcheck's backward reference (the package cannot import tests/) against float32 autograd of
+    tests/reference.py, and its low-precision gradients about as far off as the suite's grad_pt."""
+    cfg = bwd_config(**flags)
+    p = selfcheck.build_backward_problem(cfg, seed=seed)
+    f = p.fwd
+    ref = selfcheck.reference_backward(p)
+    window = (f.window_left, f.window_right) if cfg.local else (-1, -1)
+    kwargs = dict(softmax_scale=f.softmax_scale, causal=f.causal, window_size=window, softcap=f.softcap,
+                  cu_seqlens_q=f.cu_seqlens_q, cu_seqlens_k=f.cu_seqlens_k, seqused_k=f.seqused_k)
+    for upcast in (True, False):
+        ts = [t.float() if upcast else t for t in (f.q, f.k, f.v)]
+        sink = None if f.learnable_sink is None else f.learnable_sink.clone()
+        ts = leaves(*ts) + ([sink.requires_grad_()] if sink is not None else [])
+        out, _ = attention_ref(*ts[:3], learnable_sink=sink, upcast=upcast, **kwargs)
+        out.backward(p.dout.float() if upcast else p.dout)
+        for name, t in zip(("dq", "dk", "dv", "dsink"), ts):
+            if upcast:
+                assert (ref.grads[name] - t.grad.double()).abs().max() < 1e-4 * max(1.0, float(t.grad.abs().max()))
+            else:
+                base = (ref.lowp[name] - ref.grads[name]).abs().max()
+                base_pt = (t.grad.double() - ref.grads[name]).abs().max()
+                assert 0.25 * base_pt <= base <= 4 * base_pt, (name, float(base), float(base_pt))
+
+
+# ---- the kernel's arithmetic passes the backward's check ----
+
+from tests import bwd_tile_model as bm  # noqa: E402
+from tests.cpu.test_ops import dq_accum_positions  # noqa: E402
+
+
+def tile_model_backward_kernel(cfg):
+    """compile_backward(cfg)'s stand-in that runs the backward's tile model (tests/bwd_tile_model.py:
+    the kernel's tiles, rounding points and float32 accumulation, MUFU and tanh.approx errors at their
+    hardware bounds) on the rows the preprocessing stand-in left, per sequence and KV head."""
+    params = bm.BwdTileParams.from_backward_config(cfg)
+
+    def run(q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, semaphore, scale, softcap, left,
+            right, max_seqlen_k):
+        hq, hk = q.shape[-2], k.shape[-2]
+        g = hq // hk
+        opts = dict(softmax_scale=scale, causal=cfg.causal, window=(left, right) if cfg.local else (-1, -1),
+                    softcap=softcap if cfg.has_softcap else 0.0, deterministic=cfg.deterministic,
+                    tanh_rel_error=2.0 ** -11, mufu_rel_error=2.0 ** -22)
+        dq = torch.zeros(q.shape, dtype=torch.float32)
+        if cfg.varlen:  # (query rows, key rows, rows of lse_log2 / dpsum) per sequence
+            sequences = []
+            for b in range(cu_q.shape[0] - 1):
+                q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b])
+                k1 = k0 + int(seqused_k[b]) if seqused_k is not None else int(cu_k[b + 1])
+                r0 = (q0 + 3 * b) // 4 * 4  # the packed row layout (test_ops.torch_backward_kernel)
+                sequences.append(((slice(q0, q1),), (slice(k0, k1),), (slice(None), slice(r0, r0 + q1 - q0))))
+        else:
+            sequences = [((b,), (b,), (b, slice(None), slice(0, q.shape[1]))) for b in range(q.shape[0])]
+        for qs, ks, rs in sequences:
+            qb, kb, vb, dob = q[qs], k[ks], v[ks], dout[qs]
+            if kb.shape[0] == 0:
+                continue
+            for h in range(hk):
+                heads = slice(h * g, (h + 1) * g)
+                if qb.shape[0] == 0:
+                    dk[ks][:, h], dv[ks][:, h] = 0, 0
+                    continue
+                acc, dk_h, dv_h, _ = bm.main(qb[:, heads], kb[:, h], vb[:, h], dob[:, heads],
+                                             dpsum[rs][heads].numpy(), lse_log2[rs][heads].numpy(), params, **opts)
+                dq[qs][:, heads] = torch.from_numpy(acc)
+                dk[ks][:, h], dv[ks][:, h] = dk_h, dv_h
+        dq_acc.view(-1).index_add_(0, dq_accum_positions(cfg, q, cu_q).flatten(), dq.flatten())
+
+    return run
+
+
+@pytest.mark.parametrize("d,dv,flags", [
+    (64, 64, dict()), (128, 128, dict(causal=True)), (128, 128, dict(local=True, has_softcap=True)),
+    (128, 128, dict(varlen=True, has_seqused_k=True, causal=True, deterministic=True)), (96, 96, dict(varlen=True))])
+def test_the_kernels_arithmetic_passes_the_backward_check(seed, fake_bwd, monkeypatch, d, dv, flags):
+    """The check's tolerance admits what the kernel computes: the tile model as the main kernel
+    (P and dS rounded to bf16, float32 accumulation, MUFU / tanh.approx errors) passes with room."""
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: tile_model_backward_kernel(cfg))
+    cfg = bwd_config(d, dv, **flags)
+    report = selfcheck.check_backward(cfg, compile_cache.get_backward_kernel(cfg), ops.BACKWARD_LAUNCH,
+                                      torch.device("cpu"))
+    print(report.summary())
+    assert report.ok, report.failures
+    assert all(err <= 0.6 * allowed for err, allowed in report.grads.values()), report.summary()

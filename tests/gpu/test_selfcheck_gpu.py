@@ -174,3 +174,131 @@ def test_first_use_inside_graph_capture_asks_for_a_warm_up(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+# ---- the backward ----
+
+BACKWARD_CASES = {
+    # name: (shapes (b, sq, sk, hq, hk, d, dv) or varlen, flash_attn options)
+    "d64 sink": ((2, 257, 300, 6, 2, 64, 64), dict()),
+    "d128 causal": ((2, 257, 300, 4, 4, 128, 128), dict(causal=True)),
+    "d128 local softcap deterministic": ((2, 257, 300, 4, 2, 128, 128),
+                                         dict(window_size=(64, 16), softcap=3.0, deterministic=True)),
+    "d256 causal (split head dim)": ((2, 257, 300, 2, 1, 256, 256), dict(causal=True)),
+    "varlen seqused_k causal deterministic": ("varlen", dict(causal=True, deterministic=True)),
+}
+
+
+def backward_verdicts():
+    from flash_attn4.fa4_kernels.config import BackwardConfig
+
+    return {key[1]: verdict for key, verdict in selfcheck._verdicts.items() if isinstance(key[1], BackwardConfig)}
+
+
+def run_backward_case(name):
+    """A user's forward and backward of a named case; returns (leaves, dout, reference kwargs)."""
+    shapes, opts = BACKWARD_CASES[name]
+    opts = dict(opts)
+    if shapes == "varlen":
+        q, k, v, cu_q, cu_k = varlen_inputs(4, 2, 128)
+        used = torch.tensor([300, 0, 61], dtype=torch.int32, device=DEVICE)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        ref_kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, causal=opts["causal"])
+        out = flash_attn_varlen_func(*leaves, seqused_k=used, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **opts)
+    else:
+        b, sq, sk, hq, hk, d, dv = shapes
+        leaves = [t.requires_grad_() for t in (rand(b, sq, hq, d), rand(b, sk, hk, d), rand(b, sk, hk, dv))]
+        if name.endswith("sink"):
+            leaves.append(torch.randn(hq, device=DEVICE).requires_grad_())
+            opts["learnable_sink"] = leaves[3]
+        out = flash_attn_func(*leaves[:3], **opts)
+        ref_kw = {key: val for key, val in opts.items() if key != "deterministic"}
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    return leaves, dout, ref_kw
+
+
+@pytest.mark.parametrize("name", list(BACKWARD_CASES))
+def test_real_sm90_backward_configurations_pass(name):
+    """Forced on, the backward's check runs the real preprocessing, main kernel and postprocessing on
+    its problem and passes; the configuration is checked once; the caller's gradients are right."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    leaves, dout, ref_kw = run_backward_case(name)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    verdicts = backward_verdicts()
+    assert list(verdicts.values()) == ["passed"], verdicts
+    (cfg,) = verdicts
+    report = selfcheck.report(cfg, leaves[0].device)
+    assert report.ok and all(err <= allowed for err, allowed in report.grads.values()), report.failures
+    print(f"\n[selfcheck] backward {name}: first forward + backward with both checks {first * 1e3:.1f} ms; the "
+          f"backward's check {report.total_s * 1e3:.1f} ms (problem {report.build_s * 1e3:.1f} ms, references "
+          f"{report.reference_s * 1e3:.1f} ms, comparison {report.compare_s * 1e3:.1f} ms); {report.summary()}; "
+          f"{report.problem}")
+    reports = len(selfcheck._reports)
+    run_backward_case(name)  # a second use of the same configurations: no second check
+    assert len(selfcheck._reports) == reports
+    # the caller's gradients, against float32 autograd of the reference (the suite's rule)
+    grads = [t.grad for t in leaves]
+    q, k, v = (t.detach() for t in leaves[:3])
+    sink = leaves[3].detach() if len(leaves) > 3 else None
+    ref_leaves = [t.float().requires_grad_() for t in (q, k, v)] + ([sink.float().requires_grad_()] if sink is not None
+                                                                   else [])
+    kw = {key: val for key, val in ref_kw.items() if key != "learnable_sink"}
+    out_ref, _ = attention_ref(*ref_leaves[:3], learnable_sink=ref_leaves[3] if sink is not None else None, **kw)
+    out_ref.backward(dout.float())
+    pt_leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()]
+                                                                   if sink is not None else [])
+    out_pt, _ = attention_ref(*pt_leaves[:3], learnable_sink=pt_leaves[3] if sink is not None else None,
+                              upcast=False, **kw)
+    out_pt.backward(dout)
+    for got, r, pt, gname in zip(grads, ref_leaves, pt_leaves, ("dq", "dk", "dv", "dsink")):
+        atol = 2 * max_abs_diff(r.grad.to(got.dtype).float(), r.grad) + 1e-4 * float(r.grad.abs().max()) + 1e-5
+        if gname == "dsink":  # rowsum(dO * O) with O in bf16, as in tests/gpu/test_bwd.py's dsink_rounding
+            weight = ((dout.float() * out_ref.detach()) ** 2).sum(-1).transpose(1, 2)
+            _, lse = attention_ref(q.float(), k.float(), v.float(), learnable_sink=sink.float(), **kw)
+            per_head = (torch.exp(sink.float()[None, :, None] - lse) ** 2 * weight).sum((0, 2))
+            atol += 6 * float(per_head.max().sqrt()) * torch.finfo(q.dtype).eps / (2 * 3 ** 0.5)
+        assert_close_fa_rule(got, r.grad, pt.grad, atol=atol, name=gname)
+
+
+class WrongBackward:
+    """A real compiled backward kernel whose dK is spoiled after it ran, or that writes nothing."""
+
+    def __init__(self, kernel, how):
+        self.kernel, self.how = kernel, how
+
+    def __call__(self, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *rest):
+        if self.how != "nothing written":
+            self.kernel(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *rest)
+        if self.how == "dK scaled":
+            dk.mul_(1.05)
+
+
+@pytest.mark.parametrize("how", ["dK scaled", "nothing written"])
+def test_wrong_backward_kernel_raises_naming_the_gpu(monkeypatch, how):
+    real = compile_cache.get_backward_kernel
+    wrapped = {}
+    monkeypatch.setattr(compile_cache, "get_backward_kernel",
+                        lambda cfg: wrapped.setdefault(cfg, WrongBackward(real(cfg), how)))
+    q, k, v = (rand(2, 100, 4, 128).requires_grad_() for _ in range(3))
+    out = flash_attn_func(q, k, v)  # the forward's check passes
+    with pytest.raises(selfcheck.SelfCheckError) as info:
+        out.backward(torch.randn_like(out))
+    message = str(info.value)
+    print(f"\n[selfcheck] backward {how}:\n{message}")
+    assert torch.cuda.get_device_name() in message and "compute capability 9.0" in message
+    assert "BackwardConfig(arch=sm_90a, dtype=bfloat16, head_dim=128" in message
+    assert "FLASH_ATTN4_SELF_CHECK=0" in message and selfcheck.ISSUE_TRACKER in message
+    assert q.grad is None and k.grad is None and v.grad is None
+    with pytest.raises(selfcheck.SelfCheckError):  # and again, without a relaunch
+        flash_attn_func(q, k, v).backward(torch.ones_like(out))
+
+
+def test_backward_check_is_off_on_sm90_by_default(monkeypatch):
+    monkeypatch.delenv(settings.SELF_CHECK)
+    selfcheck.clear()
+    q, k, v = (rand(1, 64, 2, 64).requires_grad_() for _ in range(3))
+    flash_attn_func(q, k, v, causal=True).backward(torch.randn(1, 64, 2, 64, device=DEVICE, dtype=q.dtype))
+    assert list(backward_verdicts().values()) == ["not required"] and not selfcheck._reports

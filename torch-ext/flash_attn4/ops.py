@@ -40,7 +40,7 @@ import torch
 
 from . import compile_cache, device_info, dispatch, selfcheck, settings, validate
 from ._ops import add_op_namespace_prefix
-from .fa4_kernels.arch import kernels_for
+from .fa4_kernels.arch import Arch, kernels_for
 from .fa4_kernels.tiles import has_split_kv
 
 # The ops are defined with torch.library's low-level API rather than torch.library.custom_op: that
@@ -454,19 +454,21 @@ def _rowsum_dout_out(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> tor
 
 
 def _backward_rows(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   cu_seqlens_q: Optional[torch.Tensor], use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   cu_seqlens_q: Optional[torch.Tensor], use_kernel: bool,
+                   arch: Optional[Arch] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse_log2, dpsum) in the kernel's float32 row buffers (BackwardConfig's docstring): the
     forward's LSE in log2 units (+inf where a row saw no key, so P = 0) and rowsum(dout * out);
     padding rows hold 0. Batched: the LSE's layout with rows padded to a multiple of 4; packed: each
-    sequence's rows moved to their aligned start (_packed_rows)."""
+    sequence's rows moved to their aligned start (_packed_rows). ``arch``: the backward's (default:
+    out's device's)."""
     varlen = cu_seqlens_q is not None
     rows = lse.shape[-1]
     shape = (*lse.shape[:-1], -(-rows // _ROW_ALIGN) * _ROW_ALIGN)
     if use_kernel:
         lse_log2 = torch.empty(shape, dtype=torch.float32, device=lse.device)
         dpsum = torch.empty_like(lse_log2)
-        cfg = dispatch.preprocess_config(dispatch.arch_for_device(out.device, kernel="backward"),
-                                         dispatch.dtype_name(out.dtype), out.shape[-1])
+        arch = dispatch.arch_for_device(out.device, kernel="backward") if arch is None else arch
+        cfg = dispatch.preprocess_config(arch, dispatch.dtype_name(out.dtype), out.shape[-1])
         batched = (lambda t: t.unsqueeze(0)) if varlen else (lambda t: t)  # packed = one long batch entry
         compile_cache.get_backward_preprocess_kernel(cfg)(
             batched(out), batched(dout), batched(lse), batched(dpsum), batched(lse_log2))
@@ -529,12 +531,12 @@ def _dq_accum_index(cfg, q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) 
 
 
 def _dq_from_accum(dq_accum: torch.Tensor, cfg, q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
-                   max_seqlen_q: int, softmax_scale: float, use_kernel: bool) -> torch.Tensor:
+                   max_seqlen_q: int, softmax_scale: float, use_kernel: bool, poison: bool = False) -> torch.Tensor:
     """dQ = dq_accum * softmax_scale in the input dtype and q's layout, through the postprocessing
-    kernel or its torch reference."""
+    kernel or its torch reference (``poison``: the kernel's output starts as NaN)."""
     if not use_kernel:
         return (dq_accum.view(-1)[_dq_accum_index(cfg, q, cu_seqlens_q)] * softmax_scale).to(q.dtype)
-    dq = torch.empty_like(q)
+    dq = torch.full_like(q, float("nan")) if poison else torch.empty_like(q)
     if cu_seqlens_q is None:
         max_seqlen_q = q.shape[1]
     compile_cache.get_backward_postprocess_kernel(cfg.postprocess())(
@@ -584,28 +586,46 @@ def bwd(
     ``dlse`` (float32, lse's layout): the loss's gradient through the returned LSE. Since
     d lse_i / d s_ij = P_ij, it adds P_ij * dlse_i to dS_ij = P_ij (dP_ij - D_i): the kernels run
     unchanged with D_i - dlse_i in place of D_i = rowsum(dO * O)_i."""
+    if q.numel() == 0 or k.numel() == 0:
+        return (torch.zeros_like(q), torch.zeros(k.shape, dtype=k.dtype, device=k.device),
+                torch.zeros(v.shape, dtype=v.dtype, device=v.device))
+    q, k, v, dout = (validate.kernel_layout(t) for t in (q, k, v, dout))
+    cfg = dispatch.backward_config(
+        dispatch.arch_for_device(q.device, kernel="backward"), dispatch.dtype_name(q.dtype), q.shape[-1],
+        v.shape[-1], causal=causal, local=_is_local(causal, window_left, window_right),
+        has_softcap=softcap > 0.0, varlen=cu_seqlens_q is not None, has_seqused_k=seqused_k is not None,
+        deterministic=deterministic)
+    kernel = compile_cache.get_backward_kernel(cfg)
+    # First use of (device, cfg) on an architecture we have not run: the whole backward (pre- and
+    # postprocessing included) is checked against a PyTorch reference before it computes anything for
+    # the caller (selfcheck.py).
+    selfcheck.ensure_checked(cfg, q.device, kernel, BACKWARD_LAUNCH)
+    return _launch_backward(kernel, cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                            softmax_scale, softcap, window_left, window_right, max_seqlen_q, max_seqlen_k, dlse,
+                            poison=_poison_outputs_for_tests)
+
+
+def _launch_backward(kernel, cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
+                     softcap, window_left, window_right, max_seqlen_q, max_seqlen_k, dlse=None,
+                     poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of a BackwardConfig with its compiled main kernel: the preprocessing (LSE in log2
+    units, rowsum(dout * out)), the main kernel (dk, dv, and dQ into a zeroed fp32 accumulator), the
+    postprocessing (dq in the input dtype), on the current stream of q's device. ``bwd`` and the
+    first-use self-check (selfcheck.py) both launch through here. ``poison``: dq (and dk, dv where
+    the kernel writes them whole, i.e. without seqused_k) start as NaN, so that an element left
+    unwritten shows up."""
     varlen = cu_seqlens_q is not None
     # The kernel writes dK / dV of every key of every sequence (zeros where no query sees the key),
     # except keys past seqused_k, which must read 0.
     alloc = torch.zeros if seqused_k is not None else torch.empty
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
-    if _poison_outputs_for_tests and seqused_k is None:  # what the kernel leaves unwritten shows up
+    if poison and seqused_k is None:  # what the kernel leaves unwritten shows up
         dk.fill_(float("nan"))
         dv.fill_(float("nan"))
-    if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    q, k, v, dout = (validate.kernel_layout(t) for t in (q, k, v, dout))
-    cfg = dispatch.backward_config(
-        dispatch.arch_for_device(q.device, kernel="backward"), dispatch.dtype_name(q.dtype), q.shape[-1],
-        v.shape[-1], causal=causal, local=_is_local(causal, window_left, window_right),
-        has_softcap=softcap > 0.0, varlen=varlen, has_seqused_k=seqused_k is not None,
-        deterministic=deterministic)
-    kernel = compile_cache.get_backward_kernel(cfg)
-
     dq_accum = _dq_accum(q, cfg, cu_seqlens_q)
     semaphore = None
-    if deterministic:
+    if cfg.deterministic:
         batch, hq = (cu_seqlens_q.shape[0] - 1, q.shape[1]) if varlen else (q.shape[0], q.shape[2])
         m_blocks = -(-max_seqlen_q // cfg.tile_m)
         semaphore = torch.zeros(batch, hq, m_blocks, 2, dtype=torch.int32, device=q.device)
@@ -618,7 +638,8 @@ def bwd(
     if seqused_k is not None:
         seqused_k = seqused_k.contiguous()
     with _device_guard(q.device):  # the kernels launch on the current device's stream
-        lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, cu_seqlens_q, PREPROCESS_KERNEL)
+        lse_log2, dpsum = _backward_rows(dout, validate.kernel_layout(out), lse, cu_seqlens_q, PREPROCESS_KERNEL,
+                                         cfg.arch)
         if dlse is not None:
             dlse = dlse.float()
             if varlen:  # the rows of each sequence at their aligned start, zero padding between
@@ -627,7 +648,8 @@ def bwd(
                 dpsum[..., :dlse.shape[-1]] -= dlse
         kernel(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, semaphore,
                float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_k))
-        dq = _dq_from_accum(dq_accum, cfg, q, cu_seqlens_q, max_seqlen_q, softmax_scale, POSTPROCESS_KERNEL)
+        dq = _dq_from_accum(dq_accum, cfg, q, cu_seqlens_q, max_seqlen_q, softmax_scale, POSTPROCESS_KERNEL,
+                            poison)
     return dq, dk, dv
 
 
@@ -704,6 +726,12 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd(fwd, _backward, setup_context=_setup_context)
+
+# What the backward's first-use self-check runs: the whole backward and the sink's gradient, looked up
+# here at each call (so that tests can replace either).
+BACKWARD_LAUNCH = selfcheck.BackwardLaunch(
+    gradients=lambda *args, **kwargs: _launch_backward(*args, **kwargs),
+    sink_gradient=lambda *args, **kwargs: _sink_grad(*args, **kwargs))
 
 
 # ---- KV cache (flash_attn_with_kvcache) ----

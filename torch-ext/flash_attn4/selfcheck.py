@@ -7,7 +7,10 @@ compared with a PyTorch reference *before* the caller's call gets a result. A wr
 fails loudly at its first call instead of returning wrong numbers.
 
 When: ``ops._kernel_for`` calls :func:`ensure_checked` after it has the compiled forward kernel for a
-(device, ForwardConfig), before the caller's launch. Which configurations are checked:
+(device, ForwardConfig), before the caller's launch; ``ops.bwd`` likewise with the compiled backward
+kernel for a (device, BackwardConfig), whose check runs the whole backward (the preprocessing, that
+kernel and the postprocessing its configuration derives; "The backward" section below). Which
+configurations are checked:
 
 * ``FLASH_ATTN4_SELF_CHECK`` unset (or ``auto``): configurations whose ``arch`` is in
   :data:`UNVERIFIED_ARCHS` (today sm_100a and sm_103a: the registry's ``run_by_us``, the one place
@@ -83,7 +86,7 @@ import torch
 
 from . import settings
 from .fa4_kernels.arch import NOT_RUN_BY_US
-from .fa4_kernels.config import ForwardConfig
+from .fa4_kernels.config import BackwardConfig, ForwardConfig
 
 # Architectures whose kernels have never been run by us: checked by default (FLASH_ATTN4_SELF_CHECK
 # unset). The registry says which (fa4_kernels/arch.py, ArchKernels.run_by_us).
@@ -205,14 +208,22 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
     """A problem on the CPU that takes ``cfg``'s paths (the module docstring lists them); random
     inputs from ``seed`` (default: SEED) drawn from a private generator, so the caller's RNG state is
     left alone."""
-    seed = SEED if seed is None else seed
-    gen = torch.Generator().manual_seed(seed)
+    return _build_problem(cfg, cfg.pack_gqa if cfg.pack_gqa > 1 else UNPACKED_HEAD_RATIO, cfg.has_sink,
+                          torch.Generator().manual_seed(SEED if seed is None else seed))
+
+
+def _build_problem(cfg, ratio: int, has_sink: bool, gen: torch.Generator) -> ForwardProblem:
+    """The problem of a forward or backward configuration (``cfg``: its dtype, head dims, mask,
+    softcap, varlen and seqused_k fields; the forward's seqused_q, split_kv and page_size where it
+    has them) with ``ratio`` query heads per KV head, from ``gen``."""
+    seed = gen.initial_seed()
     dtype = _TORCH_DTYPES[cfg.dtype]
-    ratio = cfg.pack_gqa if cfg.pack_gqa > 1 else UNPACKED_HEAD_RATIO
     hk = 2 if ratio <= 8 else 1
     hq = ratio * hk
     d, dv = cfg.head_dim, cfg.head_dim_v
     masked = cfg.causal or cfg.local
+    has_seqused_q, split_kv, page_size = (getattr(cfg, name, default) for name, default in
+                                          (("has_seqused_q", False), ("split_kv", False), ("page_size", 0)))
     if cfg.varlen:
         lengths = VARLEN_LENGTHS if cfg.has_seqused_k else tuple(
             (sq, sk if used else 0, sk if used else 0) for sq, sk, used in VARLEN_LENGTHS)
@@ -232,23 +243,23 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
     q, k, v = (randn(*s).to(dtype) for s in (q_shape, k_shape, v_shape))
     seqused_k = torch.tensor([x[2] for x in lengths], dtype=torch.int32) if cfg.has_seqused_k else None
     seqused_q = None
-    if cfg.has_seqused_q:
+    if has_seqused_q:
         cuts = SEQUSED_Q_CUT if cfg.varlen else (37, None)
         seqused_q = torch.tensor([max(x[0] - cut, 0) if cut is not None else 1 for x, cut in zip(lengths, cuts)],
                                  dtype=torch.int32)
-    sink = randn(hq) + SINK_MEAN if cfg.has_sink else None
+    sink = randn(hq) + SINK_MEAN if has_sink else None
     if cfg.causal:
         left, right = -1, 0
     elif cfg.local:
         left, right = WINDOW
     else:
         left, right = -1, -1
-    pages = _paged(k, v, lengths, cfg.page_size, gen) if cfg.page_size else (None, None, None)
+    pages = _paged(k, v, lengths, page_size, gen) if page_size else (None, None, None)
     return ForwardProblem(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
                           learnable_sink=sink, softmax_scale=1.25 / math.sqrt(d),
                           softcap=SOFTCAP if cfg.has_softcap else 0.0, causal=cfg.causal, window_left=left,
                           window_right=right, max_seqlen_q=max_seqlen_q, seed=seed, lengths=lengths,
-                          seqused_q=seqused_q, num_splits=SPLITS if cfg.split_kv else 1,
+                          seqused_q=seqused_q, num_splits=SPLITS if split_kv else 1,
                           k_pages=pages[0], v_pages=pages[1], page_table=pages[2])
 
 
@@ -408,6 +419,8 @@ class CheckReport:
     out_allowed: float = float("nan")
     lse_err: float = float("nan")
     lse_allowed: float = float("nan")
+    # the backward's: gradient name ("dq", "dk", "dv", "dsink") -> (max |grad - ref|, allowed)
+    grads: dict = field(default_factory=dict)
     problem: str = ""
     # wall seconds: building the problem (CPU) and moving it to the device; computing both references
     # (on a GPU: queueing their kernels); comparing (on a GPU: waiting for the kernel and the
@@ -422,22 +435,26 @@ class CheckReport:
         return not self.failures
 
     def summary(self) -> str:
+        if self.grads:
+            return "; ".join(f"{name} max|{name} - ref| = {err:.3e} (allowed {allowed:.3e})"
+                             for name, (err, allowed) in self.grads.items())
         return (f"out max|out - ref| = {self.out_err:.3e} (allowed {self.out_allowed:.3e}); "
                 f"lse max|lse - ref| = {self.lse_err:.3e} (allowed {self.lse_allowed:.3e})")
 
 
-def _where(p: ForwardProblem, index: tuple, lse_layout: bool = False) -> str:
-    """Human words for an element index of out (or of lse)."""
+def _where(p: ForwardProblem, index: tuple, lse_layout: bool = False, keys: bool = False) -> str:
+    """Human words for an element index of out or dq (of lse; of dk or dv with ``keys``)."""
+    row_name = "key row" if keys else "query row"
     if p.varlen:
         head, token = (index[0], index[1]) if lse_layout else (index[1], index[0])
-        cq = p.cu_seqlens_q.tolist()
-        seq = max(b for b in range(len(cq) - 1) if cq[b] <= token) if len(cq) > 1 else 0
-        return f"sequence {seq} query row {token - cq[seq]} head {head}"
+        cu = (p.cu_seqlens_k if keys else p.cu_seqlens_q).tolist()
+        seq = max(b for b in range(len(cu) - 1) if cu[b] <= token) if len(cu) > 1 else 0
+        return f"sequence {seq} {row_name} {token - cu[seq]} head {head}"
     if lse_layout:
         b, head, row = index[:3]
     else:
         b, row, head = index[:3]
-    return f"batch {b} query row {row} head {head}"
+    return f"batch {b} {row_name} {row} head {head}"
 
 
 def _first(mask: torch.Tensor) -> tuple:
@@ -566,7 +583,234 @@ def await_completion(probe: Optional[Callable[[], bool]], timeout_s: Optional[fl
     return True
 
 
-_CHECKS = {ForwardConfig: check_forward}  # BackwardConfig joins with its problem, reference and launch
+# ---- the backward ----
+#
+# A BackwardConfig's check runs the whole backward as ops.bwd launches it (ops._launch_backward: the
+# preprocessing, the main kernel, the postprocessing) on its configuration's problem (the forward's:
+# dtype, head dims, mask, softcap, varlen, seqused_k; GQA with UNPACKED_HEAD_RATIO query heads per KV
+# head), with the reference forward's out (rounded to the input dtype) and LSE as the forward would
+# have left them and a random incoming gradient dout. Deterministic configurations run twice and must
+# agree bit for bit. The gradients are compared with autograd through the reference forward (float64,
+# on the kernel's device) by the GPU suite's backward rule (tests/gpu/test_bwd.py):
+# max|grad - ref| <= 2 * max|grad_lowp - ref| + atol, atol twice the rounding of the exact gradient to
+# the input dtype plus GRAD_RTOL of its largest value plus ATOL, with grad_lowp the gradient of the
+# reference run with the input dtype's roundings (its GEMM results, P, and in the backward dP, dS and
+# the gradients); every gradient finite; dq exactly 0 in rows that see no key, dk and dv exactly 0 for
+# keys no query sees (keys past seqused_k included).
+#
+# A learnable sink only changes the LSE the kernels read (BackwardConfig has no sink field; its
+# gradient is torch's, ops._sink_grad, checked here too): the problem has one where the configuration
+# asks for one (a future ``has_sink`` field) and otherwise where no mask is set. Masked configurations
+# keep their rows without any key (LSE -inf, which the preprocessing turns into +inf), which a sink
+# would hide.
+
+GRAD_RTOL = 1e-4  # of the largest exact gradient, as in the GPU suite's rule
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """How the torch layer runs a backward (ops.BACKWARD_LAUNCH): ``gradients(kernel, cfg, dout, q, k,
+    v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap, window_left,
+    window_right, max_seqlen_q, max_seqlen_k, poison=True)`` -> (dq, dk, dv) is ops._launch_backward;
+    ``sink_gradient(dout, out, lse, learnable_sink, varlen)`` -> dsink is ops._sink_grad."""
+
+    gradients: Callable
+    sink_gradient: Callable
+
+
+@dataclass
+class BackwardProblem:
+    """A forward problem (inputs, masks) plus what the backward takes beyond it."""
+
+    fwd: ForwardProblem
+    dout: torch.Tensor  # out's layout, in the input dtype
+    max_seqlen_k: int
+    deterministic: bool
+
+    def describe(self) -> str:
+        return self.fwd.describe() + (", deterministic (run twice)" if self.deterministic else "")
+
+
+def backward_has_sink(cfg) -> bool:
+    """Whether a backward configuration's problem has a learnable sink (the section comment above)."""
+    return getattr(cfg, "has_sink", not (cfg.causal or cfg.local))
+
+
+def build_backward_problem(cfg, seed: Optional[int] = None) -> BackwardProblem:
+    """The problem of a BackwardConfig, on the CPU, from ``seed`` (default: SEED) in a private
+    generator."""
+    gen = torch.Generator().manual_seed(SEED if seed is None else seed)
+    fwd = _build_problem(cfg, UNPACKED_HEAD_RATIO, backward_has_sink(cfg), gen)
+    out_shape, _ = fwd.output_shapes()
+    dout = torch.randn(*out_shape, generator=gen, dtype=torch.float32).to(fwd.q.dtype)
+    return BackwardProblem(fwd=fwd, dout=dout, max_seqlen_k=max(x[1] for x in fwd.lengths),
+                           deterministic=cfg.deterministic)
+
+
+@dataclass
+class BackwardReference:
+    grads: dict  # name -> float64 exact gradient, in the kernel's layouts ("dsink" with a sink)
+    lowp: dict  # the same with the input dtype's roundings
+    empty: torch.Tensor  # bool, q's layout without the last two dims: rows that see no key
+    unseen: torch.Tensor  # bool, k's layout without the last two dims: keys no query sees
+    extra_atol: dict  # name -> tolerance beyond the rule's ("dsink": _dsink_noise)
+
+
+def reference_backward(p: BackwardProblem, device=None, fwd_ref: Optional[ForwardReference] = None
+                       ) -> BackwardReference:
+    """Autograd through the reference forward (``_attend``) with incoming gradient p.dout, exact and
+    with the input dtype's roundings, on ``device`` (default: the CPU)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        exact, lowp = (_reference_grads(p, device, exact) for exact in (True, False))
+    dtype = p.fwd.q.dtype
+    lowp = {name: (g if name == "dsink" else g.to(dtype).double()) for name, g in lowp.items()}
+    empty, unseen = _unseen(p.fwd, device)
+    extra = {}
+    if p.fwd.learnable_sink is not None:
+        fwd_ref = reference_forward(p.fwd, device) if fwd_ref is None else fwd_ref
+        extra["dsink"] = _dsink_noise(p, fwd_ref, device)
+    return BackwardReference(grads=exact, lowp=lowp, empty=empty, unseen=unseen, extra_atol=extra)
+
+
+def _dsink_noise(p: BackwardProblem, fwd_ref: ForwardReference, device) -> float:
+    """Six standard deviations of the sink gradient's error from taking rowsum(dO * O) with O in the
+    input dtype, as every FlashAttention backward does (the GPU suite's dsink_rounding):
+    dsink_h = -sum_rows exp(sink_h - lse) rowsum(dO * O), each element of O rounded independently,
+    uniformly within +-eps/2 of its size."""
+    f = p.fwd
+    weight = ((p.dout.to(device, torch.float64) * fwd_ref.out) ** 2).sum(-1)  # (b, sq, hq) or (total, hq)
+    weight = weight.t() if f.varlen else weight.transpose(1, 2)  # lse's layout
+    sink = f.learnable_sink.to(device, torch.float64)
+    p_sink = torch.exp((sink[:, None] if f.varlen else sink[None, :, None]) - fwd_ref.lse)
+    per_head = (p_sink ** 2 * weight).sum(-1) if f.varlen else (p_sink ** 2 * weight).sum((0, 2))
+    return 6 * float(per_head.max().sqrt()) * torch.finfo(f.q.dtype).eps / (2 * 3 ** 0.5)
+
+
+def _sequences(f: ForwardProblem):
+    """Per sequence: (its query rows, its used keys, its stored keys) as indexes into the batched
+    (b, s, ...) or packed (total, ...) tensors."""
+    cq = f.cu_seqlens_q.tolist() if f.varlen else None
+    ck = f.cu_seqlens_k.tolist() if f.varlen else None
+    for b, (sq, sk, used) in enumerate(f.lengths):
+        if f.varlen:
+            yield slice(cq[b], cq[b] + sq), slice(ck[b], ck[b] + used), slice(ck[b], ck[b] + sk)
+        else:
+            yield (b, slice(0, sq)), (b, slice(0, used)), (b, slice(0, sk))
+
+
+def _reference_grads(p: BackwardProblem, device, exact: bool) -> dict:
+    f = p.fwd
+    leaves = {name: t.to(device=device, dtype=torch.float64).requires_grad_()
+              for name, t in (("dq", f.q), ("dk", f.k), ("dv", f.v), ("dsink", f.learnable_sink)) if t is not None}
+    dout = p.dout.to(device=device, dtype=torch.float64)
+    q, k, v, sink = leaves["dq"], leaves["dk"], leaves["dv"], leaves.get("dsink")
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    for rows, keys, _ in _sequences(f):
+        if q[rows].shape[0] == 0:
+            continue
+        out, _, _ = _attend(q[rows], k[keys], v[keys], sink, f, exact=exact)
+        loss = loss + (out * dout[rows]).sum()
+    names = list(leaves)
+    grads = (torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True) if loss.requires_grad
+             else [None] * len(names))
+    return {n: (torch.zeros_like(leaves[n]) if g is None else g).detach() for n, g in zip(names, grads)}
+
+
+def _unseen(f: ForwardProblem, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows that see no key, keys no query sees) in q's and k's layouts without the last two dims."""
+    empty = torch.zeros(f.q.shape[:-2], dtype=torch.bool, device=device)
+    unseen = torch.ones(f.k.shape[:-2], dtype=torch.bool, device=device)
+    for (rows, keys, _), (sq, _, used) in zip(_sequences(f), f.lengths):
+        visible = _visible(sq, used, f.causal, f.window_left, f.window_right, device)
+        empty[rows] = ~visible.any(dim=1)
+        unseen[keys] = ~visible.any(dim=0)
+    return empty, unseen
+
+
+def compare_backward(p: BackwardProblem, runs: list, ref: BackwardReference) -> CheckReport:
+    """The gradients of each run (dicts name -> tensor in the kernel's layouts) against the
+    reference, under the section comment's rule; several runs (deterministic) must also be bitwise
+    equal. Never raises for a mismatch: the report lists every failed condition."""
+    f = p.fwd
+    report = CheckReport(problem=p.describe())
+    fail = report.failures.append
+    got = runs[0]
+    for i, other in enumerate(runs[1:], 2):
+        for name, g in got.items():
+            if not torch.equal(torch.nan_to_num(g), torch.nan_to_num(other[name])):
+                fail(f"{name}: deterministic mode gave a different result on run {i} (max difference "
+                     f"{float((g.double() - other[name].double()).abs().max()):.3e})")
+    for name, want in ref.grads.items():
+        g = got.get(name)
+        if g is None or tuple(g.shape) != tuple(want.shape):
+            fail(f"{name}: shape {None if g is None else tuple(g.shape)}, expected {tuple(want.shape)}")
+            continue
+        g = g.detach().to(want.device, torch.float64)
+        keys = name in ("dk", "dv")
+        where = (lambda index: f"head {index[0]}") if name == "dsink" else (
+            lambda index: _where(f, index, keys=keys))  # noqa: E731
+        bad = ~torch.isfinite(g)
+        if bad.any():
+            fail(f"{name}: {int(bad.sum())} of {g.numel()} values are NaN or infinite, i.e. wrong or unwritten "
+                 f"(first at {where(_first(bad))})")
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        rounding = float((want.to(got[name].dtype).double() - want).abs().max()) if want.numel() else 0.0
+        base = float((ref.lowp[name] - want).abs().max()) if want.numel() else 0.0
+        atol = 2 * rounding + GRAD_RTOL * scale + ATOL + ref.extra_atol.get(name, 0.0)
+        diff = torch.nan_to_num((g - want).abs(), nan=math.inf)
+        err = float(diff.max()) if diff.numel() else 0.0
+        report.grads[name] = (err, 2 * base + atol)
+        if err > 2 * base + atol:
+            at = where(tuple(int(x) for x in torch.unravel_index(diff.argmax(), diff.shape)))
+            fail(f"{name}: max|{name} - ref| = {err:.3e} at {at} exceeds 2 * max|{name}_{str(f.q.dtype)[6:]} - ref| "
+                 f"+ atol = 2 * {base:.3e} + {atol:.3e}")
+        if name != "dsink":
+            zero = ref.unseen if keys else ref.empty
+            nonzero = (g != 0).any(-1) & zero[..., None]  # (.., rows, heads)
+            if nonzero.any():
+                what = "keys that no query sees" if keys else "query rows that see no key"
+                fail(f"{name}: {int(nonzero.sum())} {what} have a gradient that is not 0 (first at "
+                     f"{where(_first(nonzero))})")
+    return report
+
+
+def check_backward(cfg, kernel, launch: BackwardLaunch, device, seed: Optional[int] = None) -> CheckReport:
+    """Run ``cfg``'s whole backward (``kernel`` its compiled main kernel) on the problem of ``cfg``
+    through ``launch`` on ``device``'s current stream (twice if deterministic), compute the reference
+    on the same device and compare."""
+    t0 = time.perf_counter()
+    p = build_backward_problem(cfg, seed)
+    f = p.fwd
+    fwd_ref = reference_forward(f, device)  # what the forward leaves for the backward: out, lse
+    out, lse = fwd_ref.out.to(f.q.dtype), fwd_ref.lse.float()
+    (q, k, v), (cu_q, cu_k, used, sink, *scalars) = f.launch_args(device)
+    dout = p.dout.to(device)
+    args = (kernel, cfg, dout, q, k, v, out, lse, cu_q, cu_k, used, *scalars, p.max_seqlen_k)
+    t1 = time.perf_counter()
+    runs = []
+    for _ in range(2 if p.deterministic else 1):
+        dq, dk, dv = launch.gradients(*args, poison=True)
+        runs.append({"dq": dq, "dk": dk, "dv": dv})
+    if not await_completion(completion_probe(device)):
+        return CheckReport(failures=[f"the backward did not finish the check's problem within {HANG_TIMEOUT_S:.0f} s "
+                                     f"(it hangs; this GPU's context may not recover until the process exits)"],
+                           problem=p.describe(), build_s=t1 - t0, total_s=time.perf_counter() - t0)
+    if sink is not None:
+        dsink = launch.sink_gradient(dout, out, lse, sink, f.varlen)
+        for run in runs:
+            run["dsink"] = dsink
+    t2 = time.perf_counter()
+    ref = reference_backward(p, device, fwd_ref)
+    t3 = time.perf_counter()
+    report = compare_backward(p, runs, ref)
+    report.build_s, report.reference_s = t1 - t0, t3 - t2
+    report.compare_s = time.perf_counter() - t3
+    report.total_s = time.perf_counter() - t0
+    return report
+
+
+_CHECKS = {ForwardConfig: check_forward, BackwardConfig: check_backward}
 
 # (device index, id(kernel)) -> kernel, for kernels whose use is decided: the hot path's one lookup
 # (a pair of ints hashes faster than a config; the value keeps the kernel, and so its id, alive)

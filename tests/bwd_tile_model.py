@@ -1,0 +1,239 @@
+"""A CPU model of the backward's tile algorithm, for one KV head and the query heads that share it, with
+the kernels' constants and rounding points (tests/tile_model.py is the forward's; its float32 helpers
+and masks are reused here).
+
+What the model reproduces, and how exactly:
+
+* The preprocessing (fa4_kernels/bwd_preprocess.py): D = rowsum(dO * O) in float32 with the kernel's
+  order (each of a row's ``threads_per_row`` lanes an FMA chain over its 8-element vectors, then the
+  lanes' butterfly), and the LSE in log2 units, +inf where the forward's LSE is -inf (so that P = 0).
+* The main kernel's schedule (sm90/bwd.py with mask.py's block ranges): KV-stationary blocks of tile_n
+  keys; each walks, query head by query head of the group, its query blocks of tile_m rows in
+  [m_block_min, m_block_max); blocks on a mask edge or the sequence's end get the element-wise mask,
+  full blocks none. A visible (query, key) pair that no visited block covers, or a block called full
+  that hides an invisible key, is an error (the kernel would drop or attend to it).
+* Per step, in float32: S^T = K Q_i^T and dP^T = V dO_i^T (float64 products rounded to float32; the
+  tensor cores' summation order is not modelled); softcap t = tanh(S * scale / cap); P recomputed as
+  exp2(fma(score, scale_log2, -LSE_log2)) on MUFU.EX2 (flushing below 2^-126); dS = P * (dP - D),
+  with softcap P * fma(-t, t, 1) * (dP - D), without the softmax scale. P is rounded to the input
+  dtype before dV += P^T dO_i, dS before dK += dS^T Q_i and dQ_i = dS K (dP is not rounded: the
+  accumulator feeds dS directly). dK and dV accumulate in float32 over every query head and block
+  of the group, then dK * softmax_scale and dV are rounded to the input dtype once.
+* dQ: each KV block's float32 dQ_i part is added into a float32 accumulator per query block; the
+  arrival order is arbitrary (a permutation drawn from ``seed``) or, deterministic, in increasing KV
+  block order (the semaphore of sm90/bwd.py's add_dq); the postprocessing rounds dq_accum *
+  softmax_scale to the input dtype.
+* dsink: the torch layer's formula (ops._sink_grad), in torch's float32: -sum_rows exp(sink - lse)
+  rowsum(dO * O).
+
+Parameters: ``BwdTileParams.from_backward_config`` takes them from a BackwardConfig (dispatch's).
+``backward`` runs the three kernels from out, dout and the forward's LSE; ``main`` is the main kernel
+alone, from the preprocessing's rows (a stand-in for it: tests/cpu/test_selfcheck.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tests.tile_model import (F32, F64, LOG2_E, _round_to, add_f32, exp2_mufu, f32, fma_f32, full_blocks,
+                               visible)
+
+VECTOR = 8  # bwd_preprocess.py: 16-bit elements per 16-byte load
+
+
+@dataclass(frozen=True)
+class BwdTileParams:
+    tile_m: int
+    tile_n: int
+    dtype: torch.dtype = torch.bfloat16  # P, dS and the gradients
+
+    @staticmethod
+    def from_backward_config(cfg) -> "BwdTileParams":
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+        return BwdTileParams(tile_m=cfg.tile_m, tile_n=cfg.tile_n, dtype=dtype)
+
+
+# ---- mask.py's block ranges, for the backward's orientation --------------------------------------
+
+def query_block_range(n_block: int, sq: int, sk: int, tile_m: int, tile_n: int, causal: bool,
+                      window: tuple[int, int]) -> range:
+    """AttentionMask.m_block_range: the query blocks with a row that may see a key of KV block n."""
+    local = not causal and (window[0] >= 0 or window[1] >= 0)
+    wl, wr = window
+    offset = sk - sq
+    m_max = (sq + tile_m - 1) // tile_m
+    m_min = 0
+    if causal or local:
+        right = wr if local else 0
+        lo = 0 if local and wr < 0 else n_block * tile_n - offset - right
+        m_min = max(lo, 0) // tile_m
+    if local and wl >= 0:
+        hi = (n_block + 1) * tile_n - 1 - offset + wl + 1
+        m_max = min(m_max, (max(hi, 0) + tile_m - 1) // tile_m)
+    return range(m_min, max(m_max, m_min))
+
+
+def block_is_full(m_block: int, n_block: int, sq: int, sk: int, tile_m: int, tile_n: int, causal: bool,
+                  window: tuple[int, int]) -> bool:
+    """AttentionMask.block_is_full: every row of the query block inside the sequence and seeing every
+    key of the KV block."""
+    n_min_full, n_max_full = full_blocks(m_block, sq, sk, tile_m, tile_n, causal, window)
+    return (m_block + 1) * tile_m <= sq and n_min_full <= n_block < n_max_full
+
+
+# ---- the preprocessing ---------------------------------------------------------------------------
+
+def rowsum_dout_out(dout: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """bwd_preprocess.py's D per row (rows along the first axes, dv last) in float32: lane l of T
+    takes vectors l, l + T, ... and chains FMAs over them; then a butterfly over the T lanes."""
+    dv = out.shape[-1]
+    vectors = dv // VECTOR
+    lanes = max(t for t in (1, 2, 4, 8, 16, 32) if vectors % t == 0)
+    o, do = np.asarray(out, dtype=F32), np.asarray(dout, dtype=F32)
+    part = np.zeros(out.shape[:-1] + (lanes,), dtype=F32)
+    for lane in range(lanes):
+        for vec in range(lane, vectors, lanes):
+            for e in range(vec * VECTOR, (vec + 1) * VECTOR):
+                part[..., lane] = fma_f32(o[..., e], do[..., e], part[..., lane])
+    step = lanes // 2
+    while step:
+        part = add_f32(part, part[..., np.arange(lanes) ^ step])
+        step //= 2
+    return part[..., 0]
+
+
+def lse_log2(lse: np.ndarray) -> np.ndarray:
+    """The LSE in log2 units (float32 product), +inf where the row saw no key."""
+    lse = np.asarray(lse, dtype=F32)
+    with np.errstate(invalid="ignore"):
+        return np.where(lse == -np.inf, F32(np.inf), f32(lse.astype(F64) * F64(F32(LOG2_E))))
+
+
+# ---- the model -------------------------------------------------------------------------------------
+
+@dataclass
+class BwdStats:
+    blocks: list = field(default_factory=list)  # (head, m_block, n_block, masked) in visiting order
+    masked_steps: int = 0
+    full_steps: int = 0
+    p_max: float = 0.0
+
+
+@dataclass
+class BwdResult:
+    dq: torch.Tensor  # (sq, g, d) in the input dtype
+    dk: torch.Tensor  # (sk, d)
+    dv: torch.Tensor  # (sk, dv)
+    dq_accum: np.ndarray  # (sq, g, d) float32 before the postprocessing (dQ / softmax_scale)
+    dpsum: np.ndarray  # (g, sq) float32: D
+    dsink: torch.Tensor | None  # (g,) float32
+    stats: BwdStats
+
+
+def backward(q, k, v, out, dout, lse, params: BwdTileParams, *, softmax_scale: float, causal: bool = False,
+             window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sink=None, deterministic: bool = False,
+             seed: int = 0, tanh_rel_error: float = 0.0, mufu_rel_error: float = 0.0) -> BwdResult:
+    """One KV head and its g query heads: q (sq, g, d), k (sk, d), v (sk, dv), out and dout (sq, g, dv)
+    in the input dtype, lse (g, sq) float32 (natural log, -inf for rows that saw no key), sink (g,)
+    or None. ``seed`` draws the dQ arrival order (non-deterministic mode) and the tanh / MUFU
+    perturbations (bounds ``*_rel_error``). The preprocessing, ``main`` and the postprocessing."""
+    lse = lse.detach().numpy().astype(F32)
+    out64, do64 = (t.detach().to(torch.float64).numpy() for t in (out, dout))
+    D = np.stack([rowsum_dout_out(do64[:, h], out64[:, h]) for h in range(q.shape[1])])
+    dq_accum, dk, dv, stats = main(q, k, v, dout, D, lse_log2(lse), params, softmax_scale=softmax_scale,
+                                   causal=causal, window=window, softcap=softcap, deterministic=deterministic,
+                                   seed=seed, tanh_rel_error=tanh_rel_error, mufu_rel_error=mufu_rel_error)
+    dq = _round_to(f32(dq_accum.astype(F64) * F64(F32(softmax_scale))), params.dtype)
+    dsink = None
+    if sink is not None:  # ops._sink_grad: torch's own rowsum(dO * O), not the preprocessing's
+        rows = (dout.float() * out.float()).sum(-1).t()  # (g, sq)
+        dsink = -(torch.exp(sink.float()[:, None] - torch.from_numpy(lse)) * rows).sum(-1)
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(params.dtype)  # noqa: E731
+    return BwdResult(dq=to(dq), dk=dk, dv=dv, dq_accum=dq_accum, dpsum=D, dsink=dsink, stats=stats)
+
+
+def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, causal: bool = False,
+         window: tuple[int, int] = (-1, -1), softcap: float = 0.0, deterministic: bool = False, seed: int = 0,
+         tanh_rel_error: float = 0.0, mufu_rel_error: float = 0.0):
+    """The main kernel and the dQ reduction, from the preprocessing's rows D and L2 (g, sq) float32:
+    (dq_accum (sq, g, d) float32, i.e. dQ / softmax_scale; dk (sk, d), dv (sk, dv) in the input dtype;
+    BwdStats)."""
+    p = params
+    rng = np.random.default_rng(seed)
+    q64, k64, v64, do64 = (t.detach().to(torch.float64).numpy() for t in (q, k, v, dout))
+    sq, g, d = q64.shape
+    sk, dvd = k64.shape[0], v64.shape[1]
+    vis = visible(sq, sk, causal, window)
+    if softcap:
+        prescale = f32(F32(softmax_scale) / F64(F32(softcap)))
+        scale_log2 = f32(F32(softcap) * F64(F32(LOG2_E)))
+    else:
+        prescale = None
+        scale_log2 = f32(F32(softmax_scale) * F64(F32(LOG2_E)))
+    stats = BwdStats()
+    covered = np.zeros((g, sq, sk), dtype=bool)
+    # dQ parts per (head, query block): [(n_block, float32 part)], summed in arrival order below
+    dq_parts: dict = {}
+    dk_out = np.zeros((sk, d), dtype=F64)
+    dv_out = np.zeros((sk, dvd), dtype=F64)
+
+    for n_block in range((sk + p.tile_n - 1) // p.tile_n):
+        c0, c1 = n_block * p.tile_n, min((n_block + 1) * p.tile_n, sk)
+        acc_dk = np.zeros((c1 - c0, d), dtype=F32)
+        acc_dv = np.zeros((c1 - c0, dvd), dtype=F32)
+        for h in range(g):
+            for m_block in query_block_range(n_block, sq, sk, p.tile_m, p.tile_n, causal, window):
+                r0, r1 = m_block * p.tile_m, min((m_block + 1) * p.tile_m, sq)
+                full = block_is_full(m_block, n_block, sq, sk, p.tile_m, p.tile_n, causal, window)
+                seen = vis[r0:r1, c0:c1]
+                if full and not seen.all():
+                    raise AssertionError(f"query block {m_block} x KV block {n_block} called full but has masked keys")
+                stats.blocks.append((h, m_block, n_block, not full))
+                stats.full_steps += full
+                stats.masked_steps += not full
+                covered[h, r0:r1, c0:c1] = True
+                # S^T and dP^T (here as S and dP, queries x keys), float32 accumulators
+                s = f32(q64[r0:r1, h] @ k64[c0:c1].T)
+                dp = f32(do64[r0:r1, h] @ v64[c0:c1].T)
+                if softcap:
+                    t = np.tanh(f32(s.astype(F64) * F64(prescale)).astype(F64))
+                    if tanh_rel_error > 0:
+                        t = t * (1.0 + rng.uniform(-tanh_rel_error, tanh_rel_error, size=t.shape))
+                    s = f32(t)
+                with np.errstate(invalid="ignore"):
+                    x = fma_f32(s, scale_log2, -L2[h, r0:r1, None])
+                prob = exp2_mufu(x, mufu_rel_error, rng)
+                if not full:
+                    prob = np.where(seen, prob, F32(0.0))
+                stats.p_max = max(stats.p_max, float(prob.max(initial=0.0)))
+                grad_p = prob
+                if softcap:
+                    grad_p = f32(prob.astype(F64) * fma_f32(-s, s, F32(1.0)).astype(F64))
+                with np.errstate(invalid="ignore"):
+                    ds = f32(grad_p.astype(F64) * add_f32(dp, -D[h, r0:r1, None]).astype(F64))
+                p16 = _round_to(prob, p.dtype)
+                ds16 = _round_to(ds, p.dtype)
+                acc_dv = add_f32(acc_dv, f32(p16.T @ do64[r0:r1, h]))
+                acc_dk = add_f32(acc_dk, f32(ds16.T @ q64[r0:r1, h]))
+                dq_parts.setdefault((h, m_block), []).append((n_block, f32(ds16 @ k64[c0:c1])))
+        dk_out[c0:c1] = _round_to(f32(acc_dk.astype(F64) * F64(F32(softmax_scale))), p.dtype)
+        dv_out[c0:c1] = _round_to(acc_dv, p.dtype)
+
+    missed = np.broadcast_to(vis, covered.shape) & ~covered
+    if missed.any():
+        h, i, j = np.argwhere(missed)[0]
+        raise AssertionError(f"head {h} query {i} sees key {j} but no visited block covers the pair")
+
+    dq_accum = np.zeros((sq, g, d), dtype=F32)
+    for (h, m_block), parts in dq_parts.items():
+        order = sorted(parts, key=lambda x: x[0]) if deterministic else [parts[i] for i in rng.permutation(len(parts))]
+        r0, r1 = m_block * p.tile_m, min((m_block + 1) * p.tile_m, sq)
+        acc = np.zeros((r1 - r0, d), dtype=F32)
+        for _, part in order:
+            acc = add_f32(acc, part)
+        dq_accum[r0:r1, h] = acc
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(p.dtype)  # noqa: E731
+    return dq_accum, to(dk_out), to(dv_out), stats

@@ -1,0 +1,270 @@
+"""The backward's tile algorithm emulated on the CPU (tests/bwd_tile_model.py) against autograd through
+tests/reference.py's attention_ref, by the GPU backward suite's rule (tests/gpu/test_bwd.py:
+max|grad - grad_ref| <= 2 * max|grad_pt - grad_ref| + atol, grad_ref the float32 reference's gradient,
+grad_pt the input dtype's). The model's tiles are what dispatch builds (BackwardConfig); its out and
+LSE come from the forward's model (tests/tile_model.py). Small problems, float32/float64 numpy: no GPU,
+a few seconds."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from flash_attn4 import dispatch
+from flash_attn4.fa4_kernels.arch import Arch
+from tests import bwd_tile_model as bm
+from tests import tile_model as tm
+from tests.gpu.test_bwd import dsink_rounding, grad_atol
+from tests.cpu.test_tile_emulation import CASES as FORWARD_CASES
+from tests.reference import assert_close_fa_rule, attention_ref
+
+TANH_REL_ERROR = 2.0 ** -11  # tanh.approx.f32 (softcap)
+MUFU_REL_ERROR = 2.0 ** -22  # MUFU.EX2
+
+
+def configs(dtype="bfloat16", d=64, dv=None, causal=False, local=False, softcap=0.0, deterministic=False):
+    """(BackwardConfig, ForwardConfig) that dispatch builds for the problem class on sm90."""
+    flags = dict(causal=causal, local=local, has_softcap=bool(softcap), varlen=False, has_seqused_k=False)
+    dv = d if dv is None else dv
+    bwd = dispatch.backward_config(Arch.SM90, dtype, d, dv, deterministic=deterministic, **flags)
+    fwd = dispatch.forward_config(Arch.SM90, dtype, d, dv, has_sink=False, **flags)
+    return bwd, fwd
+
+
+def _rand(gen, *shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def forward_outputs(q, k, v, fwd_cfg, sink=None, **kw):
+    """out (sq, g, dv) and lse (g, sq) of the forward's tile model, per query head."""
+    params = tm.TileParams.from_forward_config(fwd_cfg)
+    outs, lses = [], []
+    for h in range(q.shape[1]):
+        res = tm.forward(q[:, h], k, v, params, sink=None if sink is None else float(sink[h]), **kw)
+        outs.append(res.out)
+        lses.append(res.lse)
+    return torch.stack(outs, 1), torch.stack(lses)
+
+
+def reference_grads(q, k, v, dout, sink=None, upcast=True, **kw):
+    """Gradients of attention_ref (one batch entry, one KV head) for q, k, v (and the sink)."""
+    cast = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
+    leaves = [cast(t).detach().clone().requires_grad_() for t in (q[None], k[None, :, None], v[None, :, None])]
+    sink_leaf = None if sink is None else sink.float().detach().clone().requires_grad_()
+    out, _ = attention_ref(*leaves, learnable_sink=sink_leaf, upcast=upcast, **kw)
+    out.backward(cast(dout[None]))
+    grads = {"dq": leaves[0].grad[0], "dk": leaves[1].grad[0, :, 0], "dv": leaves[2].grad[0, :, 0]}
+    if sink is not None:
+        grads["dsink"] = sink_leaf.grad
+    return grads
+
+
+def run_case(gen, sq, sk, g=1, d=64, dv=None, dtype=torch.bfloat16, causal=False, window=(-1, -1), softcap=0.0,
+             sink=None, deterministic=False, seed=0, q_scale=1.0, k=None):
+    """Random inputs (k may be given), the forward model's out and LSE, the backward model, and the
+    rule against the references; returns (result, inputs, reference grads)."""
+    dv = d if dv is None else dv
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    bwd_cfg, fwd_cfg = configs(name, d, dv, causal=causal, local=window != (-1, -1), softcap=softcap,
+                               deterministic=deterministic)
+    q = _rand(gen, sq, g, d, dtype=dtype, scale=q_scale)
+    k = _rand(gen, sk, d, dtype=dtype, scale=q_scale) if k is None else k
+    v, dout = _rand(gen, sk, dv, dtype=dtype), _rand(gen, sq, g, dv, dtype=dtype)
+    sink_t = None if sink is None else torch.full((g,), float(sink)) + torch.randn(g, generator=gen)
+    kw = dict(softmax_scale=d ** -0.5, causal=causal, window=window, softcap=softcap)
+    out, lse = forward_outputs(q, k, v, fwd_cfg, sink=sink_t, **kw)
+    res = bm.backward(q, k, v, out, dout, lse, bm.BwdTileParams.from_backward_config(bwd_cfg), sink=sink_t,
+                      deterministic=deterministic, seed=seed, tanh_rel_error=TANH_REL_ERROR,
+                      mufu_rel_error=MUFU_REL_ERROR, **kw)
+    check_rule(res, q, k, v, dout, sink_t, **kw)
+    return res, (q, k, v, dout, sink_t), reference_grads(q, k, v, dout, sink_t, **_ref_kw(kw))
+
+
+def _ref_kw(kw):
+    return dict(softmax_scale=kw["softmax_scale"], causal=kw.get("causal", False),
+                window_size=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0))
+
+
+def check_rule(res, q, k, v, dout, sink, **kw):
+    """The GPU backward suite's rule on every gradient of the model."""
+    ref = reference_grads(q, k, v, dout, sink, upcast=True, **_ref_kw(kw))
+    pt = reference_grads(q, k, v, dout, sink, upcast=False, **_ref_kw(kw))
+    got = {"dq": res.dq, "dk": res.dk, "dv": res.dv, "dsink": res.dsink}
+    for name, want in ref.items():
+        assert torch.isfinite(got[name]).all(), name
+        atol = grad_atol(want, got[name].dtype)
+        if name == "dsink":
+            atol += dsink_rounding(q[None], k[None, :, None], v[None, :, None], dout[None], sink, **_ref_kw(kw))
+        assert_close_fa_rule(got[name], want, pt[name], atol=atol, name=name)
+
+
+# ---- the tiles are dispatch's ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("d,flags,tiles", [
+    (64, dict(), (128, 128)), (64, dict(causal=True), (128, 128)), (128, dict(), (80, 128)),
+    (128, dict(causal=True), (80, 128)), (128, dict(local=True), (64, 128)), (128, dict(softcap=1.0), (64, 128)),
+    (96, dict(), (64, 128)), (256, dict(), (64, 64)), (192, dict(local=True), (64, 64))])
+def test_tile_params_are_what_dispatch_builds(d, flags, tiles):
+    """The model's tiles come from the BackwardConfig dispatch builds (sm90/tiles.py's backward rules:
+    128 queries up to d = 64, 80 at d = 128 without local or softcap, else 64; 64 keys when the head
+    dim is split above 128)."""
+    cfg, _ = configs(d=d, **flags)
+    params = bm.BwdTileParams.from_backward_config(cfg)
+    assert (params.tile_m, params.tile_n) == (cfg.tile_m, cfg.tile_n) == tiles
+    assert params.dtype is torch.bfloat16
+
+
+# ---- the model against the reference ---------------------------------------------------------------
+
+# The forward emulation's problems, then GQA, deterministic mode and the backward's own tiles.
+CASES = {name: FORWARD_CASES[name] for name in ("plain", "causal-sq<sk", "causal-sq>sk", "local", "softcap", "sink")}
+CASES |= {
+    "gqa3-causal": dict(sq=130, sk=200, g=3, causal=True),
+    "gqa2-sink-deterministic": dict(sq=260, sk=300, g=2, sink=0.5, deterministic=True),
+    "d128-causal": dict(sq=170, sk=260, causal=True, d=128),  # 80-query blocks
+    "d128-local": dict(sq=150, sk=200, window=(30, 0), d=128),  # 64-query blocks
+    "d256-local": dict(sq=150, sk=300, window=(60, 90), d=256),  # split head dim: 64 x 64 tiles
+    "d192-128": dict(sq=100, sk=150, d=192, dv=128, causal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_matches_reference(case):
+    c = dict(CASES[case])
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+    res, _, _ = run_case(gen, seed=c["sq"], **c)
+    assert res.stats.masked_steps > 0  # the sequence's end at least
+    if case in ("plain", "sink", "d128-causal", "gqa2-sink-deterministic"):
+        assert res.stats.full_steps > 0  # and blocks without the element-wise mask
+
+
+def test_fp16():
+    gen = torch.Generator().manual_seed(5)
+    res, _, _ = run_case(gen, 190, 250, dtype=torch.float16, causal=True)
+    assert res.dq.dtype == res.dk.dtype == res.dv.dtype == torch.float16
+
+
+def test_gqa_sums_dk_dv_over_the_group():
+    """With g query heads on one KV head, dK and dV are the sums of the per-head gradients: the model
+    on the group equals the sum of the model on each head alone, to float32 accumulation and one
+    rounding each."""
+    gen = torch.Generator().manual_seed(6)
+    res, (q, k, v, dout, _), ref = run_case(gen, 120, 200, g=3)
+    bwd_cfg, fwd_cfg = configs()
+    params = bm.BwdTileParams.from_backward_config(bwd_cfg)
+    kw = dict(softmax_scale=0.125)
+    alone = []
+    for h in range(3):
+        out, lse = forward_outputs(q[:, h:h + 1], k, v, fwd_cfg, **kw)
+        alone.append(bm.backward(q[:, h:h + 1], k, v, out, dout[:, h:h + 1], lse, params, **kw))
+    for name in ("dk", "dv"):
+        summed = sum(getattr(r, name).double() for r in alone)
+        got = getattr(res, name).double()
+        assert (got - summed).abs().max() <= 3 * 2.0 ** -8 * summed.abs().max(), name  # bf16 roundings only
+        assert (got - summed).abs().max() < (getattr(alone[0], name).double()).abs().max()  # not one head's
+    for h in range(3):
+        assert torch.equal(res.dq[:, h], alone[h].dq[:, 0])  # dQ per head is the head's own
+
+
+# ---- the dQ reduction order --------------------------------------------------------------------------
+
+def test_deterministic_order_is_bitwise_reproducible_and_arrival_order_is_not():
+    """Eight KV blocks add into every query block's dQ. Deterministic mode (KV-block order) gives the
+    same float32 accumulator bit for bit whatever order the parts arrive in; the atomic mode's
+    arrival order changes the last bits only (float32 reassociation), within the rule either way."""
+    gen = torch.Generator().manual_seed(7)
+    sq, sk = 130, 1000
+    q, k, v, dout = _rand(gen, sq, 1, 64), _rand(gen, sk, 64), _rand(gen, sk, 64), _rand(gen, sq, 1, 64)
+    bwd_cfg, fwd_cfg = configs(deterministic=True)
+    params = bm.BwdTileParams.from_backward_config(bwd_cfg)
+    kw = dict(softmax_scale=0.125)
+    out, lse = forward_outputs(q, k, v, fwd_cfg, **kw)
+    det = [bm.backward(q, k, v, out, dout, lse, params, deterministic=True, seed=s, **kw) for s in (1, 2)]
+    atomic = [bm.backward(q, k, v, out, dout, lse, params, deterministic=False, seed=s, **kw) for s in (1, 2, 3)]
+    assert np.array_equal(det[0].dq_accum.view(np.int32), det[1].dq_accum.view(np.int32))
+    assert torch.equal(det[0].dq, det[1].dq)
+    bits = [a.dq_accum.view(np.int32) for a in atomic]
+    assert not (np.array_equal(bits[0], bits[1]) and np.array_equal(bits[0], bits[2]))  # the order shows
+    # ... but only as rounding: 8 float32 adds of parts at most |dq| large each
+    bound = 8 * 2.0 ** -24 * np.abs(det[0].dq_accum).max() * 8
+    for a in atomic:
+        assert np.abs(a.dq_accum.astype(np.float64) - det[0].dq_accum).max() <= bound
+        assert torch.equal(a.dk, det[0].dk) and torch.equal(a.dv, det[0].dv)  # no atomics there
+    check_rule(atomic[0], q, k, v, dout, None, **kw)
+    check_rule(det[0], q, k, v, dout, None, **kw)
+
+
+# ---- adversarial inputs ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sink", [None, 0.75])
+def test_rows_without_keys_get_zero_gradients(sink):
+    """Causal with 300 queries and 100 keys: rows 0..199 see no key (LSE -inf, +inf in log2 units:
+    P = exp2(-inf) = 0; with a sink the LSE is the sink logit and the mask zeroes P). Their dQ is
+    exactly 0 and nothing is NaN; the query blocks made only of them are never visited."""
+    gen = torch.Generator().manual_seed(9)
+    res, (q, k, v, dout, sink_t), _ = run_case(gen, 300, 100, causal=True, sink=sink)
+    assert (res.dq[:200] == 0).all() and res.dq[200:].abs().max() > 0
+    assert np.isfinite(res.dpsum).all()
+    visited = {m for _, m, _, _ in res.stats.blocks}
+    assert visited == {1, 2}  # 128-query blocks: rows 128..383; block 0 (rows 0..127) sees nothing
+    if sink is None:
+        _, lse = forward_outputs(q, k, v, configs(causal=True)[1], softmax_scale=0.125, causal=True)
+        assert (lse[:, :200] == -math.inf).all() and (bm.lse_log2(lse.numpy())[:, :200] == np.inf).all()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_large_softcap_with_big_scores(d):
+    gen = torch.Generator().manual_seed(10)
+    res, (q, k, _, _, _), _ = run_case(gen, 160, 300, d=d, softcap=50.0, q_scale=12.0)
+    s = (q[:, 0].double() @ k.double().T * d ** -0.5 / 50).tanh() * 50
+    assert (s.abs() > 49).float().mean() > 0.1  # saturated: tanh' = 1 - t^2 near 0 there
+
+
+def test_long_rows_of_equal_scores():
+    """Every key equal: P is 1/sk along each row, dS = P (dP - D) a small difference of two sums."""
+    gen = torch.Generator().manual_seed(11)
+    k = _rand(gen, 1, 64).expand(1000, 64).contiguous()
+    res, _, _ = run_case(gen, 70, 1000, k=k)
+    assert res.stats.p_max <= 2.0 ** -9.9  # exp2(log2 of 1/1000), not a stale 1
+
+
+def test_single_visible_key():
+    """A window of (0, 0) with sq == sk: every query sees exactly its own key, P = 1, O = V, so
+    dP - D = dO.(v_j - O) = 0 up to float32 rounding: dQ and dK nearly vanish and dV = dO exactly."""
+    gen = torch.Generator().manual_seed(12)
+    res, (_, _, _, dout, _), ref = run_case(gen, 150, 150, window=(0, 0))
+    assert torch.equal(res.dv, dout[:, 0])
+    assert res.dq.abs().max() < 1e-4 * dout.abs().max() and res.dk.abs().max() < 1e-4 * dout.abs().max()
+
+
+# ---- the model's own schedule checks can fail -------------------------------------------------------
+
+def test_a_query_block_range_that_misses_rows_is_caught(monkeypatch):
+    real = bm.query_block_range
+    monkeypatch.setattr(bm, "query_block_range", lambda n, *a: range(real(n, *a).start, real(n, *a).stop - 1))
+    with pytest.raises(AssertionError, match="no visited block covers"):
+        run_case(torch.Generator().manual_seed(13), 200, 250, causal=True)
+
+
+def test_a_full_block_that_hides_a_masked_key_is_caught(monkeypatch):
+    monkeypatch.setattr(bm, "block_is_full", lambda *a: True)
+    with pytest.raises(AssertionError, match="called full but has masked keys"):
+        run_case(torch.Generator().manual_seed(14), 200, 250, causal=True)
+
+
+def test_rounding_p_and_ds_matters():
+    """What the rounding points cost: the model's dV differs from one with P kept in float32 by
+    about P's bf16 rounding (so the model does round P before dV += P^T dO)."""
+    gen = torch.Generator().manual_seed(15)
+    res, (q, k, v, dout, _), ref = run_case(gen, 128, 256)
+    bwd_cfg, fwd_cfg = configs()
+    out, lse = forward_outputs(q, k, v, fwd_cfg, softmax_scale=0.125)
+    exact_p = bm.BwdTileParams(tile_m=bwd_cfg.tile_m, tile_n=bwd_cfg.tile_n, dtype=torch.float32)
+    unrounded = bm.backward(q, k, v, out, dout, lse, exact_p, softmax_scale=0.125)
+    err16 = (res.dv.double() - ref["dv"].double()).abs().max()
+    err32 = (unrounded.dv.double() - ref["dv"].double()).abs().max()
+    assert err32 < err16 / 4, (float(err32), float(err16))
