@@ -16,9 +16,10 @@ Warp roles (16 warps):
     warps 4-7    compute 0   thread = key row = TMEM lane, query columns 0-63 of the block:
     warps 8-11   compute 1   ... and columns 64-127 (two warpgroups per lane quadrant: half the
                              exponentials and registers each)
-                             P^T = exp2(S^T * scale_log2 - LSE) (masked entries 0), to TMEM as
-                             16-bit over its own S^T columns; dS^T = P^T * (dP^T - D), to shared
-                             memory as 16-bit; at the end dK * softmax_scale and dV from TMEM to
+                             by 32-column chunks: P^T = exp2(S^T * scale_log2 - LSE) (masked
+                             entries 0), to TMEM as 16-bit over S^T columns it has read;
+                             dS^T = P^T * (dP^T - D), to shared memory as 16-bit;
+                             at the end dK * softmax_scale and dV from TMEM to
                              global memory (each warpgroup half of the head dim)
     warp 12      MMA         one thread issues every tcgen05 MMA (below) and commits them
     warp 13      load        TMA: K and V once; per step Q_i, dO_i (one ring of stages) and LSE_i,
@@ -115,8 +116,9 @@ class Barrier(enum.IntEnum):
 
 
 # setmaxnreg budgets per warpgroup (registers per thread; the four warpgroups share 512 x 128).
-# compute: 64 probabilities, a 32-column chunk of dP^T, its dS^T; dQ: one 32-column chunk. The MMA
-# warp's 40 descriptors at d = 128 spilled at 80 and 96 registers (ptxas 13.4), not at 112.
+# compute: one 32-column chunk of P^T, of dP^T and of dS^T (holding all 64 columns of P^T spilled
+# in the causal kernels at 160 and 168); dQ: one 32-column chunk. The MMA warp's 40 descriptors at
+# d = 128 spilled at 80, 96 and 104 registers (ptxas 13.4), not at 112.
 REGISTERS = dict(dq=80, compute=160, other=112)
 
 
@@ -487,16 +489,20 @@ class FlashAttentionBackwardSm100:
         load_s, tS, s_regs = self.tmem_row_chunks(tmem_ptr + self.tmem_s, tl.s, TILE_N, BWD_TILE_M, thread)
         load_dp, tdP, _ = self.tmem_row_chunks(tmem_ptr + self.tmem_dp, tl.s, TILE_N, BWD_TILE_M, thread)
         chunks = self.cols_per_group // BWD_DQ_CHUNK
-        # P^T: this warpgroup's columns as p_words words of 16-bit pairs at TMEM column first_col.
+        # P^T, chunk c of this warpgroup's columns: BWD_DQ_CHUNK / 2 words of 16-bit pairs at TMEM
+        # column first_col + c * BWD_DQ_CHUNK / 2, inside S^T columns this warpgroup read already
+        # (chunks 0..c), so each chunk's P^T is stored as soon as it is computed.
+        chunk_words = BWD_DQ_CHUNK * self.dtype.width // 32
         tSt = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
         tPt = cute.make_tensor(tmem_ptr + self.tmem_s + first_col,
                                cute.composition(tSt.layout, cute.make_layout((TILE_N, self.p_words))))
+        tPt = cute.flat_divide(tPt, (TILE_N, chunk_words))[None, None, 0, None]  # (TILE_N, words, chunks)
         store_p = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(self.p_words)), Float32), tPt).get_slice(thread)
-        tPt_dst = store_p.partition_D(tPt)
-        p_regs = store_p.partition_S(cute.make_identity_tensor((TILE_N, self.p_words))).shape
-        # dS^T: this thread's key row, the warpgroup's k-slices of MMA_K queries.
-        ds_row = smem.dst[((thread, None), 0, None, 0)]  # (MMA_K, k-slices)
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(chunk_words)), Float32),
+            tPt[None, None, 0]).get_slice(thread)
+        p_regs = store_p.partition_S(cute.make_identity_tensor((TILE_N, chunk_words))).shape
+        copies = ChunkCopies(load_s, tS, load_dp, tdP, s_regs, store_p, store_p.partition_D(tPt), p_regs,
+                             smem.dst[((thread, None), 0, None, 0)])  # dS^T: this key row, (MMA_K, k-slices)
 
         sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -504,42 +510,47 @@ class FlashAttentionBackwardSm100:
             _, m_block = work.blocks.at(step)
             pipes.rows.consumer_wait(rows_state)
             pipes.sdp.consumer_wait(sdp_state)
-            sLSE, sdPsum = smem.lse[None, rows_state.index], smem.dpsum[None, rows_state.index]
-            rP = cute.make_rmem_tensor(s_regs, Float32)
-            p_all = cute.make_rmem_tensor(self.cols_per_group, Float32)
-            for c in cutlass.range_constexpr(chunks):
-                cute.copy(load_s, tS[None, None, None, group * chunks + c], rP)
-                cute.arch.fence_view_async_tmem_load()
-                for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
-                    p_all[c * BWD_DQ_CHUNK + e] = rP[e]
+            rows = (smem.lse[None, rows_state.index], smem.dpsum[None, rows_state.index])
             full = work.mask.block_is_full(work.seqlen, m_block, work.n_block)
-            if full:
-                self.probabilities(p_all, sLSE, first_col, scale_log2, work, m_block, thread, False)
-            else:
-                self.probabilities(p_all, sLSE, first_col, scale_log2, work, m_block, thread, True)
-            r16 = cute.make_rmem_tensor(p_regs, Float32)
-            r16_view = cute.recast_tensor(r16, self.dtype)
-            for e in cutlass.range_constexpr(self.cols_per_group):
-                r16_view[e] = p_all[e].to(self.dtype)
-            cute.copy(store_p, r16, tPt_dst)
-            # dS^T = P^T (dP^T - D), chunk by chunk, to shared memory.
             for c in cutlass.range_constexpr(chunks):
-                rdP = cute.make_rmem_tensor(s_regs, Float32)
-                cute.copy(load_dp, tdP[None, None, None, group * chunks + c], rdP)
-                cute.arch.fence_view_async_tmem_load()
-                ds = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
-                for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
-                    col = c * BWD_DQ_CHUNK + e
-                    ds[e] = (p_all[col] * (rdP[e] - sdPsum[first_col + col])).to(self.dtype)
-                for s in cutlass.range_constexpr(BWD_DQ_CHUNK // MMA_K):
-                    k_slice = (first_col + c * BWD_DQ_CHUNK) // MMA_K + s
-                    cute.autovec_copy(cute.local_tile(ds, (MMA_K,), (s,)), ds_row[None, k_slice])
+                if full:
+                    self.chunk_gradients(c, group, copies, rows, scale_log2, work, m_block, thread, False)
+                else:
+                    self.chunk_gradients(c, group, copies, rows, scale_log2, work, m_block, thread, True)
             cute.arch.fence_view_async_tmem_store()  # P^T is in TMEM before the dV MMA reads it
             cute.arch.fence_view_async_shared()  # dS^T is visible to the MMAs (async proxy)
             pipes.sdp.consumer_release(sdp_state)
             pipes.rows.consumer_release(rows_state)
             sdp_state = advanced(sdp_state)
             rows_state = advanced(rows_state)
+
+    @cute.jit
+    def chunk_gradients(self, c: cutlass.Constexpr[int], group, copies: "ChunkCopies", rows, scale_log2: Float32,
+                        work: TileWork, m_block, thread, masked: cutlass.Constexpr[bool]):
+        """Chunk c (BWD_DQ_CHUNK query columns) of this warpgroup: S^T from TMEM, P^T to TMEM (16-bit),
+        dP^T from TMEM, dS^T = P^T (dP^T - D) to shared memory (16-bit)."""
+        sLSE, sdPsum = rows
+        chunks = self.cols_per_group // BWD_DQ_CHUNK
+        first_col = group * self.cols_per_group + c * BWD_DQ_CHUNK
+        p = cute.make_rmem_tensor(copies.s_regs, Float32)
+        cute.copy(copies.load_s, copies.s[None, None, None, group * chunks + c], p)
+        cute.arch.fence_view_async_tmem_load()
+        p = flat(p)
+        self.probabilities(p, sLSE, first_col, scale_log2, work, m_block, thread, masked)
+        p16 = cute.make_rmem_tensor(copies.p_regs, Float32)
+        p16_view = cute.recast_tensor(p16, self.dtype)
+        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
+            p16_view[e] = p[e].to(self.dtype)
+        cute.copy(copies.store_p, p16, copies.p[None, None, None, c])
+        dp = cute.make_rmem_tensor(copies.s_regs, Float32)
+        cute.copy(copies.load_dp, copies.dp[None, None, None, group * chunks + c], dp)
+        cute.arch.fence_view_async_tmem_load()
+        dp = flat(dp)
+        ds = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
+        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
+            ds[e] = (p[e] * (dp[e] - sdPsum[first_col + e])).to(self.dtype)
+        for s in cutlass.range_constexpr(BWD_DQ_CHUNK // MMA_K):
+            cute.autovec_copy(cute.local_tile(ds, (MMA_K,), (s,)), copies.ds_row[None, first_col // MMA_K + s])
 
     @cute.jit
     def probabilities(self, p, sLSE, first_col, scale_log2: Float32, work: TileWork, m_block, thread,
@@ -711,6 +722,21 @@ class SharedTiles:
     lse: cute.Tensor
     dpsum: cute.Tensor
     dq: cute.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkCopies:
+    """A compute thread's TMEM copies and destinations, by BWD_DQ_CHUNK-column chunk."""
+
+    load_s: cute.TiledCopy
+    s: cute.Tensor  # S^T source per chunk
+    load_dp: cute.TiledCopy
+    dp: cute.Tensor
+    s_regs: cute.Shape  # registers of one loaded chunk
+    store_p: cute.TiledCopy
+    p: cute.Tensor  # P^T destination per chunk of this warpgroup
+    p_regs: cute.Shape
+    ds_row: cute.Tensor  # this key row of dS^T in shared memory, (MMA_K, k-slices)
 
 
 @dataclass(frozen=True)
