@@ -56,7 +56,9 @@ Synchronisation (mbarrier pipelines, cutlass.pipeline):
     sdp   MMA -> compute    "S/dP full"; its empty barrier is "P^T and dS^T written"
     dq    MMA -> dQ         "dQ full"; its empty barrier is "dQ read out of TMEM"
     dkv   MMA -> compute    "dK/dV final", once
-Named barriers: Barrier below. tests/cpu/test_sm100_bwd_static.py checks the compiled kernel.
+Named barriers: Barrier below. tests/cpu/test_sm100_bwd_protocol.py replays these calls on the
+CPU (no deadlock, every hand-off sees its producer); tests/cpu/test_sm100_bwd_static.py checks
+the compiled kernel (MMA count, TMEM, budgets, spills).
 Tensor-memory hand-offs follow fwd.py: every tcgen05.ld/st is waited for (wait::ld/st) before the
 barrier arrival that hands its columns on; shared-memory writes read by MMAs or TMA are fenced
 (fence.proxy.async) before theirs.
