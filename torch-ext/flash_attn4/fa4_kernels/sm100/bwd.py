@@ -120,8 +120,9 @@ class Barrier(enum.IntEnum):
 # setmaxnreg budgets per warpgroup (registers per thread; the four warpgroups share 512 x 128).
 # compute: one 32-column chunk of P^T, of dP^T and of dS^T (holding all 64 columns of P^T spilled
 # in the causal kernels at 160 and 168); dQ: one 32-column chunk. The MMA warp's 40 descriptors at
-# d = 128 spilled at 80, 96 and 104 registers (ptxas 13.4), not at 112.
-REGISTERS = dict(dq=80, compute=160, other=112)
+# d = 128 spilled at 80, 96 and 104 registers under ptxas 13.4 and at 112 under 12.9 (the cu12
+# flavour), not at 128 (the launch share: that warpgroup needs no setmaxnreg).
+REGISTERS = dict(dq=64, compute=160, other=128)
 
 
 class FlashAttentionBackwardSm100:
