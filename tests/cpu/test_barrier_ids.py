@@ -8,6 +8,7 @@ import pytest
 
 from flash_attn4.fa4_kernels.sm90 import bwd as sm90_bwd
 from flash_attn4.fa4_kernels.sm90 import fwd as sm90_fwd
+from flash_attn4.fa4_kernels.sm100 import bwd as sm100_bwd
 from flash_attn4.fa4_kernels.sm100 import fwd as sm100_fwd
 
 HARDWARE_BARRIERS = 16
@@ -26,7 +27,8 @@ def used_ids(barrier, per_warpgroup: int) -> list[int]:
     (sm90_fwd.Barrier, sm90_fwd.MAX_CONSUMER_WARPGROUPS),
     (sm90_bwd.Barrier, sm90_bwd.NUM_CONSUMER_WARPGROUPS),
     (sm100_fwd.Barrier, 1),
-], ids=["sm90_fwd", "sm90_bwd", "sm100_fwd"])
+    (sm100_bwd.Barrier, 1),
+], ids=["sm90_fwd", "sm90_bwd", "sm100_fwd", "sm100_bwd"])
 def test_barrier_ids_are_distinct_and_within_the_hardware(barrier, per_warpgroup):
     ids = used_ids(barrier, per_warpgroup)
     assert len(ids) == len(set(ids)), f"{barrier.__module__}: ids overlap: {sorted(ids)}"

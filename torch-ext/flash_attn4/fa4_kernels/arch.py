@@ -92,10 +92,19 @@ class ArchKernels:
     # run (no such GPU here) check each kernel configuration against PyTorch on first use
     # (torch-ext/flash_attn4/selfcheck.py). Set it once a GPU of the family has passed the suite.
     run_by_us: bool = True
+    # Whether the torch layer may send user calls to the backward (``kernels``, IMPLEMENTED, which
+    # dispatch reads). False: the backward kernels exist for the CI compile and the static checks
+    # only (``compiled_kernels``), as sm_100a's until its first-use self-check is wired in.
+    backward_user_ready: bool = True
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        """The passes implemented: "forward", and "backward" where the arch has one."""
+        """The passes users get: "forward", and "backward" where the arch has one ready for them."""
+        return ("forward",) + (("backward",) if self.backward and self.backward_user_ready else ())
+
+    @property
+    def compiled_kernels(self) -> tuple[str, ...]:
+        """The passes that exist and compile (CI, static checks), ready for users or not."""
         return ("forward",) + (("backward",) if self.backward else ())
 
     def rules(self):
@@ -112,7 +121,9 @@ KERNELS: dict[Arch, ArchKernels] = {
     Arch.SM90: ArchKernels("sm90", forward="fwd:FlashAttentionForwardSm90", backward="bwd:FlashAttentionBackwardSm90",
                            bwd_postprocess="bwd_postprocess:BackwardPostprocessSm90",
                            dq_accum_layout="dq_accum:accum_layout"),
-    Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", run_by_us=False),
+    Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", backward="bwd:FlashAttentionBackwardSm100",
+                            bwd_postprocess="bwd_postprocess:BackwardPostprocessSm100",
+                            dq_accum_layout="dq_accum:accum_layout", run_by_us=False, backward_user_ready=False),
     Arch.SM103: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", rules_module="tiles_sm103",
                             run_by_us=False),
 }
@@ -138,11 +149,12 @@ def supported_devices(implemented: dict[Arch, tuple[str, ...]] = IMPLEMENTED) ->
     return " or ".join(families) or "none"
 
 
-def kernels_for(arch: Arch, kernel: str = "forward") -> ArchKernels:
+def kernels_for(arch: Arch, kernel: str = "forward", *, compiled: bool = False) -> ArchKernels:
     """The registry entry of ``arch``; NotImplementedError naming the arch and what exists when it
-    has no ``kernel`` ("forward" or "backward") pass."""
+    has no ``kernel`` ("forward" or "backward") pass for users (``compiled``: that exists at all,
+    for the compile tools and static checks)."""
     entry = KERNELS.get(arch)
-    if entry is None or kernel not in entry.kernels:
+    if entry is None or kernel not in (entry.compiled_kernels if compiled else entry.kernels):
         raise NotImplementedError(f"flash-attn4: no {kernel} kernel for {arch} ({Arch(arch).family}) yet; "
                                   f"implemented: {describe_implemented()}")
     return entry

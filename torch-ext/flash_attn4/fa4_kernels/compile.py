@@ -129,7 +129,7 @@ def compile_backward(cfg: BackwardConfig, *, jit_engine: bool = True):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    entry = kernels_for(cfg.arch, "backward")
+    entry = kernels_for(cfg.arch, "backward", compiled=True)
     kernel = entry.load(entry.backward)(cfg)
     row = entry.load(entry.dq_accum_layout)(cfg).row
     dtype, f32, i32 = _cutlass_dtype(cfg.dtype), cutlass.Float32, cutlass.Int32
@@ -168,7 +168,7 @@ def compile_backward_postprocess(cfg: PostprocessConfig, *, jit_engine: bool = T
     bwd_postprocess module): dQ from its float32 accumulator."""
     import cutlass
 
-    entry = kernels_for(cfg.arch, "backward")
+    entry = kernels_for(cfg.arch, "backward", compiled=True)
     row = entry.load(entry.dq_accum_layout)(cfg).row
     lead = 2 if cfg.varlen else 3
     accum, dq = _fake_tokens(cutlass.Float32, lead, row), _fake_tokens(_cutlass_dtype(cfg.dtype), lead, cfg.head_dim)
@@ -209,7 +209,7 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
     dispatch picks, the postprocessing of each of their dQ tilings and the preprocessing; empty for
     an arch without a backward."""
     entry = KERNELS.get(arch)
-    if entry is None or "backward" not in entry.kernels:
+    if entry is None or "backward" not in entry.compiled_kernels:
         return []
 
     def cfg(d=128, dv=128, **flags):

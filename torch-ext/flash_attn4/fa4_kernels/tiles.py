@@ -13,7 +13,9 @@ from .arch import Arch, describe_implemented, kernels_for
 
 
 def _rule(arch: Arch, name: str, kernel: str):
-    rule = getattr(kernels_for(arch, kernel).rules(), name, None)
+    # Rules are plain Python and exist for kernels not yet ready for users too (compile tools);
+    # dispatch refuses those through arch.IMPLEMENTED.
+    rule = getattr(kernels_for(arch, kernel, compiled=True).rules(), name, None)
     if rule is None:
         raise NotImplementedError(f"flash-attn4: {arch} has no {name} rule (implemented: {describe_implemented()})")
     return rule

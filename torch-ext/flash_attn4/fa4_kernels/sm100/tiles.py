@@ -131,3 +131,73 @@ FORWARD_SPLIT_KV = True
 
 def _pad16(d: int) -> int:
     return -(-d // 16) * 16
+
+
+# ---- Backward (sm100/bwd.py) ------------------------------------------------------------------
+# A CTA owns TILE_N = 128 keys of one KV head and walks 128-row query blocks. Shared memory: K, V,
+# Q and dO per stage, dS^T, two float32 dQ staging buffers of BWD_DQ_CHUNK columns, LSE and rowsum
+# per stage, and at most BWD_SMEM_RESERVED of barriers. d = 64 takes two Q/dO stages (160 KiB),
+# d = 128 one (193 KiB): two would need 256 KiB, which is why upstream runs d = 128 on two CTAs.
+BWD_TILE_M = 128
+BWD_DQ_CHUNK = 32  # dQ columns per TMEM load / shared-memory stage / TMA reduce-add
+BWD_DQ_BUFFERS = 2
+BWD_MAX_STAGES = 2
+BWD_SMEM_RESERVED = 1024
+BWD_HEAD_DIMS = (64, 128)
+
+
+def backward_shared_memory_bytes(head_dim: int, num_stages: int, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of the sm100 backward (head_dim == head_dim_v): what the kernel's
+    SharedStorage holds, each buffer rounded up to its 1024-byte alignment."""
+    kv = 2 * TILE_N * _pad16(head_dim) * element_bytes
+    qdo = num_stages * 2 * BWD_TILE_M * _pad16(head_dim) * element_bytes
+    ds = TILE_N * BWD_TILE_M * element_bytes
+    dq = BWD_DQ_BUFFERS * BWD_TILE_M * BWD_DQ_CHUNK * 4
+    rows = num_stages * 2 * BWD_TILE_M * 4
+    return kv + qdo + ds + dq + rows + BWD_SMEM_RESERVED
+
+
+def backward_stages(head_dim: int) -> int:
+    """Q/dO stages: as many as fit, up to BWD_MAX_STAGES (0 if not even one fits)."""
+    fits = [s for s in range(1, BWD_MAX_STAGES + 1) if backward_shared_memory_bytes(head_dim, s) <= SMEM_BYTES]
+    return max(fits, default=0)
+
+
+def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:
+    """BackwardConfig overrides (tile_m, tile_n, num_stages) for a problem class."""
+    del head_dim_v, causal, local, has_softcap
+    return dict(tile_m=BWD_TILE_M, tile_n=TILE_N, num_stages=max(backward_stages(head_dim), 1))
+
+
+def check_backward(cfg) -> None:
+    """NotImplementedError for what the first sm100 backward does not do (naming the option),
+    ValueError for tiles it cannot build; run when a BackwardConfig is constructed."""
+    arch = cfg.arch.value
+    for name in ("varlen", "local", "has_softcap", "deterministic", "has_seqused_k"):
+        if getattr(cfg, name):
+            raise NotImplementedError(f"{arch} backward: {name}=True is not implemented yet (1-CTA kernel: "
+                                      f"batched, causal or not, head dims {BWD_HEAD_DIMS})")
+    if cfg.head_dim != cfg.head_dim_v or cfg.head_dim not in BWD_HEAD_DIMS:
+        raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
+                                  f"yet (head_dim == head_dim_v in {BWD_HEAD_DIMS})")
+    if cfg.tile_m != BWD_TILE_M or cfg.tile_n != TILE_N:
+        raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")
+    if not 1 <= cfg.num_stages <= backward_stages(cfg.head_dim):
+        raise ValueError(f"{arch} backward: {cfg.num_stages} Q/dO stages do not fit in shared memory at head dim "
+                         f"{cfg.head_dim} (at most {backward_stages(cfg.head_dim)})")
+    if cfg.longest_first or cfg.split_head_dim or cfg.exp_eighths_under_dp != 8:
+        raise ValueError(f"{arch} backward: longest_first, split_head_dim and exp_eighths_under_dp are Hopper "
+                         f"schedule switches the sm100 kernel does not have")
+
+
+def check_postprocess(cfg) -> None:
+    if cfg.varlen:
+        raise NotImplementedError(f"{cfg.arch.value} backward postprocess: varlen=True is not implemented yet")
+    if cfg.tile_m != BWD_TILE_M or cfg.head_dim not in BWD_HEAD_DIMS:
+        raise NotImplementedError(f"{cfg.arch.value} backward postprocess: tile_m {BWD_TILE_M} and head dims "
+                                  f"{BWD_HEAD_DIMS} only, got tile_m {cfg.tile_m}, head dim {cfg.head_dim}")
+
+
+# Problem classes CI compiles for sm_100a's backward: both head dims, causal, fp16 (a handful: the
+# target's compile time).
+BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(), dict(causal=True))

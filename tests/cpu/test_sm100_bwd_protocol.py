@@ -1,0 +1,198 @@
+"""The sm100 backward's barrier protocol, executed on the CPU.
+
+As tests/cpu/test_sm100_protocol.py does for the forward (whose mbarrier model this reuses): the
+backward's roles (fa4_kernels/sm100/bwd.py: load, mma, compute warpgroups 0 and 1, the dQ
+warpgroup) replayed as Python coroutines making the kernel's pipeline calls with its states, stage
+counts and arrival counts, interleaved in every priority order, for one and two Q/dO stages, dQ in
+its own TMEM columns (d = 64) or over dP^T's (d = 128), and 0 to 7 query-block steps. Checked:
+
+- every role finishes (a stuck role is a hang on a B200);
+- every hand-off sees its producer: the MMA issues dV/dK/dQ of step i only on P^T and dS^T of step i
+  from both compute warpgroups; it overwrites dP^T's columns with dQ_i only after both read dP^T_i,
+  and dP^T_(i+1) only after the dQ warpgroup read dQ_i out; the compute warps read S^T/dP^T and
+  LSE/D of their own step; the dQ warpgroup reads dQ_i; dK/dV are final when the epilogue reads them.
+
+MMAs are modelled as reading and writing at issue (one thread issues them in order; completion is
+what the commits signal). A change to the kernel's pipeline use must be mirrored here; each coroutine
+names the method it follows.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from flash_attn4.fa4_kernels.sm100 import bwd as sm100_bwd
+from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
+from tests.cpu.test_sm100_protocol import Pipeline, State, consumer, producer
+
+WARPGROUP = sm100_bwd.WARPGROUP
+GROUPS = sm100_bwd.COMPUTE_GROUPS
+WARPS_PER_GROUP = WARPGROUP // sm100_bwd.WARP
+
+
+def make_pipelines(stages, sdp_empty=GROUPS * WARPGROUP):
+    """FlashAttentionBackwardSm100.make_pipelines: kv and qdo (TMA -> UMMA: one arrive_expect_tx, one
+    tcgen05.commit release), rows (TMA -> compute: lane 0 of each compute warp releases), sdp and
+    dkv (one commit; every compute thread releases), dq (one commit; every dQ thread releases)."""
+    return dict(kv=Pipeline(1, 1, 1), qdo=Pipeline(stages, 1, 1),
+                rows=Pipeline(stages, 1, GROUPS * WARPS_PER_GROUP), sdp=Pipeline(1, 1, sdp_empty),
+                dq=Pipeline(1, 1, WARPGROUP), dkv=Pipeline(1, 1, GROUPS * WARPGROUP))
+
+
+def load(p, stages, n, log):
+    """FlashAttentionBackwardSm100.load: K/V once, per step Q/dO and LSE/D, then producer_tail."""
+    qdo_state, rows_state = producer(stages), producer(stages)
+    if n > 0:
+        kv_state = producer(1)
+        yield from p["kv"].producer_acquire(kv_state)
+        p["kv"].data[0] = "KV"
+        p["kv"].commit(kv_state)
+    for i in range(n):
+        yield from p["qdo"].producer_acquire(qdo_state)
+        p["qdo"].data[qdo_state.index] = ("QdO", i)
+        p["qdo"].commit(qdo_state)
+        qdo_state = qdo_state.advanced()
+        yield from p["rows"].producer_acquire(rows_state)
+        p["rows"].data[rows_state.index] = ("rows", i)
+        p["rows"].commit(rows_state)
+        rows_state = rows_state.advanced()
+    if n > 0:  # PipelineTmaUmma.producer_tail: every stage handed back
+        for _ in range(stages):
+            yield from p["qdo"].producer_acquire(qdo_state)
+            qdo_state = qdo_state.advanced()
+    log.append("load")
+
+
+def mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early=None):
+    """FlashAttentionBackwardSm100.mma (``dq_acquire_early``: where the dq stage is acquired, the
+    kernel's choice by default: before S^T/dP^T when dQ shares dP^T's columns)."""
+    early = dq_over_dp if dq_acquire_early is None else dq_acquire_early
+    qdo_state, sdp_state, dq_state = consumer(stages), producer(1), producer(1)
+    if n > 0:
+        yield from p["kv"].consumer_wait(consumer(1))
+        assert p["kv"].data[0] == "KV"
+        yield from p["sdp"].producer_acquire(sdp_state)
+    for i in range(n):
+        yield from p["qdo"].consumer_wait(qdo_state)
+        assert p["qdo"].data[qdo_state.index] == ("QdO", i), "Q/dO stage holds another block"
+        if early:
+            yield from p["dq"].producer_acquire(dq_state)
+        if i > 0:  # S^T and dP^T overwrite P^T_(i-1) (read by dV_(i-1) at its issue) and, aliased, dQ_(i-1)
+            assert not dq_over_dp or mem["dQ_read"] == i - 1, "dP^T overwrites dQ before it was read out"
+        mem["S"], mem["dP"] = i, i
+        p["sdp"].commit(sdp_state)
+        sdp_state = sdp_state.advanced()
+        yield from p["sdp"].producer_acquire(sdp_state)
+        assert mem["P"] == [i] * GROUPS, f"dV_{i} issued on P^T of steps {mem['P']}"
+        assert mem["dS"] == [i] * GROUPS, f"dK_{i} issued on dS^T of steps {mem['dS']}"
+        mem["dKV"].append(i)
+        p["qdo"].release(qdo_state)
+        qdo_state = qdo_state.advanced()
+        if not early:
+            yield from p["dq"].producer_acquire(dq_state)
+        assert i == 0 or mem["dQ_read"] == i - 1, "dQ_i overwrites dQ_(i-1) before it was read out"
+        if dq_over_dp:
+            assert mem["dP_read"] == [i] * GROUPS, "dQ overwrites dP^T before both warpgroups read it"
+            mem["dP"] = ("dQ", i)
+        mem["dQ"] = i
+        p["dq"].commit(dq_state)
+        dq_state = dq_state.advanced()
+    if n > 0:
+        p["dkv"].commit(producer(1))
+    log.append("mma")
+
+
+def compute(p, mem, w, stages, n, log):
+    """FlashAttentionBackwardSm100.compute (+ chunk_gradients) and store_dkv, warpgroup w."""
+    sdp_state, rows_state = consumer(1), consumer(stages)
+    for i in range(n):
+        yield from p["rows"].consumer_wait(rows_state)
+        yield from p["sdp"].consumer_wait(sdp_state)
+        assert p["rows"].data[rows_state.index] == ("rows", i), "LSE/D of another block"
+        assert mem["S"] == i and mem["dP"] == i, f"compute {w} read S^T/dP^T of {mem['S']}/{mem['dP']}, wanted {i}"
+        mem["P"][w], mem["dS"][w], mem["dP_read"][w] = i, i, i
+        p["sdp"].release(sdp_state, WARPGROUP)
+        p["rows"].release(rows_state, WARPS_PER_GROUP)
+        sdp_state, rows_state = sdp_state.advanced(), rows_state.advanced()
+    if n > 0:
+        yield from p["dkv"].consumer_wait(consumer(1))
+        assert mem["dKV"] == list(range(n)), "dK/dV read before the last step's MMAs"
+    log.append(f"compute{w}")
+
+
+def reduce_dq(p, mem, n, log):
+    """FlashAttentionBackwardSm100.reduce_dq."""
+    dq_state = consumer(1)
+    for i in range(n):
+        yield from p["dq"].consumer_wait(dq_state)
+        assert mem["dQ"] == i, f"the dQ warpgroup read dQ of step {mem['dQ']}, wanted {i}"
+        mem["dQ_read"] = i
+        p["dq"].release(dq_state, WARPGROUP)
+        dq_state = dq_state.advanced()
+    log.append("dq")
+
+
+def run(stages, n, dq_over_dp, order, pipelines=make_pipelines, dq_acquire_early=None):
+    p = pipelines(stages)
+    mem = dict(S=None, dP=None, P=[None] * GROUPS, dS=[None] * GROUPS, dP_read=[None] * GROUPS, dQ=None,
+               dQ_read=None, dKV=[])
+    log = []
+    roles = {"load": load(p, stages, n, log), "mma": mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early),
+             "dq": reduce_dq(p, mem, n, log)}
+    for w in range(GROUPS):
+        roles[f"compute{w}"] = compute(p, mem, w, stages, n, log)
+    waiting = {name: (lambda: True) for name in roles}
+    while roles:
+        for name in sorted(roles, key=lambda r: order.index(r.rstrip("01"))):
+            if waiting[name]():
+                try:
+                    waiting[name] = next(roles[name])
+                except StopIteration:
+                    del roles[name]
+                break
+        else:
+            pytest.fail(f"deadlock with {sorted(roles)} waiting (stages={stages}, steps={n}, dq_over_dp={dq_over_dp})")
+    return log
+
+
+ROLE_ORDERS = [list(o) for o in itertools.permutations(["load", "mma", "compute", "dq"])]
+
+
+@pytest.mark.parametrize("stages", sorted({1, sm100_tiles.BWD_MAX_STAGES}))
+@pytest.mark.parametrize("steps", [0, 1, 2, 3, 7])
+@pytest.mark.parametrize("dq_over_dp", [False, True])
+def test_every_role_finishes_and_every_hand_off_sees_its_producer(stages, steps, dq_over_dp):
+    for order in ROLE_ORDERS:
+        log = run(stages, steps, dq_over_dp, order)
+        assert sorted(log) == sorted(["load", "mma", "dq"] + [f"compute{w}" for w in range(GROUPS)])
+
+
+@pytest.mark.parametrize("d", sm100_tiles.BWD_HEAD_DIMS)
+def test_the_kernel_plans_use_the_replayed_cases(d):
+    """The kernel's own plans are among the replayed: its stage count and its dQ placement."""
+    from flash_attn4 import dispatch
+    from flash_attn4.fa4_kernels.arch import Arch
+
+    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
+                                   varlen=False, has_seqused_k=False, deterministic=False)
+    plan = sm100_bwd.FlashAttentionBackwardSm100(cfg)
+    assert cfg.num_stages in {1, sm100_tiles.BWD_MAX_STAGES}
+    assert plan.dq_over_dp == (d == 128)
+
+
+def test_the_model_catches_a_wrong_count():
+    """Not vacuous: the sdp empty barrier counting one compute warpgroup only lets the MMA issue dV
+    before the other warpgroup wrote its P^T (or overwrite S^T under it)."""
+    with pytest.raises(AssertionError):
+        for order in ROLE_ORDERS:
+            run(2, 3, False, order, pipelines=lambda s: make_pipelines(s, sdp_empty=WARPGROUP))
+
+
+def test_the_model_catches_dq_acquired_late_over_dp():
+    """With dQ over dP^T's columns, acquiring the dq stage only before the dQ MMA (the d = 64 order)
+    lets dP^T_(i+1) overwrite dQ_i before the dQ warpgroup read it: caught."""
+    with pytest.raises(AssertionError, match="dP\\^T overwrites dQ"):
+        for order in ROLE_ORDERS:
+            run(1, 3, True, order, dq_acquire_early=False)

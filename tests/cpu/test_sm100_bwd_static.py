@@ -1,0 +1,232 @@
+"""Static verification of the Blackwell (sm_100a) backward kernel, compiled on the CPU: what the SASS,
+PTX and cubin say about it, and the plan it is built from. No GPU runs it here (and the torch layer
+does not send user calls to it yet: arch.ArchKernels.backward_user_ready).
+
+Every expected number is derived from the kernel's plan (tile sizes, the MMA's K, the TMEM plan, the
+register budgets, the dQ chunking), never copied from a compile. ptxas: the cu13 flavour (13.4).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flash_attn4 import dispatch
+from flash_attn4.fa4_kernels.arch import IMPLEMENTED, KERNELS, Arch
+from flash_attn4.fa4_kernels.config import BackwardConfig
+from flash_attn4.fa4_kernels.sm100 import dq_accum as sm100_dq
+from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
+from scripts import sass_stats_lib as lib
+
+FLAVOUR = "cu13"
+MMA_K = 16  # reduction depth of one 16-bit tcgen05 MMA
+TMEM_LIMIT = 512
+
+CONFIGS = {
+    "d64": dict(d=64),
+    "d64_causal_fp16": dict(d=64, causal=True, dtype="float16"),
+    "d128": dict(d=128),
+    "d128_causal": dict(d=128, causal=True),
+}
+
+
+def config(d=128, causal=False, dtype="bfloat16"):
+    return dispatch.backward_config(Arch.SM100, dtype, d, d, causal=causal, local=False, has_softcap=False,
+                                    varlen=False, has_seqused_k=False, deterministic=False)
+
+
+def kernel_plan(cfg):
+    from flash_attn4.fa4_kernels.sm100 import bwd
+
+    return bwd, bwd.FlashAttentionBackwardSm100(cfg)
+
+
+def expected_mma(cfg) -> int:
+    """Per query block: S^T = K Q^T and dP^T = V dO^T reduce over the head dim, dV += P^T dO,
+    dK += dS^T Q over the block's queries, dQ = dS K over the tile's keys; the MMA warp's loop holds
+    each GEMM once."""
+    over_d = -(-cfg.head_dim // MMA_K)
+    return 2 * over_d + 2 * (cfg.tile_m // MMA_K) + cfg.tile_n // MMA_K
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def compiled(request):
+    cfg = config(**CONFIGS[request.param])
+    return request.param, cfg, lib.kernel_stats(cfg, FLAVOUR)
+
+
+def test_no_spills(compiled):
+    name, _, stats = compiled
+    assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
+        f"{name}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
+
+
+def test_mma_count_is_what_the_tiles_imply(compiled):
+    name, cfg, stats = compiled
+    assert stats["utcmma"] == expected_mma(cfg), (name, stats["utcmma"], expected_mma(cfg))
+    assert not stats["two_cta"] and stats["cta_group"] == 1, name
+
+
+def test_tensor_memory_one_alloc_within_512_columns_and_released(compiled):
+    name, cfg, stats = compiled
+    bwd, plan = kernel_plan(cfg)
+    ptx = stats["ptx"]
+    assert [a["columns"] for a in ptx["tmem_alloc"]] == [bwd.TMEM_COLUMNS], name
+    assert bwd.TMEM_COLUMNS <= TMEM_LIMIT
+    assert len(ptx["tmem_dealloc"]) == 1 and len(ptx["tmem_relinquish"]) == 1, name
+
+
+def test_tmem_traffic_and_exponentials_as_planned(compiled):
+    """tcgen05.ld by 32-column chunks: S^T and dP^T of each compute warpgroup's columns, in the
+    masked and the unmasked variant of a step; dK and dV (each warpgroup half the head dim); dQ.
+    tcgen05.st: P^T, one per chunk and variant. Each compute thread's exponentials twice (the two
+    variants); one TMA reduce-add per dQ chunk."""
+    name, cfg, stats = compiled
+    bwd, plan = kernel_plan(cfg)
+    chunk = sm100_tiles.BWD_DQ_CHUNK
+    cols = cfg.tile_m // bwd.COMPUTE_GROUPS
+    d = cfg.head_dim
+    variants = 2
+    assert stats["ldtm"] == variants * 2 * (cols // chunk) + 2 * (d // bwd.COMPUTE_GROUPS // chunk) + d // chunk, name
+    assert stats["sttm"] == variants * (cols // chunk), name
+    assert stats["mufu_ex2"] == 2 * cols, name
+    assert stats["opcodes"].get("UTMAREDG.4D.ADD", 0) == d // chunk, name
+
+
+def test_register_budgets_one_setmaxnreg_per_role(compiled):
+    name, _, stats = compiled
+    from flash_attn4.fa4_kernels.sm100 import bwd
+
+    budgets = bwd.REGISTERS
+    assert budgets["dq"] + bwd.COMPUTE_GROUPS * budgets["compute"] + budgets["other"] == 4 * bwd.LAUNCH_REGISTERS
+    assert stats["usetmaxreg"] == stats["setmaxnreg"], name
+    # The launch's share needs no setmaxnreg.
+    expected = sorted(v if v > bwd.LAUNCH_REGISTERS else -v for v in set(budgets.values()) - {bwd.LAUNCH_REGISTERS})
+    assert sorted(int(v) for v in stats["usetmaxreg"]) == expected, name
+    assert stats["reqntid"][0] == bwd.NUM_WARPS * 32
+
+
+def test_static_problems_none(compiled):
+    name, _, stats = compiled
+    assert lib.static_problems(stats) == [], name
+
+
+@pytest.mark.parametrize("spec", sorted(CONFIGS))
+def test_tmem_plan_columns_disjoint_except_dq_over_dp(spec):
+    """S^T, dP^T, dK, dV (and dQ where it fits) in disjoint columns within 512; dQ over dP^T only
+    where it does not fit (d = 128); P^T of each compute warpgroup inside its own S^T columns."""
+    cfg = config(**CONFIGS[spec])
+    bwd, plan = kernel_plan(cfg)
+    d = cfg.head_dim
+    regions = {"s": (plan.tmem_s, cfg.tile_m), "dp": (plan.tmem_dp, cfg.tile_m), "dk": (plan.tmem_dk, d),
+               "dv": (plan.tmem_dv, d)}
+    if not plan.dq_over_dp:
+        regions["dq"] = (plan.tmem_dq, d)
+    spans = sorted((start, start + width, name) for name, (start, width) in regions.items())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        assert end <= start, (spec, a, b)
+    assert spans[-1][1] <= bwd.TMEM_COLUMNS
+    assert plan.dq_over_dp == (2 * cfg.tile_n + 3 * d > bwd.TMEM_COLUMNS)
+    if plan.dq_over_dp:
+        assert plan.tmem_dq == plan.tmem_dp and d <= cfg.tile_m
+    cols = cfg.tile_m // bwd.COMPUTE_GROUPS
+    for w in range(bwd.COMPUTE_GROUPS):
+        first = plan.tmem_s + w * cols
+        assert plan.p_words == cols // 2 and first + plan.p_words <= plan.tmem_s + (w + 1) * cols
+
+
+@pytest.mark.parametrize("d", sm100_tiles.BWD_HEAD_DIMS)
+def test_shared_memory_within_the_sm100_limit(d):
+    import cutlass.memory
+
+    capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_100")
+    stages = sm100_tiles.backward_stages(d)
+    assert stages >= 1
+    assert sm100_tiles.backward_shared_memory_bytes(d, stages) <= min(capacity, sm100_tiles.SMEM_BYTES)
+    # One more stage would not fit (the rule takes as many as fit, up to BWD_MAX_STAGES).
+    if stages < sm100_tiles.BWD_MAX_STAGES:
+        assert sm100_tiles.backward_shared_memory_bytes(d, stages + 1) > sm100_tiles.SMEM_BYTES
+
+
+def test_dq_accum_order_is_a_permutation_matching_the_staging_formula():
+    """block_order (what the torch layer's reference of the postprocessing reads) is a permutation
+    of the block, and value i of group j of chunk c of query row t sits at c * chunk * tile_m + j *
+    4 * tile_m + 4 t + i, the offset the dQ warpgroup stores it at and the postprocessing reads."""
+    for d in sm100_tiles.BWD_HEAD_DIMS:
+        layout = sm100_dq.DqChunks(sm100_tiles.BWD_TILE_M, d)
+        order = layout.block_order()
+        assert sorted(order) == list(range(layout.tile_m * d))
+        assert layout.rows_per_block * layout.row == layout.tile_m * d
+        position = {element: i for i, element in enumerate(order)}
+        for t in (0, 1, 31, 32, 127):
+            for col in (0, 3, 4, 31, 32, d - 1):
+                c, j, i = col // layout.chunk, col % layout.chunk // 4, col % 4
+                assert position[t * d + col] == c * layout.chunk * layout.tile_m + j * 4 * layout.tile_m + 4 * t + i
+
+
+@pytest.mark.parametrize("option", ["varlen", "local", "has_softcap", "deterministic"])
+def test_unimplemented_options_raise_naming_option_and_arch(option):
+    flags = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False,
+                 deterministic=False)
+    flags[option] = True
+    with pytest.raises(NotImplementedError, match=rf"sm_100a backward: {option}=True"):
+        BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=128, head_dim_v=128,
+                       **{k: v for k, v in flags.items()}, tile_m=128, tile_n=128, num_stages=1)
+
+
+@pytest.mark.parametrize("d, dv", [(96, 96), (256, 256), (128, 64)])
+def test_other_head_dims_raise(d, dv):
+    with pytest.raises(NotImplementedError, match="sm_100a backward: head dims"):
+        BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,
+                       num_stages=1)
+
+
+def test_users_still_get_the_refusal():
+    """The kernel compiles (compiled_kernels) but the torch layer's table (IMPLEMENTED) keeps sm100
+    forward-only until its first-use self-check is wired in."""
+    entry = KERNELS[Arch.SM100]
+    assert "backward" in entry.compiled_kernels and not entry.backward_user_ready
+    assert "backward" not in IMPLEMENTED[Arch.SM100]
+    assert "backward" not in IMPLEMENTED[Arch.SM103]
+
+
+def test_kernel_set_has_the_backward_and_its_postprocessing():
+    from flash_attn4.fa4_kernels.compile import backward_kernel_set
+    from flash_attn4.fa4_kernels.config import PostprocessConfig, PreprocessConfig
+
+    configs = backward_kernel_set(Arch.SM100)
+    mains = [c for c in configs if isinstance(c, BackwardConfig)]
+    assert {(c.head_dim, c.causal) for c in mains} == {(64, False), (64, True), (128, False), (128, True)}
+    assert {c.head_dim for c in configs if isinstance(c, PostprocessConfig)} == {64, 128}
+    assert any(isinstance(c, PreprocessConfig) for c in configs)
+
+
+def test_postprocess_compiles_for_both_head_dims():
+    from flash_attn4.fa4_kernels.compile import compile_backward_postprocess
+
+    for d in sm100_tiles.BWD_HEAD_DIMS:
+        compile_backward_postprocess(config(d=d).postprocess(), jit_engine=False)
+
+
+def test_verifier_reports_only_the_reviewed_baseline():
+    """CUTE_DSL_COMPILER_OPT=warnings: nothing beyond tests/cpu/verifier_baseline.json's reviewed
+    entries for the sm100 backward."""
+    baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
+    for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True))):
+        got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(config(**spec), FLAVOUR))
+        assert got == sorted(baseline[name]), (name, got)
+
+
+def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work():
+    """ptxas 12.9 (plain pip installs on CUDA 12 drivers) spilled at d = 128 with a 112-register MMA
+    warpgroup; with its budget at the launch share it builds the same kernels without spills."""
+    for spec in (dict(d=64, causal=True), dict(d=128, causal=True)):
+        cfg = config(**spec)
+        stats = lib.kernel_stats(cfg, "cu12")
+        assert stats["ptxas"] is None or "release 12." in stats["ptxas"], stats["ptxas"]
+        assert ".cu12." in stats["dsl_ir_module"]
+        assert stats["utcmma"] == expected_mma(cfg)
+        assert stats["ldl"] == stats["stl"] == 0, (spec, stats["ldl"], stats["stl"])
+        assert stats["usetmaxreg"] == stats["setmaxnreg"]

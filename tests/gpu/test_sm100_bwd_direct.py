@@ -1,0 +1,77 @@
+"""The sm100 backward kernel on a B200 (capability 10.0), called directly, before the torch layer sends
+user calls to it (fa4_kernels/arch.py: backward_user_ready=False, so the public functions still refuse
+and tests/gpu/test_bwd.py skips on Blackwell).
+
+The call sequence is ops.bwd's: LSE in log2 units and rowsum(dO * O) (ops._backward_rows' torch path),
+the main kernel into a zeroed float32 dQ accumulator of the sm100 layout (fa4_kernels/sm100/dq_accum.py),
+then the sm100 postprocessing. The forward's output and LSE come from the float32 reference. Gradients
+are judged by test_bwd.py's rule (2x the low-precision reference's error plus rounding), on ragged
+lengths (300 queries, 333 keys: partial blocks on both sides), MHA and GQA, causal or not, both dtypes.
+Fresh random inputs every run (seed printed); dk/dv start NaN so unwritten rows fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.helpers import DEVICE, rand, seed_from_urandom
+from tests.gpu.test_bwd import assert_grads_close, reference_grads
+from tests.reference import attention_ref
+
+pytestmark = [pytest.mark.gpu]
+
+
+def _need_sm100():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (10, 0):
+        pytest.skip("needs an sm_100 GPU (B200/GB200): the kernel is compiled for sm_100a")
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    return seed_from_urandom()
+
+
+def run_sm100_backward(q, k, v, out, lse, dout, causal: bool, softmax_scale: float):
+    from flash_attn4 import ops
+    from flash_attn4.fa4_kernels.arch import Arch
+    from flash_attn4.fa4_kernels.compile import compile_backward, compile_backward_postprocess
+    from flash_attn4.fa4_kernels.config import BackwardConfig
+    from flash_attn4.fa4_kernels.sm100.dq_accum import accum_layout
+    from flash_attn4.fa4_kernels.tiles import backward_tiles
+
+    d = q.shape[-1]
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
+    cfg = BackwardConfig(arch=Arch.SM100, dtype=name, head_dim=d, head_dim_v=d, causal=causal,
+                         **backward_tiles(Arch.SM100, d, d, causal, False, False))
+    lse_log2, dpsum = ops._backward_rows(dout, out, lse, None, use_kernel=False)
+    layout = accum_layout(cfg)
+    batch, sq, hq, _ = q.shape
+    blocks = -(-sq // cfg.tile_m)
+    dq_accum = torch.zeros(batch, hq, blocks * layout.rows_per_block, layout.row, dtype=torch.float32, device=DEVICE)
+    dk = torch.full_like(k, float("nan"))
+    dv = torch.full_like(v, float("nan"))
+    compile_backward(cfg)(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, None, None, None, None,
+                          float(softmax_scale), 0.0, -1, -1, int(k.shape[1]))
+    dq = torch.full_like(q, float("nan"))
+    compile_backward_postprocess(cfg.postprocess())(dq_accum, dq, None, float(softmax_scale), int(sq))
+    torch.cuda.synchronize()
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm100_backward_matches_the_reference(d, heads, causal, dtype):
+    _need_sm100()
+    hq, hk = heads
+    batch, sq, sk = 2, 300, 333
+    q, k, v = rand(batch, sq, hq, d, dtype=dtype), rand(batch, sk, hk, d, dtype=dtype), rand(batch, sk, hk, d, dtype=dtype)
+    dout = rand(batch, sq, hq, d, dtype=dtype)
+    scale = d ** -0.5
+    out, lse = attention_ref(q.float(), k.float(), v.float(), softmax_scale=scale, causal=causal)
+    got = run_sm100_backward(q, k, v, out.to(dtype), lse.float().contiguous(), dout, causal, scale)
+    ref = reference_grads(q, k, v, dout, upcast=True, softmax_scale=scale, causal=causal)
+    pt = reference_grads(q, k, v, dout, upcast=False, softmax_scale=scale, causal=causal)
+    assert_grads_close(got, ref, pt, what=f"sm100 d={d} {hq}/{hk} causal={causal} {dtype}: ")

@@ -1,0 +1,761 @@
+"""FlashAttention backward for Blackwell (sm_100a), one CTA per KV tile: tcgen05 MMAs with S^T,
+dP^T, dK, dV and dQ in tensor memory.
+
+A CTA owns TILE_N = 128 keys of one KV head (KV-stationary, as the sm90 backward) and walks, for
+every query head sharing that KV head, the 128-row query blocks that see its keys. dK and dV
+accumulate in tensor memory over the whole walk and are written once; dQ, which every KV tile
+contributes to, is reduce-added into the zeroed float32 dq_accum per query block. The
+preprocessing (fa4_kernels/bwd_preprocess.py) supplies LSE in log2 units and D = rowsum(dO * O),
+the postprocessing (bwd_postprocess.py) scales and casts dQ. Call convention: BackwardConfig.
+
+Warp roles (16 warps):
+
+    warps 0-3    dQ          thread = query row = TMEM lane: dQ_i from TMEM in BWD_DQ_CHUNK-column
+                             chunks, staged in shared memory (dq_accum.py's order), one TMA
+                             reduce-add (cp.reduce.async.bulk.tensor .add.f32) per chunk
+    warps 4-7    compute 0   thread = key row = TMEM lane, query columns 0-63 of the block:
+    warps 8-11   compute 1   ... and columns 64-127 (two warpgroups per lane quadrant: half the
+                             exponentials and registers each)
+                             by 32-column chunks: P^T = exp2(S^T * scale_log2 - LSE) (masked
+                             entries 0), to TMEM as 16-bit over S^T columns it has read;
+                             dS^T = P^T * (dP^T - D), to shared memory as 16-bit;
+                             at the end dK * softmax_scale and dV from TMEM to
+                             global memory (each warpgroup half of the head dim)
+    warp 12      MMA         one thread issues every tcgen05 MMA (below) and commits them
+    warp 13      load        TMA: K and V once; per step Q_i, dO_i (one ring of stages) and LSE_i,
+                             D_i (their own ring, read by the compute warps)
+    warps 14-15  idle
+
+Per step i (query head h, query block m), the MMA warp issues, waiting where marked:
+    [Q_i, dO_i landed]  [dQ_(i-1) read out, when dQ shares dP's columns]
+    S^T = K Q_i^T, dP^T = V dO_i^T                       -> commit "S/dP full"
+    [P^T and dS^T written: the compute warps' release]
+    dV += P^T dO_i (A = P^T from TMEM), dK += dS^T Q_i   -> commit "Q_i/dO_i free"
+    [dQ_(i-1) read out, otherwise]
+    dQ_i = dS K (A = dS^T's buffer read M-major)         -> commit "dQ full"
+and after the last step commits "dK/dV final". tcgen05 MMAs of one thread run in order, so S^T of
+step i+1 overwrites P^T only after dV_i read it, and the compute warps, which write dS^T of step
+i+1 only after "S/dP full" of i+1, find dK_i and dQ_i (the readers of dS^T_i) complete.
+
+Why P^T in TMEM and dS^T in shared memory: dQ = dS K needs dS with the queries as M, which TMEM
+(lanes = keys here) cannot give, so dS^T goes to shared memory anyway and dK reads it there; P^T
+feeds only dV, whose A operand may come from TMEM (lanes = keys = M), which saves 32 KiB of shared
+memory and its bandwidth (at d = 128 the Q/dO stage fits only without a P^T buffer).
+Why a TMA reduce-add for dQ: one bulk instruction per 16 KiB chunk instead of 32 red.global.add.f32
+per thread and chunk (the DSL has no vector red.global), and the smem staging is conflict-free.
+
+Tensor memory (512 columns, lane = key row for S^T, dP^T, dK, dV; = query row for dQ):
+    S^T 0-127 (P^T of compute warpgroup w: 16-bit pairs at 64 w .. 64 w + 31, over its own S^T
+    columns), dP^T 128-255, dK 256.., dV 256 + d.., dQ 256 + 2 d.. where that fits (d = 64),
+    else over dP^T's columns (d = 128), after dS^T was computed from them.
+
+Synchronisation (mbarrier pipelines, cutlass.pipeline):
+    kv    TMA -> MMA        K and V, once
+    qdo   TMA -> MMA        Q_i, dO_i per step (num_stages); released by tcgen05.commit
+    rows  TMA -> compute    LSE_i, D_i per step (num_stages); released by each compute warp
+    sdp   MMA -> compute    "S/dP full"; its empty barrier is "P^T and dS^T written"
+    dq    MMA -> dQ         "dQ full"; its empty barrier is "dQ read out of TMEM"
+    dkv   MMA -> compute    "dK/dV final", once
+Named barriers: Barrier below. tests/cpu/test_sm100_bwd_protocol.py replays these calls on the
+CPU (no deadlock, every hand-off sees its producer); tests/cpu/test_sm100_bwd_static.py checks
+the compiled kernel (MMA count, TMEM, budgets, spills).
+Tensor-memory hand-offs follow fwd.py: every tcgen05.ld/st is waited for (wait::ld/st) before the
+barrier arrival that hands its columns on; shared-memory writes read by MMAs or TMA are fenced
+(fence.proxy.async) before theirs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from ..config import BackwardConfig
+from ..dtypes import CUTLASS_DTYPES
+from ..layouts import tma_partition_tile
+from ..mask import AttentionMask
+from ..pipelines import advanced
+from ..scheduler import TileScheduler
+from ..seqlen import SeqlenInfo, head_rows
+from ..softmax import LOG2_E
+from ..tile_work import QueryBlocks, TileWork
+from .dq_accum import ROW, VECTOR, DqChunks
+from .fwd import LAUNCH_REGISTERS, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
+from .tiles import (BWD_DQ_BUFFERS, BWD_DQ_CHUNK, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
+                    backward_shared_memory_bytes)
+
+NUM_WARPS = 16
+COMPUTE_GROUPS = 2  # compute warpgroups, each owning TILE_M / COMPUTE_GROUPS query columns
+MMA_K = 16  # reduction depth of one 16-bit tcgen05 MMA
+
+
+class Warp(enum.IntEnum):
+    """Warp roles (warp index in the CTA). Every warpgroup that touches TMEM starts at a multiple
+    of 4: warp w may only access lanes 32 * (w % 4) .. + 31."""
+
+    DQ = 0  # warps 0-3
+    COMPUTE = 4  # warps 4-7 (query columns 0-63) and 8-11 (64-127)
+    MMA = 12
+    LOAD = 13  # warps 14-15 idle
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads)."""
+
+    TMEM_ALLOC = 1  # the allocating warp published the TMEM address (MMA, compute, dQ warps)
+    TMEM_FREE = 2  # compute and dQ warps are done with TMEM
+    DQ_STAGE = 3  # the dQ warpgroup: a staging buffer is free / filled
+
+
+# setmaxnreg budgets per warpgroup (registers per thread; the four warpgroups share 512 x 128).
+# compute: one 32-column chunk of P^T, of dP^T and of dS^T (holding all 64 columns of P^T spilled
+# in the causal kernels at 160 and 168); dQ: one 32-column chunk. The MMA warp's 40 descriptors at
+# d = 128 spilled at 80, 96 and 104 registers under ptxas 13.4 and at 112 under 12.9 (the cu12
+# flavour), not at 128 (the launch share: that warpgroup needs no setmaxnreg).
+REGISTERS = dict(dq=64, compute=160, other=128)
+
+
+class FlashAttentionBackwardSm100:
+    def __init__(self, cfg: BackwardConfig):
+        # BackwardConfig ran tiles.check_backward: head_dim == head_dim_v in (64, 128), 128 x 128.
+        self.cfg = cfg
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        self.hdim = cfg.head_dim
+        self.num_stages = cfg.num_stages
+        self.dq = DqChunks(BWD_TILE_M, self.hdim)
+        assert REGISTERS["dq"] + COMPUTE_GROUPS * REGISTERS["compute"] + REGISTERS["other"] == 4 * LAUNCH_REGISTERS
+        # Tensor-memory plan (columns).
+        self.tmem_s, self.tmem_dp = 0, TILE_N
+        self.tmem_dk = 2 * TILE_N
+        self.tmem_dv = self.tmem_dk + self.hdim
+        after_dv = self.tmem_dv + self.hdim
+        self.dq_over_dp = after_dv + self.hdim > TMEM_COLUMNS
+        self.tmem_dq = self.tmem_dp if self.dq_over_dp else after_dv
+        assert after_dv <= TMEM_COLUMNS and self.tmem_dq + self.hdim <= TMEM_COLUMNS
+        # P^T of compute warpgroup w: its 64 query columns as 32 words of 16-bit pairs at 64 w.
+        self.cols_per_group = BWD_TILE_M // COMPUTE_GROUPS
+        self.p_words = self.cols_per_group * self.dtype.width // 32
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mdPsum: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_k: Int32, stream: cuda.CUstream):
+        d = self.hdim
+        # Sequence first: (seq, d, head, batch), (seq_pad, head, batch), dq_accum (rows, 128, head, batch).
+        mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mdPsum)]
+        mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
+        num_batch, num_heads_kv = mQ.shape[3], mK.shape[2]
+        qhead_per_kvhead = mQ.shape[2] // num_heads_kv
+
+        major = cute.nvgpu.OperandMajorMode
+        one = tcgen05.CtaGroup.ONE
+        # S^T = K Q^T and dP^T = V dO^T: (keys, queries, d), both operands d-contiguous.
+        mma_s = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.K, Float32, one, (TILE_N, BWD_TILE_M))
+        # dV += P^T dO: A = P^T (keys, queries) from TMEM, B = dO^T (d, queries) d-contiguous.
+        mma_dv = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, one, (TILE_N, d),
+                                                    tcgen05.OperandSource.TMEM)
+        # dK += dS^T Q: A = dS^T (keys, queries) queries-contiguous, B = Q^T (d, queries).
+        mma_dk = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, one, (TILE_N, d))
+        # dQ = dS K: A = dS (queries, keys) from dS^T's buffer, B = K^T (d, keys), both MN-major.
+        mma_dq = sm100_utils.make_trivial_tiled_mma(self.dtype, major.MN, major.MN, Float32, one, (BWD_TILE_M, d))
+        tiler_s = (TILE_N, BWD_TILE_M, d)
+        tiler_dkv = (TILE_N, d, BWD_TILE_M)
+        tiler_dq = (BWD_TILE_M, d, TILE_N)
+
+        layouts = SmemLayouts(
+            k=sm100_utils.make_smem_layout_a(mma_s, tiler_s, self.dtype, 1),
+            v=sm100_utils.make_smem_layout_a(mma_s, tiler_s, self.dtype, 1),
+            q=sm100_utils.make_smem_layout_b(mma_s, tiler_s, self.dtype, self.num_stages),
+            do=sm100_utils.make_smem_layout_b(mma_s, tiler_s, self.dtype, self.num_stages),
+            qt=sm100_utils.make_smem_layout_b(mma_dk, tiler_dkv, self.dtype, self.num_stages),
+            dot=sm100_utils.make_smem_layout_b(mma_dv, tiler_dkv, self.dtype, self.num_stages),
+            kt=sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, self.dtype, 1),
+            dst=sm100_utils.make_smem_layout_a(mma_dk, tiler_dkv, self.dtype, 1),
+            ds=sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, self.dtype, 1),
+            p=sm100_utils.make_smem_layout_a(mma_dv, tiler_dkv, self.dtype, 1),
+        )
+        # Q, dO, K and dS^T are each read by two MMAs in different orientations from one buffer:
+        # both views must put every element at the same offset (checked here, at trace time).
+        check_same_elements(layouts.q, layouts.qt, BWD_TILE_M, d, "Q")
+        check_same_elements(layouts.do, layouts.dot, BWD_TILE_M, d, "dO")
+        check_same_elements(layouts.k, layouts.kt, TILE_N, d, "K")
+        check_same_elements(layouts.dst, layouts.ds, TILE_N, BWD_TILE_M, "dS^T")
+        rows_layout = cute.make_layout((BWD_TILE_M, self.num_stages))
+        # dQ staging: one chunk per buffer in dq_accum's order, rows of ROW floats (a TMA box).
+        dq_rows = self.dq.rows_per_chunk
+        sdQ_layout = cute.make_layout((dq_rows, ROW, BWD_DQ_BUFFERS), stride=(ROW, 1, dq_rows * ROW))
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(one)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tiler_s, mma_s)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tiler_s, mma_s)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tiler_s, mma_s)
+        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tiler_s, mma_s)
+        tma_row = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_row, mLSE, cute.make_layout(BWD_TILE_M), (BWD_TILE_M,))
+        tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_row, mdPsum, cute.make_layout(BWD_TILE_M),
+                                                                (BWD_TILE_M,))
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), (dq_rows, ROW))
+        self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, cute.select(layouts.k, mode=[0, 1, 2]))
+        self.tma_bytes_qdo = 2 * cute.size_in_bytes(self.dtype, cute.select(layouts.q, mode=[0, 1, 2]))
+        self.tma_bytes_rows = 2 * BWD_TILE_M * 4
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_rows: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_sdp: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_dq: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_dkv: cute.struct.MemRange[cutlass.Int64, 2]
+            tmem_address: Int32
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(rows_layout)], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(rows_layout)], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.k)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.v)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.q)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.do)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.dst)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        planned = backward_shared_memory_bytes(d, self.num_stages, self.dtype.width // 8)
+        if cutlass.const_expr(SharedStorage.size_in_bytes() > planned or planned > SMEM_BYTES):
+            raise ValueError(f"sm100 backward: {SharedStorage.size_in_bytes()} bytes of shared memory (plan "
+                             f"{planned}, limit {SMEM_BYTES}) at head dim {d}, {self.num_stages} stages")
+        self.shared_storage = SharedStorage
+
+        scale_log2 = softmax_scale * LOG2_E
+        num_n_blocks = (max_seqlen_k + TILE_N - 1) // TILE_N
+        qdo_bytes_per_head = mQ.shape[0] * 2 * d * (self.dtype.width // 8) * qhead_per_kvhead
+        scheduler = TileScheduler.create(num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
+                                         longest_first=False, longest_block_last=False,
+                                         l2_budget_bytes=L2_BUDGET_BYTES)
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ, mdK, mdV,
+            softmax_scale, scale_log2, qhead_per_kvhead, layouts, rows_layout, sdQ_layout,
+            mma_s, mma_dv, mma_dk, mma_dq, scheduler,
+        ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_dO: cute.CopyAtom, mdO: cute.Tensor,
+               tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
+               tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom, mdPsum: cute.Tensor,
+               tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               softmax_scale: Float32, scale_log2: Float32, qhead_per_kvhead: Int32, layouts: "SmemLayouts",
+               rows_layout: cute.Layout, sdQ_layout: cute.Layout, mma_s: cute.TiledMma, mma_dv: cute.TiledMma,
+               mma_dk: cute.TiledMma, mma_dq: cute.TiledMma, scheduler: TileScheduler):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == Warp.LOAD:
+            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_dPsum, tma_atom_dQ):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        smem = self.shared_tiles(storage, layouts, rows_layout, sdQ_layout)
+        pipes = self.make_pipelines(storage)
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_address.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=WARP * (1 + 4 * (1 + COMPUTE_GROUPS))),
+            allocator_warp_id=int(Warp.COMPUTE))
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+        tmem_layouts = self.tmem_layouts(mma_s, mma_dv, mma_dk, mma_dq, layouts.p)
+        pipeline.pipeline_init_wait()
+
+        tile_args = (scheduler, mQ, mK, qhead_per_kvhead)
+        if warp >= Warp.MMA:
+            set_registers(REGISTERS["other"])
+            work = self.tile_work(*tile_args)
+            if warp == Warp.LOAD:
+                self.load(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
+                          tma_atom_dPsum, mdPsum, smem, mma_s, pipes, work)
+            if warp == Warp.MMA:
+                tmem.wait_for_alloc()
+                self.mma(tmem.retrieve_ptr(Float32), smem, tmem_layouts, mma_s, mma_dv, mma_dk, mma_dq, pipes,
+                         work.num_steps)
+        elif warp >= Warp.COMPUTE:
+            set_registers(REGISTERS["compute"])
+            work = self.tile_work(*tile_args)
+            if warp == Warp.COMPUTE:
+                tmem.allocate(TMEM_COLUMNS)
+                tmem.relinquish_alloc_permit()
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            group = (warp - Warp.COMPUTE) // 4
+            self.compute(tmem_ptr, group, smem, tmem_layouts, pipes, work, scale_log2)
+            self.store_dkv(tmem_ptr, group, tmem_layouts, pipes, mdK, mdV, work, softmax_scale)
+            pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
+                                  num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive_and_wait()
+            if warp == Warp.COMPUTE:
+                tmem.free(tmem_ptr, TMEM_COLUMNS)  # allocated in another branch: name the columns
+        else:
+            set_registers(REGISTERS["dq"])
+            work = self.tile_work(*tile_args)
+            tmem.wait_for_alloc()
+            self.reduce_dq(tmem.retrieve_ptr(Float32), smem, tmem_layouts, pipes, tma_atom_dQ, mdQacc, work)
+            pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
+                                  num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
+
+    @cute.jit
+    def tile_work(self, scheduler: TileScheduler, mQ, mK, qhead_per_kvhead) -> TileWork:
+        """The CTA's KV tile and its (query head, query block) steps: every query head of the KV
+        head, each over the query blocks whose rows see a key of the tile (none for a tile past
+        the keys)."""
+        n_block, head_kv, batch = scheduler.tile()
+        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0])
+        mask = AttentionMask(BWD_TILE_M, TILE_N, self.cfg.causal, False, Int32(-1), Int32(-1))
+        m_block_min, m_block_max = mask.m_block_range(seqlen, n_block)
+        per_head = cutlass.max(m_block_max - m_block_min, 0)
+        if n_block * TILE_N >= seqlen.seqlen_k:
+            per_head = Int32(0)
+        blocks = QueryBlocks(head_kv * qhead_per_kvhead, m_block_min, per_head)
+        return TileWork(seqlen, mask, blocks, per_head * qhead_per_kvhead, n_block, head_kv, batch)
+
+    def shared_tiles(self, storage, layouts: "SmemLayouts", rows_layout, sdQ_layout) -> "SharedTiles":
+        """The shared-memory tensors, with the second orientation of Q, dO, K and dS^T viewing the
+        same buffer (check_same_elements proved the offsets equal)."""
+        def view(buffer, layout):
+            return cute.make_tensor(cute.recast_ptr(buffer.iterator, layout.inner, dtype=self.dtype), layout.outer)
+
+        sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
+        sdO = storage.sdO.get_tensor(layouts.do.outer, swizzle=layouts.do.inner)
+        sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
+        sdSt = storage.sdS.get_tensor(layouts.dst.outer, swizzle=layouts.dst.inner)
+        return SharedTiles(
+            q=sQ, do=sdO, k=sK, v=storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner),
+            qt=view(sQ, layouts.qt), dot=view(sdO, layouts.dot), kt=view(sK, layouts.kt),
+            dst=sdSt, ds=view(sdSt, layouts.ds),
+            lse=storage.sLSE.get_tensor(rows_layout), dpsum=storage.sdPsum.get_tensor(rows_layout),
+            dq=storage.sdQ.get_tensor(sdQ_layout))
+
+    def make_pipelines(self, storage) -> "Pipelines":
+        thread = pipeline.Agent.Thread
+        one = pipeline.CooperativeGroup(thread)
+        compute = pipeline.CooperativeGroup(thread, COMPUTE_GROUPS * WARPGROUP)
+        kv = pipeline.PipelineTmaUmma.create(
+            num_stages=1, producer_group=one, consumer_group=one, tx_count=self.tma_bytes_kv,
+            barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
+        qdo = pipeline.PipelineTmaUmma.create(
+            num_stages=self.num_stages, producer_group=one, consumer_group=one, tx_count=self.tma_bytes_qdo,
+            barrier_storage=storage.mbar_qdo.data_ptr(), defer_sync=True)
+        # PipelineTmaAsync: one release per consumer warp (its lane 0), so the group counts warps.
+        rows = pipeline.PipelineTmaAsync.create(
+            num_stages=self.num_stages, producer_group=one,
+            consumer_group=pipeline.CooperativeGroup(thread, COMPUTE_GROUPS * WARPGROUP // WARP),
+            tx_count=self.tma_bytes_rows, barrier_storage=storage.mbar_rows.data_ptr(), defer_sync=True)
+        sdp = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=one, consumer_group=compute, barrier_storage=storage.mbar_sdp.data_ptr(),
+            defer_sync=True)
+        dq = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=one, consumer_group=pipeline.CooperativeGroup(thread, WARPGROUP),
+            barrier_storage=storage.mbar_dq.data_ptr(), defer_sync=True)
+        dkv = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=one, consumer_group=compute, barrier_storage=storage.mbar_dkv.data_ptr(),
+            defer_sync=True)
+        return Pipelines(kv, qdo, rows, sdp, dq, dkv)
+
+    def tmem_layouts(self, mma_s, mma_dv, mma_dk, mma_dq, p_layout) -> "TmemLayouts":
+        """Accumulator layouts (one tile each, placed by the caller) and P^T's as the dV MMA's A."""
+        thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(0) for m in (mma_s, mma_dv, mma_dk, mma_dq))
+        return TmemLayouts(
+            s=thr_s.make_fragment_C(thr_s.partition_shape_C((TILE_N, BWD_TILE_M))).layout,
+            dv=thr_dv.make_fragment_C(thr_dv.partition_shape_C((TILE_N, self.hdim))).layout,
+            dk=thr_dk.make_fragment_C(thr_dk.partition_shape_C((TILE_N, self.hdim))).layout,
+            dq=thr_dq.make_fragment_C(thr_dq.partition_shape_C((BWD_TILE_M, self.hdim))).layout,
+            p=thr_dv.make_fragment_A(p_layout.outer)[None, None, None, 0].layout)
+
+    # ---- load warp -------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
+             tma_atom_dPsum, mdPsum, smem: "SharedTiles", mma_s, pipes: "Pipelines", work: TileWork):
+        """K and V once, then per step Q_i and dO_i (qdo ring) and LSE_i and D_i (rows ring)."""
+        d = self.hdim
+        n_block, head_kv, batch = work.n_block, work.head_kv, work.batch
+        thr = mma_s.get_slice(0)
+        if work.num_steps > 0:
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (None, 0))
+            tKsK, tKgK = mma_tma_partition(tma_atom_K, smem.k, thr.partition_A(gK))
+            tVsV, tVgV = mma_tma_partition(tma_atom_V, smem.v, thr.partition_A(gV))
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipes.kv.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
+
+        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for step in cutlass.range(work.num_steps, unroll=1):
+            head, m_block = work.blocks.at(step)
+            gQ = cute.local_tile(mQ[None, None, head, batch], (BWD_TILE_M, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (BWD_TILE_M, d), (None, 0))
+            tQsQ, tQgQ = mma_tma_partition(tma_atom_Q, smem.q, thr.partition_B(gQ))
+            tdOsdO, tdOgdO = mma_tma_partition(tma_atom_dO, smem.do, thr.partition_B(gdO))
+            pipes.qdo.producer_acquire(qdo_state)
+            barrier = pipes.qdo.producer_get_barrier(qdo_state)
+            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, qdo_state.index], tma_bar_ptr=barrier)
+            cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, qdo_state.index], tma_bar_ptr=barrier)
+            qdo_state = advanced(qdo_state)
+
+            pipes.rows.producer_acquire(rows_state)
+            barrier = pipes.rows.producer_get_barrier(rows_state)
+            for atom, tile, mRows in ((tma_atom_LSE, smem.lse, mLSE), (tma_atom_dPsum, smem.dpsum, mdPsum)):
+                gRows = cute.local_tile(mRows[None, head, batch], (BWD_TILE_M,), (m_block,))
+                t_smem, t_gmem = tma_partition_tile(atom, tile, gRows, 1)
+                cute.copy(atom, t_gmem, t_smem[None, rows_state.index], tma_bar_ptr=barrier)
+            rows_state = advanced(rows_state)
+        if work.num_steps > 0:
+            # The MMA warp's last releases are tcgen05 commits: they must land before the CTA exits.
+            pipes.qdo.producer_tail(qdo_state)
+
+    # ---- MMA warp --------------------------------------------------------------------------------
+    @cute.jit
+    def mma(self, tmem_ptr, smem: "SharedTiles", tl: "TmemLayouts", mma_s, mma_dv, mma_dk, mma_dq,
+            pipes: "Pipelines", num_steps):
+        """Every MMA of the tile, step by step (module docstring)."""
+        tSrK, tSrQ = mma_s.make_fragment_A(smem.k), mma_s.make_fragment_B(smem.q)
+        tdPrV, tdPrdO = mma_s.make_fragment_A(smem.v), mma_s.make_fragment_B(smem.do)
+        tdVrdOt = mma_dv.make_fragment_B(smem.dot)
+        tdKrdSt, tdKrQt = mma_dk.make_fragment_A(smem.dst), mma_dk.make_fragment_B(smem.qt)
+        tdQrdS, tdQrKt = mma_dq.make_fragment_A(smem.ds), mma_dq.make_fragment_B(smem.kt)
+        tStS = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
+        tdPtdP = cute.make_tensor(tmem_ptr + self.tmem_dp, tl.s)
+        tdVtdV = cute.make_tensor(tmem_ptr + self.tmem_dv, tl.dv)
+        tdKtdK = cute.make_tensor(tmem_ptr + self.tmem_dk, tl.dk)
+        tdQtdQ = cute.make_tensor(tmem_ptr + self.tmem_dq, tl.dq)
+        # P^T as the dV MMA's A operand: compute warpgroup w's query columns (k-slices) start at
+        # TMEM column 64 w, so its k-slices are read through a base shifted by w * (64 - 32).
+        k_slices_per_group = self.cols_per_group // MMA_K
+        tdVrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s + w * (self.cols_per_group - self.p_words),
+                                                  dtype=self.dtype), tl.p) for w in range(COMPUTE_GROUPS)]
+
+        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if num_steps > 0:
+            pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            pipes.sdp.producer_acquire(sdp_state)
+        for i in cutlass.range(num_steps, unroll=1):
+            pipes.qdo.consumer_wait(qdo_state)
+            stage = qdo_state.index
+            if cutlass.const_expr(self.dq_over_dp):
+                pipes.dq.producer_acquire(dq_state)  # dQ_(i-1) is out of dP^T's columns
+            mma_s = gemm(mma_s, tStS, tSrK[None, None, None, 0], tSrQ[None, None, None, stage], False)
+            mma_s = gemm(mma_s, tdPtdP, tdPrV[None, None, None, 0], tdPrdO[None, None, None, stage], False)
+            pipes.sdp.producer_commit(sdp_state)
+            sdp_state = advanced(sdp_state)
+            pipes.sdp.producer_acquire(sdp_state)  # P^T in TMEM, dS^T in shared memory
+            mma_dv = gemm_a_by_groups(mma_dv, tdVtdV, tdVrP, tdVrdOt[None, None, None, stage], i > 0,
+                                      k_slices_per_group)
+            mma_dk = gemm(mma_dk, tdKtdK, tdKrdSt[None, None, None, 0], tdKrQt[None, None, None, stage], i > 0)
+            pipes.qdo.consumer_release(qdo_state)
+            qdo_state = advanced(qdo_state)
+            if cutlass.const_expr(not self.dq_over_dp):
+                pipes.dq.producer_acquire(dq_state)
+            mma_dq = gemm(mma_dq, tdQtdQ, tdQrdS[None, None, None, 0], tdQrKt[None, None, None, 0], False)
+            pipes.dq.producer_commit(dq_state)
+            dq_state = advanced(dq_state)
+        if num_steps > 0:
+            pipes.dkv.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+
+    # ---- compute warpgroups ----------------------------------------------------------------------
+    @cute.jit
+    def compute(self, tmem_ptr, group, smem: "SharedTiles", tl: "TmemLayouts", pipes: "Pipelines",
+                work: TileWork, scale_log2: Float32):
+        """P^T and dS^T of this thread's key row over the warpgroup's query columns, step by step."""
+        thread = cute.arch.thread_idx()[0] % WARPGROUP
+        first_col = group * self.cols_per_group
+        load_s, tS, s_regs = self.tmem_row_chunks(tmem_ptr + self.tmem_s, tl.s, TILE_N, BWD_TILE_M, thread)
+        load_dp, tdP, _ = self.tmem_row_chunks(tmem_ptr + self.tmem_dp, tl.s, TILE_N, BWD_TILE_M, thread)
+        chunks = self.cols_per_group // BWD_DQ_CHUNK
+        # P^T, chunk c of this warpgroup's columns: BWD_DQ_CHUNK / 2 words of 16-bit pairs at TMEM
+        # column first_col + c * BWD_DQ_CHUNK / 2, inside S^T columns this warpgroup read already
+        # (chunks 0..c), so each chunk's P^T is stored as soon as it is computed.
+        chunk_words = BWD_DQ_CHUNK * self.dtype.width // 32
+        tSt = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
+        tPt = cute.make_tensor(tmem_ptr + self.tmem_s + first_col,
+                               cute.composition(tSt.layout, cute.make_layout((TILE_N, self.p_words))))
+        tPt = cute.flat_divide(tPt, (TILE_N, chunk_words))[None, None, 0, None]  # (TILE_N, words, chunks)
+        store_p = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(chunk_words)), Float32),
+            tPt[None, None, 0]).get_slice(thread)
+        p_regs = store_p.partition_S(cute.make_identity_tensor((TILE_N, chunk_words))).shape
+        copies = ChunkCopies(load_s, tS, load_dp, tdP, s_regs, store_p, store_p.partition_D(tPt), p_regs,
+                             smem.dst[((thread, None), 0, None, 0)])  # dS^T: this key row, (MMA_K, k-slices)
+
+        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for step in cutlass.range(work.num_steps, unroll=1):
+            _, m_block = work.blocks.at(step)
+            pipes.rows.consumer_wait(rows_state)
+            pipes.sdp.consumer_wait(sdp_state)
+            rows = (smem.lse[None, rows_state.index], smem.dpsum[None, rows_state.index])
+            full = work.mask.block_is_full(work.seqlen, m_block, work.n_block)
+            for c in cutlass.range_constexpr(chunks):
+                if full:
+                    self.chunk_gradients(c, group, copies, rows, scale_log2, work, m_block, thread, False)
+                else:
+                    self.chunk_gradients(c, group, copies, rows, scale_log2, work, m_block, thread, True)
+            cute.arch.fence_view_async_tmem_store()  # P^T is in TMEM before the dV MMA reads it
+            cute.arch.fence_view_async_shared()  # dS^T is visible to the MMAs (async proxy)
+            pipes.sdp.consumer_release(sdp_state)
+            pipes.rows.consumer_release(rows_state)
+            sdp_state = advanced(sdp_state)
+            rows_state = advanced(rows_state)
+
+    @cute.jit
+    def chunk_gradients(self, c: cutlass.Constexpr[int], group, copies: "ChunkCopies", rows, scale_log2: Float32,
+                        work: TileWork, m_block, thread, masked: cutlass.Constexpr[bool]):
+        """Chunk c (BWD_DQ_CHUNK query columns) of this warpgroup: S^T from TMEM, P^T to TMEM (16-bit),
+        dP^T from TMEM, dS^T = P^T (dP^T - D) to shared memory (16-bit)."""
+        sLSE, sdPsum = rows
+        chunks = self.cols_per_group // BWD_DQ_CHUNK
+        first_col = group * self.cols_per_group + c * BWD_DQ_CHUNK
+        p = cute.make_rmem_tensor(copies.s_regs, Float32)
+        cute.copy(copies.load_s, copies.s[None, None, None, group * chunks + c], p)
+        cute.arch.fence_view_async_tmem_load()
+        p = flat(p)
+        self.probabilities(p, sLSE, first_col, scale_log2, work, m_block, thread, masked)
+        p16 = cute.make_rmem_tensor(copies.p_regs, Float32)
+        p16_view = cute.recast_tensor(p16, self.dtype)
+        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
+            p16_view[e] = p[e].to(self.dtype)
+        cute.copy(copies.store_p, p16, copies.p[None, None, None, c])
+        dp = cute.make_rmem_tensor(copies.s_regs, Float32)
+        cute.copy(copies.load_dp, copies.dp[None, None, None, group * chunks + c], dp)
+        cute.arch.fence_view_async_tmem_load()
+        dp = flat(dp)
+        ds = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
+        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
+            ds[e] = (p[e] * (dp[e] - sdPsum[first_col + e])).to(self.dtype)
+        for s in cutlass.range_constexpr(BWD_DQ_CHUNK // MMA_K):
+            cute.autovec_copy(cute.local_tile(ds, (MMA_K,), (s,)), copies.ds_row[None, first_col // MMA_K + s])
+
+    @cute.jit
+    def probabilities(self, p, sLSE, first_col, scale_log2: Float32, work: TileWork, m_block, thread,
+                      masked: cutlass.Constexpr[bool]):
+        """p (scores of this key row) <- exp2(s * scale_log2 - LSE) per query column; with
+        ``masked``, 0 where the query may not see the key or lies past the sequence."""
+        for e in cutlass.range_constexpr(cute.size(p)):
+            value = cute.math.exp2(p[e] * scale_log2 - sLSE[first_col + e], fastmath=True)
+            if cutlass.const_expr(masked):
+                row = m_block * BWD_TILE_M + first_col + e
+                lo, hi = work.mask.key_bounds(work.seqlen, row, work.n_block)
+                if thread >= hi or thread < lo or row >= work.seqlen.seqlen_q:
+                    value = Float32(0.0)
+            p[e] = value
+
+    @cute.jit
+    def store_dkv(self, tmem_ptr, group, tl: "TmemLayouts", pipes: "Pipelines", mdK, mdV, work: TileWork,
+                  softmax_scale: Float32):
+        """dK * softmax_scale and dV of this thread's key row, this warpgroup's half of the head
+        dim, in the input dtype (keys inside the sequence; zeros for a tile no query sees)."""
+        thread = cute.arch.thread_idx()[0] % WARPGROUP
+        if work.n_block * TILE_N < work.seqlen.seqlen_k:
+            key = work.n_block * TILE_N + thread
+            inside = key < work.seqlen.seqlen_k
+            has_steps = work.num_steps > 0
+            if has_steps:
+                pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            chunks = self.hdim // COMPUTE_GROUPS // BWD_DQ_CHUNK
+            for column, layout, scale, mOut in ((self.tmem_dk, tl.dk, softmax_scale, mdK),
+                                                (self.tmem_dv, tl.dv, Float32(1.0), mdV)):
+                load, tX, regs = self.tmem_row_chunks(tmem_ptr + column, layout, TILE_N, self.hdim, thread)
+                gRow = mOut[key, None, work.head_kv, work.batch]
+                for c in cutlass.range_constexpr(chunks):
+                    chunk = group * chunks + c
+                    out = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
+                    if has_steps:
+                        r = cute.make_rmem_tensor(regs, Float32)
+                        cute.copy(load, tX[None, None, None, chunk], r)
+                        cute.arch.fence_view_async_tmem_load()
+                        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
+                            out[e] = (r[e] * scale).to(self.dtype)
+                    else:
+                        out.fill(0.0)
+                    if inside:
+                        cute.autovec_copy(out, cute.local_tile(gRow, (BWD_DQ_CHUNK,), (chunk,)))
+
+    def tmem_row_chunks(self, tmem_ptr, layout, rows: int, cols: int, thread):
+        """A TMEM accumulator (rows = lanes, cols) read BWD_DQ_CHUNK columns at a time by the thread
+        of its lane: (copy, source per chunk (..., chunk), register shape of a chunk)."""
+        t = cute.make_tensor(tmem_ptr, layout)
+        t = cute.flat_divide(t[(None, None), 0, 0], (rows, BWD_DQ_CHUNK))[None, None, 0, None]  # (rows, chunk, n)
+        load = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(BWD_DQ_CHUNK)), Float32),
+            t[None, None, 0]).get_slice(thread)
+        return load, load.partition_S(t), load.partition_D(cute.make_identity_tensor((rows, BWD_DQ_CHUNK))).shape
+
+    # ---- dQ warpgroup ----------------------------------------------------------------------------
+    @cute.jit
+    def reduce_dq(self, tmem_ptr, smem: "SharedTiles", tl: "TmemLayouts", pipes: "Pipelines", tma_atom_dQ,
+                  mdQacc, work: TileWork):
+        """Per step: dQ_i from TMEM chunk by chunk, each staged in one of two shared-memory buffers
+        and reduce-added into dq_accum by one TMA instruction of thread 0."""
+        thread = cute.arch.thread_idx()[0] % WARPGROUP
+        load, tdQ, regs = self.tmem_row_chunks(tmem_ptr + self.tmem_dq, tl.dq, BWD_TILE_M, self.hdim, thread)
+        stage_barrier = pipeline.NamedBarrier(barrier_id=int(Barrier.DQ_STAGE), num_threads=WARPGROUP)
+        chunks = self.dq.chunks
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        buffer = Int32(0)
+        for step in cutlass.range(work.num_steps, unroll=1):
+            head, m_block = work.blocks.at(step)
+            pipes.dq.consumer_wait(dq_state)
+            gdQ = cute.local_tile(mdQacc[None, None, head, work.batch], (self.dq.rows_per_chunk, ROW), (None, 0))
+            t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, smem.dq, gdQ)
+            for c in cutlass.range_constexpr(chunks):
+                r = cute.make_rmem_tensor(regs, Float32)
+                cute.copy(load, tdQ[None, None, None, c], r)
+                cute.arch.fence_view_async_tmem_load()
+                if cutlass.const_expr(c == chunks - 1):
+                    pipes.dq.consumer_release(dq_state)  # TMEM read out: the next dQ (or dP^T) may land
+                if thread < WARP:  # the issuing warp (its elected lane holds the bulk groups)
+                    cute.arch.cp_async_bulk_wait_group(BWD_DQ_BUFFERS - 1, read=True)  # this buffer is free
+                stage_barrier.arrive_and_wait()
+                staged = smem.dq[None, None, buffer]
+                for j in cutlass.range_constexpr(BWD_DQ_CHUNK // VECTOR):
+                    dst = cute.make_tensor(staged.iterator + j * VECTOR * WARPGROUP + thread * VECTOR,
+                                           cute.make_layout(VECTOR))
+                    cute.autovec_copy(cute.local_tile(flat(r), (VECTOR,), (j,)), dst)
+                cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
+                stage_barrier.arrive_and_wait()
+                if thread < WARP:  # TMA copies are warp-collective: one lane is elected inside
+                    cute.copy(tma_atom_dQ, t_smem[None, buffer], t_gmem[None, m_block * chunks + c])
+                    cute.arch.cp_async_bulk_commit_group()
+                buffer = (buffer + 1) % BWD_DQ_BUFFERS
+            dq_state = advanced(dq_state)
+        if thread < WARP:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory stays alive until read
+
+
+@cute.jit
+def gemm_a_by_groups(tiled_mma: cute.TiledMma, acc: cute.Tensor, a_groups: list, b: cute.Tensor, accumulate,
+                     per_group: cutlass.Constexpr[int]):
+    """fwd.gemm with the A operand's k-slices taken from ``a_groups[k // per_group]`` (P^T, whose
+    compute warpgroups store their query columns at their own TMEM bases)."""
+    for k in cutlass.range_constexpr(cute.size(b, mode=[2])):
+        tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
+        cute.gemm(tiled_mma, acc, a_groups[k // per_group][None, None, k], b[None, None, k], acc)
+    return tiled_mma
+
+
+def flat(t: cute.Tensor) -> cute.Tensor:
+    """A register fragment as a plain vector of its values."""
+    return cute.make_tensor(t.iterator, cute.make_layout(cute.size(t)))
+
+
+def mma_tma_partition(atom, smem, gmem_mma):
+    """(smem, gmem) TMA partitions of MMA-partitioned tiles (no multicast): (TMA, stage) and
+    (TMA, tile index)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 3),
+                                 cute.group_modes(gmem_mma, 0, 3))
+
+
+def check_same_elements(a: cute.ComposedLayout, b: cute.ComposedLayout, mn: int, k: int, name: str):
+    """ValueError unless layout ``a`` (an MMA operand (mn, k), k of MMA_K per k-slice) and layout
+    ``b`` (the same buffer as the operand (k, mn) of another MMA) put every element (row r of the
+    mn rows, column c of the k) at the same offset, with the same swizzle."""
+    if str(a.inner) != str(b.inner):
+        raise ValueError(f"sm100 backward: the two views of {name} swizzle differently ({a.inner} vs {b.inner})")
+    outer_a, outer_b = a.outer, b.outer
+    # Every row at a few columns (each side of the k-slice and swizzle-atom edges) and every column
+    # of a few rows: enough to pin both layouts' strides, at trace-time cost.
+    edges = {0, 1, MMA_K - 1, MMA_K, 63, 64, 65}
+    sample = [(r, c) for r in range(mn) for c in sorted(x for x in edges | {k - 1} if x < k)]
+    sample += [(r, c) for r in sorted(x for x in edges | {mn - 1} if x < mn) for c in range(k)]
+    for r, c in sample:
+            off_a = cute.crd2idx(((r, c % MMA_K), 0, c // MMA_K, 0), outer_a)
+            off_b = cute.crd2idx(((c, r % MMA_K), 0, r // MMA_K, 0), outer_b)
+            if off_a != off_b:
+                raise ValueError(f"sm100 backward: the two views of {name} disagree at ({r}, {c}): {off_a} vs {off_b}")
+
+
+@dataclass(frozen=True)
+class SmemLayouts:
+    """Shared-memory layouts: each operand as its MMA reads it (qt, dot, kt, ds view the buffers of
+    q, do, k, dst; p only shapes P^T's TMEM fragment)."""
+
+    k: cute.ComposedLayout
+    v: cute.ComposedLayout
+    q: cute.ComposedLayout
+    do: cute.ComposedLayout
+    qt: cute.ComposedLayout
+    dot: cute.ComposedLayout
+    kt: cute.ComposedLayout
+    dst: cute.ComposedLayout
+    ds: cute.ComposedLayout
+    p: cute.ComposedLayout
+
+
+@dataclass(frozen=True)
+class SharedTiles:
+    q: cute.Tensor
+    do: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    qt: cute.Tensor
+    dot: cute.Tensor
+    kt: cute.Tensor
+    dst: cute.Tensor
+    ds: cute.Tensor
+    lse: cute.Tensor
+    dpsum: cute.Tensor
+    dq: cute.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkCopies:
+    """A compute thread's TMEM copies and destinations, by BWD_DQ_CHUNK-column chunk."""
+
+    load_s: cute.TiledCopy
+    s: cute.Tensor  # S^T source per chunk
+    load_dp: cute.TiledCopy
+    dp: cute.Tensor
+    s_regs: cute.Shape  # registers of one loaded chunk
+    store_p: cute.TiledCopy
+    p: cute.Tensor  # P^T destination per chunk of this warpgroup
+    p_regs: cute.Shape
+    ds_row: cute.Tensor  # this key row of dS^T in shared memory, (MMA_K, k-slices)
+
+
+@dataclass(frozen=True)
+class TmemLayouts:
+    s: cute.Layout  # S^T and dP^T
+    dv: cute.Layout
+    dk: cute.Layout
+    dq: cute.Layout
+    p: cute.Layout  # P^T, the dV MMA's A operand
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    kv: pipeline.PipelineTmaUmma
+    qdo: pipeline.PipelineTmaUmma
+    rows: pipeline.PipelineTmaAsync
+    sdp: pipeline.PipelineUmmaAsync
+    dq: pipeline.PipelineUmmaAsync
+    dkv: pipeline.PipelineUmmaAsync
