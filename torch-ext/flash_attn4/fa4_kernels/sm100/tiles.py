@@ -102,7 +102,7 @@ def check_forward(cfg) -> None:
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off), got {cfg.pack_gqa}")
-    for name in ("tma_store_o", "rescale_o_before_pv", "whole_k_gemms", "persistent_ctas"):
+    for name in ("tma_store_o", "rescale_o_before_pv", "whole_k_gemms"):
         if getattr(cfg, name):
             raise ValueError(f"sm100 forward: {name} is a Hopper schedule switch; the sm100 kernel has no such "
                              f"option (got {name}={getattr(cfg, name)})")
