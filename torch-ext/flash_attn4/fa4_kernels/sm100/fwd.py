@@ -434,9 +434,21 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def mma_tile(self, index, states, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args):
         tile, _ = self.output_tile(index, *tile_args)
+        if cutlass.const_expr(index is not None and self.registers["other"] < 64):
+            sQ, sK, sV = [self.tile_variant(x, index) for x in (sQ, sK, sV)]
         # The TMEM address is read per tile (a shared-memory load), so that the compiler does not
         # hoist every MMA's TMEM operand address out of the tile loop, past the 48 registers.
         return self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, self.num_blocks(tile), states)
+
+    @staticmethod
+    def tile_variant(smem: cute.Tensor, index: Int32) -> cute.Tensor:
+        """``smem`` itself, at an address the compiler cannot prove invariant across tiles (offset by
+        min(index, 0) = 0 whole 1024-byte blocks): otherwise it hoists every shared-memory MMA
+        descriptor out of the persistent tile loop, past the MMA warp's 48 registers (with one
+        query tile the warp has 136 and the hoisted descriptors cost less than the per-tile
+        recomputation: ptxas 13.4 spilled at d = 256 with the offset)."""
+        zero = cutlass.min(index, 0) * (1024 * 8 // smem.element_type.width)
+        return cute.make_tensor(smem.iterator + zero, smem.layout)
 
     @cute.jit
     def correction_tile(self, index, states, tmem_ptr, tmem_layouts, pipes, row_stats, mO, tile_args):
