@@ -33,7 +33,20 @@ Synchronisation (mbarrier pipelines, cutlass.pipeline; stage t of q, s, o is que
                              (2 * tiles), so each softmax warpgroup walks its own stages
     o      MMA -> correction "O_t final" after the last P V
 tests/cpu/test_sm100_protocol.py replays these calls on the CPU (no deadlock, every hand-off sees
-its producer) for one and two tiles, several ring depths and 0-7 KV blocks.
+its producer) for one and two tiles, several ring depths and 0-7 KV blocks, and for persistent CTAs.
+
+Persistent CTAs (``cfg.persistent_ctas`` = N > 0; sm100/tiles.forward_grid turns them on where
+upstream runs its static persistent scheduler): the grid is min(tiles, N) CTAs and CTA i walks tiles
+i, i + grid, ... of the scheduler's order (scheduler.TileScheduler.tile_at). Every role loops over
+the same tiles and carries its pipeline states from tile to tile, so each tile must move every
+state by the same number of stages on both sides: a tile without KV blocks moves none (the load and
+MMA warps skip it, the correction does not wait for its O), and the MMA warp's last P V waits on s
+without moving it on (the next tile's first S_t reuses that wait). TMEM is allocated once. The MMA
+warp releases Q's stages after each tile's last Q K^T, so the load warp brings the next tile's Q and
+first K while this tile's last P V, softmax and epilogue run; the next tile's S_t(0) is issued right
+after this tile's last P V, and its first P V (which overwrites O_t) waits until the correction warps
+have released that S_t, which they do after reading this tile's O_t out. The protocol replay covers
+several tiles per CTA.
 
 Ordering of tensor-memory accesses across roles: every tcgen05.ld/st is followed by its wait
 (tcgen05.wait::ld/st) before the thread arrives on a barrier that hands the columns on; MMA results
