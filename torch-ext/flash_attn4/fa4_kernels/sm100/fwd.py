@@ -361,6 +361,8 @@ class FlashAttentionForwardSm100:
         producer, consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
+            if cutlass.const_expr(not self.persistent):  # one tile, derived once for both warps
+                tile, _ = self.output_tile(None, *tile_args)
             if warp == Warp.LOAD:
                 loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sQ, sK, sV, sK_layout,
                          sV_layout, stage_elems, mma_qk, mma_pv, pipes, tile_args)
@@ -369,9 +371,9 @@ class FlashAttentionForwardSm100:
                 if cutlass.const_expr(self.persistent):
                     for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
                                            unroll=1):
-                        states = self.load_tile(index, states, *loads)
+                        states = self.load_tile(index, self.output_tile(index, *tile_args)[0], states, *loads)
                 else:
-                    states = self.load_tile(None, states, *loads)
+                    states = self.load_tile(None, tile, states, *loads)
                 # Wait until the MMA warp has released every stage: its releases are tcgen05 commits,
                 # which must not arrive after the CTA has exited.
                 pipes.kv.producer_tail(states[1])
@@ -392,9 +394,9 @@ class FlashAttentionForwardSm100:
                 if cutlass.const_expr(self.persistent):
                     for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
                                            unroll=1):
-                        states = self.mma_tile(index, states, *mmas)
+                        states = self.mma_tile(index, self.output_tile(index, *tile_args)[0], states, *mmas)
                 else:
-                    self.mma_tile(None, states, *mmas)
+                    self.mma_tile(None, tile, states, *mmas)
         elif warp >= Warp.CORRECTION:
             set_registers(self.registers["correction"])
             tmem.allocate(TMEM_COLUMNS)
@@ -432,11 +434,11 @@ class FlashAttentionForwardSm100:
             set_registers(self.registers["idle"])
 
     # One tile of each role: ``index`` is the tile's index in the scheduler's order (None: the tile
-    # of the block index, one CTA per tile); ``states`` the role's pipeline states, returned past it.
+    # of the block index, one CTA per tile); ``states`` the role's pipeline states, returned past it;
+    # ``tile`` (load and MMA warps) the tile itself.
     @cute.jit
-    def load_tile(self, index, states, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sQ, sK,
-                  sV, sK_layout, sV_layout, stage_elems: cutlass.Constexpr[int], mma_qk, mma_pv, pipes, tile_args):
-        tile, _ = self.output_tile(index, *tile_args)
+    def load_tile(self, index, tile, states, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sQ,
+                  sK, sV, sK_layout, sV_layout, stage_elems: cutlass.Constexpr[int], mma_qk, mma_pv, pipes, tile_args):
         paged = None
         if cutlass.const_expr(self.cfg.page_size > 0):
             paged = self.paged_kv_sources(tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sK_layout, sV_layout,
@@ -445,8 +447,7 @@ class FlashAttentionForwardSm100:
                          states, paged)
 
     @cute.jit
-    def mma_tile(self, index, states, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args):
-        tile, _ = self.output_tile(index, *tile_args)
+    def mma_tile(self, index, tile, states, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args):
         if cutlass.const_expr(index is not None and self.registers["other"] < 64):
             sQ, sK, sV = [self.tile_variant(x, index) for x in (sQ, sK, sV)]
         # The TMEM address is read per tile (a shared-memory load), so that the compiler does not
