@@ -305,11 +305,18 @@ class FlashAttentionForwardSm100:
                                          num_batch, kv_bytes_per_head,
                                          longest_first=longest_first_applies(cfg) and not cfg.split_kv,
                                          num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
+        # Persistent CTAs decode a tile index per tile and role: the launch order's divisions (and
+        # the query head's KV head, unless packed) by host-made FastDivmod divisors.
+        divisors = None
+        if cutlass.const_expr(self.persistent and not scheduler.longest_first):
+            divisors = scheduler.launch_order_divisors()
+            if cutlass.const_expr(cfg.pack_gqa == 1):
+                divisors = divisors + (cute.fast_divmod_create_divisor_v2(qhead_per_kvhead),)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, score_prescale, scale_log2,
             window_left, window_right, qhead_per_kvhead, sQ_layout, sK_layout, sV_layout, tP_layout, mma_qk, mma_pv,
-            scheduler, splits, stage_elems,
+            scheduler, divisors, splits, stage_elems,
         ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -323,8 +330,8 @@ class FlashAttentionForwardSm100:
                mSink: Optional[cute.Tensor], score_prescale: Float32, scale_log2: Float32, window_left: Int32,
                window_right: Int32, qhead_per_kvhead: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
-               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, scheduler: TileScheduler, splits: Optional[KVSplits],
-               stage_elems: cutlass.Constexpr[int]):
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, scheduler: TileScheduler, divisors: Optional[tuple],
+               splits: Optional[KVSplits], stage_elems: cutlass.Constexpr[int]):
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == Warp.LOAD:
@@ -357,7 +364,7 @@ class FlashAttentionForwardSm100:
         # scheduler's order) and carries its pipeline states from one tile to the next; without,
         # the one tile of the block index, with no loop around it.
         tile_args = (scheduler, splits, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_left,
-                     window_right, qhead_per_kvhead)
+                     window_right, qhead_per_kvhead, divisors)
         producer, consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
@@ -480,13 +487,15 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def output_tile(self, index: Int32, scheduler: TileScheduler, splits: Optional[KVSplits], mQ, mK, mCuSeqlensQ,
-                    mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_left, window_right, qhead_per_kvhead):
+                    mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_left, window_right, qhead_per_kvhead, divisors):
         """(tile ``index`` of tiles(), its split): the query block, head and batch entry, their
         lengths and the KV blocks the tile's rows see (with split-KV, the split's share of them;
         split 0 without)."""
         cfg = self.cfg
         if cutlass.const_expr(index is None):
             m_block, head, batch = scheduler.tile()
+        elif cutlass.const_expr(divisors is not None):
+            m_block, head, batch = scheduler.tile_at_fast(index, divisors)
         else:
             m_block, head, batch = scheduler.tile_at(index)
         split = Int32(0)
@@ -500,8 +509,10 @@ class FlashAttentionForwardSm100:
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
         if cutlass.const_expr(splits is not None):
             n_block_min, n_block_max = splits.block_range(n_block_min, n_block_max, split)
-        tile = OutputTile(cfg.tile_m, seqlen, mask, m_block, head, batch, head // qhead_per_kvhead, n_block_min,
-                          n_block_max)
+        head_kv = head // qhead_per_kvhead
+        if cutlass.const_expr(divisors is not None and len(divisors) > 2):
+            head_kv = head // divisors[2]
+        tile = OutputTile(cfg.tile_m, seqlen, mask, m_block, head, batch, head_kv, n_block_min, n_block_max)
         return tile, split
 
     def split_slice(self, t: cute.Tensor, split) -> cute.Tensor:
