@@ -43,7 +43,8 @@ The statistics dict (``kernel_stats`` / ``stats_from_files``), one kernel (the l
   (the cubin's register cap: 65536 / threads when the kernel sets its budgets with setmaxnreg)
   ptx: {target, reqntid, maxnreg, cluster, setmaxnreg: ["+240", ...], tmem_alloc: [{cta_group,
   columns}], tmem_dealloc: [...], tmem_relinquish: [cta_group, ...], cta_groups: sorted set,
-  mbarrier_inits: [count or register, ...]}
+  mbarrier_inits: [count or register, ...], grid_stride: reads %nctaid.x (a persistent grid's
+  stride), umma_commits: tcgen05.commit sites}
   setmaxnreg (= ptx.setmaxnreg); tmem_columns: the alloc operands summed (None without
   tcgen05.alloc); cta_group: the one cta_group of the tcgen05 instructions (None without, a list if
   mixed)
@@ -263,6 +264,9 @@ def ptx_facts(ptx: str) -> dict:
         "cta_groups": groups,
         "two_cta": "cta_group::2" in ptx,
         "mbarrier_inits": [_ptx_operand_value(ptx, m.group(1), m.start()) for m in _PTX_MBAR_INIT.finditer(ptx)],
+        # A persistent grid's CTAs stride by the grid size through their tiles.
+        "grid_stride": "%nctaid.x" in ptx,
+        "umma_commits": len(re.findall(r"\btcgen05\.commit\.", ptx)),
     }
 
 

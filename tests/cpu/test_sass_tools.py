@@ -197,6 +197,7 @@ def test_ptx_facts_of_a_hand_written_sample():
         # each operand resolved by the last mov before its own instruction
         "tmem_alloc": [{"cta_group": 2, "columns": 256}], "tmem_dealloc": [{"cta_group": 2, "columns": 512}],
         "tmem_relinquish": [2], "cta_groups": [2], "two_cta": True, "mbarrier_inits": [1, 4],
+        "grid_stride": False, "umma_commits": 0,
     }
     stats = lib.stats_from_files(sass=SASS_SAMPLE, ptx=PTX_SAMPLE)
     assert (stats["tmem_columns"], stats["cta_group"], stats["two_cta_ptx"]) == (256, 2, True)

@@ -592,6 +592,29 @@ def test_problem_batched_has_partial_tiles():
         assert ref.empty.any() == (cfg.causal or cfg.local)  # more queries than keys: first rows see none
 
 
+@pytest.mark.parametrize("d,dv,ratio,flags", [(128, 128, 1, dict()), (64, 64, 1, dict()), (128, 128, 4, dict()),
+                                              (256, 256, 16, dict(has_softcap=True)), (256, 128, 1, dict(has_seqused_k=True))])
+def test_problem_of_a_persistent_kernel_has_more_tiles_than_its_ctas(d, dv, ratio, flags):
+    """A persistent kernel launches min(tiles, persistent_ctas) CTAs (TileScheduler.grid): the
+    check's problem must have more tiles than that, or no CTA would run a second tile, where the
+    carried pipeline phases matter. The count is the scheduler's: query blocks x heads x batch."""
+    cfg = config(d=d, dv=dv, ratio=ratio, **flags)
+    assert cfg.persistent_ctas > 0, "the sm100 rules make this problem class persistent"
+    p = selfcheck.build_forward_problem(cfg)
+    b, sq, hq, _ = p.q.shape
+    hk = p.k.shape[-2]
+    rows, heads = (sq * cfg.pack_gqa, hk) if cfg.pack_gqa > 1 else (sq, hq)
+    tiles = -(-rows // cfg.tile_m) * heads * b
+    assert tiles == selfcheck.output_tiles(cfg, b, sq, hq, hk)
+    assert cfg.persistent_ctas < tiles <= cfg.persistent_ctas + heads * -(-rows // cfg.tile_m)  # the smallest batch
+    assert len(p.lengths) == b and (p.seqused_k is None) == (not cfg.has_seqused_k)
+    if cfg.has_seqused_k:
+        assert p.seqused_k.tolist()[:2] == [p.k.shape[1] - 43, 0] and len(p.seqused_k) == b
+    # one CTA per tile: the small problem stays small
+    single = selfcheck.build_forward_problem(cfg.replace(persistent_ctas=0))
+    assert single.q.shape[0] == selfcheck.BATCH
+
+
 def test_problem_varlen_is_ragged():
     for flags in (dict(), dict(has_seqused_k=True), dict(causal=True), dict(local=True, has_seqused_k=True)):
         cfg = config(varlen=True, **flags)

@@ -97,6 +97,51 @@ def test_register_budgets_one_setmaxnreg_per_role(anchor):
     assert stats["reqntid"][0] == sm100_fwd.NUM_WARPS * 32
 
 
+def persistent_expected(cfg) -> bool:
+    """The rule (sm100/tiles.forward_grid): persistent CTAs where upstream uses its static persistent
+    scheduler (no causal or local mask, batched, unsplit), except d = 192 with two query tiles."""
+    two_tiles_wide_qk = cfg.head_dim > 128 and sm100_tiles.query_tiles(cfg.head_dim, cfg.head_dim_v) == 2
+    return not (cfg.causal or cfg.local or cfg.varlen or cfg.split_kv or two_tiles_wide_qk)
+
+
+def test_persistent_ctas_where_the_rules_say(anchor):
+    """Persistent anchors launch min(tiles, SM count) CTAs that stride by the grid size through
+    their tiles (the PTX reads %nctaid.x); the others run one CTA per tile (and never read it)."""
+    name, cfg, stats = anchor
+    persistent = persistent_expected(cfg)
+    assert cfg.persistent_ctas == (sm100_tiles.PERSISTENT_CTAS if persistent else 0), name
+    assert stats["ptx"]["grid_stride"] == persistent, name
+
+
+def test_persistent_switch_off_gives_one_cta_per_tile():
+    assert sm100_tiles.forward_grid(128, 128, False, False, False, False) == dict(
+        persistent_ctas=sm100_tiles.PERSISTENT_CTAS)
+    for flags in (dict(causal=True), dict(local=True), dict(varlen=True), dict(split_kv=True)):
+        args = {**dict(causal=False, local=False, varlen=False, split_kv=False), **flags}
+        assert sm100_tiles.forward_grid(128, 128, **args) == dict(persistent_ctas=0), flags
+    original = sm100_tiles.PERSISTENT
+    sm100_tiles.PERSISTENT = False
+    try:
+        assert sm100_tiles.forward_grid(128, 128, False, False, False, False) == dict(persistent_ctas=0)
+    finally:
+        sm100_tiles.PERSISTENT = original
+
+
+@pytest.mark.parametrize("spec", sorted(s for s in ANCHORS if persistent_expected(config(**ANCHORS[s]))))
+def test_one_cta_per_tile_variant_of_persistent_anchors(spec):
+    """The same problem class with persistent_ctas=0 (the switch) compiles spill-free with the same
+    MMA work, and the persistent kernel adds exactly one tcgen05.commit per query tile: the MMA
+    warp's release of Q's stages after each tile's last Q K^T (the next tile's Q loads under it)."""
+    cfg = config(**ANCHORS[spec])
+    single = lib.kernel_stats(cfg.replace(persistent_ctas=0), FLAVOUR)
+    persistent = lib.kernel_stats(cfg, FLAVOUR)
+    assert single["ldl"] == single["stl"] == 0 and single["frame_bytes"] == 0, spec
+    assert single["utcmma"] == persistent["utcmma"] == expected_mma(cfg)
+    assert not single["ptx"]["grid_stride"]
+    q_tiles = sm100_tiles.query_tiles(cfg.head_dim, cfg.head_dim_v)
+    assert persistent["ptx"]["umma_commits"] - single["ptx"]["umma_commits"] == q_tiles, spec
+
+
 def test_static_problems_none(anchor):
     name, _, stats = anchor
     assert lib.static_problems(stats) == [], name

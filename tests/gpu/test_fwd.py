@@ -78,8 +78,7 @@ def override_forward_config(monkeypatch, **overrides):
 
 
 # ForwardConfig fields only the sm90 forward reads (sm90/tiles.py), with the value that means "off".
-HOPPER_SWITCHES = dict(tma_store_o=False, rescale_o_before_pv=False, pingpong=True, persistent_ctas=0,
-                       whole_k_gemms=False)
+HOPPER_SWITCHES = dict(tma_store_o=False, rescale_o_before_pv=False, pingpong=True, whole_k_gemms=False)
 
 
 # ---- batched: the main grid ----
@@ -239,15 +238,13 @@ def test_pack_gqa_matches_unpacked_decode(seed, monkeypatch, d):
 
 @pytest.fixture
 def persistent(monkeypatch):
-    """ForwardConfig.persistent_ctas (a switch, off: slower at long causal) for the duration of a test: 5 CTAs,
-    so that every CTA walks many tiles and the pipelines' states carry over between them. Above
-    d = 192 O goes out from registers: the TMA epilogue would stage it in Q's buffer, which a
-    persistent CTA needs for its next tile (the kernel refuses the pair)."""
+    """ForwardConfig.persistent_ctas for the duration of a test: 5 CTAs, so that every CTA walks
+    many tiles and the pipelines' states carry over between them (sm90: a switch, off by default,
+    slower at long causal; sm100: on by default for unmasked batched problems with 148 CTAs, here
+    for every mask and layout). sm90 above d = 192: O goes out from registers, since the TMA
+    epilogue would stage it in Q's buffer, which a persistent CTA needs for its next tile (the
+    kernel refuses the pair); sm100 has no TMA epilogue (tma_store_o is off there)."""
     from flash_attn4 import dispatch
-
-    arch = dispatch.arch_for_device(torch.device(DEVICE))
-    if arch.value != "sm_90a":
-        pytest.skip(f"persistent_ctas: a schedule switch of the sm90 kernel; this GPU runs {arch.value}")
 
     def chosen(*args, **kwargs):
         cfg = dispatch_forward_config(*args, **kwargs)
@@ -266,6 +263,17 @@ def test_persistent_grid(seed, persistent, d, dv, sq, sk, causal):
     q, k, v = rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, dv)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     check(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)])
+def test_default_grid_with_more_tiles_than_ctas(seed, d, dv):
+    """The arch's own grid rule on a problem with more output tiles than a persistent grid has CTAs
+    (sm100: 148 persistent CTAs for unmasked batched problems, here each walking two to four tiles
+    in the scheduler's order; sm90: one CTA per tile)."""
+    hq, hk = 16, 4
+    q, k, v = rand(3, 1500, hq, d), rand(3, 1400, hk, d), rand(3, 1400, hk, dv)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    check(out, lse, q, k, v)
 
 
 def test_persistent_grid_with_softcap_sink_window(seed, persistent):

@@ -15,7 +15,7 @@ import torch
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
 from .fa4_kernels.config import BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
-from .fa4_kernels.tiles import backward_tiles, forward_schedule, forward_tiles
+from .fa4_kernels.tiles import backward_tiles, forward_grid, forward_schedule, forward_tiles
 
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -78,6 +78,7 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
         # Used query lengths end like packed sequences: the schedule's epilogue treats them alike.
         **forward_schedule(arch, head_dim, head_dim_v, varlen or has_seqused_q, qhead_per_kvhead, split_kv=split_kv),
         **choose_tiles(arch, head_dim, head_dim_v, causal, local),
+        **forward_grid(arch, head_dim, head_dim_v, causal, local, varlen or has_seqused_q, split_kv),
     )
 
 

@@ -26,7 +26,9 @@ index and the kernel object's id, about 0.1 us). A failed configuration is
 not kept: each later call raises again (without relaunching), unless the variable has been turned
 off meanwhile. :func:`clear` forgets everything.
 
-What the check runs (:func:`build_forward_problem`): the configuration's dtype and head dims; GQA
+What the check runs (:func:`build_forward_problem`): the configuration's dtype and head dims; for a
+persistent kernel (``persistent_ctas``) a batch large enough for more tiles than CTAs, so that some
+CTAs run a second tile on the pipeline states their first left behind (:func:`batch_size`); GQA
 with pack_gqa query heads per KV head (3 where the kernel does not pack: any ratio runs there);
 ragged lengths that leave partial tiles (about 300 queries, 333 keys); varlen with four sequences
 (one with no queries, one not a multiple of 128 long, one whose queries see no keys, one with more
@@ -234,9 +236,10 @@ def _build_problem(cfg, ratio: int, has_sink: bool, gen: torch.Generator) -> For
         max_seqlen_q = max(x[0] for x in lengths)
     else:
         sq, sk = BATCHED_LENGTHS[::-1] if masked else BATCHED_LENGTHS
-        used = (sk - 43, 0) if cfg.has_seqused_k else (sk,) * BATCH
+        batch = batch_size(cfg, sq, hq, hk)
+        used = (sk - 43, 0) * (batch // 2) + (sk - 43,) * (batch % 2) if cfg.has_seqused_k else (sk,) * batch
         lengths = tuple((sq, sk, u) for u in used)
-        q_shape, k_shape, v_shape = (BATCH, sq, hq, d), (BATCH, sk, hk, d), (BATCH, sk, hk, dv)
+        q_shape, k_shape, v_shape = (batch, sq, hq, d), (batch, sk, hk, d), (batch, sk, hk, dv)
         cu_q = cu_k = None
         max_seqlen_q = sq
     randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float32)  # noqa: E731
@@ -244,7 +247,7 @@ def _build_problem(cfg, ratio: int, has_sink: bool, gen: torch.Generator) -> For
     seqused_k = torch.tensor([x[2] for x in lengths], dtype=torch.int32) if cfg.has_seqused_k else None
     seqused_q = None
     if has_seqused_q:
-        cuts = SEQUSED_Q_CUT if cfg.varlen else (37, None)
+        cuts = SEQUSED_Q_CUT if cfg.varlen else ((37, None) * len(lengths))[:len(lengths)]
         seqused_q = torch.tensor([max(x[0] - cut, 0) if cut is not None else 1 for x, cut in zip(lengths, cuts)],
                                  dtype=torch.int32)
     sink = randn(hq) + SINK_MEAN if has_sink else None
@@ -261,6 +264,24 @@ def _build_problem(cfg, ratio: int, has_sink: bool, gen: torch.Generator) -> For
                           window_right=right, max_seqlen_q=max_seqlen_q, seed=seed, lengths=lengths,
                           seqused_q=seqused_q, num_splits=SPLITS if split_kv else 1,
                           k_pages=pages[0], v_pages=pages[1], page_table=pages[2])
+
+
+def output_tiles(cfg: ForwardConfig, batch: int, seqlen_q: int, hq: int, hk: int) -> int:
+    """The tiles a batched launch of ``cfg`` has (the kernels' TileScheduler: query blocks of tile_m
+    rows, with pack_gqa the group's heads folded into the rows, times heads, times batch)."""
+    rows, heads = (seqlen_q * cfg.pack_gqa, hk) if cfg.pack_gqa > 1 else (seqlen_q, hq)
+    return -(-rows // cfg.tile_m) * heads * batch
+
+
+def batch_size(cfg, seqlen_q: int, hq: int, hk: int) -> int:
+    """BATCH, or for a persistent kernel (cfg.persistent_ctas: at most that many CTAs, each looping
+    over tiles) the smallest batch with more tiles than CTAs, so that some CTAs run a second tile
+    with the pipeline states the first left behind: where a persistent kernel's phases go wrong."""
+    batch = BATCH
+    ctas = getattr(cfg, "persistent_ctas", 0)  # forward configurations only
+    while ctas and output_tiles(cfg, batch, seqlen_q, hq, hk) <= ctas:
+        batch += 1
+    return batch
 
 
 def _paged(k: torch.Tensor, v: torch.Tensor, lengths: tuple, page_size: int, gen: torch.Generator):

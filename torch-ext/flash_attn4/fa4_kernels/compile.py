@@ -20,7 +20,7 @@ import warnings
 
 from .arch import KERNELS, Arch, describe_implemented, kernels_for
 from .config import BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
-from .tiles import backward_tiles, forward_schedule, forward_tiles
+from .tiles import backward_tiles, forward_grid, forward_schedule, forward_tiles
 
 
 def _cutlass_dtype(name: str):
@@ -233,10 +233,11 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
         return []
 
     def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, dtype="bfloat16", **flags):
+        varlen, split_kv = flags.get("varlen", False) or flags.get("has_seqused_q", False), flags.get("split_kv", False)
         return ForwardConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=dv,
                              causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
-                             **forward_schedule(arch, d, dv, flags.get("varlen", False) or flags.get("has_seqused_q", False),
-                                                qhead_per_kvhead, split_kv=flags.get("split_kv", False)))
+                             **forward_schedule(arch, d, dv, varlen, qhead_per_kvhead, split_kv=split_kv),
+                             **forward_grid(arch, d, dv, causal, local, varlen, split_kv))
 
     return [cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET]
 

@@ -105,6 +105,23 @@ class TileScheduler:
         head = head_batch - batch * self.num_heads
         return m_block, head, batch
 
+    def launch_order_divisors(self):
+        """Host side: FastDivmod divisors of the launch order's two divisions (by num_m_blocks, then
+        by num_heads), for tile_at_fast. A persistent CTA decodes a tile index per tile and role; a
+        division by a runtime value costs ~30 SASS instructions there, a FastDivmod a multiply-high
+        and a shift (its magic numbers computed once, on the host)."""
+        # At least 1: a launch with no query block has no tile to decode, but its divisor is built
+        # all the same (on the host, where a zero divisor would fault).
+        return (cute.fast_divmod_create_divisor_v2(cutlass.max(self.num_m_blocks, 1)),
+                cute.fast_divmod_create_divisor_v2(cutlass.max(self.num_heads, 1)))
+
+    @cute.jit
+    def tile_at_fast(self, index: Int32, divisors):
+        """tile_at of the launch order (not longest_first) with launch_order_divisors()."""
+        head_batch, m_block = divmod(index, divisors[0])
+        batch, head = divmod(head_batch, divisors[1])
+        return m_block, head, batch
+
     @cute.jit
     def group_of(self, index: Int32):
         """Longest-first order: the L2 group of tile ``index`` as its first (head, batch) pair and

@@ -39,6 +39,15 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, q
     return rule(head_dim, head_dim_v, varlen, qhead_per_kvhead, split_kv=True)
 
 
+def forward_grid(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool,
+                 split_kv: bool = False) -> dict:
+    """ForwardConfig overrides for the launch grid of a problem class (persistent CTAs or one CTA per
+    tile; ``varlen``: cu_seqlens_q or seqused_q), from the arch's optional ``forward_grid`` rule;
+    none (one CTA per tile, the config's default) for an arch without it."""
+    rule = getattr(kernels_for(arch, "forward").rules(), "forward_grid", None)
+    return {} if rule is None else rule(head_dim, head_dim_v, causal, local, varlen, split_kv)
+
+
 def has_split_kv(arch: Arch) -> bool:
     """Whether the arch's forward has the split-KV variant (its rules say ``FORWARD_SPLIT_KV``)."""
     return bool(getattr(kernels_for(arch, "forward").rules(), "FORWARD_SPLIT_KV", False))

@@ -33,7 +33,20 @@ Synchronisation (mbarrier pipelines, cutlass.pipeline; stage t of q, s, o is que
                              (2 * tiles), so each softmax warpgroup walks its own stages
     o      MMA -> correction "O_t final" after the last P V
 tests/cpu/test_sm100_protocol.py replays these calls on the CPU (no deadlock, every hand-off sees
-its producer) for one and two tiles, several ring depths and 0-7 KV blocks.
+its producer) for one and two tiles, several ring depths and 0-7 KV blocks, and for persistent CTAs.
+
+Persistent CTAs (``cfg.persistent_ctas`` = N > 0; sm100/tiles.forward_grid turns them on where
+upstream runs its static persistent scheduler): the grid is min(tiles, N) CTAs and CTA i walks tiles
+i, i + grid, ... of the scheduler's order (scheduler.TileScheduler.tile_at). Every role loops over
+the same tiles and carries its pipeline states from tile to tile, so each tile must move every
+state by the same number of stages on both sides: a tile without KV blocks moves none (the load and
+MMA warps skip it, the correction does not wait for its O), and the MMA warp's last P V waits on s
+without moving it on (the next tile's first S_t reuses that wait). TMEM is allocated once. The MMA
+warp releases Q's stages after each tile's last Q K^T, so the load warp brings the next tile's Q and
+first K while this tile's last P V, softmax and epilogue run; the next tile's S_t(0) is issued right
+after this tile's last P V, and its first P V (which overwrites O_t) waits until the correction warps
+have released that S_t, which they do after reading this tile's O_t out. The protocol replay covers
+several tiles per CTA.
 
 Ordering of tensor-memory accesses across roles: every tcgen05.ld/st is followed by its wait
 (tcgen05.wait::ld/st) before the thread arrives on a barrier that hands the columns on; MMA results
@@ -159,6 +172,7 @@ class FlashAttentionForwardSm100:
         if self.hdim_tile > 256 or self.hdim_v_tile > 256:
             raise ValueError("sm100 forward: head dims up to 256")
         self.kv_stages = cfg.num_stages
+        self.persistent = cfg.persistent_ctas > 0
         self.registers = REGISTERS[self.q_tiles]
         budget = self.registers
         softmax_groups = budget["softmax"] * self.q_tiles + budget["idle"] * (2 - self.q_tiles)
@@ -290,12 +304,19 @@ class FlashAttentionForwardSm100:
         scheduler = TileScheduler.create(num_m_blocks, num_heads if splits is None else splits.fold(num_heads),
                                          num_batch, kv_bytes_per_head,
                                          longest_first=longest_first_applies(cfg) and not cfg.split_kv,
-                                         l2_budget_bytes=L2_BUDGET_BYTES)
+                                         num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
+        # Persistent CTAs decode a tile index per tile and role: the launch order's divisions (and
+        # the query head's KV head, unless packed) by host-made FastDivmod divisors.
+        divisors = None
+        if cutlass.const_expr(self.persistent and not scheduler.longest_first):
+            divisors = scheduler.launch_order_divisors()
+            if cutlass.const_expr(cfg.pack_gqa == 1):
+                divisors = divisors + (cute.fast_divmod_create_divisor_v2(qhead_per_kvhead),)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, score_prescale, scale_log2,
             window_left, window_right, qhead_per_kvhead, sQ_layout, sK_layout, sV_layout, tP_layout, mma_qk, mma_pv,
-            scheduler, splits, stage_elems,
+            scheduler, divisors, splits, stage_elems,
         ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -309,8 +330,8 @@ class FlashAttentionForwardSm100:
                mSink: Optional[cute.Tensor], score_prescale: Float32, scale_log2: Float32, window_left: Int32,
                window_right: Int32, qhead_per_kvhead: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
-               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, scheduler: TileScheduler, splits: Optional[KVSplits],
-               stage_elems: cutlass.Constexpr[int]):
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, scheduler: TileScheduler, divisors: Optional[tuple],
+               splits: Optional[KVSplits], stage_elems: cutlass.Constexpr[int]):
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == Warp.LOAD:
@@ -337,50 +358,146 @@ class FlashAttentionForwardSm100:
         tmem_layouts = self.tmem_layouts(mma_qk, mma_pv, tP_layout)
         pipeline.pipeline_init_wait()
 
-        # Each role derives its tile after its setmaxnreg: values live across the register-budget
-        # change must fit the smallest budget (48), or ptxas spills them to local memory.
+        # Each role derives its tiles after its setmaxnreg: values live across the register-budget
+        # change must fit the smallest budget (48), or ptxas spills them to local memory. With
+        # persistent CTAs every role walks the same tiles (block index, + grid, ... of the
+        # scheduler's order) and carries its pipeline states from one tile to the next; without,
+        # the one tile of the block index, with no loop around it.
         tile_args = (scheduler, splits, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_left,
-                     window_right, qhead_per_kvhead)
+                     window_right, qhead_per_kvhead, divisors)
+        producer, consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
-            tile, _ = self.output_tile(*tile_args)
+            if cutlass.const_expr(not self.persistent):  # one tile, derived once for both warps
+                tile, _ = self.output_tile(None, *tile_args)
             if warp == Warp.LOAD:
-                paged = None
-                if cutlass.const_expr(cfg.page_size > 0):
-                    paged = self.paged_kv_sources(tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sK_layout,
-                                                  sV_layout, stage_elems, tile)
-                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes, tile,
-                          paged)
+                loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sQ, sK, sV, sK_layout,
+                         sV_layout, stage_elems, mma_qk, mma_pv, pipes, tile_args)
+                states = (pipeline.make_pipeline_state(producer, self.q_tiles),
+                          pipeline.make_pipeline_state(producer, self.kv_stages))
+                if cutlass.const_expr(self.persistent):
+                    for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
+                                           unroll=1):
+                        states = self.load_tile(index, self.output_tile(index, *tile_args)[0], states, *loads)
+                else:
+                    states = self.load_tile(None, tile, states, *loads)
+                # Wait until the MMA warp has released every stage: its releases are tcgen05 commits,
+                # which must not arrive after the CTA has exited.
+                pipes.kv.producer_tail(states[1])
+                if cutlass.const_expr(self.persistent):
+                    pipes.q.producer_tail(states[0])
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
-                self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes,
-                         self.num_blocks(tile))
+                # The MMAs' negate flags are kernel arguments (TiledMma fields) loaded at entry; as
+                # constants they need no registers across the tile loop (ptxas spilled them there).
+                for tiled_mma in (mma_qk, mma_pv):
+                    tiled_mma.set(tcgen05.Field.NEGATE_A, False)
+                    tiled_mma.set(tcgen05.Field.NEGATE_B, False)
+                mmas = (tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args)
+                states = (pipeline.make_pipeline_state(consumer, self.q_tiles),
+                          pipeline.make_pipeline_state(consumer, self.kv_stages),
+                          pipeline.make_pipeline_state(producer, self.q_tiles),
+                          pipeline.make_pipeline_state(producer, self.q_tiles))
+                if cutlass.const_expr(self.persistent):
+                    for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
+                                           unroll=1):
+                        states = self.mma_tile(index, self.output_tile(index, *tile_args)[0], states, *mmas)
+                else:
+                    self.mma_tile(None, tile, states, *mmas)
         elif warp >= Warp.CORRECTION:
             set_registers(self.registers["correction"])
-            tile, split = self.output_tile(*tile_args)
             tmem.allocate(TMEM_COLUMNS)
             tmem.relinquish_alloc_permit()
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction(tmem_ptr, tmem_layouts, pipes, row_stats, self.split_slice(mO, split), tile)
+            corrections = (tmem_ptr, tmem_layouts, pipes, row_stats, mO, tile_args)
+            states = (pipeline.make_pipeline_state(consumer, 2 * self.q_tiles),
+                      pipeline.make_pipeline_state(consumer, self.q_tiles),
+                      pipeline.make_pipeline_state(consumer, self.q_tiles))
+            if cutlass.const_expr(self.persistent):
+                for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
+                                           unroll=1):
+                    states = self.correction_tile(index, states, *corrections)
+            else:
+                self.correction_tile(None, states, *corrections)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE), num_threads=WARPGROUP).arrive_and_wait()
             tmem.free(tmem_ptr)
         elif warp < Warp.SOFTMAX0 + WARPS_PER_GROUP * self.q_tiles:
             set_registers(self.registers["softmax"])
-            tile, split = self.output_tile(*tile_args)
             tmem.wait_for_alloc()
-            self.softmax(tmem.retrieve_ptr(Float32), warp // WARPS_PER_GROUP, tmem_layouts, pipes, row_stats,
-                         self.split_slice(mLSE, split), mSink, tile, score_prescale, scale_log2)
+            q_tile = warp // WARPS_PER_GROUP
+            softmaxes = (tmem, q_tile, tmem_layouts, pipes, row_stats, mLSE, mSink,
+                         score_prescale, scale_log2, tile_args)
+            # Tile t uses stage t of s (one per tile) and stages t, t + q_tiles, ... of stats.
+            states = (pipeline.PipelineState(self.q_tiles, Int32(0), q_tile, Int32(0)),
+                      pipeline.PipelineState(2 * self.q_tiles, Int32(0), q_tile, Int32(1)))
+            if cutlass.const_expr(self.persistent):
+                for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
+                                           unroll=1):
+                    states = self.softmax_tile(index, states, *softmaxes)
+            else:
+                self.softmax_tile(None, states, *softmaxes)
         elif cutlass.const_expr(self.q_tiles == 1):  # the second softmax warpgroup: idle
             set_registers(self.registers["idle"])
 
+    # One tile of each role: ``index`` is the tile's index in the scheduler's order (None: the tile
+    # of the block index, one CTA per tile); ``states`` the role's pipeline states, returned past it;
+    # ``tile`` (load and MMA warps) the tile itself.
     @cute.jit
-    def output_tile(self, scheduler: TileScheduler, splits: Optional[KVSplits], mQ, mK, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqUsedQ, mSeqUsedK, window_left, window_right, qhead_per_kvhead):
-        """(the CTA's tile, its split): the query block, head and batch entry, their lengths and the
-        KV blocks the tile's rows see (with split-KV, the split's share of them; split 0 without)."""
+    def load_tile(self, index, tile, states, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sQ,
+                  sK, sV, sK_layout, sV_layout, stage_elems: cutlass.Constexpr[int], mma_qk, mma_pv, pipes, tile_args):
+        paged = None
+        if cutlass.const_expr(self.cfg.page_size > 0):
+            paged = self.paged_kv_sources(tma_atom_K, mK, tma_atom_V, mV, mPageTable, storage, sK_layout, sV_layout,
+                                          stage_elems, tile)
+        return self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes, tile,
+                         states, paged)
+
+    @cute.jit
+    def mma_tile(self, index, tile, states, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args):
+        if cutlass.const_expr(index is not None and self.registers["other"] < 64):
+            sQ, sK, sV = [self.tile_variant(x, index) for x in (sQ, sK, sV)]
+        # The TMEM address is read per tile (a shared-memory load), so that the compiler does not
+        # hoist every MMA's TMEM operand address out of the tile loop, past the 48 registers.
+        return self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, self.num_blocks(tile), states)
+
+    @staticmethod
+    def tile_variant(smem: cute.Tensor, index: Int32) -> cute.Tensor:
+        """``smem`` itself, at an address the compiler cannot prove invariant across tiles (offset by
+        min(index, 0) = 0 whole 1024-byte blocks): otherwise it hoists every shared-memory MMA
+        descriptor out of the persistent tile loop, past the MMA warp's 48 registers (with one
+        query tile the warp has 136 and the hoisted descriptors cost less than the per-tile
+        recomputation: ptxas 13.4 spilled at d = 256 with the offset)."""
+        zero = cutlass.min(index, 0) * (1024 * 8 // smem.element_type.width)
+        return cute.make_tensor(smem.iterator + zero, smem.layout)
+
+    @cute.jit
+    def correction_tile(self, index, states, tmem_ptr, tmem_layouts, pipes, row_stats, mO, tile_args):
+        tile, split = self.output_tile(index, *tile_args)
+        return self.correction(tmem_ptr, tmem_layouts, pipes, row_stats, self.split_slice(mO, split), tile, states)
+
+    @cute.jit
+    def softmax_tile(self, index, states, tmem, q_tile, tmem_layouts, pipes, row_stats, mLSE, mSink,
+                     score_prescale, scale_log2, tile_args):
+        tile, split = self.output_tile(index, *tile_args)
+        # The TMEM address is read after the tile's coordinates, rather than kept live across them
+        # (a shared-memory load; the softmax's register budget has no room to spare).
+        return self.softmax(tmem.retrieve_ptr(Float32), q_tile, tmem_layouts, pipes, row_stats, self.split_slice(mLSE, split), mSink,
+                            tile, score_prescale, scale_log2, states)
+
+    @cute.jit
+    def output_tile(self, index: Int32, scheduler: TileScheduler, splits: Optional[KVSplits], mQ, mK, mCuSeqlensQ,
+                    mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_left, window_right, qhead_per_kvhead, divisors):
+        """(tile ``index`` of tiles(), its split): the query block, head and batch entry, their
+        lengths and the KV blocks the tile's rows see (with split-KV, the split's share of them;
+        split 0 without)."""
         cfg = self.cfg
-        m_block, head, batch = scheduler.tile()
+        if cutlass.const_expr(index is None):
+            m_block, head, batch = scheduler.tile()
+        elif cutlass.const_expr(divisors is not None):
+            m_block, head, batch = scheduler.tile_at_fast(index, divisors)
+        else:
+            m_block, head, batch = scheduler.tile_at(index)
         split = Int32(0)
         if cutlass.const_expr(splits is not None):
             head, split = splits.unfold(head)
@@ -392,8 +509,10 @@ class FlashAttentionForwardSm100:
         n_block_min, n_block_max = mask.n_block_range(seqlen, m_block)
         if cutlass.const_expr(splits is not None):
             n_block_min, n_block_max = splits.block_range(n_block_min, n_block_max, split)
-        tile = OutputTile(cfg.tile_m, seqlen, mask, m_block, head, batch, head // qhead_per_kvhead, n_block_min,
-                          n_block_max)
+        head_kv = head // qhead_per_kvhead
+        if cutlass.const_expr(divisors is not None and len(divisors) > 2):
+            head_kv = head // divisors[2]
+        tile = OutputTile(cfg.tile_m, seqlen, mask, m_block, head, batch, head_kv, n_block_min, n_block_max)
         return tile, split
 
     def split_slice(self, t: cute.Tensor, split) -> cute.Tensor:
@@ -437,10 +556,12 @@ class FlashAttentionForwardSm100:
     # ---- load warp -------------------------------------------------------------------------------
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mma_qk, mma_pv, pipes,
-             tile: OutputTile, paged: Optional[tuple] = None):
+             tile: OutputTile, states, paged: Optional[tuple] = None):
         """Q tiles, then K and V blocks in the order the MMA warp consumes them (K_0, K_1, V_0, K_2,
         V_1, ..., V_last), visiting KV blocks from n_block_max - 1 down. ``paged``: the (K, V)
-        sources of a paged cache (paged_kv_sources), in place of mK and mV."""
+        sources of a paged cache (paged_kv_sources), in place of mK and mV. ``states``: the q and kv
+        producer states, returned advanced past this tile's loads (a tile without KV blocks loads
+        nothing, and the MMA warp skips it alike)."""
         varlen = self.cfg.varlen
         seqlen, mask, head, batch, head_kv = tile.seqlen, tile.mask, tile.head, tile.batch, tile.head_kv
         m_block, n_block_max, num_blocks = tile.m_block, tile.n_block_max, self.num_blocks(tile)
@@ -459,8 +580,7 @@ class FlashAttentionForwardSm100:
         else:
             k_src, v_src = paged
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        q_state, kv_state = states
         if num_blocks > 0:
             for t in cutlass.range_constexpr(self.q_tiles):
                 pipes.q.producer_acquire(q_state)
@@ -473,9 +593,7 @@ class FlashAttentionForwardSm100:
                 kv_state = self.load_kv(pipes.kv, kv_state, k_src, n_block_max - 1 - i, self.tma_bytes_k, seqlen)
                 kv_state = self.load_kv(pipes.kv, kv_state, v_src, n_block_max - i, self.tma_bytes_v, seqlen)
             kv_state = self.load_kv(pipes.kv, kv_state, v_src, n_block_max - num_blocks, self.tma_bytes_v, seqlen)
-            # Wait until the MMA warp has released every stage: its last releases are tcgen05
-            # commits, which must not arrive after the CTA has exited.
-            pipes.kv.producer_tail(kv_state)
+        return q_state, kv_state
 
     @cute.jit
     def load_kv(self, pipe, state, src, n_block, tx_bytes: cutlass.Constexpr[int], seqlen: SeqlenInfo):
@@ -566,8 +684,10 @@ class FlashAttentionForwardSm100:
 
     # ---- MMA warp --------------------------------------------------------------------------------
     @cute.jit
-    def mma(self, tmem_ptr, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks):
-        """S_t(j) = Q_t K_j^T after O_t += P_t(j-1) V_(j-1), tile after tile; the last P V ends the tile."""
+    def mma(self, tmem_ptr, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks, states):
+        """S_t(j) = Q_t K_j^T after O_t += P_t(j-1) V_(j-1), tile after tile; the last P V ends the
+        tile. ``states``: the q, kv (consumer), s and o (producer) states, returned past this tile
+        (unchanged for a tile without KV blocks, which the other roles skip alike)."""
         thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
         tSrQ, tSrK = thr_qk.make_fragment_A(sQ), thr_qk.make_fragment_B(sK)  # (MMA, M|N, K, stage)
         tOrV = thr_pv.make_fragment_B(sV)
@@ -576,11 +696,10 @@ class FlashAttentionForwardSm100:
         tOtO = [cute.make_tensor(tmem_ptr + c, o_layout) for c in self.tmem_o]
         tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), p_layout) for c in self.tmem_p]
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
+        q_state, kv_state, s_state, o_state = states
         if num_blocks > 0:
-            # Prologue: S_t(0) for every tile.
+            # Prologue: S_t(0) for every tile. (Q_t is in q stage t: each tile advances q by q_tiles.)
+            q_first = q_state
             k_state = kv_state
             for t in cutlass.range_constexpr(self.q_tiles):
                 pipes.q.consumer_wait(q_state)
@@ -610,17 +729,24 @@ class FlashAttentionForwardSm100:
                 pipes.kv.consumer_release(k_state)
                 pipes.kv.consumer_release(v_state)
                 kv_state = advanced(v_state)
-            # The last block's P V completes O.
-            o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
+            if cutlass.const_expr(self.persistent):
+                # Every Q K^T of the tile is issued: Q's stages go back to the load warp (when those
+                # MMAs complete), which brings the next tile's Q under this tile's last P V.
+                for t in cutlass.range_constexpr(self.q_tiles):
+                    pipes.q.consumer_release(advanced(q_first, t))
+            # The last block's P V completes O. Its wait on s does not move s on: S_t's columns
+            # hold no new scores until the next tile's S_t(0), which the same wait covers (so each
+            # tile advances s by one stage per S = Q K^T, as its consumers do).
             for t in cutlass.range_constexpr(self.q_tiles):
-                pipes.s.producer_acquire(s_state)
+                pipes.s.producer_acquire(advanced(s_state, t))
                 if cutlass.const_expr(t == 0):
                     pipes.kv.consumer_wait(kv_state)
                 mma_pv = gemm(mma_pv, tOtO[t], tOrP[t], tOrV[None, None, None, kv_state.index], num_blocks > 1)
                 pipes.o.producer_commit(o_state)
-                s_state = advanced(s_state)
                 o_state = advanced(o_state)
             pipes.kv.consumer_release(kv_state)
+            kv_state = advanced(kv_state)
+        return q_state, kv_state, s_state, o_state
 
     def tmem_layouts(self, mma_qk, mma_pv, tP_layout):
         """Layouts of S (the QK MMA's accumulator), O (the PV MMA's) and P (the PV MMA's A operand,
@@ -636,9 +762,10 @@ class FlashAttentionForwardSm100:
     # ---- softmax warpgroups ----------------------------------------------------------------------
     @cute.jit
     def softmax(self, tmem_ptr, q_tile: Int32, tmem_layouts, pipes, row_stats, mLSE, mSink, tile: OutputTile,
-                score_prescale: Float32, scale_log2: Float32):
+                score_prescale: Float32, scale_log2: Float32, states):
         """Query tile ``q_tile``'s online softmax (both softmax warpgroups run this code, ``q_tile``
-        is their warpgroup): thread = row = TMEM lane."""
+        is their warpgroup): thread = row = TMEM lane. ``states``: this warpgroup's s (consumer) and
+        stats (producer) states, returned past the tile."""
         cfg = self.cfg
         seqlen, mask, m_block, head, batch = tile.seqlen, tile.mask, tile.m_block, tile.head, tile.batch
         n_block_max, num_blocks, in_sequence = tile.n_block_max, self.num_blocks(tile), tile.in_sequence()
@@ -667,9 +794,7 @@ class FlashAttentionForwardSm100:
 
         softmax = OnlineSoftmax.create(scale_log2, num_rows=1, threads_per_row=1)
         row_scale = cute.make_rmem_tensor(1, Float32)
-        # Tile t uses stage t of s (one per tile) and stages t, t + q_tiles, ... of stats.
-        s_state = pipeline.PipelineState(self.q_tiles, Int32(0), q_tile, Int32(0))
-        stats_state = pipeline.PipelineState(2 * self.q_tiles, Int32(0), q_tile, Int32(1))
+        s_state, stats_state = states
         # Blocks [full_lo, full_hi) need no element-wise mask (when the tile's rows all lie in the
         # sequence), fixed for the tile: three scalars in the loop rather than the mask arithmetic.
         full_lo = mask.n_block_min_full(seqlen, m_block)
@@ -694,10 +819,13 @@ class FlashAttentionForwardSm100:
         pipes.stats.producer_acquire(stats_state)
         row_stats[thread, stats_state.index] = out_scale[0]
         pipes.stats.producer_commit(stats_state)
+        if cutlass.const_expr(self.persistent):
+            stats_state = advanced(stats_state, self.q_tiles)
         if in_sequence:
             if row < mask.rows(seqlen) - m_block * cfg.tile_m:
                 gLSE = head_rows(mLSE, mask.rows_before(seqlen), head, batch, cfg.varlen)
                 gLSE[m_block * cfg.tile_m + row] = lse[0]
+        return s_state, stats_state
 
     @cute.jit
     def prescaled(self, s: Float32, score_prescale: Float32) -> Float32:
@@ -744,13 +872,15 @@ class FlashAttentionForwardSm100:
 
     # ---- correction warpgroup --------------------------------------------------------------------
     @cute.jit
-    def correction(self, tmem_ptr, tmem_layouts, pipes, row_stats, mO, tile: OutputTile):
-        """Rescale O_t whenever softmax t moved a row maximum, then write O / rowsum."""
+    def correction(self, tmem_ptr, tmem_layouts, pipes, row_stats, mO, tile: OutputTile, states):
+        """Rescale O_t whenever softmax t moved a row maximum, then write O / rowsum. ``states``:
+        the stats, s and o consumer states, returned past the tile. The next tile's first P V
+        overwrites O_t only after this warpgroup released that tile's first S_t, which it does
+        after reading O_t here (tcgen05.wait::ld in store_o)."""
         num_blocks, in_sequence = self.num_blocks(tile), tile.in_sequence()
         thread = cute.arch.thread_idx()[0] % WARPGROUP
         tOtO = [cute.make_tensor(tmem_ptr + c, tmem_layouts[1]) for c in self.tmem_o]
-        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2 * self.q_tiles)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
+        stats_state, s_state, o_state = states
         for i in cutlass.range(num_blocks, unroll=1):
             for t in cutlass.range_constexpr(self.q_tiles):
                 pipes.stats.consumer_wait(stats_state)
@@ -761,7 +891,6 @@ class FlashAttentionForwardSm100:
                 pipes.s.consumer_release(s_state)
                 stats_state = advanced(stats_state)
                 s_state = advanced(s_state)
-        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
         for t in cutlass.range_constexpr(self.q_tiles):
             pipes.stats.consumer_wait(stats_state)
             out_scale = row_stats[thread, stats_state.index]
@@ -771,7 +900,12 @@ class FlashAttentionForwardSm100:
                 if num_blocks > 0:
                     pipes.o.consumer_wait(o_state)
                 self.store_o(tOtO[t], thread, t, out_scale, num_blocks > 0, mO, tile)
-            o_state = advanced(o_state)
+            if cutlass.const_expr(self.persistent):
+                # The MMA warp commits O only for a tile with KV blocks. (Without persistence the
+                # state is dead here; ptxas 13.4 spills with the branch in the d = 128 kernel.)
+                if num_blocks > 0:
+                    o_state = advanced(o_state)
+        return stats_state, s_state, o_state
 
     @cute.jit
     def rescale_o(self, tOtO, thread, scale: Float32):

@@ -56,6 +56,31 @@ def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvh
     )
 
 
+# Persistent CTAs (ForwardConfig.persistent_ctas), where upstream FA4 runs its static persistent
+# scheduler: problems without a causal or local mask (every tile costs the same, so a static stride
+# balances them), batched (varlen and seqused_q grids are sized for the longest sequence; upstream
+# keeps one CTA per tile there too) and not split-KV (which needs a CTA per (tile, split)). Causal and
+# local problems keep one CTA per tile in longest-first order, like upstream's single-tile LPT. The
+# grid is min(tiles, PERSISTENT_CTAS): a compile-time count, since the DSL cannot ask the device at
+# trace time (cutlass.utils.HardwareInfo needs libcuda) and the kernel's call convention has no SM
+# count. B200 has 148 SMs (B300 products are reported with 148 to 160: with more, the extra SMs idle
+# on these problems; with fewer, the last CTAs wait for a free SM). Not at head_dim 144..256 with two
+# query tiles (d = 192, dv = 128): there the MMA warp's 48 registers do not hold the tile loop beside
+# the descriptors of 2 x 12 k-steps, and ptxas 13.4 spills (88 LDL / 43 STL); one CTA per tile stays
+# spill-free. Not measured: no Blackwell GPU runs here. PERSISTENT = False turns the rule off.
+PERSISTENT = True
+PERSISTENT_CTAS = 148
+
+
+def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool) -> dict:
+    """ForwardConfig overrides for the launch grid of a problem class (``varlen``: cu_seqlens_q or
+    seqused_q): persistent CTAs where upstream uses them and our kernel compiles spill-free with
+    them (see PERSISTENT)."""
+    fits = _pad16(head_dim) <= 128 or query_tiles(head_dim, head_dim_v) == 1
+    persistent = PERSISTENT and fits and not (causal or local or varlen or split_kv)
+    return dict(persistent_ctas=PERSISTENT_CTAS if persistent else 0)
+
+
 # Shared memory: 227 KiB a block can opt into, less room for barriers and the row statistics.
 SMEM_BYTES = 227 * 1024
 SMEM_RESERVED = 4 * 1024
@@ -102,7 +127,7 @@ def check_forward(cfg) -> None:
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off), got {cfg.pack_gqa}")
-    for name in ("tma_store_o", "rescale_o_before_pv", "whole_k_gemms", "persistent_ctas"):
+    for name in ("tma_store_o", "rescale_o_before_pv", "whole_k_gemms"):
         if getattr(cfg, name):
             raise ValueError(f"sm100 forward: {name} is a Hopper schedule switch; the sm100 kernel has no such "
                              f"option (got {name}={getattr(cfg, name)})")

@@ -8,7 +8,8 @@ its MMAs only thanks to the FMA pipe: the polynomial would cost FMA-pipe issue s
 
 from __future__ import annotations
 
-from .tiles import FORWARD_KERNEL_SET, FORWARD_SPLIT_KV, L2_BUDGET_BYTES, check_forward, forward_tiles  # noqa: F401
+from .tiles import (FORWARD_KERNEL_SET, FORWARD_SPLIT_KV, L2_BUDGET_BYTES, check_forward, forward_grid,  # noqa: F401
+                    forward_tiles)
 from .tiles import forward_schedule as _sm100_schedule
 
 
