@@ -25,7 +25,7 @@ import pytest
 
 from flash_attn4.fa4_kernels.sm100 import bwd as sm100_bwd
 from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
-from tests.cpu.test_sm100_protocol import Pipeline, State, consumer, producer
+from tests.cpu.test_sm100_protocol import Pipeline, State, consumer, interleave, producer
 
 WARPGROUP = sm100_bwd.WARPGROUP
 GROUPS = sm100_bwd.COMPUTE_GROUPS
@@ -143,17 +143,7 @@ def run(stages, n, dq_over_dp, order, pipelines=make_pipelines, dq_acquire_early
              "dq": reduce_dq(p, mem, n, log)}
     for w in range(GROUPS):
         roles[f"compute{w}"] = compute(p, mem, w, stages, n, log)
-    waiting = {name: (lambda: True) for name in roles}
-    while roles:
-        for name in sorted(roles, key=lambda r: order.index(r.rstrip("01"))):
-            if waiting[name]():
-                try:
-                    waiting[name] = next(roles[name])
-                except StopIteration:
-                    del roles[name]
-                break
-        else:
-            pytest.fail(f"deadlock with {sorted(roles)} waiting (stages={stages}, steps={n}, dq_over_dp={dq_over_dp})")
+    interleave(roles, order, f"stages={stages}, steps={n}, dq_over_dp={dq_over_dp}")
     return log
 
 

@@ -277,6 +277,14 @@ def run(q_tiles, kv_stages, tiles, order, persistent=None, bugs=()):
              "correction": correction(p, tm, q_tiles, tiles, log, bugs)}
     for t in range(q_tiles):
         roles[f"softmax{t}"] = softmax(p, tm, t, q_tiles, tiles, log, bugs)
+    interleave(roles, order, f"q_tiles={q_tiles}, stages={kv_stages}, tiles={tiles}")
+    return log
+
+
+def interleave(roles: dict, order, what: str) -> None:
+    """Run the role generators (each yields the predicate its wait needs) to their end: every step
+    resumes the first role in ``order`` (names without their warpgroup digit) whose wait has
+    passed; fails on a deadlock, naming ``what`` was replayed."""
     waiting = {name: (lambda: True) for name in roles}
     while roles:
         for name in sorted(roles, key=lambda r: order.index(r.rstrip("01"))):
@@ -287,9 +295,7 @@ def run(q_tiles, kv_stages, tiles, order, persistent=None, bugs=()):
                     del roles[name]
                 break
         else:
-            pytest.fail(f"deadlock with {sorted(roles)} waiting (q_tiles={q_tiles}, stages={kv_stages}, "
-                        f"tiles={tiles})")
-    return log
+            pytest.fail(f"deadlock with {sorted(roles)} waiting ({what})")
 
 
 ROLE_ORDERS = [list(o) for o in itertools.permutations(["load", "mma", "softmax", "correction"])]
