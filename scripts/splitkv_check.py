@@ -5,6 +5,7 @@ against a long cache, bf16, non-causal) with num_splits=1 (one CTA per output ti
 
     PYTHONPATH=$PWD/torch-ext python scripts/splitkv_check.py
     PYTHONPATH=$PWD/torch-ext python scripts/splitkv_check.py --problem 2,1,131072,64,8,128
+    PYTHONPATH=$PWD/torch-ext python scripts/splitkv_check.py --problem 32,1,8192,28,4,128 --splits 1,2,3,4,8,0
 
 A problem is b,s_q,s_k,h,h_kv,d. Times are the median of triton.testing.do_bench when triton is
 installed, else of CUDA-event-timed batches; K and V bytes over the time give the bandwidth.
@@ -44,6 +45,8 @@ def bench_us(fn) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problem", action="append", help="b,s_q,s_k,h,h_kv,d (repeatable)")
+    parser.add_argument("--splits", default="1,0", help="split counts to time, 0 = automatic (default 1,0); "
+                        "outputs are compared with the first")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("splitkv_check: needs a CUDA GPU", file=sys.stderr)
@@ -64,13 +67,15 @@ def main(argv=None) -> int:
                                              tile_m=cfg.tile_m, tile_n=cfg.tile_n, pack_gqa=cfg.pack_gqa, num_sms=sms)
         kv_bytes = 2 * k.numel() * k.element_size()
         outs = {}
-        for num_splits in (1, 0):
+        for num_splits in map(int, args.splits.split(",")):
             outs[num_splits] = flash_attn_func(q, k, v, num_splits=num_splits)
             us = bench_us(lambda: flash_attn_func(q, k, v, num_splits=num_splits))
-            label = f"num_splits=0 (auto: {auto})" if num_splits == 0 else "num_splits=1"
+            label = f"num_splits=0 (auto: {auto})" if num_splits == 0 else f"num_splits={num_splits}"
             print(f"({spec}) {label:24s} {us:9.1f} us  {kv_bytes / us / 1e3:7.0f} GB/s", flush=True)
-        diff = (outs[0].float() - outs[1].float()).abs().max().item()
-        print(f"({spec}) max |out(num_splits=0) - out(num_splits=1)| = {diff:.3e}")
+        first, *rest = outs
+        for other in rest:
+            diff = (outs[other].float() - outs[first].float()).abs().max().item()
+            print(f"({spec}) max |out(num_splits={other}) - out(num_splits={first})| = {diff:.3e}")
     return 0
 
 
