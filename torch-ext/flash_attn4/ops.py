@@ -920,23 +920,24 @@ def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
 _OFFSETS: dict = {}
 
 
-def _offsets(n: int, step: int, device: torch.device, *, base: int = 0, last: Optional[int] = None) -> torch.Tensor:
-    """int32 [base, base + step, ..., base + (n - 1) * step], then ``last`` if given: cu_seqlens of
+def _offsets(n: int, step: int, device: torch.device, *, base: int = 0, last: Optional[int] = None,
+             dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``dtype`` (int32) [base, base + step, ..., base + (n - 1) * step], then ``last`` if given: cu_seqlens of
     equal-length sequences, cache-row starts, constant lengths. A decode loop asks for the same ones
     at every step, so each is made once per process (a blocking copy: complete before any stream
     reads it) and never written; during CUDA-graph capture they are made fresh instead (a copy
     cannot be captured, and the graph keeps what it captured)."""
-    key = (n, step, base, last, device)
+    key = (n, step, base, last, device, dtype)
     t = _OFFSETS.get(key)
     if t is not None:
         return t
     values = [base + i * step for i in range(n)] + ([] if last is None else [last])
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        t = torch.arange(n, dtype=torch.int32, device=device) * step + base
+        t = torch.arange(n, dtype=dtype, device=device) * step + base
         return t if last is None else torch.cat([t, t.new_full((1,), last)])
     if len(_OFFSETS) >= 1024:
         _OFFSETS.clear()
-    t = _OFFSETS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    t = _OFFSETS[key] = torch.tensor(values, dtype=dtype, device=device)
     return t
 
 
@@ -951,8 +952,10 @@ def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tens
         # One index_copy_ per cache into its (b_cache * s_cache) rows: a few kernels in all, where
         # index_put_ on (row, position) pairs launches several per cache (decoding pays each launch
         # on the host at every step). Token (b, t) goes to row rows[b] * s_cache + cache_seqlens[b] + t.
-        starts = _offsets(batch, s_cache, k.device) if rows is _offsets(batch, 1, k.device) else rows * s_cache
-        index = (cache_seqlens + starts).long()
+        if rows is _offsets(batch, 1, k.device):  # int64 starts: the sum is the index, one op (a launch) fewer
+            index = cache_seqlens + _offsets(batch, s_cache, k.device, dtype=torch.int64)
+        else:
+            index = (cache_seqlens + rows * s_cache).long()
         if s_new > 1:
             index = (index[:, None] + torch.arange(s_new, device=k.device)).flatten()
         k_rows.index_copy_(0, index, k.reshape(batch * s_new, *k.shape[2:]))
