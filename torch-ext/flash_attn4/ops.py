@@ -906,14 +906,16 @@ def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
         seqused_k = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
                      else cache_seqlens + s_new if s_new else cache_seqlens)
         return rows, cu_seqlens_q, cu_seqlens_k, seqused_k
+    # Constants from _offsets where they can be: each tensor op here is a launch per call and layer.
     rows = _offsets(batch, 1, device) if cache_batch_idx is None else cache_batch_idx
-    ends = _offsets(batch, 0, device, base=s_cache) if cache_seqlens is None else cache_seqlens + s_new
-    starts = rows * s_cache
+    ends = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
+            else cache_seqlens + s_new if s_new else cache_seqlens)
+    starts = _offsets(batch, s_cache, device) if cache_batch_idx is None else rows * s_cache
     seqused_k = ends
     if cache_leftpad is not None:
         starts = starts + cache_leftpad
         seqused_k = ends - cache_leftpad
-    cu_seqlens_k = torch.cat([starts, torch.full((1,), b_cache * s_cache, dtype=torch.int32, device=device)])
+    cu_seqlens_k = torch.cat([starts, _offsets(1, 0, device, base=b_cache * s_cache)])
     return rows, cu_seqlens_q, cu_seqlens_k, seqused_k.to(torch.int32)
 
 
