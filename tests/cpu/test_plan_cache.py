@@ -276,3 +276,19 @@ def test_compile_cache_clear_forgets_the_plans(launches):
     assert ops._PLANS
     compile_cache.clear()
     assert not ops._PLANS
+
+
+def test_adapter_key_ranges_are_repeated_once_per_mask_and_heads():
+    """The transformers adapter repeats a step's key ranges per KV head once for all layers; a new
+    head count or an in-place change of the mask recomputes them."""
+    from flash_attn4 import transformers_adapter as ta
+
+    mask = torch.rand(3, 40) < 2.0
+    mask[0, :5] = False  # left padding
+    mask[2, -7:] = False  # an unused static-cache tail
+    leftpad, end, contiguous = ta._eager_key_ranges(mask, 2)
+    assert contiguous and leftpad.tolist() == [5, 5, 0, 0, 0, 0] and end.tolist() == [40, 40, 40, 40, 33, 33]
+    assert ta._eager_key_ranges(mask, 2)[0] is leftpad  # the next layer: the same tensors
+    assert ta._eager_key_ranges(mask, 4)[1].tolist() == [40] * 8 + [33] * 4
+    mask[1, :3] = False
+    assert ta._eager_key_ranges(mask, 4)[0].tolist() == [5] * 4 + [3] * 4 + [0] * 4
