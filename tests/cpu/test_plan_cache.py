@@ -194,7 +194,20 @@ def _bad_calls():
     cache = lambda *a, **kw: flash_attn_with_kvcache(q, k_cache, v_cache, *a, **kw)  # noqa: E731
     # Each bad call differs from one of these in one argument (a value equal to the bad one in a
     # dict key where the types differ: True == 1 == 1.0).
-    warm = [lambda: func(), lambda: func(causal=True), lambda: func(window_size=(1, 0)), lambda: func(softcap=1.0),
+    qv, kv, vv = q[0], k[0], v[0]
+    cu_q, cu_k = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
+    pages = torch.randn(2, 16, 2, 64, dtype=bf)
+    table, used = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    varlen = lambda *a, **kw: flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, *a, **kw)  # noqa: E731
+    paged = lambda **kw: flash_attn_varlen_func(qv, pages, pages, cu_q, None, seqused_k=used,  # noqa: E731
+                                                page_table=table, **kw)
+    padded = lambda **kw: flash_attn_varlen_func(q, k, v, None, None, **kw)  # noqa: E731
+    grad_q = q.clone().requires_grad_()
+    warm = [lambda: varlen(), lambda: varlen(max_seqlen_q=2, max_seqlen_k=9), lambda: varlen(max_seqlen_q=1),
+            lambda: paged(), lambda: padded(seqused_k=used[:1] - 15), lambda: padded(seqused_q=used[:1] - 19),
+            lambda: flash_attn_varlen_func(qv, pages, pages, cu_q, None, seqused_k=used, page_table=table,
+                                           learnable_sink=torch.randn(4, requires_grad=True)),
+            lambda: func(), lambda: func(causal=True), lambda: func(window_size=(1, 0)), lambda: func(softcap=1.0),
             lambda: func(num_splits=0), lambda: func(return_lse=True), lambda: func(deterministic=True),
             lambda: cache(cache_seqlens=lens), lambda: cache(cache_seqlens=5), lambda: cache(cache_seqlens=1),
             lambda: cache(cache_seqlens=lens, return_softmax_lse=False)]
@@ -226,6 +239,19 @@ def _bad_calls():
         "alibi": lambda: func(alibi_slopes=torch.randn(4)),
         "head dim": lambda: flash_attn_func(q, torch.randn(1, 9, 2, 32, dtype=bf), v),
         "heads": lambda: flash_attn_func(q, torch.randn(1, 9, 3, 64, dtype=bf), torch.randn(1, 9, 3, 64, dtype=bf)),
+        "varlen cu int64": lambda: flash_attn_varlen_func(qv, kv, vv, cu_q.long(), cu_k),
+        "varlen cu length": lambda: flash_attn_varlen_func(qv, kv, vv, cu_q, torch.tensor([0, 4, 9], dtype=torch.int32)),
+        "varlen max bool": lambda: varlen(max_seqlen_q=True),
+        "varlen max float": lambda: varlen(max_seqlen_q=2.0),
+        "varlen max negative": lambda: varlen(max_seqlen_q=-1),
+        "varlen 4-D q": lambda: flash_attn_varlen_func(q, kv, vv, cu_q, cu_k),
+        "varlen seqused dtype": lambda: varlen(seqused_k=used.long()),
+        "paged cu_k": lambda: flash_attn_varlen_func(qv, pages, pages, cu_q, cu_k, seqused_k=used, page_table=table),
+        "paged no seqused": lambda: flash_attn_varlen_func(qv, pages, pages, cu_q, None, page_table=table),
+        "paged grad": lambda: flash_attn_varlen_func(qv.clone().requires_grad_(), pages, pages, cu_q, None,
+                                                     seqused_k=used, page_table=table),
+        "padded seqused_k grad": lambda: flash_attn_varlen_func(grad_q, k, v, None, None, seqused_k=used[:1] - 15),
+        "padded seqused_q grad": lambda: flash_attn_varlen_func(grad_q, k, v, None, None, seqused_q=used[:1] - 19),
         "cache seqlens too long": lambda: cache(cache_seqlens=40),
         "cache seqlens float": lambda: cache(cache_seqlens=5.0),
         "cache seqlens bool": lambda: cache(cache_seqlens=True),

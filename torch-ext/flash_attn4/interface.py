@@ -197,12 +197,53 @@ def flash_attn_varlen_func(
     cu_seqlens_k must be None. Pages may be in any order and shared; table entries past a sequence's
     pages are never read. Values are checked with FLASH_ATTN4_CHECK_CU_SEQLENS=1 (a sync).
     """
+    key = None
+    if (VALIDATION_MEMO and type(q) is _Tensor and not torch.compiler.is_compiling() and alibi_slopes is None
+            and type(dropout_p) is float and type(deterministic) is bool and type(return_lse) is bool
+            and type(return_attn_probs) is bool and type(num_splits) is int
+            and (max_seqlen_q is None or type(max_seqlen_q) is int)
+            and (max_seqlen_k is None or type(max_seqlen_k) is int)
+            and _plain(softmax_scale, causal, window_size, softcap)):
+        # Some checks refuse inputs that require grad (forward-only options): which ones do is keyed too.
+        grads = (tuple(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink))
+                 if torch.is_grad_enabled() else None)
+        key = ("varlen", q.shape, q.dtype, q.device, _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
+               _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k), _tensor_key(page_table),
+               _tensor_key(learnable_sink), grads, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+               softcap, dropout_p, deterministic, return_lse, return_attn_probs, num_splits, validate.DEVICE_TYPES)
+    options = _MEMO.get(key) if key is not None else None
+    if options is None:
+        options = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                seqused_k, page_table, softmax_scale, causal, window_size, softcap, learnable_sink,
+                                dropout_p, alibi_slopes, deterministic, return_lse, return_attn_probs, num_splits)
+        if key is not None and not any(part is False for part in key[4:12]):  # every tensor a plain one
+            _remember(key, options)
+    softmax_scale, softcap, causal, left, right, deterministic, return_lse, num_splits, max_q, max_k = options
+    if learnable_sink is not None and learnable_sink.dtype != torch.float32:
+        learnable_sink = learnable_sink.float()  # the kernel reads float32 sinks
+    if cu_seqlens_q is None and cu_seqlens_k is None and page_table is None:  # padded batch (_check_padded_batch)
+        out, lse = ops.forward(q, k, v, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal, left,
+                               right, q.shape[1], k.shape[1], deterministic, num_splits, None, seqused_q)
+        return (out, lse) if return_lse else out
+    if max_q is None:
+        max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
+    if max_k is None:
+        max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
+    out, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
+                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table, seqused_q)
+    return (out, lse) if return_lse else out
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
+                  softmax_scale, causal, window_size, softcap, learnable_sink, dropout_p, alibi_slopes, deterministic,
+                  return_lse, return_attn_probs, num_splits) -> tuple:
+    """flash_attn_varlen_func's checks; its canonical options and max_seqlen_q/k (ints or None)."""
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     deterministic = validate.check_flag("deterministic", deterministic)
     return_lse = validate.check_flag("return_lse", return_lse)
     if cu_seqlens_q is None and cu_seqlens_k is None and page_table is None:
-        return _padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap,
-                             learnable_sink, deterministic, return_lse, num_splits)
+        return _check_padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap,
+                                   learnable_sink, deterministic, return_lse, num_splits)
     if page_table is not None:
         validate.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -223,18 +264,12 @@ def flash_attn_varlen_func(
     validate.check_devices(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                            seqused_k=seqused_k, seqused_q=seqused_q, page_table=page_table,
                            learnable_sink=learnable_sink)
-    if max_q is None:
-        max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
-    if max_k is None:
-        max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
-    out, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table, seqused_q)
-    return (out, lse) if return_lse else out
+    return softmax_scale, softcap, causal, left, right, deterministic, return_lse, num_splits, max_q, max_k
 
 
-def _padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap, learnable_sink,
-                  deterministic, return_lse, num_splits):
-    """flash_attn_varlen_func without cu_seqlens: batched tensors with per-sequence used lengths."""
+def _check_padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap, learnable_sink,
+                        deterministic, return_lse, num_splits) -> tuple:
+    """flash_attn_varlen_func's checks without cu_seqlens: batched tensors with per-sequence used lengths."""
     validate.check_batched(q, k, v)
     batch = q.shape[0]
     validate.check_seqused_k(seqused_k, batch)
@@ -247,9 +282,7 @@ def _padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_s
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
     validate.check_devices(q, k=k, v=v, seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink)
-    out, lse = ops.forward(q, k, v, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal, left, right,
-                           q.shape[1], k.shape[1], deterministic, num_splits, None, seqused_q)
-    return (out, lse) if return_lse else out
+    return softmax_scale, softcap, causal, left, right, deterministic, return_lse, num_splits, None, None
 
 
 def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None):
