@@ -1,10 +1,19 @@
-"""Host time of a cached call: wall time of many back-to-back calls on a tiny problem (its kernels
-take a few microseconds, so the host's Python and launch work is what is measured), per public path,
-beside PyTorch SDPA (cuDNN) on the same problem.
+"""Host time of a cached call: many back-to-back calls on a small problem, per public path.
 
-    python scripts/host_time.py [--calls 2000]
+    python scripts/host_time.py [--calls 2000]          # GPU: real kernels, beside SDPA (cuDNN)
+    python scripts/host_time.py --noop [--calls 20000]  # CPU: the compiled kernels are no-ops
 
-Prints microseconds per call: wall time and the calling thread's CPU time (steadier on a shared host). Needs a CUDA GPU (the paths launch real kernels)."""
+GPU mode: the kernels take a few microseconds, so the host's Python and launch work is what is
+measured; beside PyTorch SDPA (cuDNN) on a comparable problem. ``--noop`` needs no GPU: CPU tensors
+pass the device check, the device reports an H200 (sm_90, 132 SMs) and every compiled kernel is a
+Python no-op (the callable compile_cache hands out), so everything of a call but the launch itself
+runs: validation, dispatch, config and kernel lookup, allocations, KV-cache metadata and append
+(CPU ops). What it leaves out: tvm-ffi's argument conversion and launch, torch's CUDA caching
+allocator (CPU allocations instead) and the CUDA-only checks (stream capture queries).
+
+Prints microseconds per call: wall time and the calling thread's CPU time (steadier on a shared
+host), each the best of five runs. ``--profile NAME`` runs one path under cProfile instead.
+"""
 
 from __future__ import annotations
 
@@ -17,70 +26,165 @@ from pathlib import Path
 # FLASH_ATTN4_TREE=path/to/torch-ext measures another checkout's layer (before/after runs).
 sys.path[:0] = [os.environ.get("FLASH_ATTN4_TREE", str(Path(__file__).resolve().parents[1] / "torch-ext"))]
 
+H200_SMS = 132
 
-def per_call_us(fn, calls: int) -> tuple[float, float]:
+
+def per_call_us(fn, calls: int, sync) -> tuple[float, float]:
     """(wall, CPU time of this thread) per call in microseconds, each the best of five runs: other
     processes on a shared host add wall time, never remove it; the thread's CPU time is what the
     call itself costs the host."""
-    import torch
-
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    sync()
     wall = cpu = float("inf")
     for _ in range(5):
         start, start_cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        sync()
         wall = min(wall, (time.perf_counter() - start) / calls * 1e6)
         cpu = min(cpu, (time.thread_time() - start_cpu) / calls * 1e6)
     return wall, cpu
 
 
-def main(argv=None) -> int:
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def install_noop_kernels():
+    """CPU stand-ins at the lowest level: the device is an H200 as far as the layer can tell, and
+    every kernel the compile cache hands out does nothing. Returns the package."""
+    os.environ["FLASH_ATTN4_DISABLE_DISK_CACHE"] = "1"
+    os.environ["FLASH_ATTN4_DISABLE_AOT"] = "1"
     import flash_attn4 as fa
+    from flash_attn4 import compile_cache, device_info, validate
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calls", type=int, default=2000)
-    args = p.parse_args(argv)
-    dev, bf16 = "cuda", torch.bfloat16
-    b, hq, hk, d, s_cache = 1, 32, 8, 128, 256
-    q = torch.randn(b, 1, hq, d, device=dev, dtype=bf16)
-    k = torch.randn(b, s_cache, hk, d, device=dev, dtype=bf16)
-    v = torch.randn_like(k)
+    validate.DEVICE_TYPES = ("cuda", "cpu")
+    real_index = device_info.device_index
+    info = device_info.DeviceInfo(0, "no-op H200", (9, 0), H200_SMS)
+    device_info.device_index = lambda device: 0 if str(device) == "cpu" else real_index(device)
+    device_info._query = lambda index: info  # get_device_info's per-index lookup
+
+    def noop(*args):
+        return None
+
+    for name in ("_compile_forward", "_compile_combine", "_compile_backward", "_compile_backward_preprocess",
+                 "_compile_backward_postprocess"):
+        setattr(compile_cache, name, lambda cfg, **_: noop)
+    compile_cache.clear()
+    return fa
+
+
+class _Module:
+    """What transformers' attention call reads of its module."""
+    is_causal = True
+    training = False
+
+
+def paths(fa, dev: str, gpu: bool) -> dict:
+    """name -> (call, needs_grad): the public paths at decode-like sizes."""
+    import torch
+
+    from flash_attn4 import transformers_adapter as adapter
+
+    bf16 = torch.bfloat16
+    b, hq, hk, d = 1, 32, 8, 128
+    s_small, s_cache = 256, 16384
+
+    def rand(*shape, **kw):
+        return torch.randn(*shape, device=dev, dtype=bf16, **kw)
+
+    q, k, v = rand(b, 1, hq, d), rand(b, s_small, hk, d), rand(b, s_small, hk, d)
+    qg, kg, vg = (rand(*t.shape, requires_grad=True) for t in (q, k, v))
+    k_cache, v_cache = rand(b, s_cache, hk, d), rand(b, s_cache, hk, d)
+    k1, v1 = rand(b, 1, hk, d), rand(b, 1, hk, d)
     lens = torch.full((b,), s_cache - 1, dtype=torch.int32, device=dev)
+    full = torch.full((b,), s_cache, dtype=torch.int32, device=dev)
     cu_q = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-    cu_k = torch.tensor([0, s_cache], dtype=torch.int32, device=dev)
-    used = torch.full((b,), s_cache, dtype=torch.int32, device=dev)
-    table = torch.arange(s_cache // 16, dtype=torch.int32, device=dev)[None]
+    cu_k = torch.tensor([0, s_small], dtype=torch.int32, device=dev)
+    table = torch.arange(s_small // 16, dtype=torch.int32, device=dev)[None]
     pages_k, pages_v = k.view(-1, 16, hk, d), v.view(-1, 16, hk, d)
-    k1, v1 = torch.randn(b, 1, hk, d, device=dev, dtype=bf16), torch.randn(b, 1, hk, d, device=dev, dtype=bf16)
-    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
-    paths = {
-        "flash_attn_func": lambda: fa.flash_attn_func(q, k, v, num_splits=1),
-        "flash_attn_func num_splits=0": lambda: fa.flash_attn_func(q, k, v, num_splits=0),
-        "flash_attn_func num_splits=2": lambda: fa.flash_attn_func(q, k, v, num_splits=2),
-        "flash_attn_varlen_func": lambda: fa.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, max_seqlen_q=1,
-                                                                    max_seqlen_k=s_cache, num_splits=1),
-        "flash_attn_with_kvcache (append 1)": lambda: fa.flash_attn_with_kvcache(q, k, v, k1, v1, cache_seqlens=lens,
-                                                                                 num_splits=1),
-        "flash_attn_with_kvcache paged": lambda: fa.flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=used,
-                                                                            page_table=table, num_splits=1),
-        "sdpa cudnn (reference)": lambda: _sdpa(F, sdpa_kernel, SDPBackend.CUDNN_ATTENTION, qs, ks, vs),
+    # transformers' layout (B, H, S, D): a 1.1B Llama's decode step (16/4 heads) on a dynamic cache
+    # (no mask) and on a static cache (padding mask: the unused tail is False)
+    tq, tk, tv = rand(b, 16, 1, d), rand(b, 4, s_cache, d), rand(b, 4, s_cache, d)
+    mask = torch.arange(s_cache, device=dev)[None] < s_cache - 100
+    module = _Module()
+    calls = {
+        "flash_attn_func": (lambda: fa.flash_attn_func(q, k, v), False),
+        "flash_attn_func requires_grad": (lambda: fa.flash_attn_func(qg, kg, vg), True),
+        "flash_attn_func num_splits=0": (lambda: fa.flash_attn_func(q, k, v, num_splits=0), False),
+        "flash_attn_varlen_func": (lambda: fa.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu_q, cu_k, max_seqlen_q=1, max_seqlen_k=s_small), False),
+        "flash_attn_varlen_func paged": (lambda: fa.flash_attn_varlen_func(
+            q[0], pages_k, pages_v, cu_q, None, max_seqlen_q=1, seqused_k=cu_k[1:], page_table=table), False),
+        "kvcache 16k append 1": (lambda: fa.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k1, v1, cache_seqlens=lens), False),
+        "kvcache 16k no append": (lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=full),
+                                  False),
+        "kvcache 16k num_splits=1": (lambda: fa.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=full, num_splits=1), False),
+        "adapter decode (dynamic cache)": (lambda: adapter.attention_forward(
+            module, tq, tk, tv, None, scaling=d ** -0.5), False),
+        "adapter decode (padding mask)": (lambda: adapter.attention_forward(
+            module, tq, tk, tv, mask, scaling=d ** -0.5), False),
     }
-    with torch.inference_mode():
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.calls} back-to-back calls, best of 5")
-        for name, fn in paths.items():
-            try:
-                wall, cpu = per_call_us(fn, args.calls)
-                print(f"{name:40s} {wall:7.1f} us/call wall {cpu:7.1f} us/call CPU")
-            except Exception as exc:  # a path an older tree lacks (A/B runs against a checkout)
-                print(f"{name:40s}     n/a ({type(exc).__name__}: {str(exc)[:60]})")
+    if gpu:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        calls["sdpa cudnn (reference)"] = (lambda: _sdpa(F, sdpa_kernel, SDPBackend.CUDNN_ATTENTION, qs, ks, vs),
+                                           False)
+    return calls
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=None, help="calls per timed run (default 2000 GPU, 20000 --noop)")
+    p.add_argument("--noop", action="store_true", help="CPU only: no-op kernels, measure the torch layer")
+    p.add_argument("--only", default="", help="comma-separated substrings of the path names to run")
+    p.add_argument("--profile", default="", help="run the first path matching this under cProfile")
+    args = p.parse_args(argv)
+    import torch
+
+    if args.noop:
+        fa = install_noop_kernels()
+        dev, sync = "cpu", (lambda: None)
+        header = f"no-op kernels on the CPU ({os.cpu_count()} cores), torch {torch.__version__}"
+    else:
+        import flash_attn4 as fa
+
+        dev, sync = "cuda", torch.cuda.synchronize
+        header = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    calls = args.calls or (20000 if args.noop else 2000)
+    todo = paths(fa, dev, gpu=not args.noop)
+    if args.only:
+        todo = {n: c for n, c in todo.items() if any(s in n for s in args.only.split(","))}
+    if args.profile:
+        return _profile(todo, args.profile, calls)
+    print(f"{header}; {calls} back-to-back calls, best of 5")
+    for name, (fn, grad) in todo.items():
+        try:
+            with (torch.enable_grad() if grad else torch.inference_mode()):
+                wall, cpu = per_call_us(fn, calls, sync)
+            print(f"{name:40s} {wall:7.1f} us/call wall {cpu:7.1f} us/call CPU")
+        except Exception as exc:  # a path an older tree lacks (A/B runs against a checkout)
+            print(f"{name:40s}     n/a ({type(exc).__name__}: {str(exc)[:60]})")
+    return 0
+
+
+def _profile(todo: dict, name: str, calls: int) -> int:
+    import cProfile
+    import pstats
+
+    import torch
+
+    fn, grad = next(c for n, c in todo.items() if name in n)
+    with (torch.enable_grad() if grad else torch.inference_mode()):
+        for _ in range(20):
+            fn()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     return 0
 
 

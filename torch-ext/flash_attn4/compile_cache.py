@@ -56,6 +56,8 @@ _lock = threading.RLock()
 _stats: Counter = Counter()
 _fingerprint: str | None = None
 _disk_failed = False  # a compiled kernel could not be written or loaded back: memory only from then on
+# Called by clear(): caches built on top of the kernels (ops' launch plans) forget them with it.
+_clear_hooks: list[Callable[[], None]] = []
 
 
 # ---- fingerprint ----
@@ -403,5 +405,7 @@ def clear(memory: bool = True, counters: bool = True) -> None:
             _memory.clear()
             _by_cfg.clear()
             _disk_failed = False
+            for hook in _clear_hooks:
+                hook()
         if counters:
             _stats.clear()

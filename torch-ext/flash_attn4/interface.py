@@ -29,6 +29,42 @@ def _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs) -> None:
         )
 
 
+# ---- validated-call memo ----
+
+# A call whose arguments have plain types (exact torch.Tensor, bool, int, float, None, a tuple of two
+# ints) is validated once per key of everything the checks read: each tensor's shape, dtype and
+# device, each option's value, and the accepted device types. A repeated call (a decode step, each
+# layer) then reuses the canonical options; any other call, and every call whose key changed, runs
+# the checks, so every error stays where it was. Exact types matter: True == 1 == 1.0 in a key, but
+# the checks treat them differently.
+VALIDATION_MEMO = True
+MAX_MEMO = 1024
+_MEMO: dict = {}
+_Tensor = torch.Tensor
+
+
+def _tensor_key(t):
+    """(shape, dtype, device) of a plain tensor, None for None; False (no memo) for anything else."""
+    if t is None:
+        return None
+    if type(t) is not _Tensor:
+        return False
+    return t.shape, t.dtype, t.device
+
+
+def _plain(softmax_scale, causal, window_size, softcap) -> bool:
+    return ((softmax_scale is None or type(softmax_scale) is float) and type(causal) is bool
+            and type(softcap) is float and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int)
+
+
+def _remember(key, options):
+    if len(_MEMO) >= MAX_MEMO:
+        _MEMO.clear()
+    _MEMO[key] = options
+    return options
+
+
 def _common_options(head_dim, softmax_scale, causal, window_size, softcap, learnable_sink):
     softmax_scale = validate.check_softmax_scale(softmax_scale, head_dim)
     softcap = validate.check_softcap(softcap)
@@ -74,6 +110,31 @@ def flash_attn_func(
     count (``dispatch.num_splits_heuristic``). The result is the same attention (a learnable sink
     joins the denominator once, in the combine); gradients run the usual backward from it.
     """
+    key = None
+    if (VALIDATION_MEMO and type(q) is _Tensor and not torch.compiler.is_compiling() and type(k) is _Tensor and type(v) is _Tensor
+            and alibi_slopes is None and type(dropout_p) is float and type(deterministic) is bool
+            and type(return_lse) is bool and type(return_attn_probs) is bool and type(num_splits) is int
+            and _plain(softmax_scale, causal, window_size, softcap)):
+        key = ("func", q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape, v.dtype, v.device,
+               _tensor_key(learnable_sink), softmax_scale, causal, window_size, softcap, dropout_p, deterministic,
+               return_lse, return_attn_probs, num_splits, validate.DEVICE_TYPES)
+    options = _MEMO.get(key) if key is not None else None
+    if options is None:
+        options = _check_func(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, dropout_p,
+                              alibi_slopes, deterministic, return_lse, return_attn_probs, num_splits)
+        if key is not None and key[10] is not False:
+            _remember(key, options)
+    softmax_scale, softcap, causal, left, right, deterministic, return_lse, num_splits = options
+    if learnable_sink is not None and learnable_sink.dtype != torch.float32:
+        learnable_sink = learnable_sink.float()  # the kernel reads float32 sinks
+    out, lse = ops.forward(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
+                           q.shape[1], k.shape[1], deterministic, num_splits)
+    return (out, lse) if return_lse else out
+
+
+def _check_func(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, dropout_p, alibi_slopes,
+                deterministic, return_lse, return_attn_probs, num_splits) -> tuple:
+    """flash_attn_func's checks; its canonical options."""
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     deterministic = validate.check_flag("deterministic", deterministic)
     return_lse = validate.check_flag("return_lse", return_lse)
@@ -84,9 +145,7 @@ def flash_attn_func(
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
     validate.check_devices(q, k=k, v=v, learnable_sink=learnable_sink)
-    out, lse = ops.forward(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
-                           q.shape[1], k.shape[1], deterministic, num_splits)
-    return (out, lse) if return_lse else out
+    return softmax_scale, softcap, causal, left, right, deterministic, return_lse, num_splits
 
 
 def flash_attn_varlen_func(
@@ -138,12 +197,53 @@ def flash_attn_varlen_func(
     cu_seqlens_k must be None. Pages may be in any order and shared; table entries past a sequence's
     pages are never read. Values are checked with FLASH_ATTN4_CHECK_CU_SEQLENS=1 (a sync).
     """
+    key = None
+    if (VALIDATION_MEMO and type(q) is _Tensor and not torch.compiler.is_compiling() and alibi_slopes is None
+            and type(dropout_p) is float and type(deterministic) is bool and type(return_lse) is bool
+            and type(return_attn_probs) is bool and type(num_splits) is int
+            and (max_seqlen_q is None or type(max_seqlen_q) is int)
+            and (max_seqlen_k is None or type(max_seqlen_k) is int)
+            and _plain(softmax_scale, causal, window_size, softcap)):
+        # Some checks refuse inputs that require grad (forward-only options): which ones do is keyed too.
+        grads = (tuple(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink))
+                 if torch.is_grad_enabled() else None)
+        key = ("varlen", q.shape, q.dtype, q.device, _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
+               _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k), _tensor_key(page_table),
+               _tensor_key(learnable_sink), grads, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+               softcap, dropout_p, deterministic, return_lse, return_attn_probs, num_splits, validate.DEVICE_TYPES)
+    options = _MEMO.get(key) if key is not None else None
+    if options is None:
+        options = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                seqused_k, page_table, softmax_scale, causal, window_size, softcap, learnable_sink,
+                                dropout_p, alibi_slopes, deterministic, return_lse, return_attn_probs, num_splits)
+        if key is not None and not any(part is False for part in key[4:12]):  # every tensor a plain one
+            _remember(key, options)
+    softmax_scale, softcap, causal, left, right, deterministic, return_lse, num_splits, max_q, max_k = options
+    if learnable_sink is not None and learnable_sink.dtype != torch.float32:
+        learnable_sink = learnable_sink.float()  # the kernel reads float32 sinks
+    if cu_seqlens_q is None and cu_seqlens_k is None and page_table is None:  # padded batch (_check_padded_batch)
+        out, lse = ops.forward(q, k, v, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal, left,
+                               right, q.shape[1], k.shape[1], deterministic, num_splits, None, seqused_q)
+        return (out, lse) if return_lse else out
+    if max_q is None:
+        max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
+    if max_k is None:
+        max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
+    out, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
+                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table, seqused_q)
+    return (out, lse) if return_lse else out
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
+                  softmax_scale, causal, window_size, softcap, learnable_sink, dropout_p, alibi_slopes, deterministic,
+                  return_lse, return_attn_probs, num_splits) -> tuple:
+    """flash_attn_varlen_func's checks; its canonical options and max_seqlen_q/k (ints or None)."""
     _reject_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     deterministic = validate.check_flag("deterministic", deterministic)
     return_lse = validate.check_flag("return_lse", return_lse)
     if cu_seqlens_q is None and cu_seqlens_k is None and page_table is None:
-        return _padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap,
-                             learnable_sink, deterministic, return_lse, num_splits)
+        return _check_padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap,
+                                   learnable_sink, deterministic, return_lse, num_splits)
     if page_table is not None:
         validate.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -164,18 +264,12 @@ def flash_attn_varlen_func(
     validate.check_devices(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                            seqused_k=seqused_k, seqused_q=seqused_q, page_table=page_table,
                            learnable_sink=learnable_sink)
-    if max_q is None:
-        max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
-    if max_k is None:
-        max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
-    out, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table, seqused_q)
-    return (out, lse) if return_lse else out
+    return softmax_scale, softcap, causal, left, right, deterministic, return_lse, num_splits, max_q, max_k
 
 
-def _padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap, learnable_sink,
-                  deterministic, return_lse, num_splits):
-    """flash_attn_varlen_func without cu_seqlens: batched tensors with per-sequence used lengths."""
+def _check_padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_size, softcap, learnable_sink,
+                        deterministic, return_lse, num_splits) -> tuple:
+    """flash_attn_varlen_func's checks without cu_seqlens: batched tensors with per-sequence used lengths."""
     validate.check_batched(q, k, v)
     batch = q.shape[0]
     validate.check_seqused_k(seqused_k, batch)
@@ -188,9 +282,7 @@ def _padded_batch(q, k, v, seqused_q, seqused_k, softmax_scale, causal, window_s
         q.shape[-1], softmax_scale, causal, window_size, softcap, learnable_sink
     )
     validate.check_devices(q, k=k, v=v, seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink)
-    out, lse = ops.forward(q, k, v, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal, left, right,
-                           q.shape[1], k.shape[1], deterministic, num_splits, None, seqused_q)
-    return (out, lse) if return_lse else out
+    return softmax_scale, softcap, causal, left, right, deterministic, return_lse, num_splits, None, None
 
 
 def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None):
@@ -273,6 +365,43 @@ def flash_attn_with_kvcache(
         if page_table is not None:
             raise ValueError("pass page_table or block_table (the same argument under two names), not both")
         page_table = block_table
+    key = None
+    if (VALIDATION_MEMO and type(q) is _Tensor and not torch.compiler.is_compiling()
+            and type(return_softmax_lse) is bool and type(rotary_interleaved) is bool and type(num_splits) is int
+            and _plain(softmax_scale, causal, window_size, softcap)):
+        seqlens_key = cache_seqlens if type(cache_seqlens) is int else _tensor_key(cache_seqlens)
+        key = ("kvcache", q.shape, q.dtype, q.device, _tensor_key(k_cache), _tensor_key(v_cache), _tensor_key(k),
+               _tensor_key(v), seqlens_key, _tensor_key(cache_batch_idx), _tensor_key(cache_leftpad),
+               _tensor_key(page_table), _tensor_key(learnable_sink), _tensor_key(rotary_cos), _tensor_key(rotary_sin),
+               softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse,
+               validate.DEVICE_TYPES)
+    options = _MEMO.get(key) if key is not None else None
+    if options is None:
+        options = _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                 cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
+                                 learnable_sink, rotary_interleaved, num_splits, return_softmax_lse)
+        if key is not None and not any(part is False for part in key[4:15]):  # every tensor a plain one
+            _remember(key, options)
+    softmax_scale, softcap, causal, left, right, num_splits, return_softmax_lse, rotary_interleaved = options
+    if learnable_sink is not None and learnable_sink.dtype != torch.float32:
+        learnable_sink = learnable_sink.float()  # the kernel reads float32 sinks
+    seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k_cache, v_cache, k, v, learnable_sink)):
+        raise NotImplementedError("flash-attn4: flash_attn_with_kvcache has no backward; call it under "
+                                  "torch.no_grad() / torch.inference_mode() or on detached tensors")
+    if cache_seqlens is not None and seqlens_tensor is None:
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    out, lse = ops.forward_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, left,
+                                   right, num_splits, return_softmax_lse, rotary_interleaved)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   page_table, softmax_scale, causal, window_size, softcap, learnable_sink, rotary_interleaved,
+                   num_splits, return_softmax_lse) -> tuple:
+    """flash_attn_with_kvcache's checks; its canonical options."""
     # Flags first: on a tensor of the wrong device a bad flag should still be reported as itself.
     return_softmax_lse = validate.check_flag("return_softmax_lse", return_softmax_lse)
     rotary_interleaved = validate.check_flag("rotary_interleaved", rotary_interleaved)
@@ -287,13 +416,4 @@ def flash_attn_with_kvcache(
     validate.check_devices(q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens_tensor,
                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table,
                            learnable_sink=learnable_sink, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (q, k_cache, v_cache, k, v, learnable_sink)):
-        raise NotImplementedError("flash-attn4: flash_attn_with_kvcache has no backward; call it under "
-                                  "torch.no_grad() / torch.inference_mode() or on detached tensors")
-    if cache_seqlens is not None and seqlens_tensor is None:
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    out, lse = ops.forward_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, left,
-                                   right, num_splits, return_softmax_lse, rotary_interleaved)
-    return (out, lse) if return_softmax_lse else out
+    return softmax_scale, softcap, causal, left, right, num_splits, return_softmax_lse, rotary_interleaved

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 from typing import Callable, Optional
 
@@ -135,12 +136,9 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
                 has_seqused_q: bool = False, split_kv: bool = False):
     """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
     on its first use where selfcheck asks for it."""
-    arch = dispatch.arch_for_device(q.device)
-    cfg = dispatch.forward_config(
-        arch, dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal, local=local,
-        has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink,
-        qhead_per_kvhead=qhead_per_kvhead, page_size=page_size, split_kv=split_kv, has_seqused_q=has_seqused_q,
-    )
+    cfg = _config_for(q, v, causal=causal, local=local, has_softcap=has_softcap, varlen=varlen,
+                      has_seqused_k=has_seqused_k, has_sink=has_sink, qhead_per_kvhead=qhead_per_kvhead,
+                      page_size=page_size, has_seqused_q=has_seqused_q, split_kv=split_kv)
     if cfg.pack_gqa not in (1, qhead_per_kvhead):
         # The kernel folds exactly pack_gqa query heads into each KV head's rows.
         raise ValueError(f"ForwardConfig.pack_gqa={cfg.pack_gqa} but the inputs have {qhead_per_kvhead} query "
@@ -150,6 +148,12 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
     # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
     selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
     return kernel
+
+
+def _config_for(q: torch.Tensor, v: torch.Tensor, **flags):
+    """The ForwardConfig _kernel_for compiles for these flags."""
+    return dispatch.forward_config(dispatch.arch_for_device(q.device), dispatch.dtype_name(q.dtype), q.shape[-1],
+                                   v.shape[-1], **flags)
 
 
 def _fill_empty_keys(out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optional[torch.Tensor],
@@ -212,6 +216,12 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
     which need not increase). ``page_table``: k and v are a paged cache (ForwardConfig.page_size),
     cu_seqlens_k is None and seqused_k holds the key lengths. ``seqused_q``: sequence b uses its first
     seqused_q[b] queries; the rows of out and lse past them are left as allocated."""
+    if PLAN_CACHE:
+        plan = _plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
+                     max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q)
+        if plan is not None:
+            return _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
+                             softcap, window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
     varlen = cu_seqlens_q is not None
     group = _padded_group(q, k, v, varlen, max_seqlen_q)
     if group:
@@ -248,6 +258,96 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
     _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                     softcap, window_left, window_right, max_seqlen_q, check_values, page_table=page_table,
                     seqused_q=seqused_q)
+    return out, lse
+
+
+# ---- launch plans ----
+
+# What a forward call derives from its static properties - output shapes, the kernel, the split count
+# and its kernels - cached under a key of everything that derivation read: shapes, strides, dtype,
+# device, pointer alignment (mod 16), which optional tensors are given, mask flags and the sequence
+# bounds the split heuristic reads. A repeated call (decoding: the same shapes at every step and layer)
+# then allocates its outputs and launches. Calls the general path serves differently (padded GQA
+# heads, empty problems, inputs that need a layout copy) get no plan. Off: every call derives anew
+# (the tests compare both). compile_cache.clear() forgets the plans with the kernels they hold.
+PLAN_CACHE = True
+MAX_PLANS = 1024
+_PLANS: dict = {}
+compile_cache._clear_hooks.append(_PLANS.clear)
+
+
+class _Plan:
+    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "cfg", "kernel", "num_splits", "flags", "combine")
+
+
+def _plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
+          max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q) -> Optional[_Plan]:
+    """The cached launch plan of this forward call, built on its first use; None where the general
+    path serves it."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+           (q.data_ptr() | k.data_ptr() | v.data_ptr()) % validate.ALIGN_BYTES,
+           None if cu_seqlens_q is None else cu_seqlens_q.shape[0], seqused_k is None, learnable_sink is None,
+           None if page_table is None else page_table.shape[1], seqused_q is None, softcap > 0.0, causal,
+           window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits)
+    plan = _PLANS.get(key, _PLANS)
+    if plan is _PLANS:
+        plan = _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left,
+                           window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
+                max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q) -> Optional[_Plan]:
+    """_forward's decisions for this call as a _Plan (None: not one the plan covers)."""
+    varlen = cu_seqlens_q is not None
+    if _padded_group(q, k, v, varlen, max_seqlen_q) or any(validate.needs_copy(t) for t in (q, k, v)):
+        return None
+    out_shape, lse_shape = _output_shapes(q, v, varlen)
+    if math.prod(out_shape) == 0 or k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
+        return None
+    flags = dict(causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
+                 varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
+                 qhead_per_kvhead=q.shape[-2] // k.shape[-2], page_size=0 if page_table is None else k.shape[1],
+                 has_seqused_q=seqused_q is not None)
+    if num_splits != 1:
+        if page_table is not None and max_seqlen_k < 0:  # as _forward: the longest sequence the table holds
+            max_seqlen_k = page_table.shape[1] * k.shape[1]
+        num_splits = _num_splits(num_splits, q, k, v.shape[-1], cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                 window_left, window_right, flags)
+    plan = _Plan()
+    plan.out_shape, plan.lse_shape, plan.dtype, plan.device = out_shape, lse_shape, q.dtype, q.device
+    plan.num_splits, plan.flags, plan.combine = num_splits, flags, None
+    if num_splits > 1:
+        split_flags = dict(flags, has_sink=False, split_kv=True)
+        plan.cfg, plan.kernel = _config_for(q, v, **split_flags), _kernel_for(q, v, **split_flags)
+        plan.combine = _combine_kernel(q.device, q.dtype, v.shape[-1], has_sink=learnable_sink is not None)
+    else:
+        plan.cfg, plan.kernel = _config_for(q, v, **flags), _kernel_for(q, v, **flags)
+    return plan
+
+
+def _run_plan(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
+              window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q):
+    """_forward's allocations and launches as the plan decided them."""
+    device = plan.device
+    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
+    if _poison_outputs_for_tests:
+        out.fill_(float("nan"))
+        lse.fill_(float("inf"))
+    if plan.num_splits > 1:
+        _split_kv_forward(plan.num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                          softmax_scale, softcap, window_left, window_right, max_seqlen_q, plan.flags,
+                          check_values=check_values, page_table=page_table, seqused_q=seqused_q, plan=plan)
+        return out, lse
+    # The first-use self-check's verdict (one set lookup once settled; a failed check raises every call).
+    selfcheck.ensure_checked(plan.cfg, device, plan.kernel, _launch_forward)
+    _launch_forward(plan.kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
+                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values,
+                    page_table=page_table, seqused_q=seqused_q, laid_out=True)
     return out, lse
 
 
@@ -294,6 +394,16 @@ def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sin
     needs one) and the optional varlen value check (with a paged cache: of cu_seqlens_q, and of the
     page table against seqused_k)."""
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
+    return (q, k, v) + _metadata_inputs(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q,
+                                        check_values, page_table, seqused_q)
+
+
+def _metadata_inputs(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values,
+                     page_table, seqused_q):
+    """_kernel_inputs but for q, k and v (already laid out): the optional tensors, contiguous, and
+    the opt-in value checks."""
+    if cu_seqlens_q is None and seqused_k is None and seqused_q is None and learnable_sink is None:
+        return None, cu_seqlens_k, None, None, page_table, None  # flash_attn_func's call: nothing to do
     if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
         checked = (check_values and settings.check_cu_seqlens()
@@ -314,17 +424,21 @@ def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sin
         seqused_q = seqused_q.contiguous()
     if learnable_sink is not None:
         learnable_sink = learnable_sink.contiguous()
-    return q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q
+    return cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q
 
 
 def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values: bool = True,
-                    page_table: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None) -> None:
+                    page_table: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
+                    laid_out: bool = False) -> None:
     """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller; for a split-KV
     kernel its float32 partials) on the current stream of q's device. ``fwd`` and the first-use
-    self-check (selfcheck.py) both launch through here."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _kernel_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table,
+    self-check (selfcheck.py) both launch through here. ``laid_out``: q, k and v are known to need
+    no layout copy (a launch plan checked that for their strides and alignment)."""
+    if not laid_out:
+        q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
+    cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _metadata_inputs(
+        q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table,
         seqused_q)
     with _device_guard(q.device):
         kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
@@ -376,24 +490,30 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
 def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                       softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags: dict,
                       check_values: bool = True, page_table: Optional[torch.Tensor] = None,
-                      seqused_q: Optional[torch.Tensor] = None) -> None:
+                      seqused_q: Optional[torch.Tensor] = None, plan: Optional["_Plan"] = None) -> None:
     """out, lse through the split-KV kernel's float32 partials (ForwardConfig.split_kv) and the
-    combine kernel, which adds a learnable sink to the denominator once (the splits leave it out)."""
+    combine kernel, which adds a learnable sink to the denominator once (the splits leave it out).
+    ``plan``: the launch plan's kernels (looked up here without one)."""
     out_partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
     lse_partial = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=out.device)
     if _poison_outputs_for_tests:  # an element the split kernel leaves unwritten shows up
         out_partial.fill_(float("nan"))
         lse_partial.fill_(float("inf"))
-    kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
+    if plan is None:
+        kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
+    else:
+        kernel = plan.kernel
+        selfcheck.ensure_checked(plan.cfg, q.device, kernel, _launch_forward)
     _launch_forward(kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values,
-                    page_table=page_table, seqused_q=seqused_q)
+                    page_table=page_table, seqused_q=seqused_q, laid_out=plan is not None)
     learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
     with _device_guard(q.device):
         if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
             out_partial, lse_partial, out, lse = (out_partial.unsqueeze(1), lse_partial.unsqueeze(1),
                                                   out.unsqueeze(0), lse.unsqueeze(0))
-        combine_kernel = _combine_kernel(out.device, out.dtype, out.shape[-1], has_sink=learnable_sink is not None)
+        combine_kernel = (_combine_kernel(out.device, out.dtype, out.shape[-1], has_sink=learnable_sink is not None)
+                          if plan is None else plan.combine)
         combine_kernel(out_partial, lse_partial, out, lse, learnable_sink)
 
 
@@ -786,37 +906,40 @@ def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
         seqused_k = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
                      else cache_seqlens + s_new if s_new else cache_seqlens)
         return rows, cu_seqlens_q, cu_seqlens_k, seqused_k
+    # Constants from _offsets where they can be: each tensor op here is a launch per call and layer.
     rows = _offsets(batch, 1, device) if cache_batch_idx is None else cache_batch_idx
-    ends = _offsets(batch, 0, device, base=s_cache) if cache_seqlens is None else cache_seqlens + s_new
-    starts = rows * s_cache
+    ends = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
+            else cache_seqlens + s_new if s_new else cache_seqlens)
+    starts = _offsets(batch, s_cache, device) if cache_batch_idx is None else rows * s_cache
     seqused_k = ends
     if cache_leftpad is not None:
         starts = starts + cache_leftpad
         seqused_k = ends - cache_leftpad
-    cu_seqlens_k = torch.cat([starts, torch.full((1,), b_cache * s_cache, dtype=torch.int32, device=device)])
+    cu_seqlens_k = torch.cat([starts, _offsets(1, 0, device, base=b_cache * s_cache)])
     return rows, cu_seqlens_q, cu_seqlens_k, seqused_k.to(torch.int32)
 
 
 _OFFSETS: dict = {}
 
 
-def _offsets(n: int, step: int, device: torch.device, *, base: int = 0, last: Optional[int] = None) -> torch.Tensor:
-    """int32 [base, base + step, ..., base + (n - 1) * step], then ``last`` if given: cu_seqlens of
+def _offsets(n: int, step: int, device: torch.device, *, base: int = 0, last: Optional[int] = None,
+             dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``dtype`` (int32) [base, base + step, ..., base + (n - 1) * step], then ``last`` if given: cu_seqlens of
     equal-length sequences, cache-row starts, constant lengths. A decode loop asks for the same ones
     at every step, so each is made once per process (a blocking copy: complete before any stream
     reads it) and never written; during CUDA-graph capture they are made fresh instead (a copy
     cannot be captured, and the graph keeps what it captured)."""
-    key = (n, step, base, last, device)
+    key = (n, step, base, last, device, dtype)
     t = _OFFSETS.get(key)
     if t is not None:
         return t
     values = [base + i * step for i in range(n)] + ([] if last is None else [last])
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        t = torch.arange(n, dtype=torch.int32, device=device) * step + base
+        t = torch.arange(n, dtype=dtype, device=device) * step + base
         return t if last is None else torch.cat([t, t.new_full((1,), last)])
     if len(_OFFSETS) >= 1024:
         _OFFSETS.clear()
-    t = _OFFSETS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    t = _OFFSETS[key] = torch.tensor(values, dtype=dtype, device=device)
     return t
 
 
@@ -831,8 +954,10 @@ def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tens
         # One index_copy_ per cache into its (b_cache * s_cache) rows: a few kernels in all, where
         # index_put_ on (row, position) pairs launches several per cache (decoding pays each launch
         # on the host at every step). Token (b, t) goes to row rows[b] * s_cache + cache_seqlens[b] + t.
-        starts = _offsets(batch, s_cache, k.device) if rows is _offsets(batch, 1, k.device) else rows * s_cache
-        index = (cache_seqlens + starts).long()
+        if rows is _offsets(batch, 1, k.device):  # int64 starts: the sum is the index, one op (a launch) fewer
+            index = cache_seqlens + _offsets(batch, s_cache, k.device, dtype=torch.int64)
+        else:
+            index = (cache_seqlens + rows * s_cache).long()
         if s_new > 1:
             index = (index[:, None] + torch.arange(s_new, device=k.device)).flatten()
         k_rows.index_copy_(0, index, k.reshape(batch * s_new, *k.shape[2:]))

@@ -486,16 +486,17 @@ def _key_ranges(mask: torch.Tensor):
     return leftpad, end, contiguous
 
 
-def _eager_key_ranges(mask: torch.Tensor):
-    """_key_ranges with the contiguity read on the host (one sync), remembered for the mask object:
-    the layers of one forward share it."""
+def _eager_key_ranges(mask: torch.Tensor, heads: int):
+    """_key_ranges with the contiguity read on the host (one sync) and the ranges repeated for each
+    of ``heads`` KV heads (one cache row per (batch, KV head)), remembered for the mask object: the
+    layers of one forward share it, and pay neither the sync nor the repeats again."""
     if _RANGE_CACHE:
-        ref, version, ranges = _RANGE_CACHE[0]
-        if ref() is mask and version == mask._version:
+        ref, version, cached_heads, ranges = _RANGE_CACHE[0]
+        if ref() is mask and version == mask._version and cached_heads == heads:
             return ranges
     leftpad, end, contiguous = _key_ranges(mask)
-    ranges = (leftpad, end, bool(contiguous))
-    _RANGE_CACHE[:] = [(weakref.ref(mask), mask._version, ranges)]
+    ranges = (leftpad.repeat_interleave(heads), end.repeat_interleave(heads), bool(contiguous))
+    _RANGE_CACHE[:] = [(weakref.ref(mask), mask._version, heads, ranges)]
     return ranges
 
 
@@ -522,14 +523,15 @@ def _cache_forward(fa, query, key, value, mask, options: dict):
         torch._assert_async(contiguous, "flash_attn4: under torch.compile a KV-cache step needs each row's "
                                         "valid keys to be one contiguous range (left padding)")
     else:
-        leftpad, end, contiguous = _eager_key_ranges(mask)
+        leftpad, end, contiguous = _eager_key_ranges(mask, hk)
         if not contiguous:
             return None
     group = hq // hk
     # (B, Hq, Sq, D) -> (B * Hk, Sq, group, D): the query heads of one KV head share its cache row
     q_rows = query.reshape(batch, hk, group, sq, d).transpose(2, 3).reshape(batch * hk, sq, group, d)
+    if torch.compiler.is_compiling():  # eager: _eager_key_ranges repeated them once for every layer
+        leftpad, end = leftpad.repeat_interleave(hk), end.repeat_interleave(hk)
     out = _first_tensor(fa.flash_attn_with_kvcache(
-        q_rows, k_rows, v_rows,
-        cache_seqlens=end.repeat_interleave(hk), cache_leftpad=leftpad.repeat_interleave(hk), **options))
+        q_rows, k_rows, v_rows, cache_seqlens=end, cache_leftpad=leftpad, **options))
     dv = out.shape[-1]
     return out.view(batch, hk, sq, group, dv).transpose(1, 2).reshape(batch, sq, hq, dv)
