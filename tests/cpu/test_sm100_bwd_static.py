@@ -1,6 +1,6 @@
 """Static verification of the Blackwell (sm_100a) backward kernel, compiled on the CPU: what the SASS,
-PTX and cubin say about it, and the plan it is built from. No GPU runs it here (and the torch layer
-does not send user calls to it yet: arch.ArchKernels.backward_user_ready).
+PTX and cubin say about it, and the plan it is built from. No GPU runs it here; the torch layer sends
+user calls to it through the first-use self-check (tests/cpu/test_sm100_bwd_dispatch.py).
 
 Every expected number is derived from the kernel's plan (tile sizes, the MMA's K, the TMEM plan, the
 register budgets, the dQ chunking), never copied from a compile. ptxas: the cu13 flavour (13.4).
@@ -183,12 +183,14 @@ def test_other_head_dims_raise(d, dv):
                        num_stages=1)
 
 
-def test_users_still_get_the_refusal():
-    """The kernel compiles (compiled_kernels) but the torch layer's table (IMPLEMENTED) keeps sm100
-    forward-only until its first-use self-check is wired in."""
+def test_users_reach_the_backward_through_the_self_check():
+    """The torch layer's table (IMPLEMENTED) has the sm_100a backward; the arch is not run by us, so
+    every configuration is self-checked on first use; sm_103a stays forward-only."""
+    from flash_attn4 import selfcheck
+
     entry = KERNELS[Arch.SM100]
-    assert "backward" in entry.compiled_kernels and not entry.backward_user_ready
-    assert "backward" not in IMPLEMENTED[Arch.SM100]
+    assert entry.backward_user_ready and not entry.run_by_us
+    assert "backward" in IMPLEMENTED[Arch.SM100] and Arch.SM100 in selfcheck.UNVERIFIED_ARCHS
     assert "backward" not in IMPLEMENTED[Arch.SM103]
 
 
