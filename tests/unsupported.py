@@ -14,7 +14,7 @@ Refused today (anything else must run):
   there by tests/conftest.py for the same reason);
 - sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims other than 64/64 and
   128/128 after the backward's padding to a multiple of 16 (at least 32), local windows, softcap,
-  varlen (cu_seqlens), seqused_k, deterministic=True;
+  varlen (cu_seqlens), seqused_k;
 - every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
 """
 
@@ -69,8 +69,8 @@ def backward_refusals(arch: Arch, *, head_dim: int = 128, head_dim_v: int = 128,
         d, dv = backward_kernel_head_dim(head_dim), backward_kernel_head_dim(head_dim_v)
         if d != dv or d not in SM100_BWD_HEAD_DIMS:
             reasons.append(SM100_BWD_HEAD_DIM)
-        flags = dict(varlen=varlen, local=window, has_softcap=softcap, deterministic=deterministic,
-                     has_seqused_k=seqused_k)
+        del deterministic  # runs: the semaphore-ordered dQ reduce-adds
+        flags = dict(varlen=varlen, local=window, has_softcap=softcap, has_seqused_k=seqused_k)
         reasons += [sm100_bwd_option(flag) for flag, on in flags.items() if on]
     return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])
 
@@ -82,7 +82,7 @@ def listed_backward_refusal(arch: Arch, message: str) -> Optional[str]:
     ones the list says this arch refuses."""
     if arch is not Arch.SM100:
         return None
-    flags = ("varlen", "local", "has_softcap", "deterministic", "has_seqused_k")
+    flags = ("varlen", "local", "has_softcap", "has_seqused_k")
     return next((r for r in (SM100_BWD_HEAD_DIM, *map(sm100_bwd_option, flags)) if re.search(r, message)), None)
 
 

@@ -124,7 +124,6 @@ def test_wrong_sm100_backward_is_refused_by_its_self_check(b200):
 UNSUPPORTED = {
     "window": (dict(window_size=(16, 0)), r"local=True"),
     "softcap": (dict(softcap=5.0), r"has_softcap=True"),
-    "deterministic": (dict(deterministic=True), r"deterministic=True"),
     "head dim 96": (dict(d=96), r"head dims 96/96"),
     "head dims 128/64": (dict(dv=64), r"head dims 128/64"),
     "varlen": (dict(varlen=True), r"varlen=True"),
@@ -175,3 +174,26 @@ def test_b200_backward_configs_compile_for_sm_100a(b200):
                  PostprocessConfig: compile_mod.compile_backward_postprocess}
     for cfg in configs:
         assert compilers[type(cfg)](cfg, jit_engine=False) is not None, cfg
+
+
+def test_deterministic_b200_backward_is_checked_twice_then_runs(b200):
+    """deterministic=True reaches the sm_100a kernel (with its dQ semaphore); its self-check runs
+    the backward twice and compares the runs bit for bit before the user's launch."""
+    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=128))
+    out = ops_call(q, k, v, causal=True, deterministic=True)
+    out.backward(torch.randn_like(out))
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert cfg.arch is Arch.SM100 and cfg.deterministic
+    assert len(b200["bwd_calls"]) == 3 and b200["bwd_calls"][2] == tuple(q.shape)
+    assert selfcheck.verdict(cfg, "cpu") == "passed" and q.grad is not None
+
+
+def test_run_dependent_sm100_dq_fails_the_deterministic_check(b200):
+    from tests.cpu.test_selfcheck import run_dependent_dq
+
+    b200["bwd_mutate"] = run_dependent_dq
+    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=64))
+    out = ops_call(q, k, v, deterministic=True)
+    with pytest.raises(selfcheck.SelfCheckError, match="deterministic mode gave a different result"):
+        out.backward(torch.randn_like(out))
+    assert q.grad is None

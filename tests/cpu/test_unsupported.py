@@ -154,5 +154,4 @@ def test_the_backward_grid_meets_every_sm100_refusal_and_support():
               for r in backward_refusals(Arch.SM100, window="window_size" in o, softcap="softcap" in o,
                                          varlen=o.get("varlen", False), seqused_k=o.get("seqused_k", False),
                                          deterministic=o.get("deterministic", False))}
-    assert listed == {sm100_bwd_option(f) for f in ("local", "has_softcap", "varlen", "has_seqused_k",
-                                                    "deterministic")}
+    assert listed == {sm100_bwd_option(f) for f in ("local", "has_softcap", "varlen", "has_seqused_k")}

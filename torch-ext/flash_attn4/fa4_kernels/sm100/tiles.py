@@ -196,14 +196,13 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
 
 # What each BackwardConfig flag the sm100 backward lacks is called in the public functions.
 BWD_UNIMPLEMENTED = {"varlen": "packed sequences: cu_seqlens_q / cu_seqlens_k", "local": "a local window: window_size",
-                     "has_softcap": "softcap > 0", "deterministic": "a fixed dQ reduction order",
-                     "has_seqused_k": "seqused_k"}
+                     "has_softcap": "softcap > 0", "has_seqused_k": "seqused_k"}
 
 
 def backward_supported() -> str:
     """What the sm100 backward runs, for messages."""
     return (f"1-CTA kernel: bf16/fp16, head_dim == head_dim_v in {BWD_HEAD_DIMS}, causal or not, batched, "
-            f"MHA/GQA/MQA, learnable sinks")
+            f"MHA/GQA/MQA, learnable sinks, deterministic=True")
 
 
 def check_backward(cfg) -> None:
@@ -237,6 +236,7 @@ def check_postprocess(cfg) -> None:
                                   f"{BWD_HEAD_DIMS} only, got tile_m {cfg.tile_m}, head dim {cfg.head_dim}")
 
 
-# Problem classes CI compiles for sm_100a's backward: both head dims, causal, fp16 (a handful: the
-# target's compile time).
-BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(), dict(causal=True))
+# Problem classes CI compiles for sm_100a's backward: both head dims, causal or not, and the
+# deterministic dQ order once (a handful: the target's compile time).
+BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(), dict(causal=True),
+                       dict(causal=True, deterministic=True))
