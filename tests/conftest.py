@@ -5,7 +5,8 @@
 - Tests marked ``gpu`` need an sm90 (Hopper) or sm100-family (Blackwell) CUDA GPU; elsewhere they are
   skipped with the reason. They run the kernels of whatever family the GPU is (dispatch picks them),
   so the same suite tests sm90 on an H100/H200 and sm100 on a B200. Those also marked ``backward``
-  are skipped, with the reason, on a family without a backward kernel.
+  are skipped, with the reason, on a family without a backward kernel, and where the backward raises
+  a NotImplementedError that tests/unsupported.py lists for the GPU's arch (pytest_runtest_call).
 - ``hub_build``: the Hub tree as ``make build`` writes it, built once per session into a temp folder.
 """
 
@@ -65,6 +66,29 @@ def pytest_collection_modifyitems(config, items):
     if reason is not None:
         for item in backward_items:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A ``backward`` GPU test whose backward raises a NotImplementedError that tests/unsupported.py
+    lists for this GPU's arch (a head dim or an option its backward lacks: sm_100a's today) is
+    skipped with that message; any other NotImplementedError stays a failure. The list itself is
+    kept equal to the code by tests/cpu/test_unsupported.py."""
+    outcome = yield
+    if item.get_closest_marker("backward") is None or outcome.excinfo is None:
+        return
+    error = outcome.excinfo[1]
+    if not isinstance(error, NotImplementedError):
+        return
+    import torch
+
+    from flash_attn4.fa4_kernels.arch import Arch
+    from tests.unsupported import listed_backward_refusal
+
+    arch = Arch.for_capability(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    if arch is not None and listed_backward_refusal(arch, str(error)):
+        outcome.force_exception(pytest.skip.Exception(f"listed as unsupported on {arch.value} "
+                                                      f"(tests/unsupported.py): {error}"))
 
 
 @pytest.fixture(scope="session")

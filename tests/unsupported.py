@@ -10,13 +10,17 @@ list and the code disagree in either direction, so the list cannot drift.
 Refused today (anything else must run):
 
 - every arch: head_dim or head_dim_v below 16 (valid FlashAttention input, served by no kernel);
-- sm_100a and sm_103a: the backward pass (the kernels are forward only; tests marked ``backward`` are
-  skipped there by tests/conftest.py for the same reason);
+- sm_103a: the backward pass (its kernels are forward only; tests marked ``backward`` are skipped
+  there by tests/conftest.py for the same reason);
+- sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims other than 64/64 and
+  128/128 after the backward's padding to a multiple of 16 (at least 32), local windows, softcap,
+  varlen (cu_seqlens), seqused_k;
 - every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from flash_attn4.fa4_kernels.arch import Arch
@@ -27,6 +31,14 @@ SMALLEST_HEAD_DIM = 16
 # Each reason is a regex of the message the library raises (matched with re.search).
 HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
 NO_BACKWARD = r"backward kernels are not implemented yet"
+SM100_BWD_HEAD_DIMS = (64, 128)
+SM100_BWD_HEAD_DIM = r"sm_100a backward: head dims \d+/\d+ are not implemented"
+
+
+def sm100_bwd_option(flag: str) -> str:
+    """The sm_100a backward's refusal of a BackwardConfig flag (varlen, local, ...)."""
+    return rf"sm_100a backward: {flag}=True .* is not implemented"
+
 # raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)
 NO_INFERENCE_ONLY_BACKWARD = r"no backward (with (page_table|seqused_q)|through a paged KV cache)"
 
@@ -42,10 +54,36 @@ def forward_refusals(arch: Arch, *, head_dim: int, head_dim_v: int, seqused_q: b
     return reasons
 
 
-def backward_refusals(arch: Arch, *, seqused_q: bool = False, paged: bool = False) -> list[str]:
-    """The reasons a backward pass is refused on ``arch`` (after a forward that ran)."""
-    reasons = [NO_BACKWARD] if arch in BLACKWELL else []
+def backward_kernel_head_dim(x: int) -> int:
+    """The head dim the backward runs a user's head dim at: padded to a multiple of 16, at least 32."""
+    return max(32, -(-x // 16) * 16)
+
+
+def backward_refusals(arch: Arch, *, head_dim: int = 128, head_dim_v: int = 128, window: bool = False,
+                      softcap: bool = False, varlen: bool = False, seqused_k: bool = False,
+                      deterministic: bool = False, seqused_q: bool = False, paged: bool = False) -> list[str]:
+    """The reasons a backward pass is refused on ``arch`` (after a forward that ran). ``varlen``:
+    cu_seqlens given; ``window``: a local window (not the causal mask)."""
+    reasons = [NO_BACKWARD] if arch is Arch.SM103 else []
+    if arch is Arch.SM100:
+        d, dv = backward_kernel_head_dim(head_dim), backward_kernel_head_dim(head_dim_v)
+        if d != dv or d not in SM100_BWD_HEAD_DIMS:
+            reasons.append(SM100_BWD_HEAD_DIM)
+        del deterministic  # runs: the semaphore-ordered dQ reduce-adds
+        flags = dict(varlen=varlen, local=window, has_softcap=softcap, has_seqused_k=seqused_k)
+        reasons += [sm100_bwd_option(flag) for flag, on in flags.items() if on]
     return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])
+
+
+def listed_backward_refusal(arch: Arch, message: str) -> Optional[str]:
+    """The listed feature refusal of ``arch``'s backward (a head dim or an option it lacks) that a
+    NotImplementedError's message matches, or None (then the refusal is not listed: a failure).
+    For the GPU tests of the backward (tests/conftest.py), which run every feature and skip the
+    ones the list says this arch refuses."""
+    if arch is not Arch.SM100:
+        return None
+    flags = ("varlen", "local", "has_softcap", "has_seqused_k")
+    return next((r for r in (SM100_BWD_HEAD_DIM, *map(sm100_bwd_option, flags)) if re.search(r, message)), None)
 
 
 def refusal_pattern(reasons: list[str]) -> Optional[str]:

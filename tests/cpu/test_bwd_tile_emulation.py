@@ -268,3 +268,53 @@ def test_rounding_p_and_ds_matters():
     err16 = (res.dv.double() - ref["dv"].double()).abs().max()
     err32 = (unrounded.dv.double() - ref["dv"].double()).abs().max()
     assert err32 < err16 / 4, (float(err32), float(err16))
+
+
+# ---- the sm100 backward's deterministic dQ order -------------------------------------------------
+
+
+def sm100_config(d=128, causal=True):
+    return dispatch.backward_config(Arch.SM100, "bfloat16", d, d, causal=causal, local=False, has_softcap=False,
+                                    varlen=False, has_seqused_k=False, deterministic=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm100_semaphore_turns_count_exactly_the_earlier_kv_blocks(causal):
+    """sm100/bwd.py deterministic_turn: the CTA of KV block n adds its dQ of query block m once the
+    semaphore reads n - n_first(m), n_first from mask.n_block_range (the forward's block range,
+    tile_model.block_schedule), and then counts itself. That is the KV-block order only if the KV
+    blocks that visit m (bwd_tile_model.query_block_range, the CTA's walk) are exactly
+    [n_first, n_max): every earlier one has added before block n's turn comes, and none waits for
+    a count that never comes (a deadlock). Over ragged lengths, sq < sk and sq > sk."""
+    cfg = sm100_config(causal=causal)
+    tm_, tn = cfg.tile_m, cfg.tile_n
+    for sq, sk in [(1, 1), (128, 128), (300, 333), (333, 300), (129, 1000), (1000, 129), (640, 640), (5, 700)]:
+        visits = {}
+        for n in range(-(-sk // tn)):
+            for m in bm.query_block_range(n, sq, sk, tm_, tn, causal, (-1, -1)):
+                visits.setdefault(m, []).append(n)
+        for m in range(-(-sq // tm_)):
+            blocks = [n for n, _ in tm.block_schedule(m, sq, sk, tm_, tn, causal, (-1, -1))]
+            if not blocks:
+                assert m not in visits, (sq, sk, m)
+                continue
+            first, last = min(blocks), max(blocks)
+            assert visits.get(m) == list(range(first, last + 1)), (sq, sk, m, visits.get(m), first, last)
+            # the count each visiting CTA waits for is the number of visitors before it
+            assert [n - first for n in visits[m]] == list(range(len(visits[m]))), (sq, sk, m)
+
+
+def test_sm100_deterministic_order_is_bitwise_reproducible():
+    """The sm100 tiles (128 x 128) in the model's deterministic mode (KV-block order): the float32
+    dQ accumulator is the same bit for bit whatever order the parts arrive in, and within the rule."""
+    gen = torch.Generator().manual_seed(11)
+    sq, sk = 300, 700
+    q, k, v, dout = _rand(gen, sq, 1, 128), _rand(gen, sk, 128), _rand(gen, sk, 128), _rand(gen, sq, 1, 128)
+    _, fwd_cfg = configs(d=128, causal=True)
+    params = bm.BwdTileParams.from_backward_config(sm100_config())
+    assert (params.tile_m, params.tile_n) == (128, 128)
+    kw = dict(softmax_scale=0.0883883, causal=True)
+    out, lse = forward_outputs(q, k, v, fwd_cfg, **kw)
+    det = [bm.backward(q, k, v, out, dout, lse, params, deterministic=True, seed=s, **kw) for s in (1, 2)]
+    assert np.array_equal(det[0].dq_accum.view(np.int32), det[1].dq_accum.view(np.int32))
+    check_rule(det[0], q, k, v, dout, None, **kw)

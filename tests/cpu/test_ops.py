@@ -360,19 +360,33 @@ def test_eager_calls_do_not_import_dynamo():
 # ---- autograd ----
 
 
+def sm100_block_positions(tile_m: int, d: int, chunk: int = 32) -> torch.Tensor:
+    """(row, col) of a query block -> its position in the block of the sm100 dq_accum, as
+    sm100/dq_accum.py documents it (written out here, not read from DqChunks): columns in chunks of
+    32, each chunk a (tile_m * 32)-float slab; in it, column group j of 4 floats at j * 4 * tile_m,
+    row t at 4 t within the group."""
+    t = torch.arange(tile_m)[:, None]
+    col = torch.arange(d)[None, :]
+    return (col // chunk) * chunk * tile_m + (col % chunk) // 4 * 4 * tile_m + 4 * t + col % 4
+
+
 def dq_accum_positions(cfg, q: torch.Tensor, cu_q) -> torch.Tensor:
     """Where each dQ element (q's shape) sits in the flattened dq_accum, written out here from the
     layout sm90/dq_accum.py documents, not through ops._dq_accum_index, so that the stand-in kernels
     below do not share its mistakes: per head, query block after query block (varlen sequence b
-    from block cu_q[b] // tile_m + b), and inside a block the inverse of DqTiling.block_order."""
+    from block cu_q[b] // tile_m + b), and inside a block the inverse of DqTiling.block_order (sm90)
+    or sm100_block_positions (sm100)."""
     from flash_attn4.fa4_kernels.sm90.dq_accum import DqTiling
 
     tile_m, d = cfg.tile_m, cfg.head_dim
-    order = DqTiling(tile_m, d).block_order()
-    where = [0] * len(order)
-    for position, element in enumerate(order):
-        where[element] = position
-    where = torch.tensor(where).view(tile_m, d)  # (row of the block, col) -> position in the block
+    if cfg.arch is Arch.SM90:
+        order = DqTiling(tile_m, d).block_order()
+        where = [0] * len(order)
+        for position, element in enumerate(order):
+            where[element] = position
+        where = torch.tensor(where).view(tile_m, d)  # (row of the block, col) -> position in the block
+    else:
+        where = sm100_block_positions(tile_m, d)
     block = tile_m * d
     index = torch.empty(q.shape, dtype=torch.long)
     if cu_q is None:

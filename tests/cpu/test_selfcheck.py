@@ -719,8 +719,9 @@ def test_await_completion_polls_until_done_or_the_deadline():
 #
 # The backward's check runs the whole backward (ops._launch_backward: the pre- and postprocessing
 # stand-ins of test_ops.py and a main-kernel stand-in computing the gradients in float32) on the
-# configuration's problem. The check is required on archs we have not run; the backward exists on
-# sm90 only, so these tests declare sm90 not run (UNVERIFIED_ARCHS) unless they test the default.
+# configuration's problem. The check is required on archs we have not run; these tests declare sm90
+# not run (UNVERIFIED_ARCHS) unless they test the default (the sm_100a backward's path:
+# tests/cpu/test_sm100_bwd_dispatch.py).
 
 from tests.cpu.test_ops import torch_backward_kernel, torch_postprocess_kernel, torch_preprocess_kernel  # noqa: E402
 from flash_attn4.fa4_kernels.config import BackwardConfig  # noqa: E402
@@ -966,16 +967,6 @@ def test_backward_check_that_never_finishes_fails(fake_bwd, monkeypatch):
     with pytest.raises(selfcheck.SelfCheckError, match="backward did not finish the check's problem"):
         out.backward(torch.ones_like(out))
     assert len(fake_bwd["bwd_calls"]) == 1 and q.grad is None
-
-
-def test_sm100_backward_is_still_refused_to_users(fake_gpu, monkeypatch):
-    """The check is no way in: the torch layer refuses the sm100 backward before any kernel exists."""
-    monkeypatch.setattr(dispatch, "arch_for_device",
-                        lambda device, kernel="forward": dispatch.arch_for_capability((10, 0), "B200", kernel))
-    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=64))
-    out = flash_attn_func(q, k, v)
-    with pytest.raises(NotImplementedError, match="backward kernels are not implemented yet"):
-        out.backward(torch.ones_like(out))
 
 
 # ---- the backward's problem and reference ----

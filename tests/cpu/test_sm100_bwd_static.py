@@ -1,6 +1,6 @@
 """Static verification of the Blackwell (sm_100a) backward kernel, compiled on the CPU: what the SASS,
-PTX and cubin say about it, and the plan it is built from. No GPU runs it here (and the torch layer
-does not send user calls to it yet: arch.ArchKernels.backward_user_ready).
+PTX and cubin say about it, and the plan it is built from. No GPU runs it here; the torch layer sends
+user calls to it through the first-use self-check (tests/cpu/test_sm100_bwd_dispatch.py).
 
 Every expected number is derived from the kernel's plan (tile sizes, the MMA's K, the TMEM plan, the
 register budgets, the dQ chunking), never copied from a compile. ptxas: the cu13 flavour (13.4).
@@ -29,12 +29,13 @@ CONFIGS = {
     "d64_causal_fp16": dict(d=64, causal=True, dtype="float16"),
     "d128": dict(d=128),
     "d128_causal": dict(d=128, causal=True),
+    "d128_causal_deterministic": dict(d=128, causal=True, deterministic=True),
 }
 
 
-def config(d=128, causal=False, dtype="bfloat16"):
+def config(d=128, causal=False, dtype="bfloat16", deterministic=False):
     return dispatch.backward_config(Arch.SM100, dtype, d, d, causal=causal, local=False, has_softcap=False,
-                                    varlen=False, has_seqused_k=False, deterministic=False)
+                                    varlen=False, has_seqused_k=False, deterministic=deterministic)
 
 
 def kernel_plan(cfg):
@@ -108,6 +109,23 @@ def test_register_budgets_one_setmaxnreg_per_role(compiled):
     assert stats["reqntid"][0] == bwd.NUM_WARPS * 32
 
 
+def test_deterministic_dq_order_one_turn_wait_and_one_release_per_query_block(compiled):
+    """deterministic: the dQ warp's semaphore protocol, once in the step loop (deterministic_turn /
+    _done): an acquire load it spins on, a release add after the block's reduce-adds landed, a
+    GPU-scope fence and an async-proxy fence on each side; the same reduce-adds as without. Without
+    deterministic none of it."""
+    name, cfg, stats = compiled
+    ops = stats["opcodes"]
+    sem = {op: ops.get(op, 0) for op in ("LDG.E.STRONG.GPU", "REDG.E.ADD.S32.STRONG.GPU", "FENCE.VIEW.ASYNC.G",
+                                         "MEMBAR.ALL.GPU")}
+    if cfg.deterministic:
+        assert sem == {"LDG.E.STRONG.GPU": 1, "REDG.E.ADD.S32.STRONG.GPU": 1, "FENCE.VIEW.ASYNC.G": 2,
+                       "MEMBAR.ALL.GPU": 1}, (name, sem)
+    else:
+        assert not any(sem.values()), (name, sem)
+    assert ops.get("UTMAREDG.4D.ADD", 0) == cfg.head_dim // sm100_tiles.BWD_DQ_CHUNK, name
+
+
 def test_static_problems_none(compiled):
     name, _, stats = compiled
     assert lib.static_problems(stats) == [], name
@@ -166,7 +184,7 @@ def test_dq_accum_order_is_a_permutation_matching_the_staging_formula():
                 assert position[t * d + col] == c * layout.chunk * layout.tile_m + j * 4 * layout.tile_m + 4 * t + i
 
 
-@pytest.mark.parametrize("option", ["varlen", "local", "has_softcap", "deterministic"])
+@pytest.mark.parametrize("option", ["varlen", "local", "has_softcap"])
 def test_unimplemented_options_raise_naming_option_and_arch(option):
     flags = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False,
                  deterministic=False)
@@ -183,12 +201,14 @@ def test_other_head_dims_raise(d, dv):
                        num_stages=1)
 
 
-def test_users_still_get_the_refusal():
-    """The kernel compiles (compiled_kernels) but the torch layer's table (IMPLEMENTED) keeps sm100
-    forward-only until its first-use self-check is wired in."""
+def test_users_reach_the_backward_through_the_self_check():
+    """The torch layer's table (IMPLEMENTED) has the sm_100a backward; the arch is not run by us, so
+    every configuration is self-checked on first use; sm_103a stays forward-only."""
+    from flash_attn4 import selfcheck
+
     entry = KERNELS[Arch.SM100]
-    assert "backward" in entry.compiled_kernels and not entry.backward_user_ready
-    assert "backward" not in IMPLEMENTED[Arch.SM100]
+    assert entry.backward_user_ready and not entry.run_by_us
+    assert "backward" in IMPLEMENTED[Arch.SM100] and Arch.SM100 in selfcheck.UNVERIFIED_ARCHS
     assert "backward" not in IMPLEMENTED[Arch.SM103]
 
 
@@ -198,7 +218,8 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
 
     configs = backward_kernel_set(Arch.SM100)
     mains = [c for c in configs if isinstance(c, BackwardConfig)]
-    assert {(c.head_dim, c.causal) for c in mains} == {(64, False), (64, True), (128, False), (128, True)}
+    assert {(c.head_dim, c.causal, c.deterministic) for c in mains} == {
+        (64, False, False), (64, True, False), (128, False, False), (128, True, False), (128, True, True)}
     assert {c.head_dim for c in configs if isinstance(c, PostprocessConfig)} == {64, 128}
     assert any(isinstance(c, PreprocessConfig) for c in configs)
 

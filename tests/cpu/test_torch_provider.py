@@ -374,6 +374,32 @@ def test_backward_falls_back_where_the_arch_has_no_backward_kernel(provider, mon
     assert len(provider["_flash_attention_backward"].calls) == 1 and from_pytorch(q.grad)
 
 
+@pytest.mark.parametrize("what", ["window", "head dim 96"])
+def test_backward_falls_back_where_the_sm100_backward_lacks_an_option(provider, monkeypatch, what):
+    """On a B200 the sm_100a backward serves what it implements; a window or a head dim it lacks
+    go to PyTorch's kernel (its NotImplementedError is a fallback reason,
+    not the user's error), with the forward still ours."""
+    monkeypatch.setattr(dispatch, "arch_for_device",
+                        lambda device, kernel="forward": dispatch.Arch.SM90 if kernel == "forward" else dispatch.Arch.SM100)
+    d = 96 if what == "head dim 96" else 64
+    q = rand(1, 16, 2, d, requires_grad=True)
+    window = dict(window_size_left=4, window_size_right=0) if what == "window" else {}
+    out = torch.ops.aten._flash_attention_forward(*fwd_args(q), **window)[0]
+    assert not provider["_flash_attention_forward"].calls, "the forward is ours"
+    out.sum().backward()
+    assert len(provider["_flash_attention_backward"].calls) == 1 and from_pytorch(q.grad)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm100_backward_serves_what_it_implements(provider, monkeypatch, deterministic):
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    monkeypatch.setattr(dispatch, "arch_for_device",
+                        lambda device, kernel="forward": dispatch.Arch.SM90 if kernel == "forward" else dispatch.Arch.SM100)
+    q = rand(1, 16, 2, 64, requires_grad=True)
+    torch.ops.aten._flash_attention_forward(*fwd_args(q))[0].sum().backward()
+    assert not provider["_flash_attention_backward"].calls and not from_pytorch(q.grad)
+
+
 @pytest.mark.parametrize("bad", ["lse_dtype", "lse_shape", "dropout"])
 def test_backward_falls_back_on_what_it_cannot_take(provider, bad):
     q = rand(2, 16, 2, 64)

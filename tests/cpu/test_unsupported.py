@@ -56,11 +56,11 @@ def target(request, monkeypatch):
 
 
 def _call(d, dv, *, hq=4, causal=False, window_size=(-1, -1), softcap=0.0, sink=False, varlen=False,
-          seqused_k=False, seqused_q=False, paged=False, num_splits=1, requires_grad=False):
+          seqused_k=False, seqused_q=False, paged=False, num_splits=1, deterministic=False, requires_grad=False):
     """One forward through the public function the options need (random inputs, 2 sequences)."""
     hk, lens = 2, [3, 5]
     opts = dict(causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
-                learnable_sink=torch.randn(hq) if sink else None)
+                deterministic=deterministic, learnable_sink=torch.randn(hq) if sink else None)
 
     def rand(*shape):
         return torch.randn(*shape, dtype=torch.bfloat16).requires_grad_(requires_grad)
@@ -115,18 +115,43 @@ def test_the_grid_meets_every_kind_of_refusal_and_support():
     assert not forward_refusals(Arch.SM90, head_dim=16, head_dim_v=16, seqused_q=True, paged=True, num_splits=3)
 
 
-@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256)])
-@pytest.mark.parametrize("option", ["plain", "varlen", "seqused_q", "paged"])
+BACKWARD_OPTIONS = {**{name: OPTIONS[name] for name in ("plain", "causal", "window", "softcap", "sink", "gqa_packed",
+                                                         "varlen", "seqused_k", "seqused_q", "paged")},
+                    "deterministic": dict(deterministic=True), "causal_gqa_sink": dict(causal=True, hq=8, sink=True)}
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256), (120, 120), (56, 56)])
+@pytest.mark.parametrize("option", list(BACKWARD_OPTIONS))
 def test_backward_refuses_exactly_what_the_list_names(target, d, dv, option):
     """Forward then backward with inputs that require grad: refused (by the forward or by .backward())
-    exactly where the list names a reason for either pass."""
-    opts = dict(OPTIONS[option])
+    exactly where the list names a reason for either pass; on sm_100a before anything is compiled
+    (the kernel objects stand in for compiling here, and the refusals come from the configuration)."""
+    opts = dict(BACKWARD_OPTIONS[option])
     problem = dict(seqused_q=opts.get("seqused_q", False), paged=opts.get("paged", False))
+    features = dict(window=opts.get("window_size", (-1, -1)) != (-1, -1), softcap=opts.get("softcap", 0.0) > 0,
+                    varlen=opts.get("varlen", False), seqused_k=opts.get("seqused_k", False),
+                    deterministic=opts.get("deterministic", False))
     pattern = refusal_pattern(forward_refusals(target, head_dim=d, head_dim_v=dv, **problem)
-                              + backward_refusals(target, **problem))
-    message = _outcome(lambda: _call(d, dv, causal=True, requires_grad=True, **opts).float().sum().backward())
+                              + backward_refusals(target, head_dim=d, head_dim_v=dv, **features, **problem))
+    message = _outcome(lambda: _call(d, dv, requires_grad=True, **opts).float().sum().backward())
     if pattern is None:
         assert message is None, f"{target.value} backward d={d}/{dv}: not listed as unsupported, raised: {message}"
     else:
         assert message is not None and re.search(pattern, message), (
             f"{target.value} backward d={d}/{dv}: listed as unsupported ({pattern}), got {message!r}")
+
+
+def test_the_backward_grid_meets_every_sm100_refusal_and_support():
+    """Not vacuous: on sm_100a the grid above holds backward problems that run (56 and 120 run padded
+    to 64 and 128) and each listed refusal."""
+    from tests.unsupported import SM100_BWD_HEAD_DIM, sm100_bwd_option
+
+    dims = [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256), (120, 120), (56, 56)]
+    assert [d for d in dims if not backward_refusals(Arch.SM100, head_dim=d[0], head_dim_v=d[1])] == [
+        (64, 64), (128, 128), (120, 120), (56, 56)]
+    assert backward_refusals(Arch.SM100, head_dim=72, head_dim_v=72) == [SM100_BWD_HEAD_DIM]
+    listed = {r for o in BACKWARD_OPTIONS.values()
+              for r in backward_refusals(Arch.SM100, window="window_size" in o, softcap="softcap" in o,
+                                         varlen=o.get("varlen", False), seqused_k=o.get("seqused_k", False),
+                                         deterministic=o.get("deterministic", False))}
+    assert listed == {sm100_bwd_option(f) for f in ("local", "has_softcap", "varlen", "has_seqused_k")}

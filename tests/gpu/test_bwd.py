@@ -21,8 +21,11 @@ bf16/fp16, causal, local windows, GQA/MQA, softcap, learnable_sink, varlen with 
 deterministic, gradients through the returned lse) must pass: a NotImplementedError is a failure.
 What it refuses is listed in tests/unsupported.py (backward_refusals; tests/cpu/test_unsupported.py
 keeps the list equal to the code): on a GPU without a backward kernel every test here is skipped by
-tests/conftest.py, and test_inference_only_inputs_refuse_the_backward checks the listed refusals of
-forward-only inputs (seqused_q, a paged KV cache).
+tests/conftest.py, which also skips a test whose backward raises a refusal the list names for the
+GPU's arch (the sm_100a backward's missing features) and fails on any other; and
+test_inference_only_inputs_refuse_the_backward checks the listed refusals of forward-only inputs
+(seqused_q, a paged KV cache). On a B200 the tests run the sm_100a backward (after its first-use
+self-check); the tests of sm90 schedule switches skip there (sm90_schedule).
 """
 
 from __future__ import annotations
@@ -52,6 +55,19 @@ def seed():
     return seed_from_urandom()
 
 
+
+
+@pytest.fixture
+def sm90_schedule():
+    """For tests of Hopper schedule switches (BackwardConfig tile_m / num_stages variants,
+    longest_first, exp_eighths_under_dp, sm90's dQ accumulator order): skipped on other GPUs, whose
+    backward has no such switch (sm100/tiles.py check_backward raises ValueError for them)."""
+    from flash_attn4 import dispatch
+    from flash_attn4.fa4_kernels.arch import Arch
+
+    arch = dispatch.arch_for_device(torch.device(DEVICE), kernel="backward")
+    if arch is not Arch.SM90:
+        pytest.skip(f"sm90 backward schedule switch; this GPU runs the {arch.value} backward")
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -178,7 +194,7 @@ def test_backward_bf16(d, sq, sk, causal, heads):
     ({"tile_m": 64}, 64, False, "gqa", 300, 257), ({"tile_m": 64}, 64, True, "mha", 1000, 1000),
     ({"tile_m": 64}, 64, True, "mqa", 113, 203), ({"tile_m": 64}, 128, False, "gqa", 300, 257),
     ({"tile_m": 64}, 128, True, "mha", 1000, 1000), ({"tile_m": 64}, 128, True, "mqa", 113, 203)])
-def test_backward_tuning_variants(monkeypatch, variant, d, causal, heads, sq, sk):
+def test_backward_tuning_variants(sm90_schedule, monkeypatch, variant, d, causal, heads, sq, sk):
     """BackwardConfig choices other than the tiles' (bench --mode bwd --variant A/Bs their speed)
     must give the same gradients: 3 Q/dO stages (with 64-query blocks: 128 leave no shared memory for
     a third), 64-query blocks at d = 64 and at d = 128 (where the tiles pick 128 and 80)."""
@@ -192,7 +208,7 @@ def test_backward_tuning_variants(monkeypatch, variant, d, causal, heads, sq, sk
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("d,heads,sq", [(128, "gqa", 1000), (64, "mha", 1000), (256, "mqa", 300), (128, "mha", 8192)])
-def test_backward_longest_first_order(monkeypatch, d, heads, sq, deterministic):
+def test_backward_longest_first_order(sm90_schedule, monkeypatch, d, heads, sq, deterministic):
     """BackwardConfig.longest_first (a switch: measured mixed, off by default): KV tiles in longest-first order within
     L2 groups of heads, the partial group first. Every KV tile must still be computed once (dK/dV
     start as NaN), and the deterministic mode's dQ ordering must not deadlock. At 8k, d=128, MHA,
@@ -218,7 +234,7 @@ def test_backward_longest_first_order(monkeypatch, d, heads, sq, deterministic):
     (128, "mqa", 113, 515, {"window_size": (100, 7), "softcap": 30.0}),  # 64-query blocks, softcap
     (256, "gqa", 200, 150, {"causal": True}),  # the split-head-dim layout
 ])
-def test_backward_exponentials_after_dp(monkeypatch, eighths, d, heads, sq, sk, kwargs):
+def test_backward_exponentials_after_dp(sm90_schedule, monkeypatch, eighths, d, heads, sq, sk, kwargs):
     """BackwardConfig.exp_eighths_under_dp on every layout: 8 (all of P^T under dP^T's GEMM), 3
     (the 80-query blocks' default) and 0 (all after dP^T, column by column with dS^T)."""
     from flash_attn4 import dispatch
@@ -570,7 +586,7 @@ def test_preprocess_kernel_matches_torch(dv, varlen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tile_m,head_dim,varlen", [(128, 64, False), (80, 128, False), (64, 128, True),
                                                     (64, 256, False), (128, 32, True)])
-def test_postprocess_kernel_matches_its_torch_reference(dtype, tile_m, head_dim, varlen):
+def test_postprocess_kernel_matches_its_torch_reference(sm90_schedule, dtype, tile_m, head_dim, varlen):
     """sm90/bwd_postprocess.py against the torch reference in ops, bitwise: dq_accum's register order
     undone the same way (the kernel through the dQ WGMMA's own partition, the reference by
     DqTiling.block_order's formula), the same float32 product rounded to nearest even. Lengths no

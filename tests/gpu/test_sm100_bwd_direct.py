@@ -1,6 +1,6 @@
-"""The sm100 backward kernel on a B200 (capability 10.0), called directly, before the torch layer sends
-user calls to it (fa4_kernels/arch.py: backward_user_ready=False, so the public functions still refuse
-and tests/gpu/test_bwd.py skips on Blackwell).
+"""The sm100 backward kernel on a B200 (capability 10.0), called directly, without the torch layer's
+dispatch and first-use self-check (the public functions reach it through both: tests/gpu/test_bwd.py
+runs on a B200 too): a failure here points at the kernel, not at the layer around it.
 
 The call sequence is ops.bwd's: LSE in log2 units and rowsum(dO * O) (ops._backward_rows' torch path),
 the main kernel into a zeroed float32 dQ accumulator of the sm100 layout (fa4_kernels/sm100/dq_accum.py),

@@ -682,7 +682,7 @@ def reference_backward(p: BackwardProblem, device=None, fwd_ref: Optional[Forwar
     """Autograd through the reference forward (``_attend``) with incoming gradient p.dout, exact and
     with the input dtype's roundings, on ``device`` (default: the CPU)."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False), _autograd_dispatch():
         exact, lowp = (_reference_grads(p, device, exact) for exact in (True, False))
     dtype = p.fwd.q.dtype
     lowp = {name: (g if name == "dsink" else g.to(dtype).double()) for name, g in lowp.items()}
@@ -692,6 +692,18 @@ def reference_backward(p: BackwardProblem, device=None, fwd_ref: Optional[Forwar
         fwd_ref = reference_forward(p.fwd, device) if fwd_ref is None else fwd_ref
         extra["dsink"] = _dsink_noise(p, fwd_ref, device)
     return BackwardReference(grads=exact, lowp=lowp, empty=empty, unseen=unseen, extra_atol=extra)
+
+
+def _autograd_dispatch():
+    """A context in which autograd records again where the caller runs below it: the check of a
+    backward that PyTorch's attention provider reaches (torch_provider.py serves ATen's flash ops as
+    their CPU/CUDA kernels, under ATen's autograd kernel, which excludes the autograd dispatch keys).
+    There the reference's loss would not require grad and every reference gradient would read 0."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    for name in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
+        keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, name))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - keys)
 
 
 def _dsink_noise(p: BackwardProblem, fwd_ref: ForwardReference, device) -> float:

@@ -253,14 +253,22 @@ def _backward_args(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_
         if tuple(t.shape) != out_shape or t.dtype != q.dtype or t.device != q.device:
             raise _Unsupported(f"{name} must be {q.dtype} of shape {out_shape} on {q.device}, got {t.dtype} "
                                f"{tuple(t.shape)} on {t.device}")
-    _arch(q.device, "backward")
+    arch = _arch(q.device, "backward")
     softmax_scale, causal, left, right = _mask_and_scale(q, is_causal, options.get("scale"),
                                                          options.get("window_size_left"),
                                                          options.get("window_size_right"))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:  # what the arch's backward does not implement (sm_100a: some options and head dims) is PyTorch's
+        dispatch.backward_config(arch, dispatch.dtype_name(q.dtype), ops._kernel_head_dim(q.shape[-1]),
+                                 ops._kernel_head_dim(v.shape[-1]), causal=causal,
+                                 local=ops._is_local(causal, left, right), has_softcap=False, varlen=varlen,
+                                 has_seqused_k=False, deterministic=deterministic)
+    except NotImplementedError as exc:
+        raise _Unsupported(str(exc)) from None
     return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
                 window_left=left, window_right=right,
                 max_seqlen_q=int(max_q) if varlen else q.shape[1], max_seqlen_k=int(max_k) if varlen else k.shape[1],
-                deterministic=torch.are_deterministic_algorithms_enabled())
+                deterministic=deterministic)
 
 
 # ---- the seams to our kernels (CPU tests replace these) ----

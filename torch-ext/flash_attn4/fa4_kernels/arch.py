@@ -94,7 +94,8 @@ class ArchKernels:
     run_by_us: bool = True
     # Whether the torch layer may send user calls to the backward (``kernels``, IMPLEMENTED, which
     # dispatch reads). False: the backward kernels exist for the CI compile and the static checks
-    # only (``compiled_kernels``), as sm_100a's until its first-use self-check is wired in.
+    # only (``compiled_kernels``), for a target whose backward cannot be checked on first use yet.
+    # sm_100a's backward reaches users through its first-use self-check (run_by_us=False).
     backward_user_ready: bool = True
 
     @property
@@ -123,7 +124,7 @@ KERNELS: dict[Arch, ArchKernels] = {
                            dq_accum_layout="dq_accum:accum_layout"),
     Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", backward="bwd:FlashAttentionBackwardSm100",
                             bwd_postprocess="bwd_postprocess:BackwardPostprocessSm100",
-                            dq_accum_layout="dq_accum:accum_layout", run_by_us=False, backward_user_ready=False),
+                            dq_accum_layout="dq_accum:accum_layout", run_by_us=False),
     Arch.SM103: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", rules_module="tiles_sm103",
                             run_by_us=False),
 }

@@ -26,6 +26,10 @@ Warp roles (16 warps):
                              D_i (their own ring, read by the compute warps)
     warps 14-15  idle
 
+Deterministic (cfg.deterministic): the dQ warp adds a query block's chunks only once the block's
+semaphore (dq_semaphore[batch, head, m_block, 0]) counts every earlier KV block that sees it, and
+counts its own after its reduce-adds landed (deterministic_turn / deterministic_done).
+
 Per step i (query head h, query block m), the MMA warp issues, waiting where marked:
     [Q_i, dO_i landed]  [dQ_(i-1) read out, when dQ shares dP's columns]
     S^T = K Q_i^T, dP^T = V dO_i^T                       -> commit "S/dP full"
@@ -254,7 +258,7 @@ class FlashAttentionBackwardSm100:
                                          l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ, mdK, mdV,
+            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ, mdK, mdV, mSemaphore,
             softmax_scale, scale_log2, qhead_per_kvhead, layouts, rows_layout, sdQ_layout,
             mma_s, mma_dv, mma_dk, mma_dq, scheduler,
         ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -267,7 +271,7 @@ class FlashAttentionBackwardSm100:
                tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
                tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom, mdPsum: cute.Tensor,
                tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               softmax_scale: Float32, scale_log2: Float32, qhead_per_kvhead: Int32, layouts: "SmemLayouts",
+               mSemaphore: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32, qhead_per_kvhead: Int32, layouts: "SmemLayouts",
                rows_layout: cute.Layout, sdQ_layout: cute.Layout, mma_s: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dk: cute.TiledMma, mma_dq: cute.TiledMma, scheduler: TileScheduler):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -317,7 +321,8 @@ class FlashAttentionBackwardSm100:
             set_registers(REGISTERS["dq"])
             work = self.tile_work(*tile_args)
             tmem.wait_for_alloc()
-            self.reduce_dq(tmem.retrieve_ptr(Float32), smem, tmem_layouts, pipes, tma_atom_dQ, mdQacc, work)
+            self.reduce_dq(tmem.retrieve_ptr(Float32), smem, tmem_layouts, pipes, tma_atom_dQ, mdQacc, mSemaphore,
+                           work)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
 
@@ -613,9 +618,10 @@ class FlashAttentionBackwardSm100:
     # ---- dQ warpgroup ----------------------------------------------------------------------------
     @cute.jit
     def reduce_dq(self, tmem_ptr, smem: "SharedTiles", tl: "TmemLayouts", pipes: "Pipelines", tma_atom_dQ,
-                  mdQacc, work: TileWork):
+                  mdQacc, mSemaphore: Optional[cute.Tensor], work: TileWork):
         """Per step: dQ_i from TMEM chunk by chunk, each staged in one of two shared-memory buffers
-        and reduce-added into dq_accum by one TMA instruction of thread 0."""
+        and reduce-added into dq_accum by one TMA instruction of thread 0. Deterministic: a query
+        block's reduce-adds in KV-block order (deterministic_turn / deterministic_done)."""
         thread = cute.arch.thread_idx()[0] % WARPGROUP
         load, tdQ, regs = self.tmem_row_chunks(tmem_ptr + self.tmem_dq, tl.dq, BWD_TILE_M, self.hdim, thread)
         stage_barrier = pipeline.NamedBarrier(barrier_id=int(Barrier.DQ_STAGE), num_threads=WARPGROUP)
@@ -644,12 +650,41 @@ class FlashAttentionBackwardSm100:
                 cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
                 stage_barrier.arrive_and_wait()
                 if thread < WARP:  # TMA copies are warp-collective: one lane is elected inside
+                    if cutlass.const_expr(self.cfg.deterministic and c == 0):
+                        self.deterministic_turn(mSemaphore, work, head, m_block)
                     cute.copy(tma_atom_dQ, t_smem[None, buffer], t_gmem[None, m_block * chunks + c])
                     cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(self.cfg.deterministic and c == chunks - 1):
+                        self.deterministic_done(mSemaphore, work, head, m_block)
                 buffer = (buffer + 1) % BWD_DQ_BUFFERS
             dq_state = advanced(dq_state)
         if thread < WARP:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory stays alive until read
+
+
+    @cute.jit
+    def deterministic_turn(self, mSemaphore: cute.Tensor, work: TileWork, head, m_block):
+        """Wait (the dQ issuing warp) until every KV block before this CTA's that sees query block
+        m_block of ``head`` has added its dQ: its semaphore (batch, head, m_block, 0) counts them.
+        The KV blocks that see a query block are the contiguous range mask.n_block_range gives
+        (tests/cpu/test_bwd_tile_emulation.py checks it for these tiles), and CTAs start in
+        KV-block order within a head, so the block waited for never waits for this one."""
+        lock = mSemaphore.iterator + cute.crd2idx((work.batch, head, m_block, 0), mSemaphore.layout)
+        n_block_first, _ = work.mask.n_block_range(work.seqlen, m_block)
+        done = Int32(-1)
+        while done != work.n_block - n_block_first:
+            done = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
+        cute.arch.fence_proxy("async.global")  # the earlier blocks' adds are visible to the TMA unit
+
+    @cute.jit
+    def deterministic_done(self, mSemaphore: cute.Tensor, work: TileWork, head, m_block):
+        """After the query block's last reduce-add: wait until all of them have landed in global
+        memory (not just read shared memory), then count this KV block on the semaphore."""
+        lock = mSemaphore.iterator + cute.crd2idx((work.batch, head, m_block, 0), mSemaphore.layout)
+        cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.fence_proxy("async.global")
+        if cute.arch.lane_idx() == 0:
+            cute.arch.red(lock, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
 
 
 @cute.jit

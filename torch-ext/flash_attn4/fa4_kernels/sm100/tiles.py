@@ -194,17 +194,30 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
     return dict(tile_m=BWD_TILE_M, tile_n=TILE_N, num_stages=max(backward_stages(head_dim), 1))
 
 
+# What each BackwardConfig flag the sm100 backward lacks is called in the public functions.
+BWD_UNIMPLEMENTED = {"varlen": "packed sequences: cu_seqlens_q / cu_seqlens_k", "local": "a local window: window_size",
+                     "has_softcap": "softcap > 0", "has_seqused_k": "seqused_k"}
+
+
+def backward_supported() -> str:
+    """What the sm100 backward runs, for messages."""
+    return (f"1-CTA kernel: bf16/fp16, head_dim == head_dim_v in {BWD_HEAD_DIMS}, causal or not, batched, "
+            f"MHA/GQA/MQA, learnable sinks, deterministic=True")
+
+
 def check_backward(cfg) -> None:
-    """NotImplementedError for what the first sm100 backward does not do (naming the option),
-    ValueError for tiles it cannot build; run when a BackwardConfig is constructed."""
+    """NotImplementedError for what the sm100 backward does not do (naming the option and the
+    arch), ValueError for tiles it cannot build; run when a BackwardConfig is constructed, i.e. in
+    dispatch before anything is compiled."""
     arch = cfg.arch.value
-    for name in ("varlen", "local", "has_softcap", "deterministic", "has_seqused_k"):
+    for name, what in BWD_UNIMPLEMENTED.items():
         if getattr(cfg, name):
-            raise NotImplementedError(f"{arch} backward: {name}=True is not implemented yet (1-CTA kernel: "
-                                      f"batched, causal or not, head dims {BWD_HEAD_DIMS})")
+            raise NotImplementedError(f"{arch} backward: {name}=True ({what}) is not implemented yet on "
+                                      f"{arch}; it runs: {backward_supported()}")
     if cfg.head_dim != cfg.head_dim_v or cfg.head_dim not in BWD_HEAD_DIMS:
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
-                                  f"yet (head_dim == head_dim_v in {BWD_HEAD_DIMS})")
+                                  f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
+                                  f"it runs: {backward_supported()}")
     if cfg.tile_m != BWD_TILE_M or cfg.tile_n != TILE_N:
         raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")
     if not 1 <= cfg.num_stages <= backward_stages(cfg.head_dim):
@@ -223,6 +236,7 @@ def check_postprocess(cfg) -> None:
                                   f"{BWD_HEAD_DIMS} only, got tile_m {cfg.tile_m}, head dim {cfg.head_dim}")
 
 
-# Problem classes CI compiles for sm_100a's backward: both head dims, causal, fp16 (a handful: the
-# target's compile time).
-BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(), dict(causal=True))
+# Problem classes CI compiles for sm_100a's backward: both head dims, causal or not, and the
+# deterministic dQ order once (a handful: the target's compile time).
+BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(), dict(causal=True),
+                       dict(causal=True, deterministic=True))

@@ -1,0 +1,199 @@
+"""The path a B200 user's backward takes through the torch layer, on the CPU: a faked sm_100 device,
+compiling replaced by torch stand-ins with the kernels' call convention (tests/cpu/test_ops.py) that
+record the configurations they are built for, and CPU tensors let through the device check
+(tests/cpu/test_selfcheck.py's fake_gpu / fake_bwd).
+
+What is checked: dispatch picks the sm_100a backward configuration (tiles and stages of
+sm100/tiles.py); the dQ accumulator the torch layer allocates and reads back is sm100's (the
+stand-in main kernel writes sm100/dq_accum.py's order, written out independently in test_ops.py, and
+the torch reference of the postprocessing must read it back right); the postprocessing and the
+preprocessing configurations are sm_100a's; the first-use self-check runs before the user's launch
+and a wrong kernel is refused; options the sm100 kernel lacks raise NotImplementedError naming the
+option and sm_100a before anything is compiled; and the configurations the torch layer asks for
+compile for sm_100a. What this does not show: that the kernel is right on a B200 (no Blackwell GPU
+here; tests/gpu/test_bwd.py runs there, and the self-check guards every user).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_attn4 import compile_cache, ops, selfcheck
+from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.config import BackwardConfig, PostprocessConfig, PreprocessConfig
+from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
+from tests.cpu.test_selfcheck import (BF16, dk_scaled, fake_bwd, fake_gpu, leaves, rand_qkv,  # noqa: F401
+                                      seed)
+from tests.reference import attention_ref
+
+
+@pytest.fixture
+def b200(fake_bwd, monkeypatch):
+    """fake_bwd on sm_100a (not run by us: the check is required by default); ``configs`` lists
+    every configuration a kernel was compiled for, in order."""
+    fake_bwd.update(arch=Arch.SM100, configs=[])
+    monkeypatch.setattr(selfcheck, "UNVERIFIED_ARCHS", frozenset({Arch.SM100, Arch.SM103}))
+    for name in ("_compile_backward", "_compile_backward_preprocess", "_compile_backward_postprocess"):
+        inner = getattr(compile_cache, name)
+
+        def recording(cfg, _inner=inner, **kwargs):
+            fake_bwd["configs"].append(cfg)
+            return _inner(cfg, **kwargs)
+
+        monkeypatch.setattr(compile_cache, name, recording)
+    return fake_bwd
+
+
+def grads_of(call, tensors, dout):
+    out = call(*tensors)
+    out.backward(dout)
+    return [t.grad for t in tensors]
+
+
+def reference_grads(q, k, v, dout, **kwargs):
+    leaves_ = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, _ = attention_ref(*leaves_, **kwargs)
+    out.backward(dout.double())
+    return [t.grad for t in leaves_]
+
+
+@pytest.mark.parametrize("d,causal,hq,hk", [(64, True, 4, 2), (128, False, 4, 1), (120, True, 2, 2), (56, False, 6, 2)])
+@pytest.mark.parametrize("postprocess_kernel", [True, False])
+def test_b200_backward_runs_the_sm100_configs_after_its_self_check(b200, monkeypatch, d, causal, hq, hk,
+                                                                   postprocess_kernel):
+    """A user's forward and backward: the self-check launch, then the user's; the configurations
+    are sm_100a's with its tiles; the gradients (the stand-in's float32 math, through sm100's dQ
+    accumulator order and the torch layer's reading of it) match autograd of the reference."""
+    monkeypatch.setattr(ops, "POSTPROCESS_KERNEL", postprocess_kernel)
+    q, k, v = rand_qkv(b=2, sq=150, sk=140, hq=hq, hk=hk, d=d)
+    dout = torch.randn(2, 150, hq, d, dtype=BF16)
+    got = grads_of(lambda *t: ops_call(*t, causal=causal), leaves(q, k, v), dout)
+    want = reference_grads(q, k, v, dout, causal=causal)
+    for name, g, w in zip("qkv", got, want):
+        err = float((g.double() - w).abs().max())
+        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, err)
+
+    kernel_d = max(32, -(-d // 16) * 16)
+    mains = [c for c in b200["configs"] if isinstance(c, BackwardConfig)]
+    assert len(mains) == 1
+    cfg = mains[0]
+    assert (cfg.arch, cfg.head_dim, cfg.head_dim_v, cfg.causal) == (Arch.SM100, kernel_d, kernel_d, causal)
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_stages) == (sm100_tiles.BWD_TILE_M, sm100_tiles.TILE_N,
+                                                        sm100_tiles.backward_stages(kernel_d))
+    assert not (cfg.varlen or cfg.local or cfg.has_softcap or cfg.deterministic or cfg.has_seqused_k)
+    pre = [c for c in b200["configs"] if isinstance(c, PreprocessConfig)]
+    post = [c for c in b200["configs"] if isinstance(c, PostprocessConfig)]
+    assert [c.arch for c in pre] == [Arch.SM100] and pre[0].head_dim_v == kernel_d
+    assert post == ([cfg.postprocess()] if postprocess_kernel else [])
+    # the check's launch first, then the user's
+    assert b200["bwd_calls"][1:] == [(2, 150, hq, kernel_d)] and len(b200["bwd_calls"]) == 2
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+
+
+def ops_call(q, k, v, **kwargs):
+    from flash_attn4 import flash_attn_func
+
+    return flash_attn_func(q, k, v, **kwargs)
+
+
+def test_dq_accum_is_allocated_in_sm100s_layout():
+    """ops._dq_accum / _dq_accum_index through the registry's hook: sm100's blocked order, not sm90's."""
+    from tests.cpu.test_ops import dq_accum_positions
+
+    cfg = BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=64, head_dim_v=64, tile_m=128, tile_n=128,
+                         num_stages=2)
+    q = torch.empty(2, 200, 3, 64)
+    accum = ops._dq_accum(q, cfg, None)
+    assert accum.shape == (2, 3, 2 * 128 * 64 // 128, 128) and not accum.any()
+    assert torch.equal(ops._dq_accum_index(cfg, q, None), dq_accum_positions(cfg, q, None))
+    sm90 = BackwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=64, head_dim_v=64, tile_m=128, tile_n=128)
+    assert not torch.equal(ops._dq_accum_index(sm90, q, None), ops._dq_accum_index(cfg, q, None))
+
+
+def test_wrong_sm100_backward_is_refused_by_its_self_check(b200):
+    b200["bwd_mutate"] = dk_scaled
+    q, k, v = tensors = leaves(*rand_qkv(hq=4, hk=2, d=64))
+    out = ops_call(q, k, v, causal=True)
+    with pytest.raises(selfcheck.SelfCheckError, match=r"BackwardConfig\(arch=sm_100a") as info:
+        out.backward(torch.randn_like(out))
+    assert "have not been run by the flash-attn4 developers" in str(info.value)
+    assert all(t.grad is None for t in tensors) and len(b200["bwd_calls"]) == 1  # the check's launch only
+
+
+UNSUPPORTED = {
+    "window": (dict(window_size=(16, 0)), r"local=True"),
+    "softcap": (dict(softcap=5.0), r"has_softcap=True"),
+    "head dim 96": (dict(d=96), r"head dims 96/96"),
+    "head dims 128/64": (dict(dv=64), r"head dims 128/64"),
+    "varlen": (dict(varlen=True), r"varlen=True"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_options_the_sm100_backward_lacks_raise_before_any_compile(b200, name):
+    """NotImplementedError naming the option and sm_100a from dispatch (the BackwardConfig's check),
+    before any backward kernel (main, pre- or postprocessing) is compiled or launched."""
+    opts, match = UNSUPPORTED[name]
+    opts = dict(opts)
+    d, dv, varlen = opts.pop("d", 128), opts.pop("dv", None), opts.pop("varlen", False)
+    dv = d if dv is None else dv
+    if varlen:
+        from flash_attn4 import flash_attn_varlen_func
+
+        cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+        q, k, v = leaves(torch.randn(45, 4, d, dtype=BF16), torch.randn(45, 2, d, dtype=BF16),
+                         torch.randn(45, 2, dv, dtype=BF16))
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen_q=25, max_seqlen_k=25, **opts)
+    else:
+        q, k, v = leaves(torch.randn(2, 37, 4, d, dtype=BF16), torch.randn(2, 51, 2, d, dtype=BF16),
+                         torch.randn(2, 51, 2, dv, dtype=BF16))
+        out = ops_call(q, k, v, **opts)
+    b200["configs"].clear()
+    with pytest.raises(NotImplementedError, match=rf"sm_100a backward: {match}") as info:
+        out.backward(torch.randn_like(out))
+    assert "sm_100a" in str(info.value) and "it runs:" in str(info.value)
+    assert b200["configs"] == [] and b200["bwd_calls"] == []
+    assert q.grad is None
+
+
+def test_b200_backward_configs_compile_for_sm_100a(b200):
+    """The configurations a B200 user's backward asks for (recorded from the torch layer, not
+    written here) compile for sm_100a: main kernel, pre- and postprocessing."""
+    from flash_attn4.fa4_kernels import compile as compile_mod
+
+    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=64))
+    out = ops_call(q, k, v, causal=True)
+    out.backward(torch.randn_like(out))
+    configs = list(dict.fromkeys(b200["configs"]))
+    kinds = {type(c) for c in configs}
+    assert kinds == {BackwardConfig, PreprocessConfig, PostprocessConfig}
+    assert all(c.arch is Arch.SM100 for c in configs)
+    compilers = {BackwardConfig: compile_mod.compile_backward,
+                 PreprocessConfig: compile_mod.compile_backward_preprocess,
+                 PostprocessConfig: compile_mod.compile_backward_postprocess}
+    for cfg in configs:
+        assert compilers[type(cfg)](cfg, jit_engine=False) is not None, cfg
+
+
+def test_deterministic_b200_backward_is_checked_twice_then_runs(b200):
+    """deterministic=True reaches the sm_100a kernel (with its dQ semaphore); its self-check runs
+    the backward twice and compares the runs bit for bit before the user's launch."""
+    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=128))
+    out = ops_call(q, k, v, causal=True, deterministic=True)
+    out.backward(torch.randn_like(out))
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert cfg.arch is Arch.SM100 and cfg.deterministic
+    assert len(b200["bwd_calls"]) == 3 and b200["bwd_calls"][2] == tuple(q.shape)
+    assert selfcheck.verdict(cfg, "cpu") == "passed" and q.grad is not None
+
+
+def test_run_dependent_sm100_dq_fails_the_deterministic_check(b200):
+    from tests.cpu.test_selfcheck import run_dependent_dq
+
+    b200["bwd_mutate"] = run_dependent_dq
+    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=64))
+    out = ops_call(q, k, v, deterministic=True)
+    with pytest.raises(selfcheck.SelfCheckError, match="deterministic mode gave a different result"):
+        out.backward(torch.randn_like(out))
+    assert q.grad is None
