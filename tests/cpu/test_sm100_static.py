@@ -6,10 +6,12 @@ Every expected number is derived from the kernel's plan (tile rules, TMEM plan, 
 never copied from a compile: MMA instructions from the tile shapes, the exponentials moved to the
 FMA pipe from the emulation rule, TMEM columns from the plan.
 
-ptxas: the DSL's cu13 flavour (13.4), what the H200 bundle and CUDA 13 drivers use. Under cu12
-(12.9) the kernels compile too (asserted); their spill counts are reported by
-``scripts/sass_report.py set --arch sm_100a --flavour both`` (docs/perf.md), not asserted: 12.9
-spills where 13.4 does not.
+ptxas: the DSL's cu13 flavour (13.4), what the H200 bundle and CUDA 13 drivers use, for every
+check; the spill check runs under cu12 (12.9, plain pip installs on CUDA 12 drivers) too, where the
+DSL's cu12 libraries are installed (each compile runs in its own process, which picks the flavour:
+scripts/sass_stats_lib.compile_config). Known cu12 gap: d = 192 / 128 (one CTA per tile) spills in
+its softmax warps under 12.9 (xfail, strict: the test says when it is fixed); upstream's d = 192
+kernel spills under both ptxas versions.
 """
 
 from __future__ import annotations
@@ -68,6 +70,31 @@ def test_no_spills(anchor):
     name, _, stats = anchor
     assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
         f"{name}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
+
+
+def flavour_installed(flavour: str) -> bool:
+    """Whether the DSL's libraries for ``flavour`` (cu12, cu13) are installed: its embedded ptxas
+    lives in ``_cutlass_ir.<flavour>.*.so``."""
+    import cutlass._mlir._mlir_libs as libs
+    return any(Path(p).glob(f"_cutlass_ir.{flavour}.*.so") for p in libs.__path__)
+
+
+# Anchors that still spill under ptxas 12.9 (docs/perf.md says where and why).
+CU12_SPILLS = {"fwd_d192_dv128"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="softmax spills under ptxas 12.9"))
+    if n in CU12_SPILLS else n for n in sorted(ANCHORS)])
+def test_no_spills_under_cu12(name):
+    """The same anchors under the cu12 flavour's ptxas 12.9 (what a plain pip install on a CUDA 12
+    driver runs): no local memory either."""
+    if not flavour_installed("cu12"):
+        pytest.skip("the DSL's cu12 libraries are not installed")
+    stats = lib.kernel_stats(config(**ANCHORS[name]), "cu12")
+    assert stats["ptxas"] and "12.9" in stats["ptxas"], stats["ptxas"]
+    assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
+        f"{name}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B (cu12)"
 
 
 def test_mma_count_is_what_the_tiles_imply(anchor):

@@ -72,6 +72,8 @@ into registers before it writes P.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Optional
@@ -128,10 +130,11 @@ class Barrier(enum.IntEnum):
 # setmaxnreg budgets (registers per thread) per warpgroup role, by query tiles per CTA: the four
 # warpgroups share 512 x 128 registers. With one query tile the second softmax warpgroup has nothing
 # to do, and its registers go to the correction warps (O of up to 256 columns) and the MMA/load warps
-# (a 256-wide head dim doubles the MMA warp's descriptors).
+# (a 256-wide head dim doubles the MMA warp's descriptors, which ptxas hoists out of the persistent
+# tile loop: at 136 registers ptxas 12.9 spilled them, at 152 neither ptxas does).
 REGISTERS = {
     2: dict(softmax=192, idle=0, correction=80, other=48),
-    1: dict(softmax=192, idle=24, correction=160, other=136),
+    1: dict(softmax=192, idle=24, correction=144, other=152),
 }
 LAUNCH_REGISTERS = 65536 // (NUM_WARPS * 32)
 
@@ -338,19 +341,9 @@ class FlashAttentionForwardSm100:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner, dtype=self.dtype), sV_layout.outer)
-        row_stats = storage.row_stats.get_tensor(cute.make_layout((TILE_M, 2 * self.q_tiles)))
-
-        pipes = self.make_pipelines(storage)
-        tmem = cutlass.memory.TmemAllocator(
-            storage.tmem_address.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=int(Barrier.TMEM_ALLOC),
-                num_threads=WARP * (1 + WARPS_PER_GROUP * self.q_tiles + WARPS_PER_GROUP)),
-            allocator_warp_id=int(Warp.CORRECTION))
+        # The barriers are initialised here; each role makes its own views of shared memory
+        # (role_shared) after its setmaxnreg.
+        barriers = self.make_pipelines(cutlass.memory.SmemAllocator().allocate(self.shared_storage))
         pipeline.pipeline_init_arrive(is_relaxed=True)
 
         # TMEM fragment layouts, taken before the MMA warp's branch sets the MMAs' accumulate flag
@@ -368,6 +361,7 @@ class FlashAttentionForwardSm100:
         producer, consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
+            storage, sQ, sK, sV, row_stats, pipes, tmem = self.role_shared(barriers, sQ_layout, sK_layout, sV_layout)
             if cutlass.const_expr(not self.persistent):  # one tile, derived once for both warps
                 tile, _ = self.output_tile(None, *tile_args)
             if warp == Warp.LOAD:
@@ -406,6 +400,7 @@ class FlashAttentionForwardSm100:
                     self.mma_tile(None, tile, states, *mmas)
         elif warp >= Warp.CORRECTION:
             set_registers(self.registers["correction"])
+            storage, sQ, sK, sV, row_stats, pipes, tmem = self.role_shared(barriers, sQ_layout, sK_layout, sV_layout)
             tmem.allocate(TMEM_COLUMNS)
             tmem.relinquish_alloc_permit()
             tmem.wait_for_alloc()
@@ -424,6 +419,7 @@ class FlashAttentionForwardSm100:
             tmem.free(tmem_ptr)
         elif warp < Warp.SOFTMAX0 + WARPS_PER_GROUP * self.q_tiles:
             set_registers(self.registers["softmax"])
+            storage, sQ, sK, sV, row_stats, pipes, tmem = self.role_shared(barriers, sQ_layout, sK_layout, sV_layout)
             tmem.wait_for_alloc()
             q_tile = warp // WARPS_PER_GROUP
             softmaxes = (tmem, q_tile, tmem_layouts, pipes, row_stats, mLSE, mSink,
@@ -439,6 +435,24 @@ class FlashAttentionForwardSm100:
                 self.softmax_tile(None, states, *softmaxes)
         elif cutlass.const_expr(self.q_tiles == 1):  # the second softmax warpgroup: idle
             set_registers(self.registers["idle"])
+
+    def role_shared(self, pipes, sQ_layout, sK_layout, sV_layout):
+        """A role's views of shared memory, made after its setmaxnreg: (storage, sQ, sK, sV,
+        row_stats, pipelines over the storage's barriers, TMEM allocator). The base address of
+        dynamic shared memory is a warp shuffle (which ptxas cannot recompute): taken once at kernel
+        entry it stays live into every role, and ptxas 12.9 spilled it (one STL, 46 LDL at d = 128)."""
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner, dtype=self.dtype), sV_layout.outer)
+        row_stats = storage.row_stats.get_tensor(cute.make_layout((TILE_M, 2 * self.q_tiles)))
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_address.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=int(Barrier.TMEM_ALLOC),
+                num_threads=WARP * (1 + WARPS_PER_GROUP * self.q_tiles + WARPS_PER_GROUP)),
+            allocator_warp_id=int(Warp.CORRECTION))
+        return storage, sQ, sK, sV, row_stats, rebased(pipes, storage), tmem
 
     # One tile of each role: ``index`` is the tile's index in the scheduler's order (None: the tile
     # of the block index, one CTA per tile); ``states`` the role's pipeline states, returned past it;
@@ -996,6 +1010,23 @@ class Pipelines:
     s: pipeline.PipelineUmmaAsync
     o: pipeline.PipelineUmmaAsync
     stats: pipeline.PipelineAsync
+
+
+def rebased(pipes: Pipelines, storage) -> Pipelines:
+    """``pipes`` over ``storage``'s barriers (the same shared memory reached from another base
+    address value), without initialising them again."""
+    fields = {}
+    for f in dataclasses.fields(pipes):
+        pipe = getattr(pipes, f.name)
+        base = getattr(storage, f"mbar_{f.name}").data_ptr().align(min_align=8)
+        full, empty = copy.copy(pipe.sync_object_full), copy.copy(pipe.sync_object_empty)
+        full.barrier_storage = full.mbarrier_base = base
+        empty.barrier_storage = empty.mbarrier_base = base + pipe.num_stages
+        moved = copy.copy(pipe)
+        object.__setattr__(moved, "sync_object_full", full)
+        object.__setattr__(moved, "sync_object_empty", empty)
+        fields[f.name] = moved
+    return Pipelines(**fields)
 
 
 @cute.jit
