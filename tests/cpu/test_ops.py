@@ -351,7 +351,9 @@ def test_eager_calls_do_not_import_dynamo():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, FLASH_ATTN4_DISABLE_DISK_CACHE="1", PYTHONPATH=str(root))
+    # the package from this checkout, installed or not (`tests` from the root, flash_attn4 from torch-ext)
+    path = os.pathsep.join([str(root), str(root / "torch-ext")])
+    env = dict(os.environ, FLASH_ATTN4_DISABLE_DISK_CACHE="1", PYTHONPATH=path)
     run = subprocess.run([sys.executable, "-c", _EAGER_PROCESS], capture_output=True, text=True, env=env, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "False", "torch._dynamo was imported by an eager forward and backward"
