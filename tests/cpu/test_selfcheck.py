@@ -835,6 +835,31 @@ def test_correct_backward_passes_every_configuration(seed, fake_bwd, d, dv, flag
     assert set(report.grads) == names and all(0 < e <= a for e, a in report.grads.values())
 
 
+@pytest.mark.parametrize("d,flags", [
+    (128, dict(varlen=True, has_seqused_k=True, causal=True)), (64, dict(local=True, has_softcap=True)),
+    (128, dict(varlen=True, local=True, has_softcap=True, deterministic=True)), (64, dict(varlen=True))])
+def test_sm100_backward_check_builds_problems_with_varlen_local_and_softcap(seed, fake_bwd, d, flags):
+    """The sm_100a backward's first-use check (its kernel now takes varlen, seqused_k, local windows
+    and softcap) builds a problem with each option of the configuration: packed sequences (one
+    without keys under seqused_k), a window with rows that see no key, a softcap; the correct
+    stand-in (sm100's dQ accumulator order) passes it."""
+    fake_bwd["arch"] = Arch.SM100
+    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
+    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, d, **{**base, **flags})
+    p = selfcheck.build_backward_problem(cfg)
+    assert p.fwd.varlen == cfg.varlen and (p.fwd.seqused_k is not None) == cfg.has_seqused_k
+    assert (p.fwd.softcap > 0) == cfg.has_softcap and (p.fwd.window_left >= 0) == cfg.local
+    if cfg.has_seqused_k:
+        assert 0 in p.fwd.seqused_k.tolist()  # a sequence whose rows see no key
+    ref = selfcheck.reference_backward(p)
+    if cfg.causal or cfg.local or cfg.has_seqused_k:
+        assert ref.empty.any()  # rows without keys: their gradients must come out 0
+    kernel = compile_cache.get_backward_kernel(cfg)
+    report = selfcheck.check_backward(cfg, kernel, ops.BACKWARD_LAUNCH, torch.device("cpu"))
+    assert report.ok, report.failures
+    assert fake_bwd["bwd_calls"] == [tuple(p.fwd.q.shape)] * (2 if cfg.deterministic else 1)
+
+
 # wrong backward kernels: (what the stand-in does wrong, the configuration flags, user-call options)
 
 

@@ -90,10 +90,10 @@ from ..layouts import tma_partition_tile
 from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import TileScheduler
-from ..seqlen import SeqlenInfo, head_rows
+from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from ..tile_work import QueryBlocks, TileWork
-from .dq_accum import ROW, VECTOR, DqChunks
+from .dq_accum import ROW, VECTOR, DqChunks, chunk_tiles
 from .fwd import LAUNCH_REGISTERS, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
 from .tiles import (BWD_DQ_BUFFERS, BWD_DQ_CHUNK, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
                     backward_shared_memory_bytes)
@@ -161,12 +161,23 @@ class FlashAttentionBackwardSm100:
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_k: Int32, stream: cuda.CUstream):
         d = self.hdim
-        # Sequence first: (seq, d, head, batch), (seq_pad, head, batch), dq_accum (rows, 128, head, batch).
-        mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mdPsum)]
-        mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
-        num_batch, num_heads_kv = mQ.shape[3], mK.shape[2]
+        # Sequence first: (seq, d, head[, batch]), (seq_pad, head[, batch]), dq_accum (rows, 128, head[,
+        # batch]); varlen packs the sequences along seq (no batch mode).
+        per_token = (mQ, mK, mV, mdO, mdK, mdV)
+        if cutlass.const_expr(self.cfg.varlen):
+            mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+                                         for t in per_token]
+            mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0])) for t in (mLSE, mdPsum)]
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                                         for t in per_token]
+            mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                            for t in (mLSE, mdPsum)]
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
+            num_batch = mQ.shape[3]
+        num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
         major = cute.nvgpu.OperandMajorMode
@@ -250,7 +261,10 @@ class FlashAttentionBackwardSm100:
                              f"{planned}, limit {SMEM_BYTES}) at head dim {d}, {self.num_stages} stages")
         self.shared_storage = SharedStorage
 
-        scale_log2 = softmax_scale * LOG2_E
+        # Softcap: the forward scored cap * tanh(s * scale / cap); P recomputes it the same way.
+        scales = Scales(softmax_scale, softmax_scale, softmax_scale * LOG2_E)
+        if cutlass.const_expr(self.cfg.has_softcap):
+            scales = Scales(softmax_scale, softmax_scale / softcap, softcap * LOG2_E)
         num_n_blocks = (max_seqlen_k + TILE_N - 1) // TILE_N
         qdo_bytes_per_head = mQ.shape[0] * 2 * d * (self.dtype.width // 8) * qhead_per_kvhead
         scheduler = TileScheduler.create(num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
@@ -258,8 +272,9 @@ class FlashAttentionBackwardSm100:
                                          l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ, mdK, mdV, mSemaphore,
-            softmax_scale, scale_log2, qhead_per_kvhead, layouts, rows_layout, sdQ_layout,
+            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ, mdK, mdV,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, scales, window_left, window_right,
+            qhead_per_kvhead, layouts, rows_layout, sdQ_layout,
             mma_s, mma_dv, mma_dk, mma_dq, scheduler,
         ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -271,7 +286,9 @@ class FlashAttentionBackwardSm100:
                tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
                tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom, mdPsum: cute.Tensor,
                tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mSemaphore: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32, qhead_per_kvhead: Int32, layouts: "SmemLayouts",
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor], scales: "Scales",
+               window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32, layouts: "SmemLayouts",
                rows_layout: cute.Layout, sdQ_layout: cute.Layout, mma_s: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dk: cute.TiledMma, mma_dq: cute.TiledMma, scheduler: TileScheduler):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -291,7 +308,8 @@ class FlashAttentionBackwardSm100:
         tmem_layouts = self.tmem_layouts(mma_s, mma_dv, mma_dk, mma_dq, layouts.p)
         pipeline.pipeline_init_wait()
 
-        tile_args = (scheduler, mQ, mK, qhead_per_kvhead)
+        tile_args = (scheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
+                     qhead_per_kvhead)
         if warp >= Warp.MMA:
             set_registers(REGISTERS["other"])
             work = self.tile_work(*tile_args)
@@ -311,8 +329,8 @@ class FlashAttentionBackwardSm100:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             group = (warp - Warp.COMPUTE) // 4
-            self.compute(tmem_ptr, group, smem, tmem_layouts, pipes, work, scale_log2)
-            self.store_dkv(tmem_ptr, group, tmem_layouts, pipes, mdK, mdV, work, softmax_scale)
+            self.compute(tmem_ptr, group, smem, tmem_layouts, pipes, work, scales)
+            self.store_dkv(tmem_ptr, group, tmem_layouts, pipes, mdK, mdV, work, scales.softmax)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive_and_wait()
             if warp == Warp.COMPUTE:
@@ -327,13 +345,14 @@ class FlashAttentionBackwardSm100:
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
 
     @cute.jit
-    def tile_work(self, scheduler: TileScheduler, mQ, mK, qhead_per_kvhead) -> TileWork:
+    def tile_work(self, scheduler: TileScheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left,
+                  window_right, qhead_per_kvhead) -> TileWork:
         """The CTA's KV tile and its (query head, query block) steps: every query head of the KV
         head, each over the query blocks whose rows see a key of the tile (none for a tile past
-        the keys)."""
+        its sequence's keys: varlen grids are sized for the longest)."""
         n_block, head_kv, batch = scheduler.tile()
-        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0])
-        mask = AttentionMask(BWD_TILE_M, TILE_N, self.cfg.causal, False, Int32(-1), Int32(-1))
+        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        mask = AttentionMask(BWD_TILE_M, TILE_N, self.cfg.causal, self.cfg.local, window_left, window_right)
         m_block_min, m_block_max = mask.m_block_range(seqlen, n_block)
         per_head = cutlass.max(m_block_max - m_block_min, 0)
         if n_block * TILE_N >= seqlen.seqlen_k:
@@ -399,12 +418,12 @@ class FlashAttentionBackwardSm100:
     def load(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
              tma_atom_dPsum, mdPsum, smem: "SharedTiles", mma_s, pipes: "Pipelines", work: TileWork):
         """K and V once, then per step Q_i and dO_i (qdo ring) and LSE_i and D_i (rows ring)."""
-        d = self.hdim
+        d, varlen, seqlen = self.hdim, self.cfg.varlen, work.seqlen
         n_block, head_kv, batch = work.n_block, work.head_kv, work.batch
         thr = mma_s.get_slice(0)
         if work.num_steps > 0:
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (None, 0))
+            gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen), (TILE_N, d), (None, 0))
+            gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, varlen), (TILE_N, d), (None, 0))
             tKsK, tKgK = mma_tma_partition(tma_atom_K, smem.k, thr.partition_A(gK))
             tVsV, tVgV = mma_tma_partition(tma_atom_V, smem.v, thr.partition_A(gV))
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -412,12 +431,15 @@ class FlashAttentionBackwardSm100:
             cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
             cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
 
+        rows_offset = seqlen.offset_q  # of this entry's LSE / D rows (packed: 16-byte aligned starts)
+        if cutlass.const_expr(varlen):
+            rows_offset = packed_row_offset(seqlen.offset_q, batch)
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
-            gQ = cute.local_tile(mQ[None, None, head, batch], (BWD_TILE_M, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (BWD_TILE_M, d), (None, 0))
+            gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, varlen), (BWD_TILE_M, d), (None, 0))
+            gdO = cute.local_tile(head_rows(mdO, seqlen.offset_q, head, batch, varlen), (BWD_TILE_M, d), (None, 0))
             tQsQ, tQgQ = mma_tma_partition(tma_atom_Q, smem.q, thr.partition_B(gQ))
             tdOsdO, tdOgdO = mma_tma_partition(tma_atom_dO, smem.do, thr.partition_B(gdO))
             pipes.qdo.producer_acquire(qdo_state)
@@ -429,7 +451,7 @@ class FlashAttentionBackwardSm100:
             pipes.rows.producer_acquire(rows_state)
             barrier = pipes.rows.producer_get_barrier(rows_state)
             for atom, tile, mRows in ((tma_atom_LSE, smem.lse, mLSE), (tma_atom_dPsum, smem.dpsum, mdPsum)):
-                gRows = cute.local_tile(mRows[None, head, batch], (BWD_TILE_M,), (m_block,))
+                gRows = cute.local_tile(head_rows(mRows, rows_offset, head, batch, varlen), (BWD_TILE_M,), (m_block,))
                 t_smem, t_gmem = tma_partition_tile(atom, tile, gRows, 1)
                 cute.copy(atom, t_gmem, t_smem[None, rows_state.index], tma_bar_ptr=barrier)
             rows_state = advanced(rows_state)
@@ -490,7 +512,7 @@ class FlashAttentionBackwardSm100:
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
     def compute(self, tmem_ptr, group, smem: "SharedTiles", tl: "TmemLayouts", pipes: "Pipelines",
-                work: TileWork, scale_log2: Float32):
+                work: TileWork, scales: "Scales"):
         """P^T and dS^T of this thread's key row over the warpgroup's query columns, step by step."""
         thread = cute.arch.thread_idx()[0] % WARPGROUP
         first_col = group * self.cols_per_group
@@ -520,11 +542,14 @@ class FlashAttentionBackwardSm100:
             pipes.sdp.consumer_wait(sdp_state)
             rows = (smem.lse[None, rows_state.index], smem.dpsum[None, rows_state.index])
             full = work.mask.block_is_full(work.seqlen, m_block, work.n_block)
-            for c in cutlass.range_constexpr(chunks):
-                if full:
-                    self.chunk_gradients(c, group, copies, rows, scale_log2, work, m_block, thread, False)
-                else:
-                    self.chunk_gradients(c, group, copies, rows, scale_log2, work, m_block, thread, True)
+            if cutlass.const_expr(self.cfg.has_softcap):
+                # A loop, not unrolled: unrolled, ptxas starts the next chunk's tanh under this
+                # chunk's dS^T, which spilled at 160 registers (d = 64 and 128, ptxas 13.4).
+                for c in cutlass.range(chunks, unroll=1):
+                    self.chunk_step(c, full, group, copies, rows, scales, work, m_block, thread)
+            else:
+                for c in cutlass.range_constexpr(chunks):
+                    self.chunk_step(c, full, group, copies, rows, scales, work, m_block, thread)
             cute.arch.fence_view_async_tmem_store()  # P^T is in TMEM before the dV MMA reads it
             cute.arch.fence_view_async_shared()  # dS^T is visible to the MMAs (async proxy)
             pipes.sdp.consumer_release(sdp_state)
@@ -533,10 +558,19 @@ class FlashAttentionBackwardSm100:
             rows_state = advanced(rows_state)
 
     @cute.jit
-    def chunk_gradients(self, c: cutlass.Constexpr[int], group, copies: "ChunkCopies", rows, scale_log2: Float32,
+    def chunk_step(self, c, full, group, copies: "ChunkCopies", rows, scales: "Scales", work: TileWork, m_block,
+                   thread):
+        """chunk_gradients of chunk c, without the element-wise mask where the block is ``full``."""
+        if full:
+            self.chunk_gradients(c, group, copies, rows, scales, work, m_block, thread, False)
+        else:
+            self.chunk_gradients(c, group, copies, rows, scales, work, m_block, thread, True)
+
+    @cute.jit
+    def chunk_gradients(self, c, group, copies: "ChunkCopies", rows, scales: "Scales",
                         work: TileWork, m_block, thread, masked: cutlass.Constexpr[bool]):
         """Chunk c (BWD_DQ_CHUNK query columns) of this warpgroup: S^T from TMEM, P^T to TMEM (16-bit),
-        dP^T from TMEM, dS^T = P^T (dP^T - D) to shared memory (16-bit)."""
+        dP^T from TMEM, dS^T = P^T (dP^T - D) to shared memory (16-bit; softcap: times 1 - tanh^2)."""
         sLSE, sdPsum = rows
         chunks = self.cols_per_group // BWD_DQ_CHUNK
         first_col = group * self.cols_per_group + c * BWD_DQ_CHUNK
@@ -544,11 +578,9 @@ class FlashAttentionBackwardSm100:
         cute.copy(copies.load_s, copies.s[None, None, None, group * chunks + c], p)
         cute.arch.fence_view_async_tmem_load()
         p = flat(p)
-        self.probabilities(p, sLSE, first_col, scale_log2, work, m_block, thread, masked)
         p16 = cute.make_rmem_tensor(copies.p_regs, Float32)
-        p16_view = cute.recast_tensor(p16, self.dtype)
-        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
-            p16_view[e] = p[e].to(self.dtype)
+        self.probabilities(p, cute.recast_tensor(p16, self.dtype), sLSE, first_col, scales, work, m_block, thread,
+                           masked)
         cute.copy(copies.store_p, p16, copies.p[None, None, None, c])
         dp = cute.make_rmem_tensor(copies.s_regs, Float32)
         cute.copy(copies.load_dp, copies.dp[None, None, None, group * chunks + c], dp)
@@ -561,17 +593,26 @@ class FlashAttentionBackwardSm100:
             cute.autovec_copy(cute.local_tile(ds, (MMA_K,), (s,)), copies.ds_row[None, first_col // MMA_K + s])
 
     @cute.jit
-    def probabilities(self, p, sLSE, first_col, scale_log2: Float32, work: TileWork, m_block, thread,
+    def probabilities(self, p, p16, sLSE, first_col, scales: "Scales", work: TileWork, m_block, thread,
                       masked: cutlass.Constexpr[bool]):
-        """p (scores of this key row) <- exp2(s * scale_log2 - LSE) per query column; with
-        ``masked``, 0 where the query may not see the key or lies past the sequence."""
+        """From the scores s of this key row, per query column: P = exp2(s' * scales.log2 - LSE)
+        into p16 in the input dtype (dV's operand), with s' = s, or tanh(s * scales.score) under
+        softcap; and into p what dS^T = p (dP^T - D) needs: P, or P (1 - tanh^2) under softcap.
+        With ``masked``, both 0 where the query may not see the key or lies past the sequence."""
+        if cutlass.const_expr(self.cfg.has_softcap):  # in place: one score or tanh per column live
+            for e in cutlass.range_constexpr(cute.size(p)):
+                p[e] = cute.math.tanh(p[e] * scales.score, fastmath=True)
         for e in cutlass.range_constexpr(cute.size(p)):
-            value = cute.math.exp2(p[e] * scale_log2 - sLSE[first_col + e], fastmath=True)
+            score = p[e]
+            value = cute.math.exp2(score * scales.log2 - sLSE[first_col + e], fastmath=True)
             if cutlass.const_expr(masked):
                 row = m_block * BWD_TILE_M + first_col + e
                 lo, hi = work.mask.key_bounds(work.seqlen, row, work.n_block)
                 if thread >= hi or thread < lo or row >= work.seqlen.seqlen_q:
                     value = Float32(0.0)
+            p16[e] = value.to(self.dtype)
+            if cutlass.const_expr(self.cfg.has_softcap):
+                value = value * (Float32(1.0) - score * score)
             p[e] = value
 
     @cute.jit
@@ -590,7 +631,7 @@ class FlashAttentionBackwardSm100:
             for column, layout, scale, mOut in ((self.tmem_dk, tl.dk, softmax_scale, mdK),
                                                 (self.tmem_dv, tl.dv, Float32(1.0), mdV)):
                 load, tX, regs = self.tmem_row_chunks(tmem_ptr + column, layout, TILE_N, self.hdim, thread)
-                gRow = mOut[key, None, work.head_kv, work.batch]
+                gRow = head_rows(mOut, work.seqlen.offset_k, work.head_kv, work.batch, self.cfg.varlen)[key, None]
                 for c in cutlass.range_constexpr(chunks):
                     chunk = group * chunks + c
                     out = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
@@ -631,7 +672,7 @@ class FlashAttentionBackwardSm100:
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
             pipes.dq.consumer_wait(dq_state)
-            gdQ = cute.local_tile(mdQacc[None, None, head, work.batch], (self.dq.rows_per_chunk, ROW), (None, 0))
+            gdQ = chunk_tiles(mdQacc, self.dq, work.seqlen.offset_q, head, work.batch, self.cfg.varlen)
             t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, smem.dq, gdQ)
             for c in cutlass.range_constexpr(chunks):
                 r = cute.make_rmem_tensor(regs, Float32)
@@ -784,6 +825,16 @@ class TmemLayouts:
     dk: cute.Layout
     dq: cute.Layout
     p: cute.Layout  # P^T, the dV MMA's A operand
+
+
+@dataclass(frozen=True)
+class Scales:
+    """softmax: dK's scale; score: applied before softcap's tanh (unused without softcap); log2:
+    turns a (capped) score into the exponent of P, log2(e) included."""
+
+    softmax: Float32
+    score: Float32
+    log2: Float32
 
 
 @dataclass(frozen=True)
