@@ -8,6 +8,13 @@ contributes to, is reduce-added into the zeroed float32 dq_accum per query block
 preprocessing (fa4_kernels/bwd_preprocess.py) supplies LSE in log2 units and D = rowsum(dO * O),
 the postprocessing (bwd_postprocess.py) scales and casts dQ. Call convention: BackwardConfig.
 
+Masks and sequences are the shared modules': SeqlenInfo (varlen cu_seqlens, seqused_k: each
+sequence addressed at its offsets, a KV tile past its sequence's keys has no step and writes
+nothing) and AttentionMask (causal, local windows: which query blocks a KV tile visits, which of
+them need the element-wise mask, the deterministic order's first KV block). Rows that see no key
+have LSE +inf from the preprocessing, so P = 0 and their dQ stays 0. Softcap: P is recomputed from
+cap * tanh(s * scale / cap) and dS^T carries the factor 1 - tanh^2.
+
 Warp roles (16 warps):
 
     warps 0-3    dQ          thread = query row = TMEM lane: dQ_i from TMEM in BWD_DQ_CHUNK-column
