@@ -379,7 +379,8 @@ def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, sequs
     out_pad, lse_pad = _forward(q_pad.view(*lead, hk * group, d), k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                 sink_pad, softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
                                 max_seqlen_k, num_splits, check_values, page_table, seqused_q)
-    out = out_pad.view(*lead, hk, group, -1)[..., :ratio, :].reshape(*lead, hq, out_pad.shape[-1])
+    dv = out_pad.shape[-1]  # explicit: with no query token (-1) could be any size
+    out = out_pad.view(*lead, hk, group, dv)[..., :ratio, :].reshape(*lead, hq, dv)
     head_mode = 0 if cu_seqlens_q is not None else 1  # lse (hq, total_q) or (b, hq, sq)
     lse_shape = lse_pad.shape[:head_mode] + (hk, group) + lse_pad.shape[head_mode + 1:]
     lse = lse_pad.view(lse_shape).narrow(head_mode + 1, 0, ratio).reshape(
