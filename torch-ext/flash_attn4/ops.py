@@ -928,20 +928,42 @@ def _offsets(n: int, step: int, device: torch.device, *, base: int = 0, last: Op
     """``dtype`` (int32) [base, base + step, ..., base + (n - 1) * step], then ``last`` if given: cu_seqlens of
     equal-length sequences, cache-row starts, constant lengths. A decode loop asks for the same ones
     at every step, so each is made once per process (a blocking copy: complete before any stream
-    reads it) and never written; during CUDA-graph capture they are made fresh instead (a copy
-    cannot be captured, and the graph keeps what it captured)."""
+    reads it) and never written; where a CUDA graph's memory is being allocated they are made fresh
+    instead (_keepable_now)."""
     key = (n, step, base, last, device, dtype)
     t = _OFFSETS.get(key)
     if t is not None:
         return t
-    values = [base + i * step for i in range(n)] + ([] if last is None else [last])
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if not _keepable_now(device):
         t = torch.arange(n, dtype=dtype, device=device) * step + base
         return t if last is None else torch.cat([t, t.new_full((1,), last)])
     if len(_OFFSETS) >= 1024:
         _OFFSETS.clear()
+    values = [base + i * step for i in range(n)] + ([] if last is None else [last])
     t = _OFFSETS[key] = torch.tensor(values, dtype=dtype, device=device)
     return t
+
+
+def _keepable_now(device: torch.device) -> bool:
+    """Whether a tensor made now on ``device`` may be kept past this call. Not during CUDA-graph
+    capture (a host-to-device copy cannot be captured, and the graph keeps what it captured), nor
+    while torch.compile's CUDA-graph trees warm up or record a graph: their private memory pool
+    takes every allocation then, and a tensor it holds that is not one of the graph's outputs makes
+    them fail ("tensor(s) in the cudagraph pool not tracked as outputs"; static-cache generate in
+    transformers compiles its decode step this way). Unknown states count as not keepable."""
+    if device.type != "cuda":
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:  # never imported: no graph trees in this process
+        return True
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        return manager is None or not (manager.in_warmup or manager.in_recording)
+    except Exception:  # noqa: BLE001 - a private API: if it moved, keep nothing rather than guess
+        return False
 
 
 def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
