@@ -335,6 +335,8 @@ SM100_CASES = {
     "causal-softcap-d128": dict(sq=260, sk=300, causal=True, softcap=2.0, d=128),
     "local-softcap-gqa-d128": dict(sq=150, sk=390, g=2, window=(200, 30), softcap=3.0, d=128),
     "local-sink-deterministic": dict(sq=260, sk=300, window=(150, 10), sink=0.5, deterministic=True),
+    "d96-causal": dict(sq=300, sk=333, causal=True, d=96),
+    "d96-local-softcap-gqa": dict(sq=200, sk=290, g=3, window=(90, 20), softcap=6.0, d=96),
 }
 
 
