@@ -621,11 +621,10 @@ class FlashAttentionBackwardSm100:
         into p16 in the input dtype (dV's operand), with s' = s, or tanh(s * scales.score) under
         softcap; and into p what dS^T = p (dP^T - D) needs: P, or P (1 - tanh^2) under softcap.
         With ``masked``, both 0 where the query may not see the key or lies past the sequence."""
-        if cutlass.const_expr(self.cfg.has_softcap):  # in place: one score or tanh per column live
-            for e in cutlass.range_constexpr(cute.size(p)):
-                p[e] = cute.math.tanh(p[e] * scales.score, fastmath=True)
         for e in cutlass.range_constexpr(cute.size(p)):
             score = p[e]
+            if cutlass.const_expr(self.cfg.has_softcap):
+                score = cute.math.tanh(score * scales.score, fastmath=True)
             value = cute.math.exp2(score * scales.log2 - sLSE[first_col + e], fastmath=True)
             if cutlass.const_expr(masked):
                 row = m_block * BWD_TILE_M + first_col + e
