@@ -289,8 +289,8 @@ def test_sm100_semaphore_turns_count_exactly_the_earlier_kv_blocks(causal, windo
     tile_model.block_schedule), and then counts itself. That is the KV-block order only if the KV
     blocks that visit m (bwd_tile_model.query_block_range, the CTA's walk) are exactly
     [n_first, n_max): every earlier one has added before block n's turn comes, and none waits for
-    a count that never comes (a deadlock). Over ragged lengths, sq < sk and sq > sk, causal and local windows (where a query
-    block's first KV block is not 0: its count starts at its own n_first)."""
+    a count that never comes (a deadlock). Over ragged lengths, sq < sk and sq > sk, causal and local
+    windows (where a query block's first KV block is not 0: its count starts at its own n_first)."""
     cfg = sm100_config(causal=causal, local=window != (-1, -1))
     tm_, tn = cfg.tile_m, cfg.tile_n
     for sq, sk in [(1, 1), (128, 128), (300, 333), (333, 300), (129, 1000), (1000, 129), (640, 640), (5, 700)]:

@@ -39,7 +39,8 @@ CONFIGS = {
                                                    deterministic=True),
 }
 # ptxas 12.9 (the cu12 flavour): one config per feature beside the plain causal ones.
-CU12_CONFIGS = (dict(d=64, causal=True), dict(d=96, causal=True), dict(d=128, causal=True), dict(d=128, varlen=True, has_seqused_k=True),
+CU12_CONFIGS = (dict(d=64, causal=True), dict(d=96, causal=True), dict(d=128, causal=True),
+                dict(d=128, varlen=True, has_seqused_k=True),
                 dict(d=128, local=True, has_softcap=True), dict(d=64, has_softcap=True))
 
 
