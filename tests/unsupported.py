@@ -12,7 +12,7 @@ Refused today (anything else must run):
 - every arch: head_dim or head_dim_v below 16 (valid FlashAttention input, served by no kernel);
 - sm_103a: the backward pass (its kernels are forward only; tests marked ``backward`` are skipped
   there by tests/conftest.py for the same reason);
-- sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims other than 64/64 and
+- sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims other than 64/64, 96/96 and
   128/128 after the backward's padding to a multiple of 16 (at least 32) (local windows, softcap,
   varlen and seqused_k run; its BWD_UNIMPLEMENTED flags, none today, would be listed here);
 - every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
@@ -31,7 +31,7 @@ SMALLEST_HEAD_DIM = 16
 # Each reason is a regex of the message the library raises (matched with re.search).
 HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
 NO_BACKWARD = r"backward kernels are not implemented yet"
-SM100_BWD_HEAD_DIMS = (64, 128)
+SM100_BWD_HEAD_DIMS = (64, 96, 128)
 SM100_BWD_HEAD_DIM = r"sm_100a backward: head dims \d+/\d+ are not implemented"
 
 # raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)

@@ -289,8 +289,8 @@ def test_sm100_semaphore_turns_count_exactly_the_earlier_kv_blocks(causal, windo
     tile_model.block_schedule), and then counts itself. That is the KV-block order only if the KV
     blocks that visit m (bwd_tile_model.query_block_range, the CTA's walk) are exactly
     [n_first, n_max): every earlier one has added before block n's turn comes, and none waits for
-    a count that never comes (a deadlock). Over ragged lengths, sq < sk and sq > sk, causal and local windows (where a query
-    block's first KV block is not 0: its count starts at its own n_first)."""
+    a count that never comes (a deadlock). Over ragged lengths, sq < sk and sq > sk, causal and local
+    windows (where a query block's first KV block is not 0: its count starts at its own n_first)."""
     cfg = sm100_config(causal=causal, local=window != (-1, -1))
     tm_, tn = cfg.tile_m, cfg.tile_n
     for sq, sk in [(1, 1), (128, 128), (300, 333), (333, 300), (129, 1000), (1000, 129), (640, 640), (5, 700)]:
@@ -335,6 +335,8 @@ SM100_CASES = {
     "causal-softcap-d128": dict(sq=260, sk=300, causal=True, softcap=2.0, d=128),
     "local-softcap-gqa-d128": dict(sq=150, sk=390, g=2, window=(200, 30), softcap=3.0, d=128),
     "local-sink-deterministic": dict(sq=260, sk=300, window=(150, 10), sink=0.5, deterministic=True),
+    "d96-causal": dict(sq=300, sk=333, causal=True, d=96),
+    "d96-local-softcap-gqa": dict(sq=200, sk=290, g=3, window=(90, 20), softcap=6.0, d=96),
 }
 
 

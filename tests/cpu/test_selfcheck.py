@@ -837,7 +837,8 @@ def test_correct_backward_passes_every_configuration(seed, fake_bwd, d, dv, flag
 
 @pytest.mark.parametrize("d,flags", [
     (128, dict(varlen=True, has_seqused_k=True, causal=True)), (64, dict(local=True, has_softcap=True)),
-    (128, dict(varlen=True, local=True, has_softcap=True, deterministic=True)), (64, dict(varlen=True))])
+    (128, dict(varlen=True, local=True, has_softcap=True, deterministic=True)), (64, dict(varlen=True)),
+    (96, dict(causal=True, varlen=True, has_seqused_k=True, has_softcap=True))])
 def test_sm100_backward_check_builds_problems_with_varlen_local_and_softcap(seed, fake_bwd, d, flags):
     """The sm_100a backward's first-use check (its kernel now takes varlen, seqused_k, local windows
     and softcap) builds a problem with each option of the configuration: packed sequences (one

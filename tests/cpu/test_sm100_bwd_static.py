@@ -29,6 +29,8 @@ CONFIGS = {
     "d64_causal_fp16": dict(d=64, causal=True, dtype="float16"),
     "d128": dict(d=128),
     "d128_causal": dict(d=128, causal=True),
+    "d96": dict(d=96),
+    "d96_causal_varlen_softcap": dict(d=96, causal=True, varlen=True, has_softcap=True),
     "d128_causal_deterministic": dict(d=128, causal=True, deterministic=True),
     "d128_varlen_seqused_k": dict(d=128, varlen=True, has_seqused_k=True),
     "d128_local": dict(d=128, local=True),
@@ -37,7 +39,8 @@ CONFIGS = {
                                                    deterministic=True),
 }
 # ptxas 12.9 (the cu12 flavour): one config per feature beside the plain causal ones.
-CU12_CONFIGS = (dict(d=64, causal=True), dict(d=128, causal=True), dict(d=128, varlen=True, has_seqused_k=True),
+CU12_CONFIGS = (dict(d=64, causal=True), dict(d=96, causal=True), dict(d=128, causal=True),
+                dict(d=128, varlen=True, has_seqused_k=True),
                 dict(d=128, local=True, has_softcap=True), dict(d=64, has_softcap=True))
 
 
@@ -101,7 +104,9 @@ def test_tmem_traffic_and_exponentials_as_planned(compiled):
     d = cfg.head_dim
     variants = 2
     chunks_in_code = 1 if cfg.has_softcap else cols // chunk
-    assert stats["ldtm"] == variants * 2 * chunks_in_code + 2 * (d // bwd.COMPUTE_GROUPS // chunk) + d // chunk, name
+    dkv_chunks = d // bwd.COMPUTE_GROUPS // plan.dkv_chunk  # per warpgroup: 16-column chunks at d = 96
+    assert plan.dkv_chunk == (chunk if d // bwd.COMPUTE_GROUPS % chunk == 0 else MMA_K)
+    assert stats["ldtm"] == variants * 2 * chunks_in_code + 2 * dkv_chunks + d // chunk, name
     assert stats["sttm"] == variants * chunks_in_code, name
     assert stats["mufu_ex2"] == variants * chunks_in_code * chunk, name
     assert stats["opcodes"].get("MUFU.TANH", 0) == (stats["mufu_ex2"] if cfg.has_softcap else 0), name
@@ -114,10 +119,10 @@ def reduce_adds(stats) -> int:
 
 
 def test_register_budgets_one_setmaxnreg_per_role(compiled):
-    name, _, stats = compiled
-    from flash_attn4.fa4_kernels.sm100 import bwd
-
-    budgets = bwd.REGISTERS
+    name, cfg, stats = compiled
+    bwd, plan = kernel_plan(cfg)
+    budgets = plan.registers
+    assert budgets == bwd.registers(cfg.head_dim)
     assert budgets["dq"] + bwd.COMPUTE_GROUPS * budgets["compute"] + budgets["other"] == 4 * bwd.LAUNCH_REGISTERS
     assert stats["usetmaxreg"] == stats["setmaxnreg"], name
     # The launch's share needs no setmaxnreg.
@@ -212,7 +217,7 @@ def test_varlen_local_and_softcap_configs_are_accepted(flags):
     assert cfg.postprocess().varlen == flags.get("varlen", False)
 
 
-@pytest.mark.parametrize("d, dv", [(96, 96), (256, 256), (128, 64)])
+@pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (128, 64)])
 def test_other_head_dims_raise(d, dv):
     with pytest.raises(NotImplementedError, match="sm_100a backward: head dims"):
         BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,
@@ -239,11 +244,12 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
     assert {(c.head_dim, c.causal, c.deterministic, c.local, c.has_softcap, c.varlen, c.has_seqused_k)
             for c in mains} == {
         (64, False, False, False, False, False, False), (64, True, False, False, False, False, False),
+        (96, True, False, False, False, False, False),
         (128, False, False, False, False, False, False), (128, True, False, False, False, False, False),
         (128, True, True, False, False, False, False), (128, True, False, False, False, True, True),
         (128, False, False, True, True, False, False)}
     assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
-        (64, False), (128, False), (128, True)}
+        (64, False), (96, False), (128, False), (128, True)}
     assert any(isinstance(c, PreprocessConfig) for c in configs)
 
 
@@ -257,9 +263,13 @@ def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
 
 def test_verifier_reports_only_the_reviewed_baseline():
     """CUTE_DSL_COMPILER_OPT=warnings: nothing beyond tests/cpu/verifier_baseline.json's reviewed
-    entries for the sm100 backward."""
+    entries for the sm100 backward. The varlen, local/softcap and d = 96 kernels use the same
+    pipelines as the reviewed ones, so they must report exactly the same (no entry of their own)."""
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
-    for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True))):
+    for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True)),
+                       ("sm100 bwd d128 causal", dict(d=128, causal=True, varlen=True, has_seqused_k=True)),
+                       ("sm100 bwd d128 causal", dict(d=128, local=True, has_softcap=True)),
+                       ("sm100 bwd d64", dict(d=96, causal=True))):
         got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(config(**spec), FLAVOUR))
         assert got == sorted(baseline[name]), (name, got)
 

@@ -134,6 +134,14 @@ class Barrier(enum.IntEnum):
 # d = 128 spilled at 80, 96 and 104 registers under ptxas 13.4 and at 112 under 12.9 (the cu12
 # flavour), not at 128 (the launch share: that warpgroup needs no setmaxnreg).
 REGISTERS = dict(dq=64, compute=160, other=128)
+# d = 96 runs two Q/dO stages, whose descriptors spilled the MMA/load warpgroup at 128 registers under
+# ptxas 12.9 (8-16 B; not under 13.4): 8 more there, from the dQ warpgroup (three 32-column chunks).
+REGISTERS_BY_HEAD_DIM = {96: dict(dq=56, compute=160, other=136)}
+
+
+def registers(head_dim: int) -> dict:
+    """setmaxnreg budgets per warpgroup role at this head dim."""
+    return REGISTERS_BY_HEAD_DIM.get(head_dim, REGISTERS)
 
 
 class FlashAttentionBackwardSm100:
@@ -144,7 +152,9 @@ class FlashAttentionBackwardSm100:
         self.hdim = cfg.head_dim
         self.num_stages = cfg.num_stages
         self.dq = DqChunks(BWD_TILE_M, self.hdim)
-        assert REGISTERS["dq"] + COMPUTE_GROUPS * REGISTERS["compute"] + REGISTERS["other"] == 4 * LAUNCH_REGISTERS
+        self.registers = registers(self.hdim)
+        regs = self.registers
+        assert regs["dq"] + COMPUTE_GROUPS * regs["compute"] + regs["other"] == 4 * LAUNCH_REGISTERS
         # Tensor-memory plan (columns).
         self.tmem_s, self.tmem_dp = 0, TILE_N
         self.tmem_dk = 2 * TILE_N
@@ -156,6 +166,11 @@ class FlashAttentionBackwardSm100:
         # P^T of compute warpgroup w: its 64 query columns as 32 words of 16-bit pairs at 64 w.
         self.cols_per_group = BWD_TILE_M // COMPUTE_GROUPS
         self.p_words = self.cols_per_group * self.dtype.width // 32
+        # dK and dV leave TMEM by chunks of a compute warpgroup's half of the head dim: BWD_DQ_CHUNK
+        # columns, or 16 where the half is no multiple of it (d = 96: 48 columns per warpgroup).
+        half = self.hdim // COMPUTE_GROUPS
+        self.dkv_chunk = BWD_DQ_CHUNK if half % BWD_DQ_CHUNK == 0 else MMA_K
+        assert half % self.dkv_chunk == 0 and self.hdim % BWD_DQ_CHUNK == 0
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -318,7 +333,7 @@ class FlashAttentionBackwardSm100:
         tile_args = (scheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
                      qhead_per_kvhead)
         if warp >= Warp.MMA:
-            set_registers(REGISTERS["other"])
+            set_registers(self.registers["other"])
             work = self.tile_work(*tile_args)
             if warp == Warp.LOAD:
                 self.load(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
@@ -328,7 +343,7 @@ class FlashAttentionBackwardSm100:
                 self.mma(tmem.retrieve_ptr(Float32), smem, tmem_layouts, mma_s, mma_dv, mma_dk, mma_dq, pipes,
                          work.num_steps)
         elif warp >= Warp.COMPUTE:
-            set_registers(REGISTERS["compute"])
+            set_registers(self.registers["compute"])
             work = self.tile_work(*tile_args)
             if warp == Warp.COMPUTE:
                 tmem.allocate(TMEM_COLUMNS)
@@ -343,7 +358,7 @@ class FlashAttentionBackwardSm100:
             if warp == Warp.COMPUTE:
                 tmem.free(tmem_ptr, TMEM_COLUMNS)  # allocated in another branch: name the columns
         else:
-            set_registers(REGISTERS["dq"])
+            set_registers(self.registers["dq"])
             work = self.tile_work(*tile_args)
             tmem.wait_for_alloc()
             self.reduce_dq(tmem.retrieve_ptr(Float32), smem, tmem_layouts, pipes, tma_atom_dQ, mdQacc, mSemaphore,
@@ -606,11 +621,10 @@ class FlashAttentionBackwardSm100:
         into p16 in the input dtype (dV's operand), with s' = s, or tanh(s * scales.score) under
         softcap; and into p what dS^T = p (dP^T - D) needs: P, or P (1 - tanh^2) under softcap.
         With ``masked``, both 0 where the query may not see the key or lies past the sequence."""
-        if cutlass.const_expr(self.cfg.has_softcap):  # in place: one score or tanh per column live
-            for e in cutlass.range_constexpr(cute.size(p)):
-                p[e] = cute.math.tanh(p[e] * scales.score, fastmath=True)
         for e in cutlass.range_constexpr(cute.size(p)):
             score = p[e]
+            if cutlass.const_expr(self.cfg.has_softcap):
+                score = cute.math.tanh(score * scales.score, fastmath=True)
             value = cute.math.exp2(score * scales.log2 - sLSE[first_col + e], fastmath=True)
             if cutlass.const_expr(masked):
                 row = m_block * BWD_TILE_M + first_col + e
@@ -634,34 +648,35 @@ class FlashAttentionBackwardSm100:
             has_steps = work.num_steps > 0
             if has_steps:
                 pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            chunks = self.hdim // COMPUTE_GROUPS // BWD_DQ_CHUNK
+            width = self.dkv_chunk
+            chunks = self.hdim // COMPUTE_GROUPS // width
             for column, layout, scale, mOut in ((self.tmem_dk, tl.dk, softmax_scale, mdK),
                                                 (self.tmem_dv, tl.dv, Float32(1.0), mdV)):
-                load, tX, regs = self.tmem_row_chunks(tmem_ptr + column, layout, TILE_N, self.hdim, thread)
+                load, tX, regs = self.tmem_row_chunks(tmem_ptr + column, layout, TILE_N, self.hdim, thread, width)
                 gRow = head_rows(mOut, work.seqlen.offset_k, work.head_kv, work.batch, self.cfg.varlen)[key, None]
                 for c in cutlass.range_constexpr(chunks):
                     chunk = group * chunks + c
-                    out = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
+                    out = cute.make_rmem_tensor(width, self.dtype)
                     if has_steps:
                         r = cute.make_rmem_tensor(regs, Float32)
                         cute.copy(load, tX[None, None, None, chunk], r)
                         cute.arch.fence_view_async_tmem_load()
-                        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
+                        for e in cutlass.range_constexpr(width):
                             out[e] = (r[e] * scale).to(self.dtype)
                     else:
                         out.fill(0.0)
                     if inside:
-                        cute.autovec_copy(out, cute.local_tile(gRow, (BWD_DQ_CHUNK,), (chunk,)))
+                        cute.autovec_copy(out, cute.local_tile(gRow, (width,), (chunk,)))
 
-    def tmem_row_chunks(self, tmem_ptr, layout, rows: int, cols: int, thread):
-        """A TMEM accumulator (rows = lanes, cols) read BWD_DQ_CHUNK columns at a time by the thread
-        of its lane: (copy, source per chunk (..., chunk), register shape of a chunk)."""
+    def tmem_row_chunks(self, tmem_ptr, layout, rows: int, cols: int, thread, width: int = BWD_DQ_CHUNK):
+        """A TMEM accumulator (rows = lanes, cols) read ``width`` columns at a time by the thread of
+        its lane: (copy, source per chunk (..., chunk), register shape of a chunk)."""
         t = cute.make_tensor(tmem_ptr, layout)
-        t = cute.flat_divide(t[(None, None), 0, 0], (rows, BWD_DQ_CHUNK))[None, None, 0, None]  # (rows, chunk, n)
+        t = cute.flat_divide(t[(None, None), 0, 0], (rows, width))[None, None, 0, None]  # (rows, width, n)
         load = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(BWD_DQ_CHUNK)), Float32),
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(width)), Float32),
             t[None, None, 0]).get_slice(thread)
-        return load, load.partition_S(t), load.partition_D(cute.make_identity_tensor((rows, BWD_DQ_CHUNK))).shape
+        return load, load.partition_S(t), load.partition_D(cute.make_identity_tensor((rows, width))).shape
 
     # ---- dQ warpgroup ----------------------------------------------------------------------------
     @cute.jit
