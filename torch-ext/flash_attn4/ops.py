@@ -146,14 +146,27 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
     kernel = compile_cache.get_forward_kernel(cfg)
     # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
     # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
-    selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+    try:
+        selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+    except selfcheck.SelfCheckError as error:
+        # A configuration with a fallback (CTA pairs: single CTAs) that computed wrong results is
+        # replaced on this device from now on (_config_for returns the fallback), itself checked on
+        # its first use. Not after a hang: the fallback would queue behind the hung kernel.
+        fallback = dispatch.self_check_fallback(cfg)
+        if fallback is None or error.hung:
+            raise
+        selfcheck.fall_back(cfg, fallback, q.device, error)
+        kernel = compile_cache.get_forward_kernel(fallback)
+        selfcheck.ensure_checked(fallback, q.device, kernel, _launch_forward)
     return kernel
 
 
 def _config_for(q: torch.Tensor, v: torch.Tensor, **flags):
-    """The ForwardConfig _kernel_for compiles for these flags."""
-    return dispatch.forward_config(dispatch.arch_for_device(q.device), dispatch.dtype_name(q.dtype), q.shape[-1],
-                                   v.shape[-1], **flags)
+    """The ForwardConfig _kernel_for compiles for these flags (or the one that replaced it on this
+    device after it failed its self-check)."""
+    return selfcheck.substitute(dispatch.forward_config(dispatch.arch_for_device(q.device),
+                                                        dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1],
+                                                        **flags), q.device)
 
 
 def _fill_empty_keys(out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optional[torch.Tensor],
@@ -322,10 +335,12 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
     plan.num_splits, plan.flags, plan.combine = num_splits, flags, None
     if num_splits > 1:
         split_flags = dict(flags, has_sink=False, split_kv=True)
-        plan.cfg, plan.kernel = _config_for(q, v, **split_flags), _kernel_for(q, v, **split_flags)
+        plan.kernel = _kernel_for(q, v, **split_flags)  # first: it may replace the configuration
+        plan.cfg = _config_for(q, v, **split_flags)
         plan.combine = _combine_kernel(q.device, q.dtype, v.shape[-1], has_sink=learnable_sink is not None)
     else:
-        plan.cfg, plan.kernel = _config_for(q, v, **flags), _kernel_for(q, v, **flags)
+        plan.kernel = _kernel_for(q, v, **flags)  # first: it may replace the configuration
+        plan.cfg = _config_for(q, v, **flags)
     return plan
 
 
