@@ -401,3 +401,24 @@ def test_dq_register_order_is_a_permutation_of_the_block_with_the_wgmma_fragment
     assert order[16:20] == [cell(1, 0), cell(1, 1), cell(9, 0), cell(9, 1)]
     assert order[128:132] == [cell(16, 0), cell(16, 1), cell(24, 0), cell(24, 1)]  # warp 1
     assert order[512:516] == [cell(0, 8), cell(0, 9), cell(8, 8), cell(8, 9)]  # thread 0's values 4..7
+
+
+@pytest.mark.parametrize("spec,values", [("d=64", 64), ("d=64,causal=true", 64), ("d=128", 40),
+                                          ("d=128,causal=true", 40), ("d=128,causal=true,tile_m=64", 32)])
+def test_backward_masked_step_selects_once_per_score(spec, values):
+    """The backward's step loop has two bodies (scripts/sass_paths.py counts what one trip executes):
+    a block inside the mask takes the thread's `values` exponentials and no select; a block on a
+    mask edge or the sequence's end one FSEL per score on top (its exponent to -inf), not two: the
+    branch per score it had before made ptxas select twice (80 FSEL for 40 scores at d = 128)."""
+    if _nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    import importlib.util
+
+    loader = importlib.util.spec_from_file_location("sass_paths", ROOT / "scripts" / "sass_paths.py")
+    paths = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(paths)
+    trips = paths.main_loop_trips(_sass_report().compile_sass("bwd", "sm_90a", spec))
+    assert {t["MUFU.EX2"] for t in trips} == {values}, trips
+    selects = {t["FSEL"] for t in trips}
+    assert min(selects) == 0 and max(selects) == values, trips
+    assert all(t["HGMMA"] == max(x["HGMMA"] for x in trips) for t in trips), "a trip without every GEMM"

@@ -646,8 +646,20 @@ class FlashAttentionBackwardSm90:
                 score = s_rows[r, c]
                 if cutlass.const_expr(self.cfg.has_softcap):
                     score = cute.math.tanh(score * scales.score, fastmath=True)
-                p = cute.math.exp2(score * scales.log2 - lse, fastmath=True)
-                if cutlass.const_expr(masked):
+                exponent = score * scales.log2 - lse
+                if cutlass.const_expr(masked and not self.cfg.has_softcap):
+                    # The exponent to -inf by a select (any sign of the scale): a branch per score
+                    # (mask.apply says why) or a select of P after the exponential cost a second
+                    # FSEL per score or spills. The left bound only with a window: otherwise
+                    # lo <= 0 <= key (a row past the sequence has hi = lo).
+                    keep = key < hi
+                    if cutlass.const_expr(self.cfg.local):
+                        keep = keep & (key >= lo)
+                    exponent = Float32(cutlass.select_(keep, exponent, -Float32.inf))
+                p = cute.math.exp2(exponent, fastmath=True)
+                if cutlass.const_expr(masked and self.cfg.has_softcap):
+                    # After the exponential: tanh(-inf) would give P > 0. A branch here spills less
+                    # than a select under softcap's extra live values.
                     if key >= hi or key < lo:
                         p = Float32(0.0)
                 if cutlass.const_expr(self.cfg.has_softcap):
