@@ -401,3 +401,58 @@ def test_dq_register_order_is_a_permutation_of_the_block_with_the_wgmma_fragment
     assert order[16:20] == [cell(1, 0), cell(1, 1), cell(9, 0), cell(9, 1)]
     assert order[128:132] == [cell(16, 0), cell(16, 1), cell(24, 0), cell(24, 1)]  # warp 1
     assert order[512:516] == [cell(0, 8), cell(0, 9), cell(8, 8), cell(8, 9)]  # thread 0's values 4..7
+
+
+@pytest.mark.parametrize("spec,values", [("d=64", 64), ("d=64,causal=true", 64), ("d=128", 40),
+                                          ("d=128,causal=true", 40), ("d=128,causal=true,tile_m=64", 32)])
+def test_backward_masked_step_selects_once_per_score(spec, values):
+    """The backward's step loop has two bodies (scripts/sass_paths.py counts what one trip executes):
+    a block inside the mask takes the thread's `values` exponentials and no select; a block on a
+    mask edge or the sequence's end one FSEL per score on top (its exponent to -inf), not two: the
+    branch per score it had before made ptxas select twice (80 FSEL for 40 scores at d = 128)."""
+    if _nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    import importlib.util
+
+    loader = importlib.util.spec_from_file_location("sass_paths", ROOT / "scripts" / "sass_paths.py")
+    paths = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(paths)
+    trips = paths.main_loop_trips(_sass_report().compile_sass("bwd", "sm_90a", spec))
+    assert {t["MUFU.EX2"] for t in trips} == {values}, trips
+    selects = {t["FSEL"] for t in trips}
+    assert min(selects) == 0 and max(selects) == values, trips
+    assert all(t["HGMMA"] == max(x["HGMMA"] for x in trips) for t in trips), "a trip without every GEMM"
+
+
+def test_sass_paths_counts_what_one_loop_trip_executes():
+    """scripts/sass_paths.py on a hand-written loop: a head, a guarded forward branch around two
+    instructions (two trips: 7 and 5 executed), a wait whose retry block sits after EXIT (its first
+    try only), and the back edge; the kernel's out-of-line retry block is no loop."""
+    import importlib.util
+
+    loader = importlib.util.spec_from_file_location("sass_paths", ROOT / "scripts" / "sass_paths.py")
+    paths = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(paths)
+    sass = "\n".join([
+        "        /*0000*/                   MOV R0, RZ ;",
+        ".L_x_0:",
+        "        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R0 ;",
+        "        /*0020*/              @!P0 BRA `(.L_x_2) ;",
+        ".L_x_3:",
+        "        /*0030*/              @P1 BRA `(.L_x_1) ;",
+        "        /*0040*/                   MUFU.EX2 R1, R1 ;",
+        "        /*0050*/                   FSEL R1, R1, RZ, P2 ;",
+        ".L_x_1:",
+        "        /*0060*/                   HGMMA.64x80x16.F32.BF16 R24, gdesc[UR8], R24 ;",
+        "        /*0070*/              @P3 BRA `(.L_x_0) ;",
+        "        /*0080*/                   EXIT ;",
+        ".L_x_2:",
+        "        /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R0 ;",
+        "        /*00a0*/              @!P0 BRA `(.L_x_2) ;",
+        "        /*00b0*/                   BRA `(.L_x_3) ;",
+    ])
+    code = paths.parse(sass)
+    assert len(code) == 12 and code[2]["to"] == 9 and code[11]["to"] == 3
+    assert [hl for hl in paths.loops(code) if hl[1] - hl[0] > 1] == [(1, 7)]
+    trips = sorted((t["instructions"], t["MUFU.EX2"], t["FSEL"], t["HGMMA"]) for t in paths.main_loop_trips(sass))
+    assert trips == [(5, 0, 0, 1), (7, 1, 1, 1)]

@@ -246,6 +246,67 @@ def test_backward_exponentials_after_dp(sm90_schedule, monkeypatch, eighths, d, 
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
 
 
+# The sm90 schedule switches (BackwardConfig, off by default, for A/B runs): each alone and all three,
+# on the layouts that take them (tma_store_dkv: batched, unsplit).
+SCHEDULE_SWITCHES = {"sepdo": {"separate_do_barrier": True}, "bulkdq": {"dq_bulk_reduce": True},
+                     "dkv": {"tma_store_dkv": True},
+                     "all": {"separate_do_barrier": True, "dq_bulk_reduce": True, "tma_store_dkv": True}}
+SWITCH_CASES = [
+    (128, "gqa", 300, 257, {"causal": True}),  # 80-query blocks, masked and unmasked steps, keys past the end
+    (64, "mha", 1000, 1000, {}),  # 128-query blocks, many KV tiles per query block
+    (128, "mqa", 113, 515, {"window_size": (100, 7), "softcap": 30.0}),  # 64-query blocks, KV tiles no query sees
+    (96, "gqa", 1, 203, {"causal": True}),  # one query row, most KV tiles see none
+    (256, "gqa", 200, 150, {"causal": True}),  # the split-head-dim layout
+]
+
+
+def _with_switches(monkeypatch, fields: dict):
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(**fields))
+
+
+# tma_store_dkv is refused in the split layout (tests/cpu/test_sm90_bwd_switches.py checks the error):
+# "dkv" leaves d = 256 out, and "all" runs there without it.
+@pytest.mark.parametrize("switches,d,heads,sq,sk,kwargs", [
+    (name, *case) for name in SCHEDULE_SWITCHES for case in SWITCH_CASES if not (name == "dkv" and case[0] > 128)])
+def test_backward_schedule_switches(sm90_schedule, monkeypatch, switches, d, heads, sq, sk, kwargs):
+    """BackwardConfig.separate_do_barrier (dO behind its own mbarrier), dq_bulk_reduce (dQ added by a 1-D
+    bulk reduce) and tma_store_dkv (dK/dV through shared memory and TMA stores) must give the
+    reference's gradients; dK/dV start as NaN (the fixture), so a tile left unwritten fails."""
+    fields = dict(SCHEDULE_SWITCHES[switches])
+    if d > 128:
+        fields.pop("tma_store_dkv", None)
+    _with_switches(monkeypatch, fields)
+    hq, hk = HEADS[heads]
+    check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_schedule_switches_varlen(sm90_schedule, monkeypatch, d):
+    """separate_do_barrier and dq_bulk_reduce with packed sequences (dq_accum's varlen block offsets)."""
+    _with_switches(monkeypatch, {"separate_do_barrier": True, "dq_bulk_reduce": True})
+    lens_q, lens_k = random_lengths(5, 300)
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, d)
+    check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_schedule_switches_deterministic_is_bitwise_repeatable(sm90_schedule, monkeypatch, causal):
+    """deterministic=True orders the dQ adds with the bulk reduce as with the TMA tensor reduce."""
+    _with_switches(monkeypatch, {"separate_do_barrier": True, "dq_bulk_reduce": True, "tma_store_dkv": True})
+    b, s, hq, hk, d = 2, 1024, 8, 2, 128
+    q, k, v, dout = rand(b, s, hq, d), rand(b, s, hk, d), rand(b, s, hk, d), rand(b, s, hq, d)
+    runs = [run_ours(flash_attn_func, q, k, v, dout, causal=causal, deterministic=True)[1] for _ in range(3)]
+    for name in ("dq", "dk", "dv"):
+        for i in (1, 2):
+            assert torch.equal(runs[0][name], runs[i][name]), f"{name}: run {i} differs from run 0"
+    ref = reference_grads(q, k, v, dout, upcast=True, causal=causal)
+    pt = reference_grads(q, k, v, dout, upcast=False, causal=causal)
+    assert_grads_close(runs[0], ref, pt)
+
+
 def test_backward_fp16():
     hq, hk = HEADS["gqa"]
     dt = torch.float16

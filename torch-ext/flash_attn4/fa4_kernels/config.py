@@ -247,8 +247,9 @@ class BackwardConfig(_KernelConfig):
     max_seqlen_k sizes the grid (the longest key sequence).
 
     Which fields an arch reads: the problem class (dtype through deterministic) and tile_m, tile_n,
-    num_stages everywhere; longest_first wherever the arch's scheduler orders tiles; split_head_dim
-    and exp_eighths_under_dp are sm90 layout switches (sm90/tiles.py). The arch's check_backward
+    num_stages everywhere; longest_first wherever the arch's scheduler orders tiles; split_head_dim,
+    exp_eighths_under_dp, separate_do_barrier, dq_bulk_reduce and tma_store_dkv are sm90 layout and
+    schedule switches (sm90/tiles.py). The arch's check_backward
     (registry in arch.py) rejects tiles its kernel cannot build, when the config is constructed.
     """
 
@@ -272,6 +273,17 @@ class BackwardConfig(_KernelConfig):
     # query columns; the rest is computed after dP^T, column by column with dS^T, so that the
     # MUFU exponentials and the FMA-pipe gradient arithmetic can interleave. 8: all before.
     exp_eighths_under_dp: int = 8
+    # Q (with LSE) and dO (with rowsum) behind one mbarrier per stage (False), or each behind its own
+    # (True): S^T = K Q^T is then issued as soon as Q has landed, while dO may still be in flight.
+    separate_do_barrier: bool = False
+    # dQ's reduce-add into dq_accum: one 2-D TMA tensor reduce per consumer warpgroup's part (False),
+    # or one 1-D bulk reduce (cp.reduce.async.bulk, no tensor map) of the part's contiguous bytes,
+    # which register order (sm90/dq_accum.py) makes possible.
+    dq_bulk_reduce: bool = False
+    # dK and dV leave through shared memory (stmatrix into K's and V's tiles, free after the last
+    # step) and a TMA store each, instead of 32-bit global stores from the accumulators. Batched
+    # inputs, unsplit layout.
+    tma_store_dkv: bool = False
 
     def __post_init__(self):
         self._check_common()

@@ -269,8 +269,9 @@ def check_backward(cfg) -> None:
     if not 1 <= cfg.num_stages <= backward_stages(cfg.head_dim):
         raise ValueError(f"{arch} backward: {cfg.num_stages} Q/dO stages do not fit in shared memory at head dim "
                          f"{cfg.head_dim} (at most {backward_stages(cfg.head_dim)})")
-    if cfg.longest_first or cfg.split_head_dim or cfg.exp_eighths_under_dp != 8:
-        raise ValueError(f"{arch} backward: longest_first, split_head_dim and exp_eighths_under_dp are Hopper "
+    hopper_only = ("longest_first", "split_head_dim", "separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv")
+    if any(getattr(cfg, name) for name in hopper_only) or cfg.exp_eighths_under_dp != 8:
+        raise ValueError(f"{arch} backward: {', '.join(hopper_only)} and exp_eighths_under_dp are Hopper "
                          f"schedule switches the sm100 kernel does not have")
 
 

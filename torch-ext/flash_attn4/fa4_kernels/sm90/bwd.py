@@ -31,7 +31,14 @@ dS alternates between two shared-memory buffers by query block, so one barrier p
 the other warpgroup's dQ GEMM of block i-1 reads the other buffer. Measured on the H200 and kept:
 each of these (docs/perf.md, backward). Tried, measured and removed: issuing dV before dS (no
 effect), storing dS^T before issuing dV (no effect), the next block's S^T/dP^T before this block's
-dQ (14-35% slower), and dK/dV stored through K's and V's tiles by TMA (7-12% slower at d=128).
+dQ (14-35% slower).
+
+Schedule switches (BackwardConfig, off by default, for A/B runs against the above):
+separate_do_barrier (Q with LSE and dO with rowsum behind their own mbarriers, so that S^T starts
+before dO lands), dq_bulk_reduce (each dQ part added by one 1-D bulk reduce instead of a 2-D TMA
+tensor reduce), tma_store_dkv (dK/dV through K's and V's tiles and a TMA store each; 7-12% slower at
+d=128 when ptxas serialised the WGMMAs around it, which it no longer does since dQ is staged in
+register order: docs/perf.md).
 
 Head dims above 128, and d != dv (``split_head_dim``): 64 keys per CTA would need more accumulator
 registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer warpgroups work on
@@ -64,6 +71,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental.primitives.nvvm_wrapper import CpReduceType, cp_reduce_async_bulk_global_shared_cta
 
 from ..config import BackwardConfig
 from ..dtypes import CUTLASS_DTYPES
@@ -75,7 +83,7 @@ from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from ..tile_work import QueryBlocks, TileWork
 from .dq_accum import ROW, DqTiling, dq_tiled_mma, part_tile, register_order
-from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy
+from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
 from .tiles import L2_BUDGET_BYTES
 from .wgmma import WARPGROUP_THREADS, WGMMA_M, WarpGroup, smem_layout, warpgroup_index, warpgroup_slice_thread, wgmma
 
@@ -91,6 +99,7 @@ class Barrier(enum.IntEnum):
     DS = 1  # the consumers' shared dS tile
     DQ_FULL_FIRST = 2  # consumer w's dQ part is staged in shared memory
     DQ_EMPTY_FIRST = DQ_FULL_FIRST + NUM_CONSUMER_WARPGROUPS  # the writer warp has read it
+    DKV = DQ_EMPTY_FIRST + NUM_CONSUMER_WARPGROUPS  # tma_store_dkv: K's/V's tiles free, then staged
 
 
 class Warp(enum.IntEnum):
@@ -221,10 +230,20 @@ class FlashAttentionBackwardSm90:
             tma_load, mdPsum, cute.make_layout(self.tile_m), (self.tile_m,))
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), (dq_rows, ROW))
+        if cutlass.const_expr(cfg.dq_bulk_reduce):  # plain addresses, no tensor map
+            tma_atom_dQ, tma_dQ = None, mdQacc
+        # tma_store_dkv: dK and dV leave through K's and V's tiles, one TMA store each.
+        tma_atom_dK = tma_atom_dV = None
+        if cutlass.const_expr(cfg.tma_store_dkv):
+            tma_store = cpasync.CopyBulkTensorTileS2GOp()
+            tma_atom_dK, mdK = cpasync.make_tiled_tma_atom(tma_store, mdK, sK_layout, (self.tile_n, d))
+            tma_atom_dV, mdV = cpasync.make_tiled_tma_atom(tma_store, mdV, sV_layout, (self.tile_n, dv))
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
-        self.tma_bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-                              + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
-                              + 2 * self.tile_m * 4)
+        # A stage's bytes: Q with its LSE rows, dO with its rowsum rows (separate_do_barrier: each
+        # pair behind its own mbarrier, else all four behind one).
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + self.tile_m * 4
+        self.tma_bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + self.tile_m * 4
+        self.tma_bytes_qdo = self.tma_bytes_q + self.tma_bytes_do
 
         sP_elements = cute.cosize(sdS_layout) if self.split else 0
 
@@ -242,6 +261,8 @@ class FlashAttentionBackwardSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             # P^T goes through shared memory only when split (last: the other offsets stay put).
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sP_elements], 1024]
+            # dO's own mbarriers (separate_do_barrier; last, so that the other offsets stay put).
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages if cfg.separate_do_barrier else 0]
 
         if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_BYTES_PER_BLOCK):
             raise ValueError(f"sm90 backward: head dims {d}/{dv} with {self.num_stages} Q/dO stages need "
@@ -258,7 +279,7 @@ class FlashAttentionBackwardSm90:
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ,
-            mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore,
+            mdK, mdV, tma_atom_dK, tma_atom_dV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, scheduler,
@@ -272,8 +293,9 @@ class FlashAttentionBackwardSm90:
     def kernel(self, tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_dO: cute.CopyAtom, mdO: cute.Tensor,
                tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
                tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom,
-               mdPsum: cute.Tensor, tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor,
-               mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+               mdPsum: cute.Tensor, tma_atom_dQ: Optional[cute.CopyAtom], mdQacc: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, tma_atom_dK: Optional[cute.CopyAtom],
+               tma_atom_dV: Optional[cute.CopyAtom], mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                mSemaphore: Optional[cute.Tensor], softmax_scale: Float32, score_prescale: Float32,
                scale_log2: Float32, window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32,
@@ -286,8 +308,9 @@ class FlashAttentionBackwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == Warp.LOAD:
             for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_dPsum,
-                         tma_atom_dQ):
-                cpasync.prefetch_descriptor(atom)
+                         tma_atom_dQ, tma_atom_dK, tma_atom_dV):
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
@@ -309,9 +332,17 @@ class FlashAttentionBackwardSm90:
         pipe_kv = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
             consumer_group=consumers, tx_count=self.tma_bytes_kv, defer_sync=True)
+        # separate_do_barrier: pipe_qdo carries Q and LSE, pipe_do dO and rowsum (same stages).
+        separate_do = self.cfg.separate_do_barrier
         pipe_qdo = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tma_bytes_qdo, defer_sync=True)
+            consumer_group=consumers, tx_count=self.tma_bytes_q if separate_do else self.tma_bytes_qdo,
+            defer_sync=True)
+        pipe_do = None
+        if cutlass.const_expr(separate_do):
+            pipe_do = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=self.tma_bytes_do, defer_sync=True)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -333,17 +364,19 @@ class FlashAttentionBackwardSm90:
                     self.write_dq(tma_atom_dQ, smem.dq, mdQacc, mSemaphore, work)
                 if warp_idx == Warp.LOAD:
                     self.produce(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
-                                 tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, smem, pipe_kv, pipe_qdo, work)
+                                 tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, smem, pipe_kv, pipe_qdo, pipe_do,
+                                 work)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
                 consume = self.consume_split if cutlass.const_expr(self.split) else self.consume
                 consume(tidx - WARPGROUP_THREADS, smem, Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq),
-                        pipe_kv, pipe_qdo, mdK, mdV, work, Scales(softmax_scale, score_prescale, scale_log2))
+                        pipe_kv, pipe_qdo, pipe_do, KeyOutputs(mdK, mdV, tma_atom_dK, tma_atom_dV), work,
+                        Scales(softmax_scale, score_prescale, scale_log2))
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
-                tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, smem: "SharedTiles", pipe_kv, pipe_qdo,
+                tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, smem: "SharedTiles", pipe_kv, pipe_qdo, pipe_do,
                 work: "TileWork"):
         varlen = self.cfg.varlen
         seqlen, n_block, head_kv, batch = work.seqlen, work.n_block, work.head_kv, work.batch
@@ -373,17 +406,29 @@ class FlashAttentionBackwardSm90:
             gdPsum = cute.local_tile(head_rows(mdPsum, rows_offset, head, batch, varlen), rows, (m_block,))
             pipe_qdo.producer_acquire(state)
             barrier = pipe_qdo.producer_get_barrier(state)
-            for atom, tile, gmem, box_rank in ((tma_atom_Q, smem.q, gQ, 2), (tma_atom_dO, smem.do, gdO, 2),
-                                               (tma_atom_LSE, smem.lse, gLSE, 1),
-                                               (tma_atom_dPsum, smem.dpsum, gdPsum, 1)):
-                t_smem, t_gmem = tma_partition_tile(atom, tile, gmem, box_rank)
-                cute.copy(atom, t_gmem, t_smem[None, state.index], tma_bar_ptr=barrier)
+            if cutlass.const_expr(pipe_do is None):
+                for atom, tile, gmem, box_rank in ((tma_atom_Q, smem.q, gQ, 2), (tma_atom_dO, smem.do, gdO, 2),
+                                                   (tma_atom_LSE, smem.lse, gLSE, 1),
+                                                   (tma_atom_dPsum, smem.dpsum, gdPsum, 1)):
+                    t_smem, t_gmem = tma_partition_tile(atom, tile, gmem, box_rank)
+                    cute.copy(atom, t_gmem, t_smem[None, state.index], tma_bar_ptr=barrier)
+            else:
+                # Q and LSE first, behind their own barrier: S^T needs nothing else.
+                for atom, tile, gmem, box_rank in ((tma_atom_Q, smem.q, gQ, 2), (tma_atom_LSE, smem.lse, gLSE, 1)):
+                    t_smem, t_gmem = tma_partition_tile(atom, tile, gmem, box_rank)
+                    cute.copy(atom, t_gmem, t_smem[None, state.index], tma_bar_ptr=barrier)
+                pipe_do.producer_acquire(state)
+                barrier_do = pipe_do.producer_get_barrier(state)
+                for atom, tile, gmem, box_rank in ((tma_atom_dO, smem.do, gdO, 2),
+                                                   (tma_atom_dPsum, smem.dpsum, gdPsum, 1)):
+                    t_smem, t_gmem = tma_partition_tile(atom, tile, gmem, box_rank)
+                    cute.copy(atom, t_gmem, t_smem[None, state.index], tma_bar_ptr=barrier_do)
             state = advanced(state)
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, mdK: cute.Tensor,
-                mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
+    def consume(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, pipe_do, outputs: "KeyOutputs",
+                work: "TileWork", scales: "Scales"):
         """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (mmas.dk serves dK
         and dV, as d == dv; smem.p and mmas.dv are unused)."""
         tiled_mma_dkv = mmas.dk
@@ -412,7 +457,8 @@ class FlashAttentionBackwardSm90:
         for step in cutlass.range(work.num_steps, unroll=1):
             _, m_block = work.blocks.at(step)
             stage = state.index
-            self.scores_and_gradients(pipe_qdo, state, mmas.sdp, scores, rP, rdS, smem, work, m_block, scales)
+            self.scores_and_gradients(pipe_qdo, pipe_do, state, mmas.sdp, scores, rP, rdS, smem, work, m_block,
+                                      scales)
             wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage], zero_init=False)
 
             # dQ needs every key of the tile: both warpgroups' dS go through shared memory, into
@@ -430,13 +476,16 @@ class FlashAttentionBackwardSm90:
             self.stage_dq(tidx, acc_dQ, tdQsdQ)
             warpgroup.wait_group(0)  # dK done: rdS and the stage are free
             pipe_qdo.consumer_release(state)
+            if cutlass.const_expr(pipe_do is not None):
+                pipe_do.consumer_release(state)
             state = advanced(state)
 
-        self.finish(pipe_kv, kv_state, thr_dkv, acc_dK, thr_dkv, acc_dV, mdK, mdV, work, scales)
+        self.finish(tidx, smem, pipe_kv, kv_state, tiled_mma_dkv, thr_dkv, acc_dK, thr_dkv, acc_dV, outputs, work,
+                    scales)
 
     @cute.jit
-    def consume_split(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, mdK: cute.Tensor,
-                      mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
+    def consume_split(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, pipe_do,
+                      outputs: "KeyOutputs", work: "TileWork", scales: "Scales"):
         """The split layout (head dims above 128, d != dv): both warpgroups work on the CTA's 64 keys.
         Each computes S^T and dP^T for half of the query block, writes its half of P^T and dS^T to
         shared memory, and then, over all queries, its half of the head dim of dV, dK and dQ."""
@@ -469,7 +518,8 @@ class FlashAttentionBackwardSm90:
         for step in cutlass.range(work.num_steps, unroll=1):
             _, m_block = work.blocks.at(step)
             stage = state.index
-            self.scores_and_gradients(pipe_qdo, state, mmas.sdp, scores, rP, rdS, smem, work, m_block, scales)
+            self.scores_and_gradients(pipe_qdo, pipe_do, state, mmas.sdp, scores, rP, rdS, smem, work, m_block,
+                                      scales)
 
             # The first barrier: the other warpgroup's GEMMs of the previous block have read sP and sdS.
             cute.arch.barrier(barrier_id=int(Barrier.DS), number_of_threads=all_consumers)
@@ -483,10 +533,12 @@ class FlashAttentionBackwardSm90:
             self.dq_gemm(mmas.dq, acc_dQ, tQrdS, tQrKt)
             warpgroup.wait_group(0)  # the stage, sP and sdS are free (for this warpgroup)
             pipe_qdo.consumer_release(state)
+            if cutlass.const_expr(pipe_do is not None):
+                pipe_do.consumer_release(state)
             state = advanced(state)
             self.stage_dq(tidx, acc_dQ, tdQsdQ)
 
-        self.finish(pipe_kv, kv_state, thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, work, scales)
+        self.finish(tidx, smem, pipe_kv, kv_state, mmas.dk, thr_dk, acc_dK, thr_dv, acc_dV, outputs, work, scales)
 
     # ---- pieces both consumer layouts use ----------------------------------------------------------
     def score_operands(self, tiled_mma_sdp: cute.TiledMma, tidx, smem: "SharedTiles") -> "ScoreOperands":
@@ -527,15 +579,19 @@ class FlashAttentionBackwardSm90:
             wgmma(tiled_mma_dq, acc_dQ, ds, kt, zero_init=True)
 
     @cute.jit
-    def finish(self, pipe_kv, kv_state, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor,
-               mdK: cute.Tensor, mdV: cute.Tensor, work: "TileWork", scales: "Scales"):
+    def finish(self, tidx, smem: "SharedTiles", pipe_kv, kv_state, tiled_mma_dk: cute.TiledMma, thr_dk,
+               acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor, outputs: "KeyOutputs", work: "TileWork",
+               scales: "Scales"):
         """After the last query block: K/V released, dK and dV written (the writer warp keeps the
         CTA, and so sdQ, alive until its last reduce-add has read it)."""
         pipe_kv.consumer_release(kv_state)
-        self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, mdK, mdV, work, scales.softmax)
+        if cutlass.const_expr(self.cfg.tma_store_dkv):
+            self.store_dkv_by_tma(tidx, smem, tiled_mma_dk, acc_dK, acc_dV, outputs, work, scales.softmax)
+        else:
+            self.write_dkv(thr_dk, acc_dK, thr_dv, acc_dV, outputs.dk, outputs.dv, work, scales.softmax)
 
     @cute.jit
-    def scores_and_gradients(self, pipe_qdo, state, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands",
+    def scores_and_gradients(self, pipe_qdo, pipe_do, state, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands",
                              rP: cute.Tensor, rdS: cute.Tensor, smem: "SharedTiles", work: "TileWork",
                              m_block: Int32, scales: "Scales"):
         """The first half of a step, the same in both layouts: once the query block's stage has
@@ -543,7 +599,7 @@ class FlashAttentionBackwardSm90:
         while dP^T still runs, then dS^T (rdS)."""
         stage = state.index
         pipe_qdo.consumer_wait(state)
-        self.issue_scores(tiled_mma_sdp, scores, stage)
+        self.issue_scores(tiled_mma_sdp, scores, stage, pipe_do, state)
         # LSE and rowsum into registers under the GEMMs where registers allow: 128-query blocks
         # would spill, and read them from shared memory as each column needs them.
         sLSE, sdPsum = smem.lse[None, stage], smem.dpsum[None, stage]
@@ -615,10 +671,13 @@ class FlashAttentionBackwardSm90:
                 dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)
 
     @cute.jit
-    def issue_scores(self, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands", stage: Int32):
+    def issue_scores(self, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands", stage: Int32, pipe_do, state):
         """S^T = K Q^T and dP^T = V dO^T of the query block in ``stage``, as two WGMMA groups (S^T
-        first, so that it can be waited for alone)."""
+        first, so that it can be waited for alone); with dO behind its own barrier (pipe_do), dP^T
+        once dO has landed."""
         wgmma(tiled_mma_sdp, scores.acc_s, scores.k, scores.q[None, None, None, stage], zero_init=True)
+        if cutlass.const_expr(pipe_do is not None):
+            pipe_do.consumer_wait(state)
         wgmma(tiled_mma_sdp, scores.acc_dp, scores.v, scores.do[None, None, None, stage], zero_init=True)
 
     @cute.jit
@@ -633,21 +692,40 @@ class FlashAttentionBackwardSm90:
         tScS, seqlen = scores.coords, work.seqlen
         s_rows = acc_rows_view(scores.acc_s)
         p_rows = acc_rows_view(rP)
+        # Bounds in absolute keys (key_bounds at KV block 0) against the thread's key rows plus the
+        # KV block's first key, added once: relative to the block, each column's bound took a
+        # subtraction (d=128: 40 fewer instructions per masked step). Not at 128-query blocks (32
+        # columns per thread), where it spilled 6 registers at d=64 causal; not under softcap.
+        absolute = masked and not self.cfg.has_softcap and self.tile_m != 128
         for c in cutlass.range_constexpr(first, end):
             query = tScS[0, c][1]
             if cutlass.const_expr(masked):
                 row = m_block * self.tile_m + query
-                lo, hi = work.mask.key_bounds(seqlen, row, work.n_block)
+                lo, hi = work.mask.key_bounds(seqlen, row, Int32(0) if absolute else work.n_block)
                 if row >= seqlen.seqlen_q:
                     hi = lo  # no key
             lse = rLSE[c] if cutlass.const_expr(rLSE is not None) else sLSE[query]
             for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
                 key = tScS[r, 0][0]
+                if cutlass.const_expr(absolute):
+                    key = work.n_block * self.tile_n + key
                 score = s_rows[r, c]
                 if cutlass.const_expr(self.cfg.has_softcap):
                     score = cute.math.tanh(score * scales.score, fastmath=True)
-                p = cute.math.exp2(score * scales.log2 - lse, fastmath=True)
-                if cutlass.const_expr(masked):
+                exponent = score * scales.log2 - lse
+                if cutlass.const_expr(masked and not self.cfg.has_softcap):
+                    # The exponent to -inf by a select (any sign of the scale): a branch per score
+                    # (mask.apply says why) or a select of P after the exponential cost a second
+                    # FSEL per score or spills. The left bound only with a window: otherwise
+                    # lo <= 0 <= key (a row past the sequence has hi = lo).
+                    keep = key < hi
+                    if cutlass.const_expr(self.cfg.local):
+                        keep = keep & (key >= lo)
+                    exponent = Float32(cutlass.select_(keep, exponent, -Float32.inf))
+                p = cute.math.exp2(exponent, fastmath=True)
+                if cutlass.const_expr(masked and self.cfg.has_softcap):
+                    # After the exponential: tanh(-inf) would give P > 0. A branch here spills less
+                    # than a select under softcap's extra live values.
                     if key >= hi or key < lo:
                         p = Float32(0.0)
                 if cutlass.const_expr(self.cfg.has_softcap):
@@ -697,7 +775,9 @@ class FlashAttentionBackwardSm90:
         (TMA copies are warp-collective: one lane is elected inside) and committed as a bulk group."""
         batch = work.batch
         gdQ = part_tile(mdQacc, self.dq, work.seqlen.offset_q, head, batch, self.cfg.varlen, m_block, part)
-        t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, sdQ[None, None, part], gdQ)
+        t_smem, t_gmem = sdQ[None, None, part], gdQ  # dq_bulk_reduce: the part's two ends
+        if cutlass.const_expr(not self.cfg.dq_bulk_reduce):
+            t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, sdQ[None, None, part], gdQ)
         if cutlass.const_expr(self.cfg.deterministic):
             # Reduce-adds into one (query block, part) happen in KV-tile order: wait for the
             # tiles before this one, add, and count this one once its add has landed.
@@ -707,15 +787,28 @@ class FlashAttentionBackwardSm90:
             while done != work.n_block - n_block_first:
                 done = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
             cute.arch.fence_proxy("async.global")
-            cute.copy(tma_atom_dQ, t_smem, t_gmem)
+            self.reduce_add_part(tma_atom_dQ, t_smem, t_gmem)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0)
             cute.arch.fence_proxy("async.global")
             if cute.arch.lane_idx() == 0:
                 cute.arch.red(lock, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
         else:
-            cute.copy(tma_atom_dQ, t_smem, t_gmem)
+            self.reduce_add_part(tma_atom_dQ, t_smem, t_gmem)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def reduce_add_part(self, tma_atom_dQ: Optional[cute.CopyAtom], t_smem: cute.Tensor, t_gmem: cute.Tensor):
+        """The staged part added into its dq_accum rows, by the calling warp, into its bulk group: a
+        2-D TMA tensor reduce (the copy elects a lane), or with dq_bulk_reduce one 1-D bulk reduce
+        (no tensor map) of the part's bytes, issued by lane 0: both ends are contiguous (``values``
+        rows of 128 floats, register order)."""
+        if cutlass.const_expr(self.cfg.dq_bulk_reduce):
+            if cute.arch.lane_idx() == 0:
+                cp_reduce_async_bulk_global_shared_cta(t_gmem.iterator, t_smem.iterator, self.dq.values * ROW * 4,
+                                                       type=CpReduceType.F32)
+        else:
+            cute.copy(tma_atom_dQ, t_smem, t_gmem)
 
     @cute.jit
     def write_dkv(self, thr_dk, acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor, mdK: cute.Tensor,
@@ -736,6 +829,34 @@ class FlashAttentionBackwardSm90:
                 if coords[i][0] < keys_left:
                     gmem[i] = out[i]
 
+    @cute.jit
+    def store_dkv_by_tma(self, tidx, smem: "SharedTiles", tiled_mma_dkv: cute.TiledMma, acc_dK: cute.Tensor,
+                         acc_dV: cute.Tensor, outputs: "KeyOutputs", work: "TileWork", softmax_scale: Float32):
+        """tma_store_dkv (unsplit layout, batched): dK (times the softmax scale) and dV into K's and
+        V's shared-memory tiles with stmatrix, then one TMA store each, which clips the keys past the
+        sequence. K is free only once both warpgroups' GEMMs have retired (every dQ GEMM reads all
+        of the tile's keys), hence the barrier before the first write. The issuing warp waits until
+        the TMA has read the tiles, so that the CTA outlives them."""
+        all_consumers = NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS
+        cute.arch.barrier(barrier_id=int(Barrier.DKV), number_of_threads=all_consumers)
+        store = stmatrix_copy(tiled_mma_dkv, self.dtype).get_slice(tidx)
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        for acc, tile in ((acc_dK, smem.k), (acc_dV, smem.v)):
+            out = cute.make_rmem_tensor(acc.shape, self.dtype)
+            store_converted(out, acc)
+            cute.copy(store, store.retile(out), store.partition_D(tile))
+        cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
+        cute.arch.barrier(barrier_id=int(Barrier.DKV), number_of_threads=all_consumers)
+        if cute.arch.make_warp_uniform(tidx // cute.arch.WARP_SIZE) == 0:
+            for atom, mOut, tile, dim in ((outputs.tma_atom_dk, outputs.dk, smem.k, self.hdim),
+                                          (outputs.tma_atom_dv, outputs.dv, smem.v, self.hdim_v)):
+                gOut = cute.local_tile(head_rows(mOut, Int32(0), work.head_kv, work.batch, False),
+                                       (self.tile_n, dim), (work.n_block, 0))
+                t_smem, t_gmem = tma_partition_tile(atom, tile, gOut)
+                cute.copy(atom, t_smem, t_gmem)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
 
 @dataclass(frozen=True)
 class SharedTiles:
@@ -751,6 +872,17 @@ class SharedTiles:
     dq: cute.Tensor
     lse: cute.Tensor
     dpsum: cute.Tensor
+
+
+@dataclass(frozen=True)
+class KeyOutputs:
+    """Where dK and dV go: the global tensors (their TMA views with tma_store_dkv) and the TMA
+    store atoms (tma_store_dkv only, else None)."""
+
+    dk: cute.Tensor
+    dv: cute.Tensor
+    tma_atom_dk: Optional[cute.CopyAtom]
+    tma_atom_dv: Optional[cute.CopyAtom]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ warpgroups, two Q/dO stages up to d = 192 and one above (shared memory: 210 KiB 
 
 ForwardConfig fields only the sm90 forward reads: pingpong, tma_store_o, rescale_o_before_pv,
 whole_k_gemms (and tile_m in 64-row warpgroup units). BackwardConfig fields only the sm90 backward
-reads: split_head_dim, exp_eighths_under_dp.
+reads: split_head_dim, exp_eighths_under_dp, and the schedule switches separate_do_barrier,
+dq_bulk_reduce and tma_store_dkv (off; for A/B runs, docs/perf.md).
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ def check_backward(cfg) -> None:
     """ValueError for a BackwardConfig the sm90 backward cannot build (run by BackwardConfig)."""
     if not 0 <= cfg.exp_eighths_under_dp <= 8:
         raise ValueError(f"exp_eighths_under_dp must be in [0, 8], got {cfg.exp_eighths_under_dp}")
+    if cfg.tma_store_dkv and (cfg.varlen or cfg.split_head_dim):
+        raise ValueError("tma_store_dkv is for batched inputs in the unsplit layout: a TMA box would write past a "
+                         "packed sequence, and the split layout's K/V tiles hold half the keys' head dims")
     # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
     # only up to d = 64; 80-query blocks compute dQ transposed (dQ^T = K^T dS^T, M = the head
     # dim), which needs 64 of it per consumer warpgroup: d = 128.

@@ -1,0 +1,122 @@
+"""The sm90 backward's schedule switches for A/B runs (BackwardConfig.separate_do_barrier, dq_bulk_reduce,
+tma_store_dkv; off by default): what the configuration accepts, what the sm100 backward refuses, and
+what each compiles to for sm_90a (no GPU). tests/gpu/test_bwd.py checks their gradients."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.config import BackwardConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+SWITCHES = ("separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv")
+SM90_D128 = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128)
+
+
+def test_switches_are_off_by_default_and_part_of_the_compile_key():
+    base = BackwardConfig(**SM90_D128)
+    for name in SWITCHES:
+        assert getattr(base, name) is False, name
+        assert base.replace(**{name: True}).key() != base.key(), name
+
+
+@pytest.mark.parametrize("layout", [dict(varlen=True), dict(split_head_dim=True, tile_n=64)])
+def test_tma_store_dkv_is_refused_where_a_tma_box_cannot_write_dk_dv(layout):
+    with pytest.raises(ValueError, match="tma_store_dkv is for batched inputs in the unsplit layout"):
+        BackwardConfig(**SM90_D128, tma_store_dkv=True, **layout)
+    # the other two switches take every layout
+    for name in ("separate_do_barrier", "dq_bulk_reduce"):
+        assert getattr(BackwardConfig(**SM90_D128, **layout, **{name: True}), name)
+
+
+@pytest.mark.parametrize("name", SWITCHES)
+def test_sm100_backward_refuses_the_hopper_switches(name):
+    """sm100/tiles.py check_backward: a Hopper schedule switch is a ValueError there, naming it."""
+    sm100 = dict(arch=Arch.SM100, dtype="bfloat16", head_dim=128, head_dim_v=128, tile_m=128, tile_n=128,
+                 num_stages=1)
+    assert BackwardConfig(**sm100).arch is Arch.SM100
+    with pytest.raises(ValueError, match=name):
+        BackwardConfig(**sm100, **{name: True})
+
+
+def _sass_report():
+    spec = importlib.util.spec_from_file_location("sass_report", ROOT / "scripts" / "sass_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if module.find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    return module
+
+
+def _opcodes(report, spec: str) -> Counter:
+    sass = report.compile_sass("bwd", "sm_90a", spec)
+    return Counter(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, flags=re.M))
+
+
+def _no_spills_nor_serialised_wgmmas(ops: Counter, base: Counter):
+    assert not any(op.startswith(("STL", "LDL")) for op in ops), "register spills"
+    # one arrive per WGMMA group, as without the switch (ptxas fencing each WGMMA is a slowdown)
+    assert ops["WARPGROUP.ARRIVE"] == base["WARPGROUP.ARRIVE"], (ops["WARPGROUP.ARRIVE"], base["WARPGROUP.ARRIVE"])
+
+
+def test_separate_do_barrier_gives_do_its_own_mbarriers():
+    """A full and an empty mbarrier per stage more (num_stages = 2 at d = 128: 4 more inits), and a wait
+    on dO's between the S^T and dP^T GEMMs."""
+    report = _sass_report()
+    base = _opcodes(report, "d=128,causal=true")
+    ops = _opcodes(report, "d=128,causal=true,separate_do_barrier=true")
+    assert ops["SYNCS.EXCH.64"] == base["SYNCS.EXCH.64"] + 4
+    assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > base["SYNCS.PHASECHK.TRANS64.TRYWAIT"]
+    _no_spills_nor_serialised_wgmmas(ops, base)
+
+
+@pytest.mark.parametrize("spec", ["d=64", "d=128,causal=true,deterministic=true"])
+def test_dq_bulk_reduce_adds_dq_without_a_tensor_map(spec):
+    report = _sass_report()
+    base = _opcodes(report, spec)
+    ops = _opcodes(report, spec + ",dq_bulk_reduce=true")
+    assert any(op.startswith("UTMAREDG") for op in base)
+    assert any(op.startswith("UBLKRED.G.S.ADD.F32") for op in ops)
+    assert not any(op.startswith("UTMAREDG") for op in ops), "a TMA tensor reduce left"
+    _no_spills_nor_serialised_wgmmas(ops, base)
+
+
+@pytest.mark.parametrize("spec", ["d=64", "d=128,causal=true"])
+def test_tma_store_dkv_writes_dk_dv_through_shared_memory(spec):
+    """dK and dV into K's and V's tiles by stmatrix and out by TMA stores: no 32-bit global stores from
+    the accumulators left. At d = 128 (80-query blocks) this serialised every WGMMA (34 arrives) when
+    it was first tried (docs/perf.md, 2026-12-03); since dQ is staged in register order it does not."""
+    report = _sass_report()
+    base = _opcodes(report, spec)
+    ops = _opcodes(report, spec + ",tma_store_dkv=true")
+    assert base["STG.E"] > 0 and ops["STG.E"] == 0
+    assert any(op.startswith("UTMASTG") for op in ops) and ops["STSM.16.M88.4"] > base["STSM.16.M88.4"]
+    _no_spills_nor_serialised_wgmmas(ops, base)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bench_variants_of_the_switches_build_for_the_bench_cases(d, causal):
+    """`bench.py --mode bwd --variant NAME:field=true` replaces dispatch's BackwardConfig fields for
+    its batched cases: each switch, and all three, must make a valid config there (tma_store_dkv
+    except in the split layout, d = 256)."""
+    from flash_attn4 import dispatch
+    from flash_attn4.fa4_kernels.config import parse_overrides
+
+    base = dispatch.backward_config(Arch.SM90, "bfloat16", d, d, causal=causal, local=False, has_softcap=False,
+                                    varlen=False, has_seqused_k=False, deterministic=False)
+    for spec in ("separate_do_barrier=true", "dq_bulk_reduce=true", "tma_store_dkv=true",
+                 "separate_do_barrier=true,dq_bulk_reduce=true,tma_store_dkv=true"):
+        fields = parse_overrides(spec)
+        if d > 128 and "tma_store_dkv" in fields:
+            with pytest.raises(ValueError, match="tma_store_dkv"):
+                base.replace(**fields)
+            continue
+        cfg = base.replace(**fields)
+        assert all(getattr(cfg, name) is True for name in fields) and cfg.tile_m == base.tile_m
