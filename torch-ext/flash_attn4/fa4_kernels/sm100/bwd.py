@@ -57,8 +57,8 @@ per thread and chunk (the DSL has no vector red.global), and the smem staging is
 
 Tensor memory (512 columns, lane = key row for S^T, dP^T, dK, dV; = query row for dQ):
     S^T 0-127 (P^T of compute warpgroup w: 16-bit pairs at 64 w .. 64 w + 31, over its own S^T
-    columns), dP^T 128-255, dK 256.., dV 256 + d.., dQ 256 + 2 d.. where that fits (d = 64),
-    else over dP^T's columns (d = 128), after dS^T was computed from them.
+    columns), dP^T 128-255, dK 256.. (d), dV 256 + d.. (dv), dQ 256 + d + dv.. where that fits
+    (d = dv = 64), else over dP^T's columns (d <= 128), after dS^T was computed from them.
 
 Synchronisation (mbarrier pipelines, cutlass.pipeline):
     kv    TMA -> MMA        K and V, once
@@ -155,7 +155,7 @@ def out_chunk(dim: int) -> int:
 
 class FlashAttentionBackwardSm100:
     def __init__(self, cfg: BackwardConfig):
-        # BackwardConfig ran tiles.check_backward: head_dim == head_dim_v in (64, 128), 128 x 128.
+        # BackwardConfig ran tiles.check_backward: head_dim and head_dim_v in BWD_HEAD_DIMS, 128 x 128 tiles.
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
