@@ -12,9 +12,9 @@ Refused today (anything else must run):
 - every arch: head_dim or head_dim_v below 16 (valid FlashAttention input, served by no kernel);
 - sm_103a: the backward pass (its kernels are forward only; tests marked ``backward`` are skipped
   there by tests/conftest.py for the same reason);
-- sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims other than 64/64 and
-  128/128 after the backward's padding to a multiple of 16 (at least 32), local windows, softcap,
-  varlen (cu_seqlens), seqused_k;
+- sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims other than 64/64, 96/96 and
+  128/128 after the backward's padding to a multiple of 16 (at least 32) (local windows, softcap,
+  varlen and seqused_k run; its BWD_UNIMPLEMENTED flags, none today, would be listed here);
 - every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
 """
 
@@ -31,13 +31,8 @@ SMALLEST_HEAD_DIM = 16
 # Each reason is a regex of the message the library raises (matched with re.search).
 HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
 NO_BACKWARD = r"backward kernels are not implemented yet"
-SM100_BWD_HEAD_DIMS = (64, 128)
+SM100_BWD_HEAD_DIMS = (64, 96, 128)
 SM100_BWD_HEAD_DIM = r"sm_100a backward: head dims \d+/\d+ are not implemented"
-
-
-def sm100_bwd_option(flag: str) -> str:
-    """The sm_100a backward's refusal of a BackwardConfig flag (varlen, local, ...)."""
-    return rf"sm_100a backward: {flag}=True .* is not implemented"
 
 # raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)
 NO_INFERENCE_ONLY_BACKWARD = r"no backward (with (page_table|seqused_q)|through a paged KV cache)"
@@ -69,9 +64,7 @@ def backward_refusals(arch: Arch, *, head_dim: int = 128, head_dim_v: int = 128,
         d, dv = backward_kernel_head_dim(head_dim), backward_kernel_head_dim(head_dim_v)
         if d != dv or d not in SM100_BWD_HEAD_DIMS:
             reasons.append(SM100_BWD_HEAD_DIM)
-        del deterministic  # runs: the semaphore-ordered dQ reduce-adds
-        flags = dict(varlen=varlen, local=window, has_softcap=softcap, has_seqused_k=seqused_k)
-        reasons += [sm100_bwd_option(flag) for flag, on in flags.items() if on]
+    del window, softcap, varlen, seqused_k, deterministic  # every arch with a backward runs these
     return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])
 
 
@@ -82,8 +75,7 @@ def listed_backward_refusal(arch: Arch, message: str) -> Optional[str]:
     ones the list says this arch refuses."""
     if arch is not Arch.SM100:
         return None
-    flags = ("varlen", "local", "has_softcap", "has_seqused_k")
-    return next((r for r in (SM100_BWD_HEAD_DIM, *map(sm100_bwd_option, flags)) if re.search(r, message)), None)
+    return SM100_BWD_HEAD_DIM if re.search(SM100_BWD_HEAD_DIM, message) else None
 
 
 def refusal_pattern(reasons: list[str]) -> Optional[str]:

@@ -26,11 +26,13 @@ TANH_REL_ERROR = 2.0 ** -11  # tanh.approx.f32 (softcap)
 MUFU_REL_ERROR = 2.0 ** -22  # MUFU.EX2
 
 
-def configs(dtype="bfloat16", d=64, dv=None, causal=False, local=False, softcap=0.0, deterministic=False):
-    """(BackwardConfig, ForwardConfig) that dispatch builds for the problem class on sm90."""
+def configs(dtype="bfloat16", d=64, dv=None, causal=False, local=False, softcap=0.0, deterministic=False,
+            arch=Arch.SM90):
+    """(BackwardConfig, ForwardConfig) that dispatch builds for the problem class on ``arch`` (the
+    forward, which only supplies out and LSE, is sm90's: its tile model is the checked one)."""
     flags = dict(causal=causal, local=local, has_softcap=bool(softcap), varlen=False, has_seqused_k=False)
     dv = d if dv is None else dv
-    bwd = dispatch.backward_config(Arch.SM90, dtype, d, dv, deterministic=deterministic, **flags)
+    bwd = dispatch.backward_config(arch, dtype, d, dv, deterministic=deterministic, **flags)
     fwd = dispatch.forward_config(Arch.SM90, dtype, d, dv, has_sink=False, **flags)
     return bwd, fwd
 
@@ -64,13 +66,14 @@ def reference_grads(q, k, v, dout, sink=None, upcast=True, **kw):
 
 
 def run_case(gen, sq, sk, g=1, d=64, dv=None, dtype=torch.bfloat16, causal=False, window=(-1, -1), softcap=0.0,
-             sink=None, deterministic=False, seed=0, q_scale=1.0, k=None):
-    """Random inputs (k may be given), the forward model's out and LSE, the backward model, and the
-    rule against the references; returns (result, inputs, reference grads)."""
+             sink=None, deterministic=False, seed=0, q_scale=1.0, k=None, arch=Arch.SM90):
+    """Random inputs (k may be given), the forward model's out and LSE, the backward model with the
+    tiles of ``arch``'s backward, and the rule against the references; returns (result, inputs,
+    reference grads)."""
     dv = d if dv is None else dv
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     bwd_cfg, fwd_cfg = configs(name, d, dv, causal=causal, local=window != (-1, -1), softcap=softcap,
-                               deterministic=deterministic)
+                               deterministic=deterministic, arch=arch)
     q = _rand(gen, sq, g, d, dtype=dtype, scale=q_scale)
     k = _rand(gen, sk, d, dtype=dtype, scale=q_scale) if k is None else k
     v, dout = _rand(gen, sk, dv, dtype=dtype), _rand(gen, sq, g, dv, dtype=dtype)
@@ -273,28 +276,30 @@ def test_rounding_p_and_ds_matters():
 # ---- the sm100 backward's deterministic dQ order -------------------------------------------------
 
 
-def sm100_config(d=128, causal=True):
-    return dispatch.backward_config(Arch.SM100, "bfloat16", d, d, causal=causal, local=False, has_softcap=False,
+def sm100_config(d=128, causal=True, local=False):
+    return dispatch.backward_config(Arch.SM100, "bfloat16", d, d, causal=causal, local=local, has_softcap=False,
                                     varlen=False, has_seqused_k=False, deterministic=True)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sm100_semaphore_turns_count_exactly_the_earlier_kv_blocks(causal):
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (200, 0)),
+                                           (False, (70, 5)), (False, (0, 300)), (False, (-1, 40))])
+def test_sm100_semaphore_turns_count_exactly_the_earlier_kv_blocks(causal, window):
     """sm100/bwd.py deterministic_turn: the CTA of KV block n adds its dQ of query block m once the
     semaphore reads n - n_first(m), n_first from mask.n_block_range (the forward's block range,
     tile_model.block_schedule), and then counts itself. That is the KV-block order only if the KV
     blocks that visit m (bwd_tile_model.query_block_range, the CTA's walk) are exactly
     [n_first, n_max): every earlier one has added before block n's turn comes, and none waits for
-    a count that never comes (a deadlock). Over ragged lengths, sq < sk and sq > sk."""
-    cfg = sm100_config(causal=causal)
+    a count that never comes (a deadlock). Over ragged lengths, sq < sk and sq > sk, causal and local
+    windows (where a query block's first KV block is not 0: its count starts at its own n_first)."""
+    cfg = sm100_config(causal=causal, local=window != (-1, -1))
     tm_, tn = cfg.tile_m, cfg.tile_n
     for sq, sk in [(1, 1), (128, 128), (300, 333), (333, 300), (129, 1000), (1000, 129), (640, 640), (5, 700)]:
         visits = {}
         for n in range(-(-sk // tn)):
-            for m in bm.query_block_range(n, sq, sk, tm_, tn, causal, (-1, -1)):
+            for m in bm.query_block_range(n, sq, sk, tm_, tn, causal, window):
                 visits.setdefault(m, []).append(n)
         for m in range(-(-sq // tm_)):
-            blocks = [n for n, _ in tm.block_schedule(m, sq, sk, tm_, tn, causal, (-1, -1))]
+            blocks = [n for n, _ in tm.block_schedule(m, sq, sk, tm_, tn, causal, window)]
             if not blocks:
                 assert m not in visits, (sq, sk, m)
                 continue
@@ -318,3 +323,58 @@ def test_sm100_deterministic_order_is_bitwise_reproducible():
     det = [bm.backward(q, k, v, out, dout, lse, params, deterministic=True, seed=s, **kw) for s in (1, 2)]
     assert np.array_equal(det[0].dq_accum.view(np.int32), det[1].dq_accum.view(np.int32))
     check_rule(det[0], q, k, v, dout, None, **kw)
+
+
+# ---- the sm100 backward's tiles with local windows, softcap and varlen ------------------------------
+
+SM100_CASES = {
+    "local": dict(sq=300, sk=333, window=(70, 5)),
+    "causal-window": dict(sq=333, sk=300, window=(100, 0)),  # causal + window: local with right 0
+    "right-window-only": dict(sq=200, sk=450, window=(-1, 40)),
+    "softcap": dict(sq=200, sk=260, softcap=5.0),
+    "causal-softcap-d128": dict(sq=260, sk=300, causal=True, softcap=2.0, d=128),
+    "local-softcap-gqa-d128": dict(sq=150, sk=390, g=2, window=(200, 30), softcap=3.0, d=128),
+    "local-sink-deterministic": dict(sq=260, sk=300, window=(150, 10), sink=0.5, deterministic=True),
+    "d96-causal": dict(sq=300, sk=333, causal=True, d=96),
+    "d96-local-softcap-gqa": dict(sq=200, sk=290, g=3, window=(90, 20), softcap=6.0, d=96),
+}
+
+
+@pytest.mark.parametrize("case", list(SM100_CASES))
+def test_sm100_tiles_match_reference(case):
+    """The model with the sm100 backward's tiles (128 x 128, sm100/tiles.py) under local windows and
+    softcap: every visible pair covered by a visited block, no full block hiding a masked key, and
+    the gradients within the GPU suite's rule against autograd."""
+    c = dict(SM100_CASES[case])
+    cfg, _ = configs(d=c.get("d", 64), causal=c.get("causal", False), local="window" in c,
+                     softcap=c.get("softcap", 0.0), arch=Arch.SM100)
+    assert (cfg.arch, cfg.tile_m, cfg.tile_n) == (Arch.SM100, 128, 128)
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+    res, _, _ = run_case(gen, seed=c["sq"], arch=Arch.SM100, **c)
+    assert res.stats.masked_steps > 0
+
+
+# (seqlen_q, seqlen_k) per varlen sequence, seqused_k applied: the kernel runs each sequence as its own
+# problem at its offsets (SeqlenInfo), so the model runs them one by one. Ragged ends, one query, keys
+# shorter than a block, and a sequence without keys (its rows see nothing: zero dQ).
+SM100_VARLEN = ((300, 333), (1, 129), (77, 40), (129, 0), (256, 256))
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(causal=True), dict(window=(60, 8)), dict(softcap=4.0, causal=True)])
+def test_sm100_varlen_sequences_match_reference(flags):
+    """Each sequence of a varlen batch through the model with the sm100 tiles: within the rule where
+    it has keys; where it has none, no block is visited and dQ is exactly 0."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(flags).encode()))
+    for sq, sk in SM100_VARLEN:
+        if sk == 0:
+            cfg, _ = configs(causal=flags.get("causal", False), local="window" in flags,
+                             softcap=flags.get("softcap", 0.0), arch=Arch.SM100)
+            q, dout = _rand(gen, sq, 1, 64), _rand(gen, sq, 1, 64)
+            k = v = _rand(gen, 0, 64)
+            res = bm.backward(q, k, v, torch.zeros(sq, 1, 64, dtype=q.dtype), dout, torch.full((1, sq), -math.inf),
+                              bm.BwdTileParams.from_backward_config(cfg), softmax_scale=0.125,
+                              causal=flags.get("causal", False), window=flags.get("window", (-1, -1)),
+                              softcap=flags.get("softcap", 0.0))
+            assert (res.dq == 0).all() and res.dk.numel() == 0 and not res.stats.blocks
+            continue
+        run_case(gen, sq, sk, seed=sq + sk, arch=Arch.SM100, **flags)

@@ -468,3 +468,46 @@ def test_rotary_matches_rotating_q_and_k_first(kernels, interleaved, causal, win
     plain = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=seq, cache_leftpad=pad,
                                     cache_batch_idx=idx, causal=causal, window_size=window)
     assert (plain.float() - out.float()).abs().max() > 0.05
+
+
+# ---- cached constants and CUDA graphs ----
+
+
+class _Manager:
+    def __init__(self, state):
+        self.in_warmup, self.in_recording = state == "warmup", state == "recording"
+
+
+@pytest.mark.parametrize("state,keep", [(None, True), ("idle", True), ("warmup", False), ("recording", False),
+                                        ("broken", False)])
+def test_cached_constants_are_not_kept_while_graph_trees_own_the_allocations(monkeypatch, state, keep):
+    """torch.compile's CUDA-graph trees allocate into a private pool while they warm up or record,
+    and fail on a live tensor there that is not a graph output: a KV-cache step's constant (row
+    starts, lengths) first made then must not be cached. Outside those states it is."""
+    import sys
+    import types
+
+    from flash_attn4 import ops
+
+    def get_manager(index, create_if_none_exists=True):
+        assert index == 3 and create_if_none_exists is False  # never creates a manager
+        if state == "broken":
+            raise AttributeError("moved")
+        return None if state is None else _Manager(state)
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", types.SimpleNamespace(get_manager=get_manager))
+    assert ops._keepable_now(torch.device("cuda", 3)) is keep
+    assert ops._keepable_now(torch.device("cpu")) is True
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert ops._keepable_now(torch.device("cuda", 3)) is False
+
+
+def test_graph_trees_api_the_constant_cache_reads_exists():
+    """_keepable_now reads torch's private graph-trees state; this torch still has it by those names."""
+    import inspect
+
+    from torch._inductor import cudagraph_trees as trees
+
+    assert "create_if_none_exists" in inspect.signature(trees.get_manager).parameters
+    assert all(isinstance(getattr(trees.CUDAGraphTreeManager, name), property) for name in ("in_warmup", "in_recording"))

@@ -1015,6 +1015,19 @@ def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, hq, hk, varle
     assert torch.allclose(lse, ref_lse, atol=1e-3)
 
 
+def test_unpackable_ratio_without_query_tokens(cpu_kernel):
+    """A varlen call whose sequences have no query token but keys (found by the GPU fuzz: 6/2 heads,
+    a sink) takes the dummy-head path too: empty out and lse of the right shapes, no error."""
+    hq, hk, d, dv = 6, 2, 64, 32
+    sk = int(torch.randint(1, 40, ()))
+    q = torch.randn(0, hq, d, dtype=BF16)
+    k, v = torch.randn(sk, hk, d, dtype=BF16), torch.randn(sk, hk, dv, dtype=BF16)
+    cu_q, cu_k = torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0, sk], dtype=torch.int32)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=0, max_seqlen_k=sk,
+                                      learnable_sink=torch.randn(hq), return_lse=True)
+    assert out.shape == (0, hq, dv) and lse.shape == (hq, 0)
+
+
 def test_unpackable_ratio_with_long_queries_runs_unpacked(cpu_kernel):
     q, k, v = rand_qkv(1, dispatch.PAD_PACK_MAX_QUERIES + 1, 80, 14, 2, 64)
     flash_attn_func(q, k, v)

@@ -317,6 +317,70 @@ def test_wrong_kernel_raises_naming_the_configuration(fake_gpu, name):
     assert selfcheck.verdict(cfg, "cpu") == "failed"
 
 
+@pytest.fixture
+def pairs_on(monkeypatch):
+    """The sm100 rules with CTA pairs switched on (sm100/tiles.TWO_CTA), whatever the default."""
+    from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
+    monkeypatch.setattr(sm100_tiles, "TWO_CTA", True)
+    dispatch.forward_config.cache_clear()
+    yield
+    dispatch.forward_config.cache_clear()
+
+
+def odd_cta_unwritten(cfg, q, k, v, out, lse, *rest):
+    """A CTA-pair kernel (cluster_m = 2) whose odd CTA writes nothing: rows 256-511 of every pair
+    tile keep what the outputs held (the check's NaN); single-CTA kernels are right."""
+    reference_into(cfg, q, k, v, out, lse, *rest)
+    if cfg.cluster_m == 2:
+        out[:, 256:512] = float("nan")
+        lse[..., 256:512] = float("inf")
+
+
+def test_pair_failing_its_check_falls_back_to_single_ctas(fake_gpu, pairs_on, caplog):
+    """A pair configuration that fails its first-use check is replaced, on that device, by the same
+    problem class on single CTAs (dispatch.self_check_fallback), which is checked in turn: the
+    caller gets the single-CTA kernel's (right) result and one warning line, later calls go
+    straight to the single-CTA kernel, and the pair's failure is on record."""
+    fake_gpu["mutate"] = odd_cta_unwritten
+    pair = config(ratio=2)
+    single = pair.replace(cluster_m=1)
+    assert pair.cluster_m == 2 and dispatch.self_check_fallback(pair) == single
+    q, k, v = rand_qkv()
+    with caplog.at_level("WARNING", logger=settings.LOGGER_NAME):
+        outs = [flash_attn_func(q, k, v, return_lse=True) for _ in range(2)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert "cluster_m=2" in warnings[0] and "cluster_m=1" in warnings[0] and selfcheck.ISSUE_TRACKER in warnings[0]
+    # the pair's check, the single-CTA kernel's check, then the two calls (single CTAs)
+    assert fake_gpu["calls"] == [problem_shape(pair), problem_shape(single), tuple(q.shape), tuple(q.shape)]
+    assert selfcheck.verdict(pair, "cpu") == "failed" and selfcheck.verdict(single, "cpu") == "passed"
+    ref, ref_lse = attention_ref(q, k, v)
+    for out, lse in outs:
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(lse, ref_lse)
+    compile_cache.clear()  # the launch plans keep their kernel: forget them, and
+    selfcheck.clear()  # the fallback: the pair is checked (and replaced) again
+    flash_attn_func(q, k, v)
+    assert selfcheck.verdict(pair, "cpu") == "failed"
+
+
+def test_pair_fallback_that_fails_too_raises(fake_gpu, pairs_on):
+    """No fallback hides a wrong kernel: with the single-CTA kernel wrong as well, the call raises
+    the single-CTA configuration's SelfCheckError."""
+    fake_gpu["mutate"] = last_tile_unwritten
+    q, k, v = rand_qkv(sq=300)
+    with pytest.raises(selfcheck.SelfCheckError) as info:
+        flash_attn_func(q, k, v)
+    assert "cluster_m=1" in str(info.value)
+    assert selfcheck.verdict(config(ratio=2), "cpu") == "failed"
+
+
+def test_failing_configuration_without_fallback_still_raises():
+    """Only pairs have a fallback: every other configuration's failure raises (the policy above)."""
+    assert dispatch.self_check_fallback(config()) is None
+    assert dispatch.self_check_fallback(config(causal=True)) is None
+
+
 def seqused_q_ignored(cfg, q, k, v, out, lse, *rest):
     """Every stored query row attends (the causal diagonal then sits seqused_q rows off)."""
     reference_into(cfg, q, k, v, out, lse, *rest)
@@ -592,24 +656,34 @@ def test_problem_batched_has_partial_tiles():
         assert ref.empty.any() == (cfg.causal or cfg.local)  # more queries than keys: first rows see none
 
 
-@pytest.mark.parametrize("d,dv,ratio,flags", [(128, 128, 1, dict()), (64, 64, 1, dict()), (128, 128, 4, dict()),
-                                              (256, 256, 16, dict(has_softcap=True)), (256, 128, 1, dict(has_seqused_k=True))])
-def test_problem_of_a_persistent_kernel_has_more_tiles_than_its_ctas(d, dv, ratio, flags):
-    """A persistent kernel launches min(tiles, persistent_ctas) CTAs (TileScheduler.grid): the
-    check's problem must have more tiles than that, or no CTA would run a second tile, where the
-    carried pipeline phases matter. The count is the scheduler's: query blocks x heads x batch."""
+@pytest.mark.parametrize("d,dv,ratio,flags,pair", [(128, 128, 1, dict(), False), (64, 64, 1, dict(), False),
+                                                   (128, 128, 4, dict(), False),
+                                                   (256, 256, 16, dict(has_softcap=True), False),
+                                                   (256, 128, 1, dict(has_seqused_k=True), False),
+                                                   (128, 128, 1, dict(), True), (128, 128, 4, dict(), True)])
+def test_problem_of_a_persistent_kernel_has_more_tiles_than_its_ctas(d, dv, ratio, flags, pair):
+    """A persistent kernel launches min(tiles, persistent_ctas) CTAs (TileScheduler.grid; CTA pairs:
+    min(pair tiles, persistent_ctas / 2) pairs): the check's problem must have more tiles than
+    that, or no CTA would run a second tile, where the carried pipeline phases matter. The count is
+    the scheduler's: query blocks (of tile_m x cluster_m rows) x heads x batch."""
     cfg = config(d=d, dv=dv, ratio=ratio, **flags)
+    if pair:
+        cfg = cfg.replace(cluster_m=2)
     assert cfg.persistent_ctas > 0, "the sm100 rules make this problem class persistent"
+    workers = cfg.persistent_ctas // cfg.cluster_m
     p = selfcheck.build_forward_problem(cfg)
     b, sq, hq, _ = p.q.shape
     hk = p.k.shape[-2]
     rows, heads = (sq * cfg.pack_gqa, hk) if cfg.pack_gqa > 1 else (sq, hq)
-    tiles = -(-rows // cfg.tile_m) * heads * b
+    blocks = -(-rows // (cfg.tile_m * (2 if pair else 1)))
+    tiles = blocks * heads * b
     assert tiles == selfcheck.output_tiles(cfg, b, sq, hq, hk)
-    assert cfg.persistent_ctas < tiles <= cfg.persistent_ctas + heads * -(-rows // cfg.tile_m)  # the smallest batch
+    assert workers < tiles <= workers + heads * blocks  # the smallest batch
     assert len(p.lengths) == b and (p.seqused_k is None) == (not cfg.has_seqused_k)
     if cfg.has_seqused_k:
         assert p.seqused_k.tolist()[:2] == [p.k.shape[1] - 43, 0] and len(p.seqused_k) == b
+    if pair:  # a pair whose odd CTA has some rows (rows % 512 > 256) or none (<= 256) in the sequence
+        assert rows % (2 * cfg.tile_m) != 0
     # one CTA per tile: the small problem stays small
     single = selfcheck.build_forward_problem(cfg.replace(persistent_ctas=0))
     assert single.q.shape[0] == selfcheck.BATCH
@@ -704,6 +778,19 @@ def test_a_kernel_that_never_finishes_fails_the_check_instead_of_hanging_the_cal
         with pytest.raises(selfcheck.SelfCheckError, match="did not finish the check's problem within"):
             flash_attn_func(q, k, v)
     assert len(probes) == 1 and len(fake_gpu["calls"]) == 1  # launched once, never for the user
+
+
+def test_a_pair_that_hangs_raises_without_falling_back(fake_gpu, pairs_on, monkeypatch):
+    """A CTA pair stuck on a barrier is not replaced by single CTAs: their launch would queue behind
+    the hung kernel; the caller gets the hang's SelfCheckError (hung=True)."""
+    monkeypatch.setattr(selfcheck, "completion_probe", lambda device: (lambda: False))
+    monkeypatch.setattr(selfcheck, "HANG_TIMEOUT_S", 0.05)
+    q, k, v = rand_qkv()
+    with pytest.raises(selfcheck.SelfCheckError, match="did not finish") as info:
+        flash_attn_func(q, k, v)
+    assert info.value.hung and config(ratio=2).cluster_m == 2
+    assert len(fake_gpu["calls"]) == 1  # the pair's check only: no single-CTA launch
+    assert selfcheck.verdict(config(ratio=2).replace(cluster_m=1), "cpu") is None
 
 
 def test_await_completion_polls_until_done_or_the_deadline():
@@ -833,6 +920,32 @@ def test_correct_backward_passes_every_configuration(seed, fake_bwd, d, dv, flag
     assert fake_bwd["bwd_calls"] == [bwd_problem_shape(cfg)] * (2 if cfg.deterministic else 1)
     names = {"dq", "dk", "dv"} | ({"dsink"} if selfcheck.backward_has_sink(cfg) else set())
     assert set(report.grads) == names and all(0 < e <= a for e, a in report.grads.values())
+
+
+@pytest.mark.parametrize("d,flags", [
+    (128, dict(varlen=True, has_seqused_k=True, causal=True)), (64, dict(local=True, has_softcap=True)),
+    (128, dict(varlen=True, local=True, has_softcap=True, deterministic=True)), (64, dict(varlen=True)),
+    (96, dict(causal=True, varlen=True, has_seqused_k=True, has_softcap=True))])
+def test_sm100_backward_check_builds_problems_with_varlen_local_and_softcap(seed, fake_bwd, d, flags):
+    """The sm_100a backward's first-use check (its kernel now takes varlen, seqused_k, local windows
+    and softcap) builds a problem with each option of the configuration: packed sequences (one
+    without keys under seqused_k), a window with rows that see no key, a softcap; the correct
+    stand-in (sm100's dQ accumulator order) passes it."""
+    fake_bwd["arch"] = Arch.SM100
+    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
+    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, d, **{**base, **flags})
+    p = selfcheck.build_backward_problem(cfg)
+    assert p.fwd.varlen == cfg.varlen and (p.fwd.seqused_k is not None) == cfg.has_seqused_k
+    assert (p.fwd.softcap > 0) == cfg.has_softcap and (p.fwd.window_left >= 0) == cfg.local
+    if cfg.has_seqused_k:
+        assert 0 in p.fwd.seqused_k.tolist()  # a sequence whose rows see no key
+    ref = selfcheck.reference_backward(p)
+    if cfg.causal or cfg.local or cfg.has_seqused_k:
+        assert ref.empty.any()  # rows without keys: their gradients must come out 0
+    kernel = compile_cache.get_backward_kernel(cfg)
+    report = selfcheck.check_backward(cfg, kernel, ops.BACKWARD_LAUNCH, torch.device("cpu"))
+    assert report.ok, report.failures
+    assert fake_bwd["bwd_calls"] == [tuple(p.fwd.q.shape)] * (2 if cfg.deterministic else 1)
 
 
 # wrong backward kernels: (what the stand-in does wrong, the configuration flags, user-call options)

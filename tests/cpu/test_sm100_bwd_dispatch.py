@@ -58,7 +58,8 @@ def reference_grads(q, k, v, dout, **kwargs):
     return [t.grad for t in leaves_]
 
 
-@pytest.mark.parametrize("d,causal,hq,hk", [(64, True, 4, 2), (128, False, 4, 1), (120, True, 2, 2), (56, False, 6, 2)])
+@pytest.mark.parametrize("d,causal,hq,hk", [(64, True, 4, 2), (128, False, 4, 1), (120, True, 2, 2), (56, False, 6, 2),
+                                            (96, True, 4, 2), (88, False, 2, 1)])
 @pytest.mark.parametrize("postprocess_kernel", [True, False])
 def test_b200_backward_runs_the_sm100_configs_after_its_self_check(b200, monkeypatch, d, causal, hq, hk,
                                                                    postprocess_kernel):
@@ -122,11 +123,9 @@ def test_wrong_sm100_backward_is_refused_by_its_self_check(b200):
 
 
 UNSUPPORTED = {
-    "window": (dict(window_size=(16, 0)), r"local=True"),
-    "softcap": (dict(softcap=5.0), r"has_softcap=True"),
-    "head dim 96": (dict(d=96), r"head dims 96/96"),
+    "head dim 80": (dict(d=80), r"head dims 80/80"),
+    "head dim 192": (dict(d=192), r"head dims 192/192"),
     "head dims 128/64": (dict(dv=64), r"head dims 128/64"),
-    "varlen": (dict(varlen=True), r"varlen=True"),
 }
 
 
@@ -155,6 +154,70 @@ def test_options_the_sm100_backward_lacks_raise_before_any_compile(b200, name):
     assert "sm_100a" in str(info.value) and "it runs:" in str(info.value)
     assert b200["configs"] == [] and b200["bwd_calls"] == []
     assert q.grad is None
+
+
+FEATURES = {
+    "window": dict(window_size=(16, 3)),
+    "causal window": dict(causal=True, window_size=(40, 0)),
+    "softcap": dict(softcap=5.0),
+    "causal softcap GQA 4": dict(causal=True, softcap=3.0, hq=4, hk=1),
+    "varlen": dict(varlen=True),
+    "varlen causal": dict(varlen=True, causal=True),
+    "varlen seqused_k window softcap deterministic": dict(varlen=True, seqused_k=True, window_size=(20, 5),
+                                                          softcap=4.0, deterministic=True),
+}
+
+
+def feature_call(opts, d=64):
+    """A user's forward through the public function the options need, its leaves and dout, and the
+    keyword arguments of the same problem for tests/reference.py's attention_ref."""
+    from flash_attn4 import flash_attn_varlen_func
+
+    opts = dict(opts)
+    hq, hk = opts.pop("hq", 4), opts.pop("hk", 2)
+    varlen, seqused = opts.pop("varlen", False), opts.pop("seqused_k", False)
+    ref = {k: v for k, v in opts.items() if k in ("causal", "window_size", "softcap")}
+    if varlen:
+        # ragged: a sequence longer than a tile, one without queries, one with a single query
+        cu_q = torch.tensor([0, 150, 150, 151, 230], dtype=torch.int32)
+        cu_k = torch.tensor([0, 170, 210, 350, 390], dtype=torch.int32)
+        q, k, v = leaves(torch.randn(230, hq, d, dtype=BF16), torch.randn(390, hk, d, dtype=BF16),
+                         torch.randn(390, hk, d, dtype=BF16))
+        extra = dict(seqused_k=torch.tensor([130, 0, 140, 9], dtype=torch.int32)) if seqused else {}
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=150, max_seqlen_k=170, **extra, **opts)
+        ref.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **extra)
+    else:
+        q, k, v = leaves(*rand_qkv(b=2, sq=150, sk=190, hq=hq, hk=hk, d=d))
+        out = ops_call(q, k, v, **opts)
+    return out, (q, k, v), torch.randn_like(out), ref
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_b200_backward_with_windows_softcap_and_varlen_runs_sm100_configs(b200, name):
+    """Local windows, softcap, varlen and seqused_k reach the sm_100a backward (flags set on its
+    configuration, varlen postprocessing), after its first-use self-check, and the gradients (the
+    stand-in's math through sm100's dQ accumulator order, packed by sequence for varlen) match
+    autograd of the reference. Keys past seqused_k get zero gradients."""
+    opts = FEATURES[name]
+    out, tensors, dout, ref = feature_call(opts)
+    out.backward(dout)
+    want = reference_grads(*tensors, dout, **ref)
+    for label, t, w in zip("qkv", tensors, want):
+        assert torch.isfinite(t.grad).all(), label
+        err = float((t.grad.double() - w).abs().max())
+        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, label, err)
+    if opts.get("seqused_k"):
+        assert (tensors[1].grad[170:210] == 0).all() and (tensors[2].grad[350 + 9:] == 0).all()
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert cfg.arch is Arch.SM100
+    assert (cfg.varlen, cfg.has_seqused_k) == (opts.get("varlen", False), opts.get("seqused_k", False))
+    assert cfg.local == ("window_size" in opts and not (opts.get("causal") and opts["window_size"][0] < 0))
+    assert cfg.has_softcap == ("softcap" in opts) and cfg.deterministic == opts.get("deterministic", False)
+    post = [c for c in b200["configs"] if isinstance(c, PostprocessConfig)]
+    assert post == [cfg.postprocess()] and post[0].varlen == cfg.varlen
+    checks = 2 if cfg.deterministic else 1
+    assert len(b200["bwd_calls"]) == checks + 1 and b200["bwd_calls"][-1] == tuple(tensors[0].shape)
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
 
 
 def test_b200_backward_configs_compile_for_sm_100a(b200):

@@ -29,13 +29,25 @@ CONFIGS = {
     "d64_causal_fp16": dict(d=64, causal=True, dtype="float16"),
     "d128": dict(d=128),
     "d128_causal": dict(d=128, causal=True),
+    "d96": dict(d=96),
+    "d96_causal_varlen_softcap": dict(d=96, causal=True, varlen=True, has_softcap=True),
     "d128_causal_deterministic": dict(d=128, causal=True, deterministic=True),
+    "d128_varlen_seqused_k": dict(d=128, varlen=True, has_seqused_k=True),
+    "d128_local": dict(d=128, local=True),
+    "d64_softcap": dict(d=64, has_softcap=True),
+    "d64_varlen_local_softcap_deterministic": dict(d=64, varlen=True, local=True, has_softcap=True,
+                                                   deterministic=True),
 }
+# ptxas 12.9 (the cu12 flavour): one config per feature beside the plain causal ones.
+CU12_CONFIGS = (dict(d=64, causal=True), dict(d=96, causal=True), dict(d=128, causal=True),
+                dict(d=128, varlen=True, has_seqused_k=True),
+                dict(d=128, local=True, has_softcap=True), dict(d=64, has_softcap=True))
 
 
-def config(d=128, causal=False, dtype="bfloat16", deterministic=False):
-    return dispatch.backward_config(Arch.SM100, dtype, d, d, causal=causal, local=False, has_softcap=False,
-                                    varlen=False, has_seqused_k=False, deterministic=deterministic)
+def config(d=128, causal=False, dtype="bfloat16", deterministic=False, local=False, has_softcap=False,
+           varlen=False, has_seqused_k=False):
+    return dispatch.backward_config(Arch.SM100, dtype, d, d, causal=causal, local=local, has_softcap=has_softcap,
+                                    varlen=varlen, has_seqused_k=has_seqused_k, deterministic=deterministic)
 
 
 def kernel_plan(cfg):
@@ -83,24 +95,34 @@ def test_tmem_traffic_and_exponentials_as_planned(compiled):
     """tcgen05.ld by 32-column chunks: S^T and dP^T of each compute warpgroup's columns, in the
     masked and the unmasked variant of a step; dK and dV (each warpgroup half the head dim); dQ.
     tcgen05.st: P^T, one per chunk and variant. Each compute thread's exponentials twice (the two
-    variants); one TMA reduce-add per dQ chunk."""
+    variants), with softcap a tanh before each; one TMA reduce-add per dQ chunk (a 4-D box
+    batched, 3-D varlen). Softcap runs the chunks as a loop (compute()): one chunk's code per variant."""
     name, cfg, stats = compiled
     bwd, plan = kernel_plan(cfg)
     chunk = sm100_tiles.BWD_DQ_CHUNK
     cols = cfg.tile_m // bwd.COMPUTE_GROUPS
     d = cfg.head_dim
     variants = 2
-    assert stats["ldtm"] == variants * 2 * (cols // chunk) + 2 * (d // bwd.COMPUTE_GROUPS // chunk) + d // chunk, name
-    assert stats["sttm"] == variants * (cols // chunk), name
-    assert stats["mufu_ex2"] == 2 * cols, name
-    assert stats["opcodes"].get("UTMAREDG.4D.ADD", 0) == d // chunk, name
+    chunks_in_code = 1 if cfg.has_softcap else cols // chunk
+    dkv_chunks = d // bwd.COMPUTE_GROUPS // plan.dkv_chunk  # per warpgroup: 16-column chunks at d = 96
+    assert plan.dkv_chunk == (chunk if d // bwd.COMPUTE_GROUPS % chunk == 0 else MMA_K)
+    assert stats["ldtm"] == variants * 2 * chunks_in_code + 2 * dkv_chunks + d // chunk, name
+    assert stats["sttm"] == variants * chunks_in_code, name
+    assert stats["mufu_ex2"] == variants * chunks_in_code * chunk, name
+    assert stats["opcodes"].get("MUFU.TANH", 0) == (stats["mufu_ex2"] if cfg.has_softcap else 0), name
+    assert reduce_adds(stats) == d // chunk, name
+
+
+def reduce_adds(stats) -> int:
+    """TMA reduce-adds into dq_accum: (rows, 128, head, batch) batched, (rows, 128, head) varlen."""
+    return sum(n for op, n in stats["opcodes"].items() if op in ("UTMAREDG.4D.ADD", "UTMAREDG.3D.ADD"))
 
 
 def test_register_budgets_one_setmaxnreg_per_role(compiled):
-    name, _, stats = compiled
-    from flash_attn4.fa4_kernels.sm100 import bwd
-
-    budgets = bwd.REGISTERS
+    name, cfg, stats = compiled
+    bwd, plan = kernel_plan(cfg)
+    budgets = plan.registers
+    assert budgets == bwd.registers(cfg.head_dim)
     assert budgets["dq"] + bwd.COMPUTE_GROUPS * budgets["compute"] + budgets["other"] == 4 * bwd.LAUNCH_REGISTERS
     assert stats["usetmaxreg"] == stats["setmaxnreg"], name
     # The launch's share needs no setmaxnreg.
@@ -123,7 +145,7 @@ def test_deterministic_dq_order_one_turn_wait_and_one_release_per_query_block(co
                        "MEMBAR.ALL.GPU": 1}, (name, sem)
     else:
         assert not any(sem.values()), (name, sem)
-    assert ops.get("UTMAREDG.4D.ADD", 0) == cfg.head_dim // sm100_tiles.BWD_DQ_CHUNK, name
+    assert reduce_adds(stats) == cfg.head_dim // sm100_tiles.BWD_DQ_CHUNK, name
 
 
 def test_static_problems_none(compiled):
@@ -184,17 +206,18 @@ def test_dq_accum_order_is_a_permutation_matching_the_staging_formula():
                 assert position[t * d + col] == c * layout.chunk * layout.tile_m + j * 4 * layout.tile_m + 4 * t + i
 
 
-@pytest.mark.parametrize("option", ["varlen", "local", "has_softcap"])
-def test_unimplemented_options_raise_naming_option_and_arch(option):
-    flags = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False,
-                 deterministic=False)
-    flags[option] = True
-    with pytest.raises(NotImplementedError, match=rf"sm_100a backward: {option}=True"):
-        BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=128, head_dim_v=128,
-                       **{k: v for k, v in flags.items()}, tile_m=128, tile_n=128, num_stages=1)
+@pytest.mark.parametrize("flags", [dict(varlen=True), dict(varlen=True, has_seqused_k=True), dict(local=True),
+                                   dict(has_softcap=True), dict(local=True, has_softcap=True, varlen=True)])
+def test_varlen_local_and_softcap_configs_are_accepted(flags):
+    """No refusal left for these options (BWD_UNIMPLEMENTED is empty); each builds its kernel plan."""
+    assert sm100_tiles.BWD_UNIMPLEMENTED == {}
+    cfg = BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=128, head_dim_v=128, tile_m=128, tile_n=128,
+                         num_stages=1, **flags)
+    kernel_plan(cfg)
+    assert cfg.postprocess().varlen == flags.get("varlen", False)
 
 
-@pytest.mark.parametrize("d, dv", [(96, 96), (256, 256), (128, 64)])
+@pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (128, 64)])
 def test_other_head_dims_raise(d, dv):
     with pytest.raises(NotImplementedError, match="sm_100a backward: head dims"):
         BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,
@@ -218,32 +241,44 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
 
     configs = backward_kernel_set(Arch.SM100)
     mains = [c for c in configs if isinstance(c, BackwardConfig)]
-    assert {(c.head_dim, c.causal, c.deterministic) for c in mains} == {
-        (64, False, False), (64, True, False), (128, False, False), (128, True, False), (128, True, True)}
-    assert {c.head_dim for c in configs if isinstance(c, PostprocessConfig)} == {64, 128}
+    assert {(c.head_dim, c.causal, c.deterministic, c.local, c.has_softcap, c.varlen, c.has_seqused_k)
+            for c in mains} == {
+        (64, False, False, False, False, False, False), (64, True, False, False, False, False, False),
+        (96, True, False, False, False, False, False),
+        (128, False, False, False, False, False, False), (128, True, False, False, False, False, False),
+        (128, True, True, False, False, False, False), (128, True, False, False, False, True, True),
+        (128, False, False, True, True, False, False)}
+    assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
+        (64, False), (96, False), (128, False), (128, True)}
     assert any(isinstance(c, PreprocessConfig) for c in configs)
 
 
-def test_postprocess_compiles_for_both_head_dims():
+def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
     from flash_attn4.fa4_kernels.compile import compile_backward_postprocess
 
     for d in sm100_tiles.BWD_HEAD_DIMS:
-        compile_backward_postprocess(config(d=d).postprocess(), jit_engine=False)
+        for varlen in (False, True):
+            compile_backward_postprocess(config(d=d, varlen=varlen).postprocess(), jit_engine=False)
 
 
 def test_verifier_reports_only_the_reviewed_baseline():
     """CUTE_DSL_COMPILER_OPT=warnings: nothing beyond tests/cpu/verifier_baseline.json's reviewed
-    entries for the sm100 backward."""
+    entries for the sm100 backward. The varlen, local/softcap and d = 96 kernels use the same
+    pipelines as the reviewed ones, so they must report exactly the same (no entry of their own)."""
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
-    for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True))):
+    for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True)),
+                       ("sm100 bwd d128 causal", dict(d=128, causal=True, varlen=True, has_seqused_k=True)),
+                       ("sm100 bwd d128 causal", dict(d=128, local=True, has_softcap=True)),
+                       ("sm100 bwd d64", dict(d=96, causal=True))):
         got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(config(**spec), FLAVOUR))
         assert got == sorted(baseline[name]), (name, got)
 
 
 def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work():
     """ptxas 12.9 (plain pip installs on CUDA 12 drivers) spilled at d = 128 with a 112-register MMA
-    warpgroup; with its budget at the launch share it builds the same kernels without spills."""
-    for spec in (dict(d=64, causal=True), dict(d=128, causal=True)):
+    warpgroup; with its budget at the launch share it builds the same kernels without spills, and
+    those of each feature (varlen with seqused_k, local with softcap, softcap alone)."""
+    for spec in CU12_CONFIGS:
         cfg = config(**spec)
         stats = lib.kernel_stats(cfg, "cu12")
         assert stats["ptxas"] is None or "release 12." in stats["ptxas"], stats["ptxas"]

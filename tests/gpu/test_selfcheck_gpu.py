@@ -243,7 +243,9 @@ def test_real_sm90_backward_configurations_pass(name):
     grads = [t.grad for t in leaves]
     q, k, v = (t.detach() for t in leaves[:3])
     sink = leaves[3].detach() if len(leaves) > 3 else None
-    ref_leaves = [t.float().requires_grad_() for t in (q, k, v)] + ([sink.float().requires_grad_()] if sink is not None
+    # Each leaf its own tensor: sink is float32, so sink.float() would be sink itself, a leaf the
+    # bf16 reference's backward below (through sink.clone()) would add its gradient into.
+    ref_leaves = [t.float().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sink is not None
                                                                    else [])
     kw = {key: val for key, val in ref_kw.items() if key != "learnable_sink"}
     out_ref, _ = attention_ref(*ref_leaves[:3], learnable_sink=ref_leaves[3] if sink is not None else None, **kw)

@@ -135,7 +135,7 @@ def backward_configs(arch: Arch, p: ModelProfile, dtype: str) -> list:
     out = []
     for mask in _mask_kinds(p):
         for varlen in (False, True):
-            try:  # an arch's backward may lack a feature (sm_100a: varlen, ...): calling it raises anyway
+            try:  # an arch's backward may lack a class (sm_100a: head dims other than 64, 128): calling it raises
                 cfg = dispatch.backward_config(arch, dtype, p.head_dim, p.dv, varlen=varlen, has_softcap=p.softcap,
                                                has_seqused_k=False, deterministic=False, **mask)
             except NotImplementedError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 
@@ -80,6 +81,16 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
         **choose_tiles(arch, head_dim, head_dim_v, causal, local),
         **forward_grid(arch, head_dim, head_dim_v, causal, local, varlen or has_seqused_q, split_kv),
     )
+
+
+def self_check_fallback(cfg) -> Optional[ForwardConfig]:
+    """The configuration that computes ``cfg``'s problem class in its place once ``cfg`` has failed
+    its first-use self-check on a device, or None (the failure raises: selfcheck.py). CTA pairs
+    (cluster_m = 2: the newest, least verified kernel) fall back to single CTAs, the kernel the
+    rules pick with the pair switch off (sm100/tiles.TWO_CTA)."""
+    if isinstance(cfg, ForwardConfig) and cfg.cluster_m > 1:
+        return cfg.replace(cluster_m=1)
+    return None
 
 
 @functools.lru_cache(maxsize=256)

@@ -146,14 +146,27 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
     kernel = compile_cache.get_forward_kernel(cfg)
     # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
     # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
-    selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+    try:
+        selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+    except selfcheck.SelfCheckError as error:
+        # A configuration with a fallback (CTA pairs: single CTAs) that computed wrong results is
+        # replaced on this device from now on (_config_for returns the fallback), itself checked on
+        # its first use. Not after a hang: the fallback would queue behind the hung kernel.
+        fallback = dispatch.self_check_fallback(cfg)
+        if fallback is None or error.hung:
+            raise
+        selfcheck.fall_back(cfg, fallback, q.device, error)
+        kernel = compile_cache.get_forward_kernel(fallback)
+        selfcheck.ensure_checked(fallback, q.device, kernel, _launch_forward)
     return kernel
 
 
 def _config_for(q: torch.Tensor, v: torch.Tensor, **flags):
-    """The ForwardConfig _kernel_for compiles for these flags."""
-    return dispatch.forward_config(dispatch.arch_for_device(q.device), dispatch.dtype_name(q.dtype), q.shape[-1],
-                                   v.shape[-1], **flags)
+    """The ForwardConfig _kernel_for compiles for these flags (or the one that replaced it on this
+    device after it failed its self-check)."""
+    return selfcheck.substitute(dispatch.forward_config(dispatch.arch_for_device(q.device),
+                                                        dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1],
+                                                        **flags), q.device)
 
 
 def _fill_empty_keys(out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optional[torch.Tensor],
@@ -322,10 +335,12 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
     plan.num_splits, plan.flags, plan.combine = num_splits, flags, None
     if num_splits > 1:
         split_flags = dict(flags, has_sink=False, split_kv=True)
-        plan.cfg, plan.kernel = _config_for(q, v, **split_flags), _kernel_for(q, v, **split_flags)
+        plan.kernel = _kernel_for(q, v, **split_flags)  # first: it may replace the configuration
+        plan.cfg = _config_for(q, v, **split_flags)
         plan.combine = _combine_kernel(q.device, q.dtype, v.shape[-1], has_sink=learnable_sink is not None)
     else:
-        plan.cfg, plan.kernel = _config_for(q, v, **flags), _kernel_for(q, v, **flags)
+        plan.kernel = _kernel_for(q, v, **flags)  # first: it may replace the configuration
+        plan.cfg = _config_for(q, v, **flags)
     return plan
 
 
@@ -379,7 +394,8 @@ def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, sequs
     out_pad, lse_pad = _forward(q_pad.view(*lead, hk * group, d), k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                 sink_pad, softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
                                 max_seqlen_k, num_splits, check_values, page_table, seqused_q)
-    out = out_pad.view(*lead, hk, group, -1)[..., :ratio, :].reshape(*lead, hq, out_pad.shape[-1])
+    dv = out_pad.shape[-1]  # explicit: with no query token (-1) could be any size
+    out = out_pad.view(*lead, hk, group, dv)[..., :ratio, :].reshape(*lead, hq, dv)
     head_mode = 0 if cu_seqlens_q is not None else 1  # lse (hq, total_q) or (b, hq, sq)
     lse_shape = lse_pad.shape[:head_mode] + (hk, group) + lse_pad.shape[head_mode + 1:]
     lse = lse_pad.view(lse_shape).narrow(head_mode + 1, 0, ratio).reshape(
@@ -927,20 +943,42 @@ def _offsets(n: int, step: int, device: torch.device, *, base: int = 0, last: Op
     """``dtype`` (int32) [base, base + step, ..., base + (n - 1) * step], then ``last`` if given: cu_seqlens of
     equal-length sequences, cache-row starts, constant lengths. A decode loop asks for the same ones
     at every step, so each is made once per process (a blocking copy: complete before any stream
-    reads it) and never written; during CUDA-graph capture they are made fresh instead (a copy
-    cannot be captured, and the graph keeps what it captured)."""
+    reads it) and never written; where a CUDA graph's memory is being allocated they are made fresh
+    instead (_keepable_now)."""
     key = (n, step, base, last, device, dtype)
     t = _OFFSETS.get(key)
     if t is not None:
         return t
-    values = [base + i * step for i in range(n)] + ([] if last is None else [last])
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if not _keepable_now(device):
         t = torch.arange(n, dtype=dtype, device=device) * step + base
         return t if last is None else torch.cat([t, t.new_full((1,), last)])
     if len(_OFFSETS) >= 1024:
         _OFFSETS.clear()
+    values = [base + i * step for i in range(n)] + ([] if last is None else [last])
     t = _OFFSETS[key] = torch.tensor(values, dtype=dtype, device=device)
     return t
+
+
+def _keepable_now(device: torch.device) -> bool:
+    """Whether a tensor made now on ``device`` may be kept past this call. Not during CUDA-graph
+    capture (a host-to-device copy cannot be captured, and the graph keeps what it captured), nor
+    while torch.compile's CUDA-graph trees warm up or record a graph: their private memory pool
+    takes every allocation then, and a tensor it holds that is not one of the graph's outputs makes
+    them fail ("tensor(s) in the cudagraph pool not tracked as outputs"; static-cache generate in
+    transformers compiles its decode step this way). Unknown states count as not keepable."""
+    if device.type != "cuda":
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:  # never imported: no graph trees in this process
+        return True
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        return manager is None or not (manager.in_warmup or manager.in_recording)
+    except Exception:  # noqa: BLE001 - a private API: if it moved, keep nothing rather than guess
+        return False
 
 
 def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -57,8 +57,14 @@ naming the configuration (all its fields), the errors measured against what is a
 the GPU and the versions, asking for a report at :data:`ISSUE_TRACKER`, and saying how to switch the
 check off (``FLASH_ATTN4_SELF_CHECK=0``) for whoever accepts the risk. Raising rather than falling
 back to a PyTorch path silently: a fallback would be orders of magnitude slower without anyone
-noticing, and a kernel that fails its check is a bug we want to hear about. An exception raised by
-the launch itself (a missing feature, a CUDA error) propagates as it is.
+noticing, and a kernel that fails its check is a bug we want to hear about. One exception: a
+configuration for which dispatch names a fallback kernel of ours (``dispatch.self_check_fallback``:
+CTA pairs, cluster_m = 2, fall back to single CTAs, which compute the same problem class with the
+kernel the rules pick when pairs are off) is replaced by it on that device for the rest of the
+process, with a one-line warning naming both and asking for a report (the full failure report goes
+to the log at INFO level); the fallback is checked on its first use like any configuration, and
+raises if it fails too. An exception raised by the launch itself (a missing feature, a CUDA error)
+propagates as it is.
 
 CUDA graphs and torch.compile: a kernel cannot be run and waited for while a CUDA graph is being
 captured, so a configuration whose first use falls inside a capture raises a RuntimeError asking for
@@ -116,7 +122,12 @@ SPARE_PAGES = 2  # paged: pages no sequence owns, in the shuffled pool
 
 
 class SelfCheckError(RuntimeError):
-    """A kernel configuration failed its first-use self-check (wrong results, or none in time)."""
+    """A kernel configuration failed its first-use self-check (wrong results, or none in time:
+    ``hung``, after which the GPU's context may not recover, so nothing falls back)."""
+
+    def __init__(self, message: str, hung: bool = False):
+        super().__init__(message)
+        self.hung = hung
 
 
 # ---- the problem ----
@@ -268,18 +279,20 @@ def _build_problem(cfg, ratio: int, has_sink: bool, gen: torch.Generator) -> For
 
 def output_tiles(cfg: ForwardConfig, batch: int, seqlen_q: int, hq: int, hk: int) -> int:
     """The tiles a batched launch of ``cfg`` has (the kernels' TileScheduler: query blocks of tile_m
-    rows, with pack_gqa the group's heads folded into the rows, times heads, times batch)."""
+    rows, of tile_m x cluster_m rows for CTA pairs, with pack_gqa the group's heads folded into the
+    rows, times heads, times batch)."""
     rows, heads = (seqlen_q * cfg.pack_gqa, hk) if cfg.pack_gqa > 1 else (seqlen_q, hq)
-    return -(-rows // cfg.tile_m) * heads * batch
+    return -(-rows // (cfg.tile_m * cfg.cluster_m)) * heads * batch
 
 
 def batch_size(cfg, seqlen_q: int, hq: int, hk: int) -> int:
     """BATCH, or for a persistent kernel (cfg.persistent_ctas: at most that many CTAs, each looping
-    over tiles) the smallest batch with more tiles than CTAs, so that some CTAs run a second tile
-    with the pipeline states the first left behind: where a persistent kernel's phases go wrong."""
+    over tiles; with CTA pairs, half as many pairs, each looping over pair tiles) the smallest batch
+    with more tiles than workers, so that some run a second tile with the pipeline states the first
+    left behind: where a persistent kernel's phases go wrong."""
     batch = BATCH
-    ctas = getattr(cfg, "persistent_ctas", 0)  # forward configurations only
-    while ctas and output_tiles(cfg, batch, seqlen_q, hq, hk) <= ctas:
+    workers = getattr(cfg, "persistent_ctas", 0) // getattr(cfg, "cluster_m", 1)  # forward configurations only
+    while workers and output_tiles(cfg, batch, seqlen_q, hq, hk) <= workers:
         batch += 1
     return batch
 
@@ -443,6 +456,7 @@ class CheckReport:
     # the backward's: gradient name ("dq", "dk", "dv", "dsink") -> (max |grad - ref|, allowed)
     grads: dict = field(default_factory=dict)
     problem: str = ""
+    hung: bool = False  # the kernel did not finish within HANG_TIMEOUT_S
     # wall seconds: building the problem (CPU) and moving it to the device; computing both references
     # (on a GPU: queueing their kernels); comparing (on a GPU: waiting for the kernel and the
     # references too); the whole check
@@ -563,6 +577,7 @@ def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Opti
         # calls raise instead of launching it again.
         return CheckReport(failures=[f"the kernel did not finish the check's problem within {HANG_TIMEOUT_S:.0f} s "
                                      f"(it hangs; this GPU's context may not recover until the process exits)"],
+                           hung=True,
                            problem=p.describe(), build_s=t1 - t0, total_s=time.perf_counter() - t0)
     t2 = time.perf_counter()
     ref = reference_forward(p, device)
@@ -828,6 +843,7 @@ def check_backward(cfg, kernel, launch: BackwardLaunch, device, seed: Optional[i
     if not await_completion(completion_probe(device)):
         return CheckReport(failures=[f"the backward did not finish the check's problem within {HANG_TIMEOUT_S:.0f} s "
                                      f"(it hangs; this GPU's context may not recover until the process exits)"],
+                           hung=True,
                            problem=p.describe(), build_s=t1 - t0, total_s=time.perf_counter() - t0)
     if sink is not None:
         dsink = launch.sink_gradient(dout, out, lse, sink, f.varlen)
@@ -851,6 +867,7 @@ _settled: dict = {}
 _verdicts: dict = {}  # (device index, cfg) -> "passed" | "not required" | "off" | "failed"
 _reports: dict = {}  # (device index, cfg) -> CheckReport of checks that ran
 _failed: dict = {}  # (device index, cfg) -> (kernel, message)
+_fallbacks: dict = {}  # (device index, cfg) -> the configuration used in its place after it failed
 _lock = threading.RLock()
 
 
@@ -916,7 +933,7 @@ def _first_use(cfg, device, kernel, launch: Launch) -> None:
         message = _failure_message(cfg, device, report)
         _failed[key] = (kernel, message)
         _verdicts[key] = "failed"
-        raise SelfCheckError(message)
+        raise SelfCheckError(message, hung=report.hung)
 
 
 def _describe_cfg(cfg) -> str:
@@ -965,6 +982,29 @@ def _failure_message(cfg, device, report: CheckReport) -> str:
     )
 
 
+def substitute(cfg, device: torch.device):
+    """``cfg``, or the configuration that replaced it on ``device`` after it failed its check
+    (fall_back). One dict lookup."""
+    return _fallbacks.get((device.index, cfg), cfg)
+
+
+def fall_back(cfg, fallback, device: torch.device, error: SelfCheckError) -> None:
+    """Use ``fallback`` in place of ``cfg`` on ``device`` from now on (``cfg`` failed its check with
+    ``error``; dispatch.self_check_fallback chose ``fallback``), saying so in one warning line; the
+    failure's full report goes to the log at INFO level."""
+    log = settings.get_logger()
+    with _lock:
+        _fallbacks[(device.index, cfg)] = fallback
+    log.warning("flash-attn4: %s failed its first-use self-check on %s; using %s for this problem class "
+                "instead (please report at %s)", _describe_cfg(cfg), _describe_device(device),
+                ", ".join(f"{f}={getattr(fallback, f)}" for f in _changed_fields(cfg, fallback)), ISSUE_TRACKER)
+    log.info("flash-attn4: the failed self-check: %s", error)
+
+
+def _changed_fields(cfg, other) -> list[str]:
+    return [f for f in cfg.__dataclass_fields__ if getattr(cfg, f) != getattr(other, f)]
+
+
 def verdict(cfg, device) -> Optional[str]:
     """"passed", "not required", "off", "failed", or None before the configuration's first use on
     ``device`` (a torch.device or a device index)."""
@@ -981,5 +1021,5 @@ def report(cfg, device) -> Optional[CheckReport]:
 def clear() -> None:
     """Forget every verdict: each configuration is decided (and checked where required) again."""
     with _lock:
-        for d in (_settled, _verdicts, _reports, _failed):
+        for d in (_settled, _verdicts, _reports, _failed, _fallbacks):
             d.clear()

@@ -168,11 +168,18 @@ class ForwardConfig(_KernelConfig):
     # Paged KV cache (fa4_kernels/paged_kv.py): 0, K and V are contiguous; N > 0, they are pages of N
     # keys read through a page table. A compile-time size: it shapes the TMA boxes of a K/V tile.
     page_size: int = 0
+    # CTAs that share one MMA along M: 1, each CTA issues its own; 2, a cluster of two CTAs (a pair)
+    # runs the M = 256 tcgen05 MMAs of cta_group::2, each CTA holding its own query rows and half
+    # of every K and V tile. Only for an arch whose rules say it has pairs (``FORWARD_CLUSTER_M``
+    # in its tiles.py), which also say for which problem classes (its check_forward).
+    cluster_m: int = 1
 
     def __post_init__(self):
         self._check_common()
         if self.split_kv:
             self._check_split_kv()
+        if self.cluster_m != 1:
+            self._check_cluster()
         if self.page_size:
             self._check_paged()
         if self.pack_gqa < 1:
@@ -203,6 +210,15 @@ class ForwardConfig(_KernelConfig):
             raise ValueError("split_kv kernels take no learnable sink: the combine kernel adds it")
         if self.persistent_ctas:
             raise ValueError("split_kv needs one CTA per (tile, split): persistent_ctas must be 0")
+
+    def _check_cluster(self) -> None:
+        entry = KERNELS.get(self.arch)
+        if entry is None or self.cluster_m not in getattr(entry.rules(), "FORWARD_CLUSTER_M", (1,)):
+            raise ValueError(f"cluster_m={self.cluster_m}: the {self.arch} forward has no kernel with "
+                             f"{self.cluster_m} CTAs per MMA")
+        if self.persistent_ctas % self.cluster_m:
+            raise ValueError(f"persistent_ctas ({self.persistent_ctas}) must be a multiple of cluster_m "
+                             f"({self.cluster_m}): a persistent grid launches whole clusters")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ the forward gained 11-13% at d=256 causal 4k and 8k, 2-4% at d=128 causal 8k and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cutlass
@@ -53,11 +54,15 @@ class TileScheduler:
     # Which end of a head's blocks costs most under a causal mask: the last query block (forward,
     # tiles of queries) or the first KV block (backward, tiles of keys).
     longest_block_last: cutlass.Constexpr[bool] = True
+    # CTAs per tile along the grid's x (a cluster that shares the tile: CTA pairs of the sm100
+    # forward): the grid holds cluster_m CTAs per tile (per persistent worker), and a CTA's tile is
+    # that of block index x // cluster_m. num_ctas counts CTAs.
+    cluster_m: cutlass.Constexpr[int] = 1
 
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, kv_bytes_per_head: Int32,
                longest_first: bool, num_ctas: int = 0, longest_block_last: bool = True, *,
-               l2_budget_bytes: int) -> "TileScheduler":
+               l2_budget_bytes: int, cluster_m: int = 1) -> "TileScheduler":
         """Host side. kv_bytes_per_head: the bytes one (head, batch) pair streams through L2 (K and V
         for the forward; Q and dO of its query heads for the backward); l2_budget_bytes: how much of
         the L2 a group of heads may fill (the arch's rules, e.g. sm90/tiles.py)."""
@@ -67,12 +72,16 @@ class TileScheduler:
             group = cutlass.max(cutlass.min(l2_budget_bytes // cutlass.max(kv_bytes_per_head, 1), num_head_batch), 1)
         first = num_head_batch - (num_head_batch - 1) // group * group  # 1..group
         return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, first, longest_first, num_ctas,
-                             longest_block_last)
+                             longest_block_last, cluster_m)
 
     def num_tiles(self):
         return self.num_m_blocks * self.num_head_batch
 
     def grid(self):
+        c = self.cluster_m
+        if cutlass.const_expr(c > 1):  # whole clusters: the tile grid, its x scaled by c
+            x, y, z = self.replace(cluster_m=1, num_ctas=self.num_ctas // c).grid()
+            return (x * c, y, z)
         if cutlass.const_expr(self.num_ctas > 0):
             return (cutlass.min(self.num_tiles(), Int32(self.num_ctas)), 1, 1)
         if cutlass.const_expr(self.longest_first):
@@ -83,10 +92,24 @@ class TileScheduler:
     def tile(self):
         """Device side, one CTA per tile: (m_block, head, batch) of this CTA."""
         bx, by, bz = cute.arch.block_idx()
+        if cutlass.const_expr(self.cluster_m > 1):
+            bx = bx // self.cluster_m
         m_block, head, batch = bx, by, bz
         if cutlass.const_expr(self.longest_first):
             m_block, head, batch = self.tile_at(bx)
         return m_block, head, batch
+
+    def replace(self, **changes) -> "TileScheduler":
+        return dataclasses.replace(self, **changes)
+
+    @cute.jit
+    def tile_range(self):
+        """Device side, persistent CTAs: (first, end, step) of the tile indices this CTA walks (a
+        cluster's CTAs walk the same tiles)."""
+        first, step = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        if cutlass.const_expr(self.cluster_m > 1):
+            first, step = first // self.cluster_m, step // self.cluster_m
+        return first, self.num_tiles(), step
 
     @cute.jit
     def tile_at(self, index: Int32):

@@ -8,6 +8,13 @@ contributes to, is reduce-added into the zeroed float32 dq_accum per query block
 preprocessing (fa4_kernels/bwd_preprocess.py) supplies LSE in log2 units and D = rowsum(dO * O),
 the postprocessing (bwd_postprocess.py) scales and casts dQ. Call convention: BackwardConfig.
 
+Masks and sequences are the shared modules': SeqlenInfo (varlen cu_seqlens, seqused_k: each
+sequence addressed at its offsets, a KV tile past its sequence's keys has no step and writes
+nothing) and AttentionMask (causal, local windows: which query blocks a KV tile visits, which of
+them need the element-wise mask, the deterministic order's first KV block). Rows that see no key
+have LSE +inf from the preprocessing, so P = 0 and their dQ stays 0. Softcap: P is recomputed from
+cap * tanh(s * scale / cap) and dS^T carries the factor 1 - tanh^2.
+
 Warp roles (16 warps):
 
     warps 0-3    dQ          thread = query row = TMEM lane: dQ_i from TMEM in BWD_DQ_CHUNK-column
@@ -90,10 +97,10 @@ from ..layouts import tma_partition_tile
 from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import TileScheduler
-from ..seqlen import SeqlenInfo, head_rows
+from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import LOG2_E
 from ..tile_work import QueryBlocks, TileWork
-from .dq_accum import ROW, VECTOR, DqChunks
+from .dq_accum import ROW, VECTOR, DqChunks, chunk_tiles
 from .fwd import LAUNCH_REGISTERS, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
 from .tiles import (BWD_DQ_BUFFERS, BWD_DQ_CHUNK, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
                     backward_shared_memory_bytes)
@@ -127,6 +134,14 @@ class Barrier(enum.IntEnum):
 # d = 128 spilled at 80, 96 and 104 registers under ptxas 13.4 and at 112 under 12.9 (the cu12
 # flavour), not at 128 (the launch share: that warpgroup needs no setmaxnreg).
 REGISTERS = dict(dq=64, compute=160, other=128)
+# d = 96 runs two Q/dO stages, whose descriptors spilled the MMA/load warpgroup at 128 registers under
+# ptxas 12.9 (8-16 B; not under 13.4): 8 more there, from the dQ warpgroup (three 32-column chunks).
+REGISTERS_BY_HEAD_DIM = {96: dict(dq=56, compute=160, other=136)}
+
+
+def registers(head_dim: int) -> dict:
+    """setmaxnreg budgets per warpgroup role at this head dim."""
+    return REGISTERS_BY_HEAD_DIM.get(head_dim, REGISTERS)
 
 
 class FlashAttentionBackwardSm100:
@@ -137,7 +152,9 @@ class FlashAttentionBackwardSm100:
         self.hdim = cfg.head_dim
         self.num_stages = cfg.num_stages
         self.dq = DqChunks(BWD_TILE_M, self.hdim)
-        assert REGISTERS["dq"] + COMPUTE_GROUPS * REGISTERS["compute"] + REGISTERS["other"] == 4 * LAUNCH_REGISTERS
+        self.registers = registers(self.hdim)
+        regs = self.registers
+        assert regs["dq"] + COMPUTE_GROUPS * regs["compute"] + regs["other"] == 4 * LAUNCH_REGISTERS
         # Tensor-memory plan (columns).
         self.tmem_s, self.tmem_dp = 0, TILE_N
         self.tmem_dk = 2 * TILE_N
@@ -149,6 +166,11 @@ class FlashAttentionBackwardSm100:
         # P^T of compute warpgroup w: its 64 query columns as 32 words of 16-bit pairs at 64 w.
         self.cols_per_group = BWD_TILE_M // COMPUTE_GROUPS
         self.p_words = self.cols_per_group * self.dtype.width // 32
+        # dK and dV leave TMEM by chunks of a compute warpgroup's half of the head dim: BWD_DQ_CHUNK
+        # columns, or 16 where the half is no multiple of it (d = 96: 48 columns per warpgroup).
+        half = self.hdim // COMPUTE_GROUPS
+        self.dkv_chunk = BWD_DQ_CHUNK if half % BWD_DQ_CHUNK == 0 else MMA_K
+        assert half % self.dkv_chunk == 0 and self.hdim % BWD_DQ_CHUNK == 0
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -161,12 +183,23 @@ class FlashAttentionBackwardSm100:
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_k: Int32, stream: cuda.CUstream):
         d = self.hdim
-        # Sequence first: (seq, d, head, batch), (seq_pad, head, batch), dq_accum (rows, 128, head, batch).
-        mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mdPsum)]
-        mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
-        num_batch, num_heads_kv = mQ.shape[3], mK.shape[2]
+        # Sequence first: (seq, d, head[, batch]), (seq_pad, head[, batch]), dq_accum (rows, 128, head[,
+        # batch]); varlen packs the sequences along seq (no batch mode).
+        per_token = (mQ, mK, mV, mdO, mdK, mdV)
+        if cutlass.const_expr(self.cfg.varlen):
+            mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+                                         for t in per_token]
+            mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0])) for t in (mLSE, mdPsum)]
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                                         for t in per_token]
+            mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                            for t in (mLSE, mdPsum)]
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
+            num_batch = mQ.shape[3]
+        num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
         major = cute.nvgpu.OperandMajorMode
@@ -250,7 +283,10 @@ class FlashAttentionBackwardSm100:
                              f"{planned}, limit {SMEM_BYTES}) at head dim {d}, {self.num_stages} stages")
         self.shared_storage = SharedStorage
 
-        scale_log2 = softmax_scale * LOG2_E
+        # Softcap: the forward scored cap * tanh(s * scale / cap); P recomputes it the same way.
+        scales = Scales(softmax_scale, softmax_scale, softmax_scale * LOG2_E)
+        if cutlass.const_expr(self.cfg.has_softcap):
+            scales = Scales(softmax_scale, softmax_scale / softcap, softcap * LOG2_E)
         num_n_blocks = (max_seqlen_k + TILE_N - 1) // TILE_N
         qdo_bytes_per_head = mQ.shape[0] * 2 * d * (self.dtype.width // 8) * qhead_per_kvhead
         scheduler = TileScheduler.create(num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
@@ -258,8 +294,9 @@ class FlashAttentionBackwardSm100:
                                          l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ, mdK, mdV, mSemaphore,
-            softmax_scale, scale_log2, qhead_per_kvhead, layouts, rows_layout, sdQ_layout,
+            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ, mdK, mdV,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, scales, window_left, window_right,
+            qhead_per_kvhead, layouts, rows_layout, sdQ_layout,
             mma_s, mma_dv, mma_dk, mma_dq, scheduler,
         ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -271,7 +308,9 @@ class FlashAttentionBackwardSm100:
                tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
                tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom, mdPsum: cute.Tensor,
                tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mSemaphore: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32, qhead_per_kvhead: Int32, layouts: "SmemLayouts",
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor], scales: "Scales",
+               window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32, layouts: "SmemLayouts",
                rows_layout: cute.Layout, sdQ_layout: cute.Layout, mma_s: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dk: cute.TiledMma, mma_dq: cute.TiledMma, scheduler: TileScheduler):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -291,9 +330,10 @@ class FlashAttentionBackwardSm100:
         tmem_layouts = self.tmem_layouts(mma_s, mma_dv, mma_dk, mma_dq, layouts.p)
         pipeline.pipeline_init_wait()
 
-        tile_args = (scheduler, mQ, mK, qhead_per_kvhead)
+        tile_args = (scheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
+                     qhead_per_kvhead)
         if warp >= Warp.MMA:
-            set_registers(REGISTERS["other"])
+            set_registers(self.registers["other"])
             work = self.tile_work(*tile_args)
             if warp == Warp.LOAD:
                 self.load(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
@@ -303,7 +343,7 @@ class FlashAttentionBackwardSm100:
                 self.mma(tmem.retrieve_ptr(Float32), smem, tmem_layouts, mma_s, mma_dv, mma_dk, mma_dq, pipes,
                          work.num_steps)
         elif warp >= Warp.COMPUTE:
-            set_registers(REGISTERS["compute"])
+            set_registers(self.registers["compute"])
             work = self.tile_work(*tile_args)
             if warp == Warp.COMPUTE:
                 tmem.allocate(TMEM_COLUMNS)
@@ -311,14 +351,14 @@ class FlashAttentionBackwardSm100:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             group = (warp - Warp.COMPUTE) // 4
-            self.compute(tmem_ptr, group, smem, tmem_layouts, pipes, work, scale_log2)
-            self.store_dkv(tmem_ptr, group, tmem_layouts, pipes, mdK, mdV, work, softmax_scale)
+            self.compute(tmem_ptr, group, smem, tmem_layouts, pipes, work, scales)
+            self.store_dkv(tmem_ptr, group, tmem_layouts, pipes, mdK, mdV, work, scales.softmax)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive_and_wait()
             if warp == Warp.COMPUTE:
                 tmem.free(tmem_ptr, TMEM_COLUMNS)  # allocated in another branch: name the columns
         else:
-            set_registers(REGISTERS["dq"])
+            set_registers(self.registers["dq"])
             work = self.tile_work(*tile_args)
             tmem.wait_for_alloc()
             self.reduce_dq(tmem.retrieve_ptr(Float32), smem, tmem_layouts, pipes, tma_atom_dQ, mdQacc, mSemaphore,
@@ -327,13 +367,14 @@ class FlashAttentionBackwardSm100:
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
 
     @cute.jit
-    def tile_work(self, scheduler: TileScheduler, mQ, mK, qhead_per_kvhead) -> TileWork:
+    def tile_work(self, scheduler: TileScheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left,
+                  window_right, qhead_per_kvhead) -> TileWork:
         """The CTA's KV tile and its (query head, query block) steps: every query head of the KV
         head, each over the query blocks whose rows see a key of the tile (none for a tile past
-        the keys)."""
+        its sequence's keys: varlen grids are sized for the longest)."""
         n_block, head_kv, batch = scheduler.tile()
-        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0])
-        mask = AttentionMask(BWD_TILE_M, TILE_N, self.cfg.causal, False, Int32(-1), Int32(-1))
+        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        mask = AttentionMask(BWD_TILE_M, TILE_N, self.cfg.causal, self.cfg.local, window_left, window_right)
         m_block_min, m_block_max = mask.m_block_range(seqlen, n_block)
         per_head = cutlass.max(m_block_max - m_block_min, 0)
         if n_block * TILE_N >= seqlen.seqlen_k:
@@ -399,12 +440,12 @@ class FlashAttentionBackwardSm100:
     def load(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
              tma_atom_dPsum, mdPsum, smem: "SharedTiles", mma_s, pipes: "Pipelines", work: TileWork):
         """K and V once, then per step Q_i and dO_i (qdo ring) and LSE_i and D_i (rows ring)."""
-        d = self.hdim
+        d, varlen, seqlen = self.hdim, self.cfg.varlen, work.seqlen
         n_block, head_kv, batch = work.n_block, work.head_kv, work.batch
         thr = mma_s.get_slice(0)
         if work.num_steps > 0:
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (None, 0))
+            gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen), (TILE_N, d), (None, 0))
+            gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, varlen), (TILE_N, d), (None, 0))
             tKsK, tKgK = mma_tma_partition(tma_atom_K, smem.k, thr.partition_A(gK))
             tVsV, tVgV = mma_tma_partition(tma_atom_V, smem.v, thr.partition_A(gV))
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -412,12 +453,15 @@ class FlashAttentionBackwardSm100:
             cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
             cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
 
+        rows_offset = seqlen.offset_q  # of this entry's LSE / D rows (packed: 16-byte aligned starts)
+        if cutlass.const_expr(varlen):
+            rows_offset = packed_row_offset(seqlen.offset_q, batch)
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
-            gQ = cute.local_tile(mQ[None, None, head, batch], (BWD_TILE_M, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (BWD_TILE_M, d), (None, 0))
+            gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, varlen), (BWD_TILE_M, d), (None, 0))
+            gdO = cute.local_tile(head_rows(mdO, seqlen.offset_q, head, batch, varlen), (BWD_TILE_M, d), (None, 0))
             tQsQ, tQgQ = mma_tma_partition(tma_atom_Q, smem.q, thr.partition_B(gQ))
             tdOsdO, tdOgdO = mma_tma_partition(tma_atom_dO, smem.do, thr.partition_B(gdO))
             pipes.qdo.producer_acquire(qdo_state)
@@ -429,7 +473,7 @@ class FlashAttentionBackwardSm100:
             pipes.rows.producer_acquire(rows_state)
             barrier = pipes.rows.producer_get_barrier(rows_state)
             for atom, tile, mRows in ((tma_atom_LSE, smem.lse, mLSE), (tma_atom_dPsum, smem.dpsum, mdPsum)):
-                gRows = cute.local_tile(mRows[None, head, batch], (BWD_TILE_M,), (m_block,))
+                gRows = cute.local_tile(head_rows(mRows, rows_offset, head, batch, varlen), (BWD_TILE_M,), (m_block,))
                 t_smem, t_gmem = tma_partition_tile(atom, tile, gRows, 1)
                 cute.copy(atom, t_gmem, t_smem[None, rows_state.index], tma_bar_ptr=barrier)
             rows_state = advanced(rows_state)
@@ -490,7 +534,7 @@ class FlashAttentionBackwardSm100:
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
     def compute(self, tmem_ptr, group, smem: "SharedTiles", tl: "TmemLayouts", pipes: "Pipelines",
-                work: TileWork, scale_log2: Float32):
+                work: TileWork, scales: "Scales"):
         """P^T and dS^T of this thread's key row over the warpgroup's query columns, step by step."""
         thread = cute.arch.thread_idx()[0] % WARPGROUP
         first_col = group * self.cols_per_group
@@ -520,11 +564,14 @@ class FlashAttentionBackwardSm100:
             pipes.sdp.consumer_wait(sdp_state)
             rows = (smem.lse[None, rows_state.index], smem.dpsum[None, rows_state.index])
             full = work.mask.block_is_full(work.seqlen, m_block, work.n_block)
-            for c in cutlass.range_constexpr(chunks):
-                if full:
-                    self.chunk_gradients(c, group, copies, rows, scale_log2, work, m_block, thread, False)
-                else:
-                    self.chunk_gradients(c, group, copies, rows, scale_log2, work, m_block, thread, True)
+            if cutlass.const_expr(self.cfg.has_softcap):
+                # A loop, not unrolled: unrolled, ptxas starts the next chunk's tanh under this
+                # chunk's dS^T, which spilled at 160 registers (d = 64 and 128, ptxas 13.4).
+                for c in cutlass.range(chunks, unroll=1):
+                    self.chunk_step(c, full, group, copies, rows, scales, work, m_block, thread)
+            else:
+                for c in cutlass.range_constexpr(chunks):
+                    self.chunk_step(c, full, group, copies, rows, scales, work, m_block, thread)
             cute.arch.fence_view_async_tmem_store()  # P^T is in TMEM before the dV MMA reads it
             cute.arch.fence_view_async_shared()  # dS^T is visible to the MMAs (async proxy)
             pipes.sdp.consumer_release(sdp_state)
@@ -533,10 +580,19 @@ class FlashAttentionBackwardSm100:
             rows_state = advanced(rows_state)
 
     @cute.jit
-    def chunk_gradients(self, c: cutlass.Constexpr[int], group, copies: "ChunkCopies", rows, scale_log2: Float32,
+    def chunk_step(self, c, full, group, copies: "ChunkCopies", rows, scales: "Scales", work: TileWork, m_block,
+                   thread):
+        """chunk_gradients of chunk c, without the element-wise mask where the block is ``full``."""
+        if full:
+            self.chunk_gradients(c, group, copies, rows, scales, work, m_block, thread, False)
+        else:
+            self.chunk_gradients(c, group, copies, rows, scales, work, m_block, thread, True)
+
+    @cute.jit
+    def chunk_gradients(self, c, group, copies: "ChunkCopies", rows, scales: "Scales",
                         work: TileWork, m_block, thread, masked: cutlass.Constexpr[bool]):
         """Chunk c (BWD_DQ_CHUNK query columns) of this warpgroup: S^T from TMEM, P^T to TMEM (16-bit),
-        dP^T from TMEM, dS^T = P^T (dP^T - D) to shared memory (16-bit)."""
+        dP^T from TMEM, dS^T = P^T (dP^T - D) to shared memory (16-bit; softcap: times 1 - tanh^2)."""
         sLSE, sdPsum = rows
         chunks = self.cols_per_group // BWD_DQ_CHUNK
         first_col = group * self.cols_per_group + c * BWD_DQ_CHUNK
@@ -544,11 +600,9 @@ class FlashAttentionBackwardSm100:
         cute.copy(copies.load_s, copies.s[None, None, None, group * chunks + c], p)
         cute.arch.fence_view_async_tmem_load()
         p = flat(p)
-        self.probabilities(p, sLSE, first_col, scale_log2, work, m_block, thread, masked)
         p16 = cute.make_rmem_tensor(copies.p_regs, Float32)
-        p16_view = cute.recast_tensor(p16, self.dtype)
-        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
-            p16_view[e] = p[e].to(self.dtype)
+        self.probabilities(p, cute.recast_tensor(p16, self.dtype), sLSE, first_col, scales, work, m_block, thread,
+                           masked)
         cute.copy(copies.store_p, p16, copies.p[None, None, None, c])
         dp = cute.make_rmem_tensor(copies.s_regs, Float32)
         cute.copy(copies.load_dp, copies.dp[None, None, None, group * chunks + c], dp)
@@ -561,17 +615,25 @@ class FlashAttentionBackwardSm100:
             cute.autovec_copy(cute.local_tile(ds, (MMA_K,), (s,)), copies.ds_row[None, first_col // MMA_K + s])
 
     @cute.jit
-    def probabilities(self, p, sLSE, first_col, scale_log2: Float32, work: TileWork, m_block, thread,
+    def probabilities(self, p, p16, sLSE, first_col, scales: "Scales", work: TileWork, m_block, thread,
                       masked: cutlass.Constexpr[bool]):
-        """p (scores of this key row) <- exp2(s * scale_log2 - LSE) per query column; with
-        ``masked``, 0 where the query may not see the key or lies past the sequence."""
+        """From the scores s of this key row, per query column: P = exp2(s' * scales.log2 - LSE)
+        into p16 in the input dtype (dV's operand), with s' = s, or tanh(s * scales.score) under
+        softcap; and into p what dS^T = p (dP^T - D) needs: P, or P (1 - tanh^2) under softcap.
+        With ``masked``, both 0 where the query may not see the key or lies past the sequence."""
         for e in cutlass.range_constexpr(cute.size(p)):
-            value = cute.math.exp2(p[e] * scale_log2 - sLSE[first_col + e], fastmath=True)
+            score = p[e]
+            if cutlass.const_expr(self.cfg.has_softcap):
+                score = cute.math.tanh(score * scales.score, fastmath=True)
+            value = cute.math.exp2(score * scales.log2 - sLSE[first_col + e], fastmath=True)
             if cutlass.const_expr(masked):
                 row = m_block * BWD_TILE_M + first_col + e
                 lo, hi = work.mask.key_bounds(work.seqlen, row, work.n_block)
                 if thread >= hi or thread < lo or row >= work.seqlen.seqlen_q:
                     value = Float32(0.0)
+            p16[e] = value.to(self.dtype)
+            if cutlass.const_expr(self.cfg.has_softcap):
+                value = value * (Float32(1.0) - score * score)
             p[e] = value
 
     @cute.jit
@@ -586,34 +648,35 @@ class FlashAttentionBackwardSm100:
             has_steps = work.num_steps > 0
             if has_steps:
                 pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            chunks = self.hdim // COMPUTE_GROUPS // BWD_DQ_CHUNK
+            width = self.dkv_chunk
+            chunks = self.hdim // COMPUTE_GROUPS // width
             for column, layout, scale, mOut in ((self.tmem_dk, tl.dk, softmax_scale, mdK),
                                                 (self.tmem_dv, tl.dv, Float32(1.0), mdV)):
-                load, tX, regs = self.tmem_row_chunks(tmem_ptr + column, layout, TILE_N, self.hdim, thread)
-                gRow = mOut[key, None, work.head_kv, work.batch]
+                load, tX, regs = self.tmem_row_chunks(tmem_ptr + column, layout, TILE_N, self.hdim, thread, width)
+                gRow = head_rows(mOut, work.seqlen.offset_k, work.head_kv, work.batch, self.cfg.varlen)[key, None]
                 for c in cutlass.range_constexpr(chunks):
                     chunk = group * chunks + c
-                    out = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
+                    out = cute.make_rmem_tensor(width, self.dtype)
                     if has_steps:
                         r = cute.make_rmem_tensor(regs, Float32)
                         cute.copy(load, tX[None, None, None, chunk], r)
                         cute.arch.fence_view_async_tmem_load()
-                        for e in cutlass.range_constexpr(BWD_DQ_CHUNK):
+                        for e in cutlass.range_constexpr(width):
                             out[e] = (r[e] * scale).to(self.dtype)
                     else:
                         out.fill(0.0)
                     if inside:
-                        cute.autovec_copy(out, cute.local_tile(gRow, (BWD_DQ_CHUNK,), (chunk,)))
+                        cute.autovec_copy(out, cute.local_tile(gRow, (width,), (chunk,)))
 
-    def tmem_row_chunks(self, tmem_ptr, layout, rows: int, cols: int, thread):
-        """A TMEM accumulator (rows = lanes, cols) read BWD_DQ_CHUNK columns at a time by the thread
-        of its lane: (copy, source per chunk (..., chunk), register shape of a chunk)."""
+    def tmem_row_chunks(self, tmem_ptr, layout, rows: int, cols: int, thread, width: int = BWD_DQ_CHUNK):
+        """A TMEM accumulator (rows = lanes, cols) read ``width`` columns at a time by the thread of
+        its lane: (copy, source per chunk (..., chunk), register shape of a chunk)."""
         t = cute.make_tensor(tmem_ptr, layout)
-        t = cute.flat_divide(t[(None, None), 0, 0], (rows, BWD_DQ_CHUNK))[None, None, 0, None]  # (rows, chunk, n)
+        t = cute.flat_divide(t[(None, None), 0, 0], (rows, width))[None, None, 0, None]  # (rows, width, n)
         load = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(BWD_DQ_CHUNK)), Float32),
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(width)), Float32),
             t[None, None, 0]).get_slice(thread)
-        return load, load.partition_S(t), load.partition_D(cute.make_identity_tensor((rows, BWD_DQ_CHUNK))).shape
+        return load, load.partition_S(t), load.partition_D(cute.make_identity_tensor((rows, width))).shape
 
     # ---- dQ warpgroup ----------------------------------------------------------------------------
     @cute.jit
@@ -631,7 +694,7 @@ class FlashAttentionBackwardSm100:
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
             pipes.dq.consumer_wait(dq_state)
-            gdQ = cute.local_tile(mdQacc[None, None, head, work.batch], (self.dq.rows_per_chunk, ROW), (None, 0))
+            gdQ = chunk_tiles(mdQacc, self.dq, work.seqlen.offset_q, head, work.batch, self.cfg.varlen)
             t_smem, t_gmem = tma_partition_tile(tma_atom_dQ, smem.dq, gdQ)
             for c in cutlass.range_constexpr(chunks):
                 r = cute.make_rmem_tensor(regs, Float32)
@@ -784,6 +847,16 @@ class TmemLayouts:
     dk: cute.Layout
     dq: cute.Layout
     p: cute.Layout  # P^T, the dV MMA's A operand
+
+
+@dataclass(frozen=True)
+class Scales:
+    """softmax: dK's scale; score: applied before softcap's tanh (unused without softcap); log2:
+    turns a (capped) score into the exponent of P, log2(e) included."""
+
+    softmax: Float32
+    score: Float32
+    log2: Float32
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ kernel's dQ warpgroup staged it: each 16-byte load of a warp reads 512 contiguou
 stores its row VECTOR_OUT columns (16 bytes) at a time, rows inside the sequence only.
 
 Call convention (TVM-FFI, current CUDA stream): fn(dq_accum, dq, cu_seqlens_q, softmax_scale,
-max_seqlen_q), batched only: dq_accum (b, h, rows, 128) float32, dq (b, s, h, d), cu_seqlens_q None.
+max_seqlen_q). Batched: dq_accum (b, h, rows, 128) float32, dq (b, s, h, d), cu_seqlens_q None;
+varlen: dq_accum (h, rows, 128), dq (total, h, d), cu_seqlens_q (b + 1,) int32. max_seqlen_q sizes
+the grid.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from cutlass import Float32, Int32
 
 from ..config import PostprocessConfig
 from ..dtypes import CUTLASS_DTYPES
-from .dq_accum import ROW, VECTOR, DqChunks
+from ..seqlen import SeqlenInfo, head_rows
+from .dq_accum import ROW, VECTOR, DqChunks, chunk_tiles
 
 VECTOR_OUT = 8  # 16-bit values per 16-byte store
 
 
 class BackwardPostprocessSm100:
     def __init__(self, cfg: PostprocessConfig):
-        # PostprocessConfig ran tiles.check_postprocess: batched, tile_m 128, d 64 or 128.
+        # PostprocessConfig ran tiles.check_postprocess: tile_m 128, d 64 or 128.
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.layout = DqChunks(cfg.tile_m, cfg.head_dim)
@@ -36,24 +39,32 @@ class BackwardPostprocessSm100:
     @cute.jit
     def __call__(self, mAccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
                  softmax_scale: Float32, max_seqlen_q: Int32, stream: cuda.CUstream):
-        # Sequence first, as in the main kernel: (rows, 128, head, batch) and (seq, d, head, batch).
-        mAccum = cute.make_tensor(mAccum.iterator, cute.select(mAccum.layout, mode=[2, 3, 1, 0]))
-        mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
+        # Sequence first, as in the main kernel: (rows, 128, head[, batch]) and (seq, d, head[, batch]).
+        if cutlass.const_expr(self.cfg.varlen):
+            mAccum = cute.make_tensor(mAccum.iterator, cute.select(mAccum.layout, mode=[1, 2, 0]))
+            mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[0, 2, 1]))
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            mAccum = cute.make_tensor(mAccum.iterator, cute.select(mAccum.layout, mode=[2, 3, 1, 0]))
+            mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
+            num_batch = mdQ.shape[3]
         tile_m = self.layout.tile_m
-        self.kernel(mAccum, mdQ, softmax_scale).launch(
-            grid=((max_seqlen_q + tile_m - 1) // tile_m, mdQ.shape[2], mdQ.shape[3]), block=[tile_m, 1, 1],
+        self.kernel(mAccum, mdQ, mCuSeqlensQ, softmax_scale).launch(
+            grid=((max_seqlen_q + tile_m - 1) // tile_m, mdQ.shape[2], num_batch), block=[tile_m, 1, 1],
             stream=stream)
 
     @cute.kernel
-    def kernel(self, mAccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
-        layout = self.layout
+    def kernel(self, mAccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+               softmax_scale: Float32):
+        layout, varlen = self.layout, self.cfg.varlen
         row, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        seqlen = SeqlenInfo.create(batch, mdQ.shape[0], mdQ.shape[0], mCuSeqlensQ)
         token = m_block * layout.tile_m + row
-        if token < mdQ.shape[0]:
+        if token < seqlen.seqlen_q:
             # One chunk = rows_per_chunk rows of ROW floats; value 4j + i of row t at j * 4 tile_m + 4 t + i.
-            blocks = cute.local_tile(mAccum[None, None, head, batch], (layout.rows_per_chunk, ROW), (None, 0))
-            gRow = mdQ[token, None, head, batch]
+            blocks = chunk_tiles(mAccum, layout, seqlen.offset_q, head, batch, varlen)
+            gRow = head_rows(mdQ, seqlen.offset_q, head, batch, varlen)[token, None]
             for c in cutlass.range_constexpr(layout.chunks):
                 chunk = blocks[None, None, m_block * layout.chunks + c]
                 for v in cutlass.range_constexpr(layout.chunk // VECTOR_OUT):

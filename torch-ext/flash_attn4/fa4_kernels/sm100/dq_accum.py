@@ -7,7 +7,8 @@ warp-wide 16-byte store covers 512 contiguous bytes (no bank conflicts): values 
 chunk's columns of row t at j * 512 + t * 4. One TMA reduce-add then moves the whole chunk, a box
 of (tile_m * chunk / 128) rows of 128 floats, into dq_accum, which therefore keeps that order:
 block m's chunk c at rows (m * chunks + c) * rows_per_chunk. The postprocessing kernel
-(bwd_postprocess.py) reads it back the same way. Not the sm90 order (which follows the WGMMA
+(bwd_postprocess.py) reads it back the same way. Varlen: sequence b's blocks start at block
+``block_offset(cu_seqlens_q[b], b)`` (each sequence takes whole blocks). Not the sm90 order (which follows the WGMMA
 accumulator's registers), hence this arch's own dq_accum_layout (arch.py).
 """
 
@@ -16,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import cutlass.cute as cute
+
+from ..seqlen import head_rows
 from .tiles import BWD_DQ_CHUNK
 
 ROW = 128  # floats per row of dq_accum (what the torch layer allocates by)
@@ -61,3 +65,13 @@ class DqChunks:
 def accum_layout(cfg) -> DqChunks:
     """The registry's dq_accum_layout (arch.py) for a BackwardConfig or PostprocessConfig."""
     return DqChunks(cfg.tile_m, cfg.head_dim)
+
+
+def chunk_tiles(mAccum: cute.Tensor, layout: DqChunks, offset_q, head, batch, varlen: bool) -> cute.Tensor:
+    """dq_accum (sequence first: (rows, ROW, head[, batch])) of one head and batch entry as its chunks,
+    (rows_per_chunk, ROW, chunk index): chunk c of query block m at index m * chunks + c, a varlen
+    sequence's from its first block, ``block_offset``, on. The main kernel reduce-adds there, the
+    postprocessing reads."""
+    first_row = layout.block_offset(offset_q, batch) * layout.rows_per_block if varlen else 0
+    return cute.local_tile(head_rows(mAccum, first_row, head, batch, varlen), (layout.rows_per_chunk, ROW),
+                           (None, 0))

@@ -48,6 +48,18 @@ after this tile's last P V, and its first P V (which overwrites O_t) waits until
 have released that S_t, which they do after reading this tile's O_t out. The protocol replay covers
 several tiles per CTA.
 
+CTA pairs (``cfg.cluster_m`` = 2; sm100/tiles.pair_applies says where): a cluster of two CTAs
+along M runs every MMA as one M = 256 tcgen05 MMA of cta_group::2, issued by the even CTA's MMA
+warp (the odd CTA's MMA warp only takes part in the TMEM address hand-off). Each CTA keeps the
+single-CTA roles for its own tile (query block 2 * pair block + rank; S, P and O in its own TMEM,
+all 512 columns allocated with cta_group::2 by both CTAs and freed after a handshake) and loads its
+own Q tiles and half of every K tile (64 keys) and V tile (64 of its columns) with 2-CTA TMA, whose
+bytes count on the even CTA's full barriers (tx counts are the pair's). The MMA warp's commits
+(q/kv stages free, S full, O full) reach both CTAs' barriers (multicast); both CTAs' softmax and
+correction warps release S on the even CTA's empty barrier (its count is both CTAs' threads). Both
+CTAs walk the pair's KV blocks even when the odd CTA's tile lies past the sequence's end (it stores
+nothing). The protocol replay covers pairs.
+
 Ordering of tensor-memory accesses across roles: every tcgen05.ld/st is followed by its wait
 (tcgen05.wait::ld/st) before the thread arrives on a barrier that hands the columns on; MMA results
 are read after a wait on the commit's barrier, directly (softmax: S; correction: the final O) or
@@ -176,6 +188,10 @@ class FlashAttentionForwardSm100:
             raise ValueError("sm100 forward: head dims up to 256")
         self.kv_stages = cfg.num_stages
         self.persistent = cfg.persistent_ctas > 0
+        # CTA pairs (cluster_m = 2): M = 256 MMAs of cta_group::2 over both CTAs' query tiles.
+        self.pair = cfg.cluster_m == 2
+        self.cta_group = tcgen05.CtaGroup.TWO if self.pair else tcgen05.CtaGroup.ONE
+        self.mma_m = TILE_M * cfg.cluster_m
         self.registers = REGISTERS[self.q_tiles]
         budget = self.registers
         softmax_groups = budget["softmax"] * self.q_tiles + budget["idle"] * (2 - self.q_tiles)
@@ -240,12 +256,14 @@ class FlashAttentionForwardSm100:
 
         major = cute.nvgpu.OperandMajorMode
         mma_qk = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, major.K, major.K, Float32, tcgen05.CtaGroup.ONE, (TILE_M, TILE_N))
+            self.dtype, major.K, major.K, Float32, self.cta_group, (self.mma_m, TILE_N))
         mma_pv = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, major.K, major.MN, Float32, tcgen05.CtaGroup.ONE, (TILE_M, self.hdim_v_tile),
+            self.dtype, major.K, major.MN, Float32, self.cta_group, (self.mma_m, self.hdim_v_tile),
             tcgen05.OperandSource.TMEM)
-        tiler_qk = (TILE_M, TILE_N, self.hdim_tile)
-        tiler_pv = (TILE_M, self.hdim_v_tile, TILE_N)
+        # Per CTA (a pair's smem layouts below are each CTA's share: its own 128 query rows, half of
+        # the keys of K and half of the columns of V).
+        tiler_qk = (self.mma_m, TILE_N, self.hdim_tile)
+        tiler_pv = (self.mma_m, self.hdim_v_tile, TILE_N)
 
         sQ_layout = sm100_utils.make_smem_layout_a(mma_qk, tiler_qk, self.dtype, self.q_tiles)
         # K and V share the ring: each stage is as large as the larger tile.
@@ -260,9 +278,11 @@ class FlashAttentionForwardSm100:
         # P: the A operand of the PV MMA, read from tensor memory.
         tP_layout = sm100_utils.make_smem_layout_a(mma_pv, tiler_pv, self.dtype, 1)
 
-        tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        # A pair's loads are 2-CTA TMA: both CTAs' bytes land on the even CTA's barrier.
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
+        cluster = self.cluster_layout_vmnk(mma_qk)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), tiler_qk, mma_qk)
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), tiler_qk, mma_qk, cluster.shape)
         if cutlass.const_expr(cfg.page_size > 0):
             rows = rows_per_copy(TILE_N, cfg.page_size)
             sK_box, _ = self.kv_box_layouts(sK_layout, self.hdim_tile, rows, stage_elems, keys_mode=0)
@@ -271,12 +291,13 @@ class FlashAttentionForwardSm100:
             tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_box, (rows, self.hdim_v_tile), 1)
         else:
             tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
-                tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), tiler_qk, mma_qk)
+                tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), tiler_qk, mma_qk, cluster.shape)
             tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
-                tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), tiler_pv, mma_pv)
-        self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
-        self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
-        self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
+                tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), tiler_pv, mma_pv, cluster.shape)
+        # Transaction bytes a full barrier waits for: a pair's loads all count on the even CTA's.
+        self.tma_bytes_q, self.tma_bytes_k, self.tma_bytes_v = [
+            cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1, 2])) * cfg.cluster_m
+            for layout in (sQ_layout, sK_layout, sV_layout)]
 
         @cute.struct
         class SharedStorage:
@@ -286,6 +307,8 @@ class FlashAttentionForwardSm100:
             mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
             mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * 2 * self.q_tiles]
             tmem_address: Int32
+            # A pair's TMEM dealloc handshake (TmemAllocator.free: each CTA waits for its peer).
+            tmem_dealloc: cute.struct.MemRange[cutlass.Int64, 1]
             # Per query tile, two stages of one float32 per row: the rescale factors, then 1/rowsum.
             row_stats: cute.struct.MemRange[Float32, 2 * self.q_tiles * TILE_M]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -293,7 +316,7 @@ class FlashAttentionForwardSm100:
 
         # The plan (tiles.shared_memory_bytes, which sized the K/V ring) bounds what is allocated:
         # the row statistics and barriers must fit its reserve.
-        planned = shared_memory_bytes(self.hdim, self.hdim_v, self.kv_stages, self.dtype.width // 8)
+        planned = shared_memory_bytes(self.hdim, self.hdim_v, self.kv_stages, self.dtype.width // 8, cfg.cluster_m)
         if cutlass.const_expr(SharedStorage.size_in_bytes() > planned or planned > SMEM_BYTES):
             raise ValueError(f"sm100 forward: {SharedStorage.size_in_bytes()} bytes of shared memory (plan "
                              f"{planned}, limit {SMEM_BYTES}) at head dims {self.hdim}/{self.hdim_v}")
@@ -301,13 +324,16 @@ class FlashAttentionForwardSm100:
 
         score_prescale, scale_log2 = score_scales(softmax_scale, softcap, cfg.has_softcap)
 
-        num_m_blocks = (max_seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        # A pair's tile is both CTAs' query blocks (the scheduler's m_block is the pair's).
+        pair_rows = cfg.tile_m * cfg.cluster_m
+        num_m_blocks = (max_seqlen_q + pair_rows - 1) // pair_rows
         kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         # Split-KV folds the split into the head mode (KVSplits); its tiles keep the launch order.
         scheduler = TileScheduler.create(num_m_blocks, num_heads if splits is None else splits.fold(num_heads),
                                          num_batch, kv_bytes_per_head,
                                          longest_first=longest_first_applies(cfg) and not cfg.split_kv,
-                                         num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
+                                         num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES,
+                                         cluster_m=cfg.cluster_m)
         # Persistent CTAs decode a tile index per tile and role: the launch order's divisions (and
         # the query head's KV head, unless packed) by host-made FastDivmod divisors.
         divisors = None
@@ -320,7 +346,12 @@ class FlashAttentionForwardSm100:
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink, score_prescale, scale_log2,
             window_left, window_right, qhead_per_kvhead, sQ_layout, sK_layout, sV_layout, tP_layout, mma_qk, mma_pv,
             scheduler, divisors, splits, stage_elems,
-        ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1,
+                 **(dict(cluster=[cfg.cluster_m, 1, 1]) if self.pair else {}))
+
+    def cluster_layout_vmnk(self, mma_qk):
+        """The cluster as (V, M, N, K) CTAs: V = the CTAs of one MMA (2 for a pair), the rest 1."""
+        return cute.tiled_divide(cute.make_layout((self.cfg.cluster_m, 1, 1)), (mma_qk.thr_id,))
 
     # ------------------------------------------------------------------------------------------
     # Device side: set-up, then one branch per warp role
@@ -342,14 +373,21 @@ class FlashAttentionForwardSm100:
                 cpasync.prefetch_descriptor(atom)
 
         # The barriers are initialised here; each role makes its own views of shared memory
-        # (role_shared) after its setmaxnreg.
-        barriers = self.make_pipelines(cutlass.memory.SmemAllocator().allocate(self.shared_storage))
-        pipeline.pipeline_init_arrive(is_relaxed=True)
+        # (role_shared) after its setmaxnreg. A pair's barriers receive the peer's arrivals, TMA
+        # bytes and MMA commits: both CTAs initialise theirs before either goes on (a cluster
+        # barrier in place of the CTA's).
+        cluster = self.cluster_layout_vmnk(mma_qk)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        barriers = self.make_pipelines(storage, cluster)
+        if cutlass.const_expr(self.pair):
+            self.tmem_allocator(storage, init=True)  # initialises the dealloc handshake's barrier
+        cluster_mn = cute.make_layout((self.cfg.cluster_m, 1)) if self.pair else None
+        pipeline.pipeline_init_arrive(cluster_mn, is_relaxed=True)
 
         # TMEM fragment layouts, taken before the MMA warp's branch sets the MMAs' accumulate flag
         # (a runtime value no other role may see).
         tmem_layouts = self.tmem_layouts(mma_qk, mma_pv, tP_layout)
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(cluster_mn)
 
         # Each role derives its tiles after its setmaxnreg: values live across the register-budget
         # change must fit the smallest budget (48), or ptxas spills them to local memory. With
@@ -362,6 +400,7 @@ class FlashAttentionForwardSm100:
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
             storage, sQ, sK, sV, row_stats, pipes, tmem = self.role_shared(barriers, sQ_layout, sK_layout, sV_layout)
+            tile = None
             if cutlass.const_expr(not self.persistent):  # one tile, derived once for both warps
                 tile, _ = self.output_tile(None, *tile_args)
             if warp == Warp.LOAD:
@@ -370,8 +409,8 @@ class FlashAttentionForwardSm100:
                 states = (pipeline.make_pipeline_state(producer, self.q_tiles),
                           pipeline.make_pipeline_state(producer, self.kv_stages))
                 if cutlass.const_expr(self.persistent):
-                    for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
-                                           unroll=1):
+                    first, end, step = scheduler.tile_range()
+                    for index in cutlass.range(first, end, step, unroll=1):
                         states = self.load_tile(index, self.output_tile(index, *tile_args)[0], states, *loads)
                 else:
                     states = self.load_tile(None, tile, states, *loads)
@@ -382,22 +421,12 @@ class FlashAttentionForwardSm100:
                     pipes.q.producer_tail(states[0])
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
-                # The MMAs' negate flags are kernel arguments (TiledMma fields) loaded at entry; as
-                # constants they need no registers across the tile loop (ptxas spilled them there).
-                for tiled_mma in (mma_qk, mma_pv):
-                    tiled_mma.set(tcgen05.Field.NEGATE_A, False)
-                    tiled_mma.set(tcgen05.Field.NEGATE_B, False)
-                mmas = (tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args)
-                states = (pipeline.make_pipeline_state(consumer, self.q_tiles),
-                          pipeline.make_pipeline_state(consumer, self.kv_stages),
-                          pipeline.make_pipeline_state(producer, self.q_tiles),
-                          pipeline.make_pipeline_state(producer, self.q_tiles))
-                if cutlass.const_expr(self.persistent):
-                    for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
-                                           unroll=1):
-                        states = self.mma_tile(index, self.output_tile(index, *tile_args)[0], states, *mmas)
+                mma_args = (tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args, scheduler, tile)
+                if cutlass.const_expr(self.pair):
+                    if self.pair_rank() == 0:  # the even CTA issues the pair's MMAs
+                        self.mma_warp(*mma_args)
                 else:
-                    self.mma_tile(None, tile, states, *mmas)
+                    self.mma_warp(*mma_args)
         elif warp >= Warp.CORRECTION:
             set_registers(self.registers["correction"])
             storage, sQ, sK, sV, row_stats, pipes, tmem = self.role_shared(barriers, sQ_layout, sK_layout, sV_layout)
@@ -410,13 +439,13 @@ class FlashAttentionForwardSm100:
                       pipeline.make_pipeline_state(consumer, self.q_tiles),
                       pipeline.make_pipeline_state(consumer, self.q_tiles))
             if cutlass.const_expr(self.persistent):
-                for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
-                                           unroll=1):
+                first, end, step = scheduler.tile_range()
+                for index in cutlass.range(first, end, step, unroll=1):
                     states = self.correction_tile(index, states, *corrections)
             else:
                 self.correction_tile(None, states, *corrections)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE), num_threads=WARPGROUP).arrive_and_wait()
-            tmem.free(tmem_ptr)
+            tmem.free(tmem_ptr)  # a pair's two CTAs free together (the handshake in TmemAllocator.free)
         elif warp < Warp.SOFTMAX0 + WARPS_PER_GROUP * self.q_tiles:
             set_registers(self.registers["softmax"])
             storage, sQ, sK, sV, row_stats, pipes, tmem = self.role_shared(barriers, sQ_layout, sK_layout, sV_layout)
@@ -428,8 +457,8 @@ class FlashAttentionForwardSm100:
             states = (pipeline.PipelineState(self.q_tiles, Int32(0), q_tile, Int32(0)),
                       pipeline.PipelineState(2 * self.q_tiles, Int32(0), q_tile, Int32(1)))
             if cutlass.const_expr(self.persistent):
-                for index in cutlass.range(cute.arch.block_idx()[0], scheduler.num_tiles(), cute.arch.grid_dim()[0],
-                                           unroll=1):
+                first, end, step = scheduler.tile_range()
+                for index in cutlass.range(first, end, step, unroll=1):
                     states = self.softmax_tile(index, states, *softmaxes)
             else:
                 self.softmax_tile(None, states, *softmaxes)
@@ -446,13 +475,48 @@ class FlashAttentionForwardSm100:
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner, dtype=self.dtype), sV_layout.outer)
         row_stats = storage.row_stats.get_tensor(cute.make_layout((TILE_M, 2 * self.q_tiles)))
-        tmem = cutlass.memory.TmemAllocator(
+        pair_rank = self.pair_rank() if self.pair else None
+        return storage, sQ, sK, sV, row_stats, rebased(pipes, storage, pair_rank), self.tmem_allocator(storage)
+
+    def tmem_allocator(self, storage, init: bool = False):
+        """The TMEM allocator (the correction warpgroup's first warp allocates all 512 columns, for
+        both CTAs of a pair with cta_group::2). ``init``: initialise a pair's dealloc barrier (once,
+        at kernel entry, with the other barriers)."""
+        return cutlass.memory.TmemAllocator(
             storage.tmem_address.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
                 barrier_id=int(Barrier.TMEM_ALLOC),
                 num_threads=WARP * (1 + WARPS_PER_GROUP * self.q_tiles + WARPS_PER_GROUP)),
-            allocator_warp_id=int(Warp.CORRECTION))
-        return storage, sQ, sK, sV, row_stats, rebased(pipes, storage), tmem
+            allocator_warp_id=int(Warp.CORRECTION), is_two_cta=self.pair,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.data_ptr() if self.pair else None,
+            initialize_mbarrier=init)
+
+    def pair_rank(self):
+        """This CTA's rank in its pair (0: the even CTA, which issues the MMAs); 0 without pairs."""
+        if cutlass.const_expr(self.pair):
+            return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return 0
+
+    @cute.jit
+    def mma_warp(self, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args, scheduler, tile):
+        """The MMA warp's tiles (of a pair: the even CTA's, for both CTAs)."""
+        # The MMAs' negate flags are kernel arguments (TiledMma fields) loaded at entry; as
+        # constants they need no registers across the tile loop (ptxas spilled them there).
+        for tiled_mma in (mma_qk, mma_pv):
+            tiled_mma.set(tcgen05.Field.NEGATE_A, False)
+            tiled_mma.set(tcgen05.Field.NEGATE_B, False)
+        mmas = (tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args)
+        consumer, producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
+        states = (pipeline.make_pipeline_state(consumer, self.q_tiles),
+                  pipeline.make_pipeline_state(consumer, self.kv_stages),
+                  pipeline.make_pipeline_state(producer, self.q_tiles),
+                  pipeline.make_pipeline_state(producer, self.q_tiles))
+        if cutlass.const_expr(self.persistent):
+            first, end, step = scheduler.tile_range()
+            for index in cutlass.range(first, end, step, unroll=1):
+                states = self.mma_tile(index, self.output_tile(index, *tile_args)[0], states, *mmas)
+        else:
+            self.mma_tile(None, tile, states, *mmas)
 
     # One tile of each role: ``index`` is the tile's index in the scheduler's order (None: the tile
     # of the block index, one CTA per tile); ``states`` the role's pipeline states, returned past it;
@@ -512,6 +576,8 @@ class FlashAttentionForwardSm100:
             m_block, head, batch = scheduler.tile_at_fast(index, divisors)
         else:
             m_block, head, batch = scheduler.tile_at(index)
+        if cutlass.const_expr(self.pair):  # the scheduler's m_block is the pair's
+            m_block = m_block * self.cfg.cluster_m + self.pair_rank()
         split = Int32(0)
         if cutlass.const_expr(splits is not None):
             head, split = splits.unfold(head)
@@ -538,28 +604,40 @@ class FlashAttentionForwardSm100:
         """KV blocks the tile walks: none for a tile past its sequence's end (varlen grids are sized
         for the longest) or whose rows see no key (it writes O = 0 and LSE = -inf)."""
         n = Int32(0)
-        if tile.in_sequence():
+        in_sequence = tile.in_sequence()
+        if cutlass.const_expr(self.pair):
+            # Both CTAs of a pair walk the pair's blocks (the MMAs are the pair's), which has rows
+            # while its even CTA's tile has: the odd CTA's tile may lie past the sequence's end.
+            in_sequence = tile.m_block // 2 * 2 * tile.tile_m < tile.mask.rows(tile.seqlen)
+        if in_sequence:
             n = cutlass.max(tile.n_block_max - tile.n_block_min, 0)
         return n
 
-    def make_pipelines(self, storage):
+    def make_pipelines(self, storage, cluster):
+        """The pipelines over ``storage``'s barriers. A pair (``cluster``: the CTAs of one MMA):
+        only the even CTA's full barriers of q and kv count (both CTAs' TMA bytes land there) and
+        only its empty barriers of s and o (both CTAs' softmax and correction threads arrive there);
+        the MMA warp's commits reach both CTAs (multicast)."""
         thread = pipeline.Agent.Thread
         one = pipeline.CooperativeGroup(thread)
-        warpgroup = pipeline.CooperativeGroup(thread, WARPGROUP)
+        ctas = self.cfg.cluster_m
+        layout = cluster if self.pair else None
         q = pipeline.PipelineTmaUmma.create(
             num_stages=self.q_tiles, producer_group=one, consumer_group=one, tx_count=self.tma_bytes_q,
-            barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True)
+            barrier_storage=storage.mbar_q.data_ptr(), cta_layout_vmnk=layout, defer_sync=True)
         kv = pipeline.PipelineTmaUmma.create(
             num_stages=self.kv_stages, producer_group=one, consumer_group=one, tx_count=self.tma_bytes_k,
-            barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
+            barrier_storage=storage.mbar_kv.data_ptr(), cta_layout_vmnk=layout, defer_sync=True)
         # Stage t of s, o: query tile t. S full: MMA -> softmax t; its empty barrier ("P written,
-        # O rescaled") is released by softmax t and by the correction warpgroup.
+        # O rescaled") is released by softmax t and by the correction warpgroup (of both CTAs).
         s = pipeline.PipelineUmmaAsync.create(
-            num_stages=self.q_tiles, producer_group=one, consumer_group=pipeline.CooperativeGroup(thread, 2 * WARPGROUP),
-            barrier_storage=storage.mbar_s.data_ptr(), defer_sync=True)
+            num_stages=self.q_tiles, producer_group=one,
+            consumer_group=pipeline.CooperativeGroup(thread, 2 * WARPGROUP * ctas),
+            barrier_storage=storage.mbar_s.data_ptr(), cta_layout_vmnk=layout, defer_sync=True)
         o = pipeline.PipelineUmmaAsync.create(
-            num_stages=self.q_tiles, producer_group=one, consumer_group=warpgroup,
-            barrier_storage=storage.mbar_o.data_ptr(), defer_sync=True)
+            num_stages=self.q_tiles, producer_group=one, consumer_group=pipeline.CooperativeGroup(thread, WARPGROUP * ctas),
+            barrier_storage=storage.mbar_o.data_ptr(), cta_layout_vmnk=layout, defer_sync=True)
+        warpgroup = pipeline.CooperativeGroup(thread, WARPGROUP)
         # Two stages per tile, in the order the correction warps read them: (block i, tile t) is
         # stage (i * q_tiles + t) mod (2 * q_tiles).
         stats = pipeline.PipelineAsync.create(
@@ -579,10 +657,12 @@ class FlashAttentionForwardSm100:
         varlen = self.cfg.varlen
         seqlen, mask, head, batch, head_kv = tile.seqlen, tile.mask, tile.head, tile.batch, tile.head_kv
         m_block, n_block_max, num_blocks = tile.m_block, tile.n_block_max, self.num_blocks(tile)
-        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
-        gQ = cute.local_tile(head_rows(mQ, mask.rows_before(seqlen), head, batch, varlen),
-                             (TILE_M, self.hdim_tile), (None, 0))
-        tQsQ, tQgQ = self.tma_partition(tma_atom_Q, sQ, thr_qk.partition_A(gQ))
+        # A pair's CTA loads its half of each K and V tile: the MMA's slice of its rank.
+        thr_qk, thr_pv = mma_qk.get_slice(self.pair_rank()), mma_pv.get_slice(self.pair_rank())
+        q_rows = head_rows(mQ, mask.rows_before(seqlen), head, batch, varlen)
+        if cutlass.const_expr(not self.pair):
+            gQ = cute.local_tile(q_rows, (TILE_M, self.hdim_tile), (None, 0))
+            tQsQ, tQgQ = self.tma_partition(tma_atom_Q, sQ, thr_qk.partition_A(gQ))
         if cutlass.const_expr(paged is None):
             gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen),
                                  (TILE_N, self.hdim_tile), (None, 0))
@@ -598,8 +678,13 @@ class FlashAttentionForwardSm100:
         if num_blocks > 0:
             for t in cutlass.range_constexpr(self.q_tiles):
                 pipes.q.producer_acquire(q_state)
-                cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_tiles + t], tQsQ[None, q_state.index],
-                          tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+                if cutlass.const_expr(self.pair):
+                    pair_sQ, pair_gQ = self.pair_q_partition(tma_atom_Q, sQ, mma_qk, q_rows, m_block * self.q_tiles + t)
+                    cute.copy(tma_atom_Q, pair_gQ, pair_sQ[None, q_state.index],
+                              tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+                else:
+                    cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_tiles + t], tQsQ[None, q_state.index],
+                              tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
                 q_state = advanced(q_state)
                 if cutlass.const_expr(t == 0):
                     kv_state = self.load_kv(pipes.kv, kv_state, k_src, n_block_max - 1, self.tma_bytes_k, seqlen)
@@ -680,6 +765,14 @@ class FlashAttentionForwardSm100:
         ring = cute.make_layout(((rows, (w, chunks)), TILE_N // rows, self.kv_stages),
                                 stride=((w, (1, chunk)), rows * w, stage_elems))
         return (cute.make_composed_layout(layout.inner, 0, box), cute.make_composed_layout(layout.inner, 0, ring))
+
+    def pair_q_partition(self, atom, sQ, mma_qk, q_rows, block):
+        """(smem (TMA, stage), gmem (TMA,)) of query block ``block`` (TILE_M rows) for a CTA of a
+        pair: the rows are this CTA's own, so they are taken as the first half (slice 0) of an
+        M = 256 window that starts at them (the other half, the peer's, is never loaded from here)."""
+        window = cute.local_tile(cute.domain_offset((block * TILE_M, 0), q_rows), (self.mma_m, self.hdim_tile), (0, 0))
+        tQsQ, tQgQ = self.tma_partition(atom, sQ, mma_qk.get_slice(0).partition_A(window))
+        return tQsQ, tQgQ
 
     @staticmethod
     def tma_partition(atom, smem, gmem_mma):
@@ -766,11 +859,12 @@ class FlashAttentionForwardSm100:
         """Layouts of S (the QK MMA's accumulator), O (the PV MMA's) and P (the PV MMA's A operand,
         16-bit, over S's upper columns) in tensor memory, one tile each."""
         thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
-        s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_M, TILE_N))).layout
-        o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE_M, self.hdim_v_tile))).layout
+        # (A pair's MMA tile is M = 256 rows; each CTA's TMEM holds its own 128 of them.)
+        s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_m, TILE_N))).layout
+        o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.mma_m, self.hdim_v_tile))).layout
         p_layout = thr_pv.make_fragment_A(tP_layout.outer)[None, None, None, 0].layout
         # S's (row, key) coordinates in the accumulator's own shape, for register fragments.
-        s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.mma_m, TILE_N)))
         return s_layout, o_layout, p_layout, s_coords
 
     # ---- softmax warpgroups ----------------------------------------------------------------------
@@ -910,7 +1004,13 @@ class FlashAttentionForwardSm100:
             out_scale = row_stats[thread, stats_state.index]
             pipes.stats.consumer_release(stats_state)
             stats_state = advanced(stats_state)
-            if in_sequence:
+            if cutlass.const_expr(self.pair):
+                # The pair's O completes whether or not this CTA's tile has rows; a tile past the
+                # sequence's end stores nothing (store_o's row predicate is false on every row).
+                if num_blocks > 0:
+                    pipes.o.consumer_wait(o_state)
+                self.store_o(tOtO[t], thread, t, out_scale, num_blocks > 0, mO, tile)
+            elif in_sequence:
                 if num_blocks > 0:
                     pipes.o.consumer_wait(o_state)
                 self.store_o(tOtO[t], thread, t, out_scale, num_blocks > 0, mO, tile)
@@ -1012,9 +1112,18 @@ class Pipelines:
     stats: pipeline.PipelineAsync
 
 
-def rebased(pipes: Pipelines, storage) -> Pipelines:
+# A pair's MMA commits reach both CTAs of the cluster (multicast mask over cluster ranks 0 and 1);
+# its consumers' releases go to the even CTA (rank 0).
+PAIR_MULTICAST = 0b11
+PAIR_LEADER = 0
+
+
+def rebased(pipes: Pipelines, storage, pair_rank=None) -> Pipelines:
     """``pipes`` over ``storage``'s barriers (the same shared memory reached from another base
-    address value), without initialising them again."""
+    address value), without initialising them again. ``pair_rank``: a CTA pair's rank, read by the
+    calling role: the pipelines' multicast masks, release targets and leader flag are remade from
+    it (constants and this value) rather than carried from kernel entry, where they would stay
+    live across every role's setmaxnreg (ptxas 12.9 spilled them)."""
     fields = {}
     for f in dataclasses.fields(pipes):
         pipe = getattr(pipes, f.name)
@@ -1025,6 +1134,13 @@ def rebased(pipes: Pipelines, storage) -> Pipelines:
         moved = copy.copy(pipe)
         object.__setattr__(moved, "sync_object_full", full)
         object.__setattr__(moved, "sync_object_empty", empty)
+        if pair_rank is not None and isinstance(pipe, pipeline.PipelineTmaUmma):
+            object.__setattr__(moved, "consumer_mask", cutlass.Int16(PAIR_MULTICAST))
+            object.__setattr__(moved, "producer_mask", cutlass.Int16(PAIR_MULTICAST))
+            object.__setattr__(moved, "is_leader_cta", pair_rank == PAIR_LEADER)
+        elif pair_rank is not None and isinstance(pipe, pipeline.PipelineUmmaAsync):
+            object.__setattr__(moved, "producer_mask", cutlass.Int16(PAIR_MULTICAST))
+            object.__setattr__(moved, "consumer_mask", Int32(PAIR_LEADER))
         fields[f.name] = moved
     return Pipelines(**fields)
 

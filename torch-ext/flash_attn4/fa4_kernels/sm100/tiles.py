@@ -75,10 +75,36 @@ PERSISTENT_CTAS = 148
 def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool) -> dict:
     """ForwardConfig overrides for the launch grid of a problem class (``varlen``: cu_seqlens_q or
     seqused_q): persistent CTAs where upstream uses them and our kernel compiles spill-free with
-    them (see PERSISTENT)."""
+    them (see PERSISTENT), and CTA pairs (cluster_m = 2) where pair_applies says."""
     fits = _pad16(head_dim) <= 128 or query_tiles(head_dim, head_dim_v) == 1
     persistent = PERSISTENT and fits and not (causal or local or varlen or split_kv)
-    return dict(persistent_ctas=PERSISTENT_CTAS if persistent else 0)
+    grid = dict(persistent_ctas=PERSISTENT_CTAS if persistent else 0)
+    if pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv):
+        grid["cluster_m"] = 2
+    return grid
+
+
+# CTA pairs (ForwardConfig.cluster_m = 2): a cluster of two CTAs along M runs the M = 256 tcgen05
+# MMAs of cta_group::2, issued by the even CTA's MMA warp; each CTA keeps its own two 128-row query
+# tiles (its S, P and O in its own TMEM) and loads half of every K tile (64 keys) and of every V
+# tile (64 of its head_dim_v columns), so a pair reads each K/V block from L2 once where two single
+# CTAs read it twice, and each CTA's K/V ring stages are half as large. Upstream runs its 2-CTA
+# kernel for these head dims without causal or local masks and without varlen or split-KV; so does
+# this rule (every CTA of a pair then sees the same KV blocks). TWO_CTA = False turns it off.
+TWO_CTA = False
+FORWARD_CLUSTER_M = (1, 2)
+# Head dims (padded to 16) a pair runs: (head_dim, head_dim_v).
+PAIR_HEAD_DIMS = ((128, 128),)
+
+
+def pair_applies(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool) -> bool:
+    """Whether the rule runs a problem class on CTA pairs (see TWO_CTA)."""
+    return (TWO_CTA and pair_supported(head_dim, head_dim_v)
+            and not (causal or local or varlen or split_kv))
+
+
+def pair_supported(head_dim: int, head_dim_v: int) -> bool:
+    return (_pad16(head_dim), _pad16(head_dim_v)) in PAIR_HEAD_DIMS
 
 
 # Shared memory: 227 KiB a block can opt into, less room for barriers and the row statistics.
@@ -95,11 +121,13 @@ def kv_stages(head_dim: int, head_dim_v: int, element_bytes: int = 2) -> int:
     return min(MAX_KV_STAGES, (SMEM_BYTES - SMEM_RESERVED - q_bytes) // stage_bytes)
 
 
-def shared_memory_bytes(head_dim: int, head_dim_v: int, num_stages: int, element_bytes: int = 2) -> int:
-    """Dynamic shared memory of the sm100 forward: the query tiles, the K/V ring and (at most)
-    SMEM_RESERVED for the mbarriers, the TMEM address and the per-row statistics."""
+def shared_memory_bytes(head_dim: int, head_dim_v: int, num_stages: int, element_bytes: int = 2,
+                        cluster_m: int = 1) -> int:
+    """Dynamic shared memory of the sm100 forward: the query tiles, the K/V ring (a CTA of a pair
+    holds half of each K or V tile) and (at most) SMEM_RESERVED for the mbarriers, the TMEM address
+    and the per-row statistics."""
     q_bytes, stage_bytes = _tile_bytes(head_dim, head_dim_v, element_bytes)
-    return q_bytes + num_stages * stage_bytes + SMEM_RESERVED
+    return q_bytes + num_stages * stage_bytes // cluster_m + SMEM_RESERVED
 
 
 def _tile_bytes(head_dim: int, head_dim_v: int, element_bytes: int, q_tiles: int = 0) -> tuple[int, int]:
@@ -127,10 +155,27 @@ def check_forward(cfg) -> None:
                          f"{q_tiles} query tile(s) at head dims {cfg.head_dim}/{cfg.head_dim_v}")
     if cfg.pack_gqa < 1 or 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off), got {cfg.pack_gqa}")
+    if cfg.cluster_m == 2:
+        _check_pair(cfg)
     for name in ("tma_store_o", "rescale_o_before_pv", "whole_k_gemms"):
         if getattr(cfg, name):
             raise ValueError(f"sm100 forward: {name} is a Hopper schedule switch; the sm100 kernel has no such "
                              f"option (got {name}={getattr(cfg, name)})")
+
+
+def _check_pair(cfg) -> None:
+    """NotImplementedError for a problem class the pair kernel does not run (every CTA of a pair
+    must see the same KV blocks, and each loads its own query rows with one TMA box)."""
+    arch = cfg.arch.value
+    if not pair_supported(cfg.head_dim, cfg.head_dim_v):
+        raise NotImplementedError(f"{arch} forward: cluster_m=2 (CTA pairs) is not implemented at head dims "
+                                  f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims {PAIR_HEAD_DIMS}")
+    for name in ("causal", "local", "varlen", "has_seqused_q", "split_kv"):
+        if getattr(cfg, name):
+            raise NotImplementedError(f"{arch} forward: cluster_m=2 (CTA pairs) with {name}=True is not "
+                                      f"implemented; pairs run batched problems without causal or local masks")
+    if cfg.page_size:
+        raise NotImplementedError(f"{arch} forward: cluster_m=2 (CTA pairs) with a paged KV cache is not implemented")
 
 
 # Problem classes CI compiles for sm_100a (fa4_kernels.compile.kernel_set): each head-dim class and
@@ -161,14 +206,15 @@ def _pad16(d: int) -> int:
 # ---- Backward (sm100/bwd.py) ------------------------------------------------------------------
 # A CTA owns TILE_N = 128 keys of one KV head and walks 128-row query blocks. Shared memory: K, V,
 # Q and dO per stage, dS^T, two float32 dQ staging buffers of BWD_DQ_CHUNK columns, LSE and rowsum
-# per stage, and at most BWD_SMEM_RESERVED of barriers. d = 64 takes two Q/dO stages (160 KiB),
-# d = 128 one (193 KiB): two would need 256 KiB, which is why upstream runs d = 128 on two CTAs.
+# per stage, and at most BWD_SMEM_RESERVED of barriers. d = 64 takes two Q/dO stages (163 KiB),
+# d = 96 two (211 KiB), d = 128 one (194 KiB): two would need 256 KiB, which is why upstream runs
+# d = 128 on two CTAs.
 BWD_TILE_M = 128
 BWD_DQ_CHUNK = 32  # dQ columns per TMEM load / shared-memory stage / TMA reduce-add
 BWD_DQ_BUFFERS = 2
 BWD_MAX_STAGES = 2
 BWD_SMEM_RESERVED = 1024
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 96, 128)
 
 
 def backward_shared_memory_bytes(head_dim: int, num_stages: int, element_bytes: int = 2) -> int:
@@ -194,15 +240,15 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
     return dict(tile_m=BWD_TILE_M, tile_n=TILE_N, num_stages=max(backward_stages(head_dim), 1))
 
 
-# What each BackwardConfig flag the sm100 backward lacks is called in the public functions.
-BWD_UNIMPLEMENTED = {"varlen": "packed sequences: cu_seqlens_q / cu_seqlens_k", "local": "a local window: window_size",
-                     "has_softcap": "softcap > 0", "has_seqused_k": "seqused_k"}
+# What each BackwardConfig flag the sm100 backward lacks is called in the public functions (none
+# today: the check stays for the next flag a kernel change leaves out).
+BWD_UNIMPLEMENTED: dict[str, str] = {}
 
 
 def backward_supported() -> str:
     """What the sm100 backward runs, for messages."""
-    return (f"1-CTA kernel: bf16/fp16, head_dim == head_dim_v in {BWD_HEAD_DIMS}, causal or not, batched, "
-            f"MHA/GQA/MQA, learnable sinks, deterministic=True")
+    return (f"1-CTA kernel: bf16/fp16, head_dim == head_dim_v in {BWD_HEAD_DIMS}, causal or local windows, "
+            f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True")
 
 
 def check_backward(cfg) -> None:
@@ -230,14 +276,14 @@ def check_backward(cfg) -> None:
 
 
 def check_postprocess(cfg) -> None:
-    if cfg.varlen:
-        raise NotImplementedError(f"{cfg.arch.value} backward postprocess: varlen=True is not implemented yet")
     if cfg.tile_m != BWD_TILE_M or cfg.head_dim not in BWD_HEAD_DIMS:
         raise NotImplementedError(f"{cfg.arch.value} backward postprocess: tile_m {BWD_TILE_M} and head dims "
                                   f"{BWD_HEAD_DIMS} only, got tile_m {cfg.tile_m}, head dim {cfg.head_dim}")
 
 
-# Problem classes CI compiles for sm_100a's backward: both head dims, causal or not, and the
-# deterministic dQ order once (a handful: the target's compile time).
-BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(), dict(causal=True),
-                       dict(causal=True, deterministic=True))
+# Problem classes CI compiles for sm_100a's backward: each head dim, causal or not, the
+# deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
+# handful: the target's compile time).
+BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
+                       dict(causal=True), dict(causal=True, deterministic=True),
+                       dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True))
