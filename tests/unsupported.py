@@ -12,8 +12,8 @@ Refused today (anything else must run):
 - every arch: head_dim or head_dim_v below 16 (valid FlashAttention input, served by no kernel);
 - sm_103a: the backward pass (its kernels are forward only; tests marked ``backward`` are skipped
   there by tests/conftest.py for the same reason);
-- sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims other than 64/64, 96/96 and
-  128/128 after the backward's padding to a multiple of 16 (at least 32) (local windows, softcap,
+- sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims outside 64, 96 and 128 (each of
+  head_dim and head_dim_v) after the backward's padding to a multiple of 16 (at least 32) (local windows, softcap,
   varlen and seqused_k run; its BWD_UNIMPLEMENTED flags, none today, would be listed here);
 - every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
 """
@@ -62,7 +62,7 @@ def backward_refusals(arch: Arch, *, head_dim: int = 128, head_dim_v: int = 128,
     reasons = [NO_BACKWARD] if arch is Arch.SM103 else []
     if arch is Arch.SM100:
         d, dv = backward_kernel_head_dim(head_dim), backward_kernel_head_dim(head_dim_v)
-        if d != dv or d not in SM100_BWD_HEAD_DIMS:
+        if d not in SM100_BWD_HEAD_DIMS or dv not in SM100_BWD_HEAD_DIMS:
             reasons.append(SM100_BWD_HEAD_DIM)
     del window, softcap, varlen, seqused_k, deterministic  # every arch with a backward runs these
     return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])

@@ -337,6 +337,8 @@ SM100_CASES = {
     "local-sink-deterministic": dict(sq=260, sk=300, window=(150, 10), sink=0.5, deterministic=True),
     "d96-causal": dict(sq=300, sk=333, causal=True, d=96),
     "d96-local-softcap-gqa": dict(sq=200, sk=290, g=3, window=(90, 20), softcap=6.0, d=96),
+    "d128-dv64-causal": dict(sq=260, sk=300, causal=True, d=128, dv=64),
+    "d64-dv128-local": dict(sq=200, sk=333, window=(80, 10), d=64, dv=128),
 }
 
 
@@ -346,7 +348,7 @@ def test_sm100_tiles_match_reference(case):
     softcap: every visible pair covered by a visited block, no full block hiding a masked key, and
     the gradients within the GPU suite's rule against autograd."""
     c = dict(SM100_CASES[case])
-    cfg, _ = configs(d=c.get("d", 64), causal=c.get("causal", False), local="window" in c,
+    cfg, _ = configs(d=c.get("d", 64), dv=c.get("dv"), causal=c.get("causal", False), local="window" in c,
                      softcap=c.get("softcap", 0.0), arch=Arch.SM100)
     assert (cfg.arch, cfg.tile_m, cfg.tile_n) == (Arch.SM100, 128, 128)
     gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))

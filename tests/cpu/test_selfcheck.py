@@ -925,7 +925,8 @@ def test_correct_backward_passes_every_configuration(seed, fake_bwd, d, dv, flag
 @pytest.mark.parametrize("d,flags", [
     (128, dict(varlen=True, has_seqused_k=True, causal=True)), (64, dict(local=True, has_softcap=True)),
     (128, dict(varlen=True, local=True, has_softcap=True, deterministic=True)), (64, dict(varlen=True)),
-    (96, dict(causal=True, varlen=True, has_seqused_k=True, has_softcap=True))])
+    (96, dict(causal=True, varlen=True, has_seqused_k=True, has_softcap=True)),
+    ((128, 64), dict(causal=True)), ((64, 128), dict(varlen=True, local=True))])
 def test_sm100_backward_check_builds_problems_with_varlen_local_and_softcap(seed, fake_bwd, d, flags):
     """The sm_100a backward's first-use check (its kernel now takes varlen, seqused_k, local windows
     and softcap) builds a problem with each option of the configuration: packed sequences (one
@@ -933,8 +934,10 @@ def test_sm100_backward_check_builds_problems_with_varlen_local_and_softcap(seed
     stand-in (sm100's dQ accumulator order) passes it."""
     fake_bwd["arch"] = Arch.SM100
     base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
-    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, d, **{**base, **flags})
+    d, dv = d if isinstance(d, tuple) else (d, d)
+    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, dv, **{**base, **flags})
     p = selfcheck.build_backward_problem(cfg)
+    assert (p.fwd.q.shape[-1], p.fwd.v.shape[-1]) == (d, dv)
     assert p.fwd.varlen == cfg.varlen and (p.fwd.seqused_k is not None) == cfg.has_seqused_k
     assert (p.fwd.softcap > 0) == cfg.has_softcap and (p.fwd.window_left >= 0) == cfg.local
     if cfg.has_seqused_k:

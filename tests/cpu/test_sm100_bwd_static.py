@@ -31,6 +31,9 @@ CONFIGS = {
     "d128_causal": dict(d=128, causal=True),
     "d96": dict(d=96),
     "d96_causal_varlen_softcap": dict(d=96, causal=True, varlen=True, has_softcap=True),
+    "d128_dv64_causal": dict(d=128, dv=64, causal=True),
+    "d64_dv128_varlen_local_softcap": dict(d=64, dv=128, varlen=True, local=True, has_softcap=True),
+    "d96_dv128": dict(d=96, dv=128),
     "d128_causal_deterministic": dict(d=128, causal=True, deterministic=True),
     "d128_varlen_seqused_k": dict(d=128, varlen=True, has_seqused_k=True),
     "d128_local": dict(d=128, local=True),
@@ -41,12 +44,13 @@ CONFIGS = {
 # ptxas 12.9 (the cu12 flavour): one config per feature beside the plain causal ones.
 CU12_CONFIGS = (dict(d=64, causal=True), dict(d=96, causal=True), dict(d=128, causal=True),
                 dict(d=128, varlen=True, has_seqused_k=True),
-                dict(d=128, local=True, has_softcap=True), dict(d=64, has_softcap=True))
+                dict(d=128, local=True, has_softcap=True), dict(d=64, has_softcap=True), dict(d=128, dv=64, causal=True),
+                dict(d=96, dv=128))
 
 
 def config(d=128, causal=False, dtype="bfloat16", deterministic=False, local=False, has_softcap=False,
-           varlen=False, has_seqused_k=False):
-    return dispatch.backward_config(Arch.SM100, dtype, d, d, causal=causal, local=local, has_softcap=has_softcap,
+           varlen=False, has_seqused_k=False, dv=None):
+    return dispatch.backward_config(Arch.SM100, dtype, d, d if dv is None else dv, causal=causal, local=local, has_softcap=has_softcap,
                                     varlen=varlen, has_seqused_k=has_seqused_k, deterministic=deterministic)
 
 
@@ -57,11 +61,11 @@ def kernel_plan(cfg):
 
 
 def expected_mma(cfg) -> int:
-    """Per query block: S^T = K Q^T and dP^T = V dO^T reduce over the head dim, dV += P^T dO,
+    """Per query block: S^T = K Q^T reduces over d, dP^T = V dO^T over dv, dV += P^T dO and
     dK += dS^T Q over the block's queries, dQ = dS K over the tile's keys; the MMA warp's loop holds
     each GEMM once."""
-    over_d = -(-cfg.head_dim // MMA_K)
-    return 2 * over_d + 2 * (cfg.tile_m // MMA_K) + cfg.tile_n // MMA_K
+    over_d, over_dv = -(-cfg.head_dim // MMA_K), -(-cfg.head_dim_v // MMA_K)
+    return over_d + over_dv + 2 * (cfg.tile_m // MMA_K) + cfg.tile_n // MMA_K
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -104,9 +108,13 @@ def test_tmem_traffic_and_exponentials_as_planned(compiled):
     d = cfg.head_dim
     variants = 2
     chunks_in_code = 1 if cfg.has_softcap else cols // chunk
-    dkv_chunks = d // bwd.COMPUTE_GROUPS // plan.dkv_chunk  # per warpgroup: 16-column chunks at d = 96
-    assert plan.dkv_chunk == (chunk if d // bwd.COMPUTE_GROUPS % chunk == 0 else MMA_K)
-    assert stats["ldtm"] == variants * 2 * chunks_in_code + 2 * dkv_chunks + d // chunk, name
+    # dK and dV per warpgroup (the code once; the warpgroup's half is a runtime offset): 16-column
+    # chunks where the half is no multiple of 32 (96)
+    dkv_chunks = 0
+    for dim, width in ((d, plan.dk_chunk), (cfg.head_dim_v, plan.dv_chunk)):
+        assert width == (chunk if dim // bwd.COMPUTE_GROUPS % chunk == 0 else MMA_K)
+        dkv_chunks += dim // bwd.COMPUTE_GROUPS // width
+    assert stats["ldtm"] == variants * 2 * chunks_in_code + dkv_chunks + d // chunk, name
     assert stats["sttm"] == variants * chunks_in_code, name
     assert stats["mufu_ex2"] == variants * chunks_in_code * chunk, name
     assert stats["opcodes"].get("MUFU.TANH", 0) == (stats["mufu_ex2"] if cfg.has_softcap else 0), name
@@ -122,7 +130,7 @@ def test_register_budgets_one_setmaxnreg_per_role(compiled):
     name, cfg, stats = compiled
     bwd, plan = kernel_plan(cfg)
     budgets = plan.registers
-    assert budgets == bwd.registers(cfg.head_dim)
+    assert budgets == bwd.registers(cfg.head_dim, cfg.head_dim_v, cfg.num_stages)
     assert budgets["dq"] + bwd.COMPUTE_GROUPS * budgets["compute"] + budgets["other"] == 4 * bwd.LAUNCH_REGISTERS
     assert stats["usetmaxreg"] == stats["setmaxnreg"], name
     # The launch's share needs no setmaxnreg.
@@ -156,19 +164,20 @@ def test_static_problems_none(compiled):
 @pytest.mark.parametrize("spec", sorted(CONFIGS))
 def test_tmem_plan_columns_disjoint_except_dq_over_dp(spec):
     """S^T, dP^T, dK, dV (and dQ where it fits) in disjoint columns within 512; dQ over dP^T only
-    where it does not fit (d = 128); P^T of each compute warpgroup inside its own S^T columns."""
+    where it does not fit (d = 128; 96 and dv != d by the sum); P^T of each compute warpgroup inside
+    its own S^T columns."""
     cfg = config(**CONFIGS[spec])
     bwd, plan = kernel_plan(cfg)
-    d = cfg.head_dim
+    d, dv = cfg.head_dim, cfg.head_dim_v
     regions = {"s": (plan.tmem_s, cfg.tile_m), "dp": (plan.tmem_dp, cfg.tile_m), "dk": (plan.tmem_dk, d),
-               "dv": (plan.tmem_dv, d)}
+               "dv": (plan.tmem_dv, dv)}
     if not plan.dq_over_dp:
         regions["dq"] = (plan.tmem_dq, d)
     spans = sorted((start, start + width, name) for name, (start, width) in regions.items())
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         assert end <= start, (spec, a, b)
     assert spans[-1][1] <= bwd.TMEM_COLUMNS
-    assert plan.dq_over_dp == (2 * cfg.tile_n + 3 * d > bwd.TMEM_COLUMNS)
+    assert plan.dq_over_dp == (2 * cfg.tile_n + 2 * d + dv > bwd.TMEM_COLUMNS)
     if plan.dq_over_dp:
         assert plan.tmem_dq == plan.tmem_dp and d <= cfg.tile_m
     cols = cfg.tile_m // bwd.COMPUTE_GROUPS
@@ -217,7 +226,7 @@ def test_varlen_local_and_softcap_configs_are_accepted(flags):
     assert cfg.postprocess().varlen == flags.get("varlen", False)
 
 
-@pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (128, 64)])
+@pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (192, 128), (128, 80)])
 def test_other_head_dims_raise(d, dv):
     with pytest.raises(NotImplementedError, match="sm_100a backward: head dims"):
         BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,

@@ -120,7 +120,8 @@ BACKWARD_OPTIONS = {**{name: OPTIONS[name] for name in ("plain", "causal", "wind
                     "deterministic": dict(deterministic=True), "causal_gqa_sink": dict(causal=True, hq=8, sink=True)}
 
 
-@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256), (120, 120), (56, 56)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256), (120, 120), (56, 56),
+                                  (128, 64), (64, 96)])
 @pytest.mark.parametrize("option", list(BACKWARD_OPTIONS))
 def test_backward_refuses_exactly_what_the_list_names(target, d, dv, option):
     """Forward then backward with inputs that require grad: refused (by the forward or by .backward())
@@ -147,9 +148,10 @@ def test_the_backward_grid_meets_every_sm100_refusal_and_support():
     windows, softcap, varlen and seqused_k run since the kernel has them)."""
     from tests.unsupported import SM100_BWD_HEAD_DIM
 
-    dims = [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256), (120, 120), (56, 56), (96, 96), (88, 88)]
+    dims = [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256), (120, 120), (56, 56), (96, 96), (88, 88),
+            (128, 64), (64, 96), (128, 80)]
     assert [d for d in dims if not backward_refusals(Arch.SM100, head_dim=d[0], head_dim_v=d[1])] == [
-        (64, 64), (128, 128), (120, 120), (56, 56), (96, 96), (88, 88)]
+        (64, 64), (128, 128), (120, 120), (56, 56), (96, 96), (88, 88), (128, 64), (64, 96)]
     assert backward_refusals(Arch.SM100, head_dim=72, head_dim_v=72) == [SM100_BWD_HEAD_DIM]
     listed = {r for o in BACKWARD_OPTIONS.values()
               for r in backward_refusals(Arch.SM100, window="window_size" in o, softcap="softcap" in o,

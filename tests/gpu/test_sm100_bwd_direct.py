@@ -42,12 +42,12 @@ def run_sm100_backward(q, k, v, out, lse, dout, causal: bool, softmax_scale: flo
     from flash_attn4.fa4_kernels.sm100.dq_accum import accum_layout
     from flash_attn4.fa4_kernels.tiles import backward_tiles
 
-    d = q.shape[-1]
+    d, dv = q.shape[-1], v.shape[-1]
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
     local = window != (-1, -1)  # the torch layer's rule: causal + window is local with right 0
-    cfg = BackwardConfig(arch=Arch.SM100, dtype=name, head_dim=d, head_dim_v=d, causal=causal and not local,
+    cfg = BackwardConfig(arch=Arch.SM100, dtype=name, head_dim=d, head_dim_v=dv, causal=causal and not local,
                          local=local, has_softcap=softcap > 0,
-                         **backward_tiles(Arch.SM100, d, d, causal and not local, local, softcap > 0))
+                         **backward_tiles(Arch.SM100, d, dv, causal and not local, local, softcap > 0))
     lse_log2, dpsum = ops._backward_rows(dout, out, lse, None, use_kernel=False)
     layout = accum_layout(cfg)
     batch, sq, hq, _ = q.shape
@@ -100,3 +100,19 @@ def test_sm100_backward_local_and_softcap_match_the_reference(d, window, softcap
     ref = reference_grads(q, k, v, dout, upcast=True, **kw)
     pt = reference_grads(q, k, v, dout, upcast=False, **kw)
     assert_grads_close(got, ref, pt, what=f"sm100 d={d} window={window} softcap={softcap}: ")
+
+
+@pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (96, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm100_backward_head_dim_v_unlike_head_dim(d, dv, causal):
+    _need_sm100()
+    hq, hk = 6, 2
+    batch, sq, sk = 2, 300, 333
+    q, k, v = rand(batch, sq, hq, d), rand(batch, sk, hk, d), rand(batch, sk, hk, dv)
+    dout = rand(batch, sq, hq, dv)
+    scale = d ** -0.5
+    out, lse = attention_ref(q.float(), k.float(), v.float(), softmax_scale=scale, causal=causal)
+    got = run_sm100_backward(q, k, v, out.to(q.dtype), lse.float().contiguous(), dout, causal, scale)
+    ref = reference_grads(q, k, v, dout, upcast=True, softmax_scale=scale, causal=causal)
+    pt = reference_grads(q, k, v, dout, upcast=False, softmax_scale=scale, causal=causal)
+    assert_grads_close(got, ref, pt, what=f"sm100 d={d} dv={dv} causal={causal}: ")

@@ -57,8 +57,8 @@ per thread and chunk (the DSL has no vector red.global), and the smem staging is
 
 Tensor memory (512 columns, lane = key row for S^T, dP^T, dK, dV; = query row for dQ):
     S^T 0-127 (P^T of compute warpgroup w: 16-bit pairs at 64 w .. 64 w + 31, over its own S^T
-    columns), dP^T 128-255, dK 256.., dV 256 + d.., dQ 256 + 2 d.. where that fits (d = 64),
-    else over dP^T's columns (d = 128), after dS^T was computed from them.
+    columns), dP^T 128-255, dK 256.. (d), dV 256 + d.. (dv), dQ 256 + d + dv.. where that fits
+    (d = dv = 64), else over dP^T's columns (d <= 128), after dS^T was computed from them.
 
 Synchronisation (mbarrier pipelines, cutlass.pipeline):
     kv    TMA -> MMA        K and V, once
@@ -134,43 +134,52 @@ class Barrier(enum.IntEnum):
 # d = 128 spilled at 80, 96 and 104 registers under ptxas 13.4 and at 112 under 12.9 (the cu12
 # flavour), not at 128 (the launch share: that warpgroup needs no setmaxnreg).
 REGISTERS = dict(dq=64, compute=160, other=128)
-# d = 96 runs two Q/dO stages, whose descriptors spilled the MMA/load warpgroup at 128 registers under
-# ptxas 12.9 (8-16 B; not under 13.4): 8 more there, from the dQ warpgroup (three 32-column chunks).
-REGISTERS_BY_HEAD_DIM = {96: dict(dq=56, compute=160, other=136)}
+# Two Q/dO stages with a head dim above 64 (d = 96, or dv != d): the stages' descriptors spilled the
+# MMA/load warpgroup at 128 registers under ptxas 12.9 (8-16 B at d = 96; not under 13.4): 8 more
+# there, from the dQ warpgroup (at most four 32-column chunks).
+REGISTERS_TWO_STAGES = dict(dq=56, compute=160, other=136)
 
 
-def registers(head_dim: int) -> dict:
-    """setmaxnreg budgets per warpgroup role at this head dim."""
-    return REGISTERS_BY_HEAD_DIM.get(head_dim, REGISTERS)
+def registers(head_dim: int, head_dim_v: int, num_stages: int) -> dict:
+    """setmaxnreg budgets per warpgroup role for these head dims and Q/dO stages."""
+    return REGISTERS_TWO_STAGES if num_stages > 1 and max(head_dim, head_dim_v) > 64 else REGISTERS
+
+
+def out_chunk(dim: int) -> int:
+    """Columns per TMEM load when a compute warpgroup writes its half of dK or dV (dim columns)."""
+    half = dim // COMPUTE_GROUPS
+    width = BWD_DQ_CHUNK if half % BWD_DQ_CHUNK == 0 else MMA_K
+    assert half % width == 0
+    return width
 
 
 class FlashAttentionBackwardSm100:
     def __init__(self, cfg: BackwardConfig):
-        # BackwardConfig ran tiles.check_backward: head_dim == head_dim_v in (64, 128), 128 x 128.
+        # BackwardConfig ran tiles.check_backward: head_dim and head_dim_v in BWD_HEAD_DIMS, 128 x 128 tiles.
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
-        self.hdim = cfg.head_dim
+        self.hdim, self.hdim_v = cfg.head_dim, cfg.head_dim_v
         self.num_stages = cfg.num_stages
         self.dq = DqChunks(BWD_TILE_M, self.hdim)
-        self.registers = registers(self.hdim)
+        self.registers = registers(self.hdim, self.hdim_v, self.num_stages)
         regs = self.registers
         assert regs["dq"] + COMPUTE_GROUPS * regs["compute"] + regs["other"] == 4 * LAUNCH_REGISTERS
         # Tensor-memory plan (columns).
         self.tmem_s, self.tmem_dp = 0, TILE_N
         self.tmem_dk = 2 * TILE_N
         self.tmem_dv = self.tmem_dk + self.hdim
-        after_dv = self.tmem_dv + self.hdim
+        after_dv = self.tmem_dv + self.hdim_v
         self.dq_over_dp = after_dv + self.hdim > TMEM_COLUMNS
         self.tmem_dq = self.tmem_dp if self.dq_over_dp else after_dv
         assert after_dv <= TMEM_COLUMNS and self.tmem_dq + self.hdim <= TMEM_COLUMNS
+        assert not self.dq_over_dp or self.hdim <= BWD_TILE_M
         # P^T of compute warpgroup w: its 64 query columns as 32 words of 16-bit pairs at 64 w.
         self.cols_per_group = BWD_TILE_M // COMPUTE_GROUPS
         self.p_words = self.cols_per_group * self.dtype.width // 32
-        # dK and dV leave TMEM by chunks of a compute warpgroup's half of the head dim: BWD_DQ_CHUNK
-        # columns, or 16 where the half is no multiple of it (d = 96: 48 columns per warpgroup).
-        half = self.hdim // COMPUTE_GROUPS
-        self.dkv_chunk = BWD_DQ_CHUNK if half % BWD_DQ_CHUNK == 0 else MMA_K
-        assert half % self.dkv_chunk == 0 and self.hdim % BWD_DQ_CHUNK == 0
+        # dK and dV leave TMEM by chunks of a compute warpgroup's half of their head dim: BWD_DQ_CHUNK
+        # columns, or 16 where the half is no multiple of it (96: 48 columns per warpgroup).
+        self.dk_chunk, self.dv_chunk = (out_chunk(dim) for dim in (self.hdim, self.hdim_v))
+        assert self.hdim % BWD_DQ_CHUNK == 0
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -182,7 +191,7 @@ class FlashAttentionBackwardSm100:
                  mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor],
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_k: Int32, stream: cuda.CUstream):
-        d = self.hdim
+        d, dv = self.hdim, self.hdim_v
         # Sequence first: (seq, d, head[, batch]), (seq_pad, head[, batch]), dq_accum (rows, 128, head[,
         # batch]); varlen packs the sequences along seq (no batch mode).
         per_token = (mQ, mK, mV, mdO, mdK, mdV)
@@ -204,35 +213,37 @@ class FlashAttentionBackwardSm100:
 
         major = cute.nvgpu.OperandMajorMode
         one = tcgen05.CtaGroup.ONE
-        # S^T = K Q^T and dP^T = V dO^T: (keys, queries, d), both operands d-contiguous.
+        # S^T = K Q^T and dP^T = V dO^T: (keys, queries, d or dv), both operands head-dim-contiguous.
         mma_s = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.K, Float32, one, (TILE_N, BWD_TILE_M))
         # dV += P^T dO: A = P^T (keys, queries) from TMEM, B = dO^T (d, queries) d-contiguous.
-        mma_dv = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, one, (TILE_N, d),
+        mma_dv = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, one, (TILE_N, dv),
                                                     tcgen05.OperandSource.TMEM)
         # dK += dS^T Q: A = dS^T (keys, queries) queries-contiguous, B = Q^T (d, queries).
         mma_dk = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, one, (TILE_N, d))
         # dQ = dS K: A = dS (queries, keys) from dS^T's buffer, B = K^T (d, keys), both MN-major.
         mma_dq = sm100_utils.make_trivial_tiled_mma(self.dtype, major.MN, major.MN, Float32, one, (BWD_TILE_M, d))
         tiler_s = (TILE_N, BWD_TILE_M, d)
-        tiler_dkv = (TILE_N, d, BWD_TILE_M)
+        tiler_dp = (TILE_N, BWD_TILE_M, dv)
+        tiler_dk = (TILE_N, d, BWD_TILE_M)
+        tiler_dv = (TILE_N, dv, BWD_TILE_M)
         tiler_dq = (BWD_TILE_M, d, TILE_N)
 
         layouts = SmemLayouts(
             k=sm100_utils.make_smem_layout_a(mma_s, tiler_s, self.dtype, 1),
-            v=sm100_utils.make_smem_layout_a(mma_s, tiler_s, self.dtype, 1),
+            v=sm100_utils.make_smem_layout_a(mma_s, tiler_dp, self.dtype, 1),
             q=sm100_utils.make_smem_layout_b(mma_s, tiler_s, self.dtype, self.num_stages),
-            do=sm100_utils.make_smem_layout_b(mma_s, tiler_s, self.dtype, self.num_stages),
-            qt=sm100_utils.make_smem_layout_b(mma_dk, tiler_dkv, self.dtype, self.num_stages),
-            dot=sm100_utils.make_smem_layout_b(mma_dv, tiler_dkv, self.dtype, self.num_stages),
+            do=sm100_utils.make_smem_layout_b(mma_s, tiler_dp, self.dtype, self.num_stages),
+            qt=sm100_utils.make_smem_layout_b(mma_dk, tiler_dk, self.dtype, self.num_stages),
+            dot=sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, self.dtype, self.num_stages),
             kt=sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, self.dtype, 1),
-            dst=sm100_utils.make_smem_layout_a(mma_dk, tiler_dkv, self.dtype, 1),
+            dst=sm100_utils.make_smem_layout_a(mma_dk, tiler_dk, self.dtype, 1),
             ds=sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, self.dtype, 1),
-            p=sm100_utils.make_smem_layout_a(mma_dv, tiler_dkv, self.dtype, 1),
+            p=sm100_utils.make_smem_layout_a(mma_dv, tiler_dv, self.dtype, 1),
         )
         # Q, dO, K and dS^T are each read by two MMAs in different orientations from one buffer:
         # both views must put every element at the same offset (checked here, at trace time).
         check_same_elements(layouts.q, layouts.qt, BWD_TILE_M, d, "Q")
-        check_same_elements(layouts.do, layouts.dot, BWD_TILE_M, d, "dO")
+        check_same_elements(layouts.do, layouts.dot, BWD_TILE_M, dv, "dO")
         check_same_elements(layouts.k, layouts.kt, TILE_N, d, "K")
         check_same_elements(layouts.dst, layouts.ds, TILE_N, BWD_TILE_M, "dS^T")
         rows_layout = cute.make_layout((BWD_TILE_M, self.num_stages))
@@ -244,19 +255,21 @@ class FlashAttentionBackwardSm100:
         tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
             tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tiler_s, mma_s)
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tiler_s, mma_s)
+            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tiler_dp, mma_s)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
             tma_load, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tiler_s, mma_s)
         tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tiler_s, mma_s)
+            tma_load, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tiler_dp, mma_s)
         tma_row = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_row, mLSE, cute.make_layout(BWD_TILE_M), (BWD_TILE_M,))
         tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_row, mdPsum, cute.make_layout(BWD_TILE_M),
                                                                 (BWD_TILE_M,))
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), (dq_rows, ROW))
-        self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, cute.select(layouts.k, mode=[0, 1, 2]))
-        self.tma_bytes_qdo = 2 * cute.size_in_bytes(self.dtype, cute.select(layouts.q, mode=[0, 1, 2]))
+        one_stage = [cute.size_in_bytes(self.dtype, cute.select(getattr(layouts, t), mode=[0, 1, 2]))
+                     for t in ("k", "v", "q", "do")]
+        self.tma_bytes_kv = one_stage[0] + one_stage[1]
+        self.tma_bytes_qdo = one_stage[2] + one_stage[3]
         self.tma_bytes_rows = 2 * BWD_TILE_M * 4
 
         @cute.struct
@@ -277,7 +290,7 @@ class FlashAttentionBackwardSm100:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.dst)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
-        planned = backward_shared_memory_bytes(d, self.num_stages, self.dtype.width // 8)
+        planned = backward_shared_memory_bytes(d, self.num_stages, self.dtype.width // 8, dv)
         if cutlass.const_expr(SharedStorage.size_in_bytes() > planned or planned > SMEM_BYTES):
             raise ValueError(f"sm100 backward: {SharedStorage.size_in_bytes()} bytes of shared memory (plan "
                              f"{planned}, limit {SMEM_BYTES}) at head dim {d}, {self.num_stages} stages")
@@ -430,7 +443,7 @@ class FlashAttentionBackwardSm100:
         thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(0) for m in (mma_s, mma_dv, mma_dk, mma_dq))
         return TmemLayouts(
             s=thr_s.make_fragment_C(thr_s.partition_shape_C((TILE_N, BWD_TILE_M))).layout,
-            dv=thr_dv.make_fragment_C(thr_dv.partition_shape_C((TILE_N, self.hdim))).layout,
+            dv=thr_dv.make_fragment_C(thr_dv.partition_shape_C((TILE_N, self.hdim_v))).layout,
             dk=thr_dk.make_fragment_C(thr_dk.partition_shape_C((TILE_N, self.hdim))).layout,
             dq=thr_dq.make_fragment_C(thr_dq.partition_shape_C((BWD_TILE_M, self.hdim))).layout,
             p=thr_dv.make_fragment_A(p_layout.outer)[None, None, None, 0].layout)
@@ -440,12 +453,12 @@ class FlashAttentionBackwardSm100:
     def load(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
              tma_atom_dPsum, mdPsum, smem: "SharedTiles", mma_s, pipes: "Pipelines", work: TileWork):
         """K and V once, then per step Q_i and dO_i (qdo ring) and LSE_i and D_i (rows ring)."""
-        d, varlen, seqlen = self.hdim, self.cfg.varlen, work.seqlen
+        d, dv, varlen, seqlen = self.hdim, self.hdim_v, self.cfg.varlen, work.seqlen
         n_block, head_kv, batch = work.n_block, work.head_kv, work.batch
         thr = mma_s.get_slice(0)
         if work.num_steps > 0:
             gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen), (TILE_N, d), (None, 0))
-            gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, varlen), (TILE_N, d), (None, 0))
+            gV = cute.local_tile(head_rows(mV, seqlen.offset_k, head_kv, batch, varlen), (TILE_N, dv), (None, 0))
             tKsK, tKgK = mma_tma_partition(tma_atom_K, smem.k, thr.partition_A(gK))
             tVsV, tVgV = mma_tma_partition(tma_atom_V, smem.v, thr.partition_A(gV))
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -461,7 +474,8 @@ class FlashAttentionBackwardSm100:
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
             gQ = cute.local_tile(head_rows(mQ, seqlen.offset_q, head, batch, varlen), (BWD_TILE_M, d), (None, 0))
-            gdO = cute.local_tile(head_rows(mdO, seqlen.offset_q, head, batch, varlen), (BWD_TILE_M, d), (None, 0))
+            gdO = cute.local_tile(head_rows(mdO, seqlen.offset_q, head, batch, varlen), (BWD_TILE_M, dv),
+                                  (None, 0))
             tQsQ, tQgQ = mma_tma_partition(tma_atom_Q, smem.q, thr.partition_B(gQ))
             tdOsdO, tdOgdO = mma_tma_partition(tma_atom_dO, smem.do, thr.partition_B(gdO))
             pipes.qdo.producer_acquire(qdo_state)
@@ -648,11 +662,11 @@ class FlashAttentionBackwardSm100:
             has_steps = work.num_steps > 0
             if has_steps:
                 pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            width = self.dkv_chunk
-            chunks = self.hdim // COMPUTE_GROUPS // width
-            for column, layout, scale, mOut in ((self.tmem_dk, tl.dk, softmax_scale, mdK),
-                                                (self.tmem_dv, tl.dv, Float32(1.0), mdV)):
-                load, tX, regs = self.tmem_row_chunks(tmem_ptr + column, layout, TILE_N, self.hdim, thread, width)
+            for column, layout, scale, mOut, dim, width in (
+                    (self.tmem_dk, tl.dk, softmax_scale, mdK, self.hdim, self.dk_chunk),
+                    (self.tmem_dv, tl.dv, Float32(1.0), mdV, self.hdim_v, self.dv_chunk)):
+                chunks = dim // COMPUTE_GROUPS // width
+                load, tX, regs = self.tmem_row_chunks(tmem_ptr + column, layout, TILE_N, dim, thread, width)
                 gRow = head_rows(mOut, work.seqlen.offset_k, work.head_kv, work.batch, self.cfg.varlen)[key, None]
                 for c in cutlass.range_constexpr(chunks):
                     chunk = group * chunks + c

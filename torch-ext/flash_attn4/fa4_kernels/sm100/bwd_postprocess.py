@@ -31,7 +31,7 @@ VECTOR_OUT = 8  # 16-bit values per 16-byte store
 
 class BackwardPostprocessSm100:
     def __init__(self, cfg: PostprocessConfig):
-        # PostprocessConfig ran tiles.check_postprocess: tile_m 128, d 64 or 128.
+        # PostprocessConfig ran tiles.check_postprocess: tile_m 128, d in BWD_HEAD_DIMS.
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.layout = DqChunks(cfg.tile_m, cfg.head_dim)

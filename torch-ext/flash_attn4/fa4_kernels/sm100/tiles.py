@@ -217,27 +217,30 @@ BWD_SMEM_RESERVED = 1024
 BWD_HEAD_DIMS = (64, 96, 128)
 
 
-def backward_shared_memory_bytes(head_dim: int, num_stages: int, element_bytes: int = 2) -> int:
-    """Dynamic shared memory of the sm100 backward (head_dim == head_dim_v): what the kernel's
-    SharedStorage holds, each buffer rounded up to its 1024-byte alignment."""
-    kv = 2 * TILE_N * _pad16(head_dim) * element_bytes
-    qdo = num_stages * 2 * BWD_TILE_M * _pad16(head_dim) * element_bytes
+def backward_shared_memory_bytes(head_dim: int, num_stages: int, element_bytes: int = 2,
+                                 head_dim_v: int | None = None) -> int:
+    """Dynamic shared memory of the sm100 backward (head_dim_v defaults to head_dim): what the
+    kernel's SharedStorage holds, each buffer rounded up to its 1024-byte alignment."""
+    dims = _pad16(head_dim) + _pad16(head_dim if head_dim_v is None else head_dim_v)
+    kv = TILE_N * dims * element_bytes  # K and V
+    qdo = num_stages * BWD_TILE_M * dims * element_bytes  # Q and dO
     ds = TILE_N * BWD_TILE_M * element_bytes
     dq = BWD_DQ_BUFFERS * BWD_TILE_M * BWD_DQ_CHUNK * 4
     rows = num_stages * 2 * BWD_TILE_M * 4
     return kv + qdo + ds + dq + rows + BWD_SMEM_RESERVED
 
 
-def backward_stages(head_dim: int) -> int:
+def backward_stages(head_dim: int, head_dim_v: int | None = None) -> int:
     """Q/dO stages: as many as fit, up to BWD_MAX_STAGES (0 if not even one fits)."""
-    fits = [s for s in range(1, BWD_MAX_STAGES + 1) if backward_shared_memory_bytes(head_dim, s) <= SMEM_BYTES]
+    fits = [s for s in range(1, BWD_MAX_STAGES + 1)
+            if backward_shared_memory_bytes(head_dim, s, head_dim_v=head_dim_v) <= SMEM_BYTES]
     return max(fits, default=0)
 
 
 def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:
     """BackwardConfig overrides (tile_m, tile_n, num_stages) for a problem class."""
-    del head_dim_v, causal, local, has_softcap
-    return dict(tile_m=BWD_TILE_M, tile_n=TILE_N, num_stages=max(backward_stages(head_dim), 1))
+    del causal, local, has_softcap
+    return dict(tile_m=BWD_TILE_M, tile_n=TILE_N, num_stages=max(backward_stages(head_dim, head_dim_v), 1))
 
 
 # What each BackwardConfig flag the sm100 backward lacks is called in the public functions (none
@@ -247,7 +250,7 @@ BWD_UNIMPLEMENTED: dict[str, str] = {}
 
 def backward_supported() -> str:
     """What the sm100 backward runs, for messages."""
-    return (f"1-CTA kernel: bf16/fp16, head_dim == head_dim_v in {BWD_HEAD_DIMS}, causal or local windows, "
+    return (f"1-CTA kernel: bf16/fp16, head_dim and head_dim_v each in {BWD_HEAD_DIMS}, causal or local windows, "
             f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True")
 
 
@@ -260,15 +263,16 @@ def check_backward(cfg) -> None:
         if getattr(cfg, name):
             raise NotImplementedError(f"{arch} backward: {name}=True ({what}) is not implemented yet on "
                                       f"{arch}; it runs: {backward_supported()}")
-    if cfg.head_dim != cfg.head_dim_v or cfg.head_dim not in BWD_HEAD_DIMS:
+    if cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS:
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
                                   f"it runs: {backward_supported()}")
     if cfg.tile_m != BWD_TILE_M or cfg.tile_n != TILE_N:
         raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")
-    if not 1 <= cfg.num_stages <= backward_stages(cfg.head_dim):
-        raise ValueError(f"{arch} backward: {cfg.num_stages} Q/dO stages do not fit in shared memory at head dim "
-                         f"{cfg.head_dim} (at most {backward_stages(cfg.head_dim)})")
+    stages = backward_stages(cfg.head_dim, cfg.head_dim_v)
+    if not 1 <= cfg.num_stages <= stages:
+        raise ValueError(f"{arch} backward: {cfg.num_stages} Q/dO stages do not fit in shared memory at head dims "
+                         f"{cfg.head_dim}/{cfg.head_dim_v} (at most {stages})")
     hopper_only = ("longest_first", "split_head_dim", "separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv")
     if any(getattr(cfg, name) for name in hopper_only) or cfg.exp_eighths_under_dp != 8:
         raise ValueError(f"{arch} backward: {', '.join(hopper_only)} and exp_eighths_under_dp are Hopper "
