@@ -86,17 +86,6 @@ def test_backward_tiles_per_head_dims(d, dv, split, tile_m, tile_n, stages, eigh
     assert cfg.exp_eighths_under_dp == (eighths_causal if causal else eighths)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("local", [False, True])
-def test_backward_d64_keeps_64_query_blocks_with_softcap(causal, local):
-    """128-query blocks spill under softcap at d = 64 (6 registers, 28 causal, 98 with a window) and
-    serialise the WGMMAs; 64-query blocks do neither (test_kernels.py's spill bound checks it). A
-    window alone keeps 128."""
-    flags = dict(causal=causal and not local, local=local, varlen=False, has_seqused_k=False, deterministic=False)
-    assert dispatch.backward_config(Arch.SM90, "bfloat16", 64, 64, has_softcap=True, **flags).tile_m == 64
-    assert dispatch.backward_config(Arch.SM90, "bfloat16", 64, 64, has_softcap=False, **flags).tile_m == 128
-
-
 @pytest.mark.parametrize("flag", ["local", "has_softcap"])
 def test_backward_d128_keeps_64_query_blocks_with_local_or_softcap(flag):
     """80-query blocks spill far more under softcap (40) or a local window (9) and were not measured

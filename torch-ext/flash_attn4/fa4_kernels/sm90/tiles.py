@@ -12,7 +12,7 @@ Forward, measured on the H200 (docs/perf.md has the A/B runs):
 
 Backward (sm90/bwd.py): 64 queries x 128 keys, each consumer warpgroup owning 64 keys with
 dK and dV for the whole head dim in registers, while head_dim == head_dim_v <= 128; 128 queries at
-d <= 64 without softcap, 80 at d = 128 without softcap or a local window (H200: 1.01-1.04x non-causal, 1.06-1.08x
+d <= 64, 80 at d = 128 without softcap or a local window (H200: 1.01-1.04x non-causal, 1.06-1.08x
 causal over 64, although the causal kernel spills 17 registers; softcap spills 40 and local 9, not
 measured, so they keep 64). Beyond that (or
 for d != dv) those accumulators no longer fit: 64 x 64 with the head dim split between the
@@ -79,11 +79,8 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
     if head_dim == head_dim_v and d <= 128:
         # Longer query blocks spread the per-step overheads (barriers, LSE/rowsum loads, the dQ
         # reduce) over more rows; S^T and dP^T grow with them: 128 rows fit beside dK and dV up to
-        # d = 64 (H200: 1.10-1.16x over 64 rows), 80 at d = 128. Not under softcap (its tanh
-        # values stay live): at d = 64, 128-query blocks spilled 6 (28 causal, 98 with a window)
-        # registers and serialised the WGMMAs (32 arrives) in the sm_90a SASS, 64 neither; not
-        # measured on a GPU.
-        tile_m = 128 if d <= 64 and not has_softcap else 80 if d == 128 and not (local or has_softcap) else 64
+        # d = 64 (H200: 1.10-1.16x over 64 rows), 80 at d = 128.
+        tile_m = 128 if d <= 64 else 80 if d == 128 and not (local or has_softcap) else 64
         # How much of P^T under dP^T's GEMM, the rest interleaved with dS^T (H200, docs/perf.md):
         # 3/8 at 80-query blocks (1.01-1.04x over all first); 2/8 at 128-query blocks without a mask
         # (whole backward 1.04-1.06x at 4k-16k); causal it was 2-9% slower (the masked step carries
