@@ -264,7 +264,8 @@ def _describe(cfg) -> str:
                 f"deterministic={cfg.deterministic}")
     return (f"fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} "
             f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink} "
-            f"pack_gqa={cfg.pack_gqa}" + (" split_kv" if cfg.split_kv else ""))
+            f"pack_gqa={cfg.pack_gqa}" + (" split_kv" if cfg.split_kv else "")
+            + (f" cluster_m={cfg.cluster_m}" if cfg.cluster_m > 1 else ""))
 
 
 def main(argv=None) -> int:
