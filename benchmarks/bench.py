@@ -271,7 +271,9 @@ def _variant_fwd(overrides: dict):
         out = x.q.new_empty(b, sq, hq, x.v.shape[-1])
         lse = torch.empty(b, hq, sq, dtype=torch.float32, device=x.q.device)
         scale = x.q.shape[-1] ** -0.5
-        return lambda: (kernel(x.q, x.k, x.v, out, lse, None, None, None, None, scale, 1.0, -1, -1, sq), out)[1]
+        # (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink): none
+        return lambda: (kernel(x.q, x.k, x.v, out, lse, None, None, None, None, None, None, scale, 1.0, -1, -1, sq),
+                        out)[1]
     return prepare
 
 

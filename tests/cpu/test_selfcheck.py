@@ -302,19 +302,23 @@ def test_wrong_kernel_raises_naming_the_configuration(fake_gpu, name):
         window = (9, 4) if cfg.local else (-1, -1)
         call = lambda: flash_attn_func(q, k, v, causal=cfg.causal, window_size=window,  # noqa: E731
                                        softcap=2.0 if cfg.has_softcap else 0.0, learnable_sink=sink)
+    # A CTA pair (the rules' pick where they run pairs) falls back to single CTAs, wrong here too:
+    # the error names the configuration that failed last.
+    fallback = dispatch.self_check_fallback(cfg)
+    named = cfg if fallback is None else fallback
     with pytest.raises(selfcheck.SelfCheckError) as info:
         call()
     message = str(info.value)
     assert "self-check FAILED" in message and "not used" in message
-    assert f"ForwardConfig({', '.join(cfg.key()[1:])})" in message  # every field of the configuration
+    assert f"ForwardConfig({', '.join(named.key()[1:])})" in message  # every field of the configuration
     assert "arch=sm_100a" in message and f"pack_gqa={ratio}" in message
     assert "on cpu" in message  # the device (a GPU's name and capability on a GPU)
     assert selfcheck.ISSUE_TRACKER in message and "FLASH_ATTN4_SELF_CHECK=0" in message
     assert "error: " in message and "measured: out max|out - ref|" in message
     assert f"seed {selfcheck.SEED}" in message
-    # the check ran; the caller's launch never happened
-    assert fake_gpu["calls"] == [problem_shape(cfg)]
-    assert selfcheck.verdict(cfg, "cpu") == "failed"
+    # the check ran (the pair's, then its fallback's); the caller's launch never happened
+    assert fake_gpu["calls"] == [problem_shape(c) for c in dict.fromkeys((cfg, named))]
+    assert selfcheck.verdict(cfg, "cpu") == selfcheck.verdict(named, "cpu") == "failed"
 
 
 @pytest.fixture
@@ -377,8 +381,9 @@ def test_pair_fallback_that_fails_too_raises(fake_gpu, pairs_on):
 
 def test_failing_configuration_without_fallback_still_raises():
     """Only pairs have a fallback: every other configuration's failure raises (the policy above)."""
-    assert dispatch.self_check_fallback(config()) is None
+    assert dispatch.self_check_fallback(config().replace(cluster_m=1)) is None
     assert dispatch.self_check_fallback(config(causal=True)) is None
+    assert config(causal=True).cluster_m == 1
 
 
 def seqused_q_ignored(cfg, q, k, v, out, lse, *rest):
@@ -666,9 +671,7 @@ def test_problem_of_a_persistent_kernel_has_more_tiles_than_its_ctas(d, dv, rati
     min(pair tiles, persistent_ctas / 2) pairs): the check's problem must have more tiles than
     that, or no CTA would run a second tile, where the carried pipeline phases matter. The count is
     the scheduler's: query blocks (of tile_m x cluster_m rows) x heads x batch."""
-    cfg = config(d=d, dv=dv, ratio=ratio, **flags)
-    if pair:
-        cfg = cfg.replace(cluster_m=2)
+    cfg = config(d=d, dv=dv, ratio=ratio, **flags).replace(cluster_m=2 if pair else 1)
     assert cfg.persistent_ctas > 0, "the sm100 rules make this problem class persistent"
     workers = cfg.persistent_ctas // cfg.cluster_m
     p = selfcheck.build_forward_problem(cfg)

@@ -334,7 +334,7 @@ def interleave(roles: dict, order, what: str, odd_first: bool = False) -> None:
     resumes the first role in ``order`` (names without their CTA and warpgroup digit) whose wait
     has passed, CTA 0's first (``odd_first``: CTA 1's); fails on a deadlock, naming ``what`` was
     replayed."""
-    def priority(name):  # "cta:role" (a CTA pair's replay) or "role" (one CTA)
+    def priority(name):  # "<cta>:<role>", or "<role>" alone (CTA 0; the backward's replay names them so)
         cta, _, role = name.rpartition(":")
         cta = int(cta or 0)
         return order.index(role.rstrip("01")), -cta if odd_first else cta

@@ -123,9 +123,11 @@ def test_split_kv_config_rules(monkeypatch):
     for arch in (Arch.SM100, Arch.SM103):
         plain = dispatch.forward_config(arch, "bfloat16", 128, 128, **flags, qhead_per_kvhead=4)
         split = dispatch.forward_config(arch, "bfloat16", 128, 128, **flags, qhead_per_kvhead=4, split_kv=True)
-        # (one CTA per (tile, split): the plain kernel's persistent grid is not the split kernel's)
-        assert plain.persistent_ctas > 0 and split.persistent_ctas == 0
-        assert split.split_kv and dataclasses.replace(split, split_kv=False, persistent_ctas=plain.persistent_ctas) == plain
+        # (one CTA per (tile, split): the plain kernel's persistent grid and CTA pairs are not the
+        # split kernel's)
+        assert plain.persistent_ctas > 0 and split.persistent_ctas == 0 and split.cluster_m == 1
+        assert split.split_kv and dataclasses.replace(split, split_kv=False, persistent_ctas=plain.persistent_ctas,
+                                                      cluster_m=plain.cluster_m) == plain
     # An arch whose rules do not say FORWARD_SPLIT_KV refuses it, before anything compiles.
     monkeypatch.setattr(kernels_for(Arch.SM100, "forward").rules(), "FORWARD_SPLIT_KV", False)
     with pytest.raises(ValueError, match="no split-KV"):

@@ -4,7 +4,7 @@ to single CTAs when a pair fails its check, hiding the fault from the caller): a
 at the pair kernel. The single-CTA kernel of the same problem class runs beside it as a second
 opinion (both must pass the reference rule).
 
-Lengths cover a pair whose odd CTA has some rows (300), none (200, 1) or all (1000) in the sequence,
+Head dims 128 and 256. Lengths cover a pair whose odd CTA has some rows (300), none (200, 1) or all (1000) in the sequence,
 ragged key lengths (333, 1) and a batch with more pair tiles than persistent pairs (the tile loop's
 carried phases). Judged by the suite's rule: max|out - ref| <= 2 max|out_lowp - ref| + atol; LSE
 within 2e-3 where finite. Fresh random inputs every run (seed printed); out starts NaN and lse +inf,
@@ -35,13 +35,13 @@ def seed():
     return seed_from_urandom()
 
 
-def pair_config(dtype, qhead_per_kvhead, persistent, **flags):
+def pair_config(dtype, qhead_per_kvhead, persistent, d=128, **flags):
     from flash_attn4 import dispatch
     from flash_attn4.fa4_kernels.arch import Arch
 
     base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
     base.update(flags)
-    cfg = dispatch.forward_config(Arch.SM100, dtype, 128, 128, qhead_per_kvhead=qhead_per_kvhead, **base)
+    cfg = dispatch.forward_config(Arch.SM100, dtype, d, d, qhead_per_kvhead=qhead_per_kvhead, **base)
     return cfg.replace(cluster_m=2, persistent_ctas=cfg.persistent_ctas if persistent else 0)
 
 
@@ -69,18 +69,19 @@ def assert_matches_reference(out, lse, q, k, v, **ref_kwargs):
     assert (lse[finite] - lse_ref[finite].float()).abs().max().item() <= 2e-3
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 333), (200, 333), (1, 1), (1000, 1000), (513, 128)])
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one-pair-per-tile"])
-def test_pair_forward_matches_reference_and_single_ctas(dtype, heads, seqlen_q, seqlen_k, persistent):
+def test_pair_forward_matches_reference_and_single_ctas(d, dtype, heads, seqlen_q, seqlen_k, persistent):
     hq, hk = heads
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    cfg = pair_config(name, hq // hk, persistent)
+    cfg = pair_config(name, hq // hk, persistent, d=d)
     batch = 3
-    q, k, v = rand(batch, seqlen_q, hq, 128, dtype=dtype), rand(batch, seqlen_k, hk, 128, dtype=dtype), \
-        rand(batch, seqlen_k, hk, 128, dtype=dtype)
-    scale = 1.0 / math.sqrt(128)
+    q, k, v = rand(batch, seqlen_q, hq, d, dtype=dtype), rand(batch, seqlen_k, hk, d, dtype=dtype), \
+        rand(batch, seqlen_k, hk, d, dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
     out, lse = run(cfg, q, k, v, scale)
     assert_matches_reference(out, lse, q, k, v, softmax_scale=scale)
     single_out, single_lse = run(cfg.replace(cluster_m=1), q, k, v, scale)

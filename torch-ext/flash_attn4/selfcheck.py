@@ -866,7 +866,7 @@ _CHECKS = {ForwardConfig: check_forward, BackwardConfig: check_backward}
 _settled: dict = {}
 _verdicts: dict = {}  # (device index, cfg) -> "passed" | "not required" | "off" | "failed"
 _reports: dict = {}  # (device index, cfg) -> CheckReport of checks that ran
-_failed: dict = {}  # (device index, cfg) -> (kernel, message)
+_failed: dict = {}  # (device index, cfg) -> (kernel, message, hung)
 _fallbacks: dict = {}  # (device index, cfg) -> the configuration used in its place after it failed
 _lock = threading.RLock()
 
@@ -898,7 +898,7 @@ def _first_use(cfg, device, kernel, launch: Launch) -> None:
         if (device.index, id(kernel)) in _settled:
             return
         failed = _failed.get(key)
-        failed = failed[1] if failed is not None and failed[0] is kernel else None
+        failed = failed[1:] if failed is not None and failed[0] is kernel else None  # (message, hung)
         mode = settings.self_check()
         if mode is False:
             if failed is not None:
@@ -910,7 +910,7 @@ def _first_use(cfg, device, kernel, launch: Launch) -> None:
             _settle(key, kernel, "not required")
             return
         if failed is not None:
-            raise SelfCheckError(failed)
+            raise SelfCheckError(*failed)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"flash-attn4: the first use of a kernel configuration on {_describe_device(device)} happens "
@@ -931,7 +931,7 @@ def _first_use(cfg, device, kernel, launch: Launch) -> None:
             _settle(key, kernel, "passed")
             return
         message = _failure_message(cfg, device, report)
-        _failed[key] = (kernel, message)
+        _failed[key] = (kernel, message, report.hung)
         _verdicts[key] = "failed"
         raise SelfCheckError(message, hung=report.hung)
 

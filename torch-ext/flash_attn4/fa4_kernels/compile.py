@@ -227,19 +227,23 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
 
 def kernel_set(arch: Arch) -> list[ForwardConfig]:
     """The forward configurations CI compiles for an arch: its FORWARD_KERNEL_SET (tiles.py), each
-    with the tiles and schedule dispatch picks for it; empty for an arch without kernels."""
+    with the tiles and schedule dispatch picks for it (an entry's ``cluster_m`` overrides the
+    grid rule's: the single-CTA kernel a CTA pair falls back to); empty for an arch without kernels."""
     entry = KERNELS.get(arch)
     if entry is None:
         return []
 
     def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, dtype="bfloat16", **flags):
         varlen, split_kv = flags.get("varlen", False) or flags.get("has_seqused_q", False), flags.get("split_kv", False)
+        grid = forward_grid(arch, d, dv, causal, local, varlen, split_kv)
+        if "cluster_m" in flags:
+            grid["cluster_m"] = flags.pop("cluster_m")
         return ForwardConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=dv,
                              causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
-                             **forward_schedule(arch, d, dv, varlen, qhead_per_kvhead, split_kv=split_kv),
-                             **forward_grid(arch, d, dv, causal, local, varlen, split_kv))
+                             **forward_schedule(arch, d, dv, varlen, qhead_per_kvhead, split_kv=split_kv), **grid)
 
-    return [cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET]
+    # Once each (sm_103a, without pairs, builds the single-CTA entry twice).
+    return list(dict.fromkeys(cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET))
 
 
 _COMPILERS = {ForwardConfig: compile_forward, BackwardConfig: compile_backward,
@@ -260,7 +264,8 @@ def _describe(cfg) -> str:
                 f"deterministic={cfg.deterministic}")
     return (f"fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} "
             f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink} "
-            f"pack_gqa={cfg.pack_gqa}" + (" split_kv" if cfg.split_kv else ""))
+            f"pack_gqa={cfg.pack_gqa}" + (" split_kv" if cfg.split_kv else "")
+            + (f" cluster_m={cfg.cluster_m}" if cfg.cluster_m > 1 else ""))
 
 
 def main(argv=None) -> int:

@@ -85,16 +85,21 @@ def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varl
 
 
 # CTA pairs (ForwardConfig.cluster_m = 2): a cluster of two CTAs along M runs the M = 256 tcgen05
-# MMAs of cta_group::2, issued by the even CTA's MMA warp; each CTA keeps its own two 128-row query
-# tiles (its S, P and O in its own TMEM) and loads half of every K tile (64 keys) and of every V
-# tile (64 of its head_dim_v columns), so a pair reads each K/V block from L2 once where two single
-# CTAs read it twice, and each CTA's K/V ring stages are half as large. Upstream runs its 2-CTA
-# kernel for these head dims without causal or local masks and without varlen or split-KV; so does
-# this rule (every CTA of a pair then sees the same KV blocks). TWO_CTA = False turns it off.
-TWO_CTA = False
+# MMAs of cta_group::2, issued by the even CTA's MMA warp; each CTA keeps its own 128-row query
+# tiles (two at d = 128, one at d = 256; its S, P and O in its own TMEM) and loads half of every K
+# tile (64 keys) and of every V tile (half of its head_dim_v columns), so a pair reads each K/V
+# block from L2 once where two single CTAs read it twice, and each CTA's K/V ring stages are half as
+# large. Upstream runs its 2-CTA kernels for these head dims without causal or local masks and
+# without varlen or split-KV; so does this rule (every CTA of a pair then sees the same KV blocks).
+# Not at d = 192 / 128: there the MMA warp hoists the descriptors of 2 x 12 k-steps, whose base
+# address is a runtime value in a cluster launch, and spills them (ptxas 13.4: 102 LDL / 86 STL at
+# 48 registers, 61 / 61 at 64). Not run on a GPU here: a pair that fails its first-use self-check
+# on a B200 is replaced by single CTAs (dispatch.self_check_fallback). TWO_CTA = False turns the rule
+# off.
+TWO_CTA = True
 FORWARD_CLUSTER_M = (1, 2)
 # Head dims (padded to 16) a pair runs: (head_dim, head_dim_v).
-PAIR_HEAD_DIMS = ((128, 128),)
+PAIR_HEAD_DIMS = ((128, 128), (256, 256))
 
 
 def pair_applies(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool) -> bool:
@@ -194,6 +199,8 @@ FORWARD_KERNEL_SET = (
     dict(varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=4),
     dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=64, causal=True),
     dict(varlen=True, has_seqused_k=True, page_size=16, qhead_per_kvhead=4),
+    # The single-CTA kernel d = 128 falls back to where its CTA pair fails the first-use check.
+    dict(cluster_m=1),
 )
 # This arch's forward has the split-KV variant (ForwardConfig.split_kv).
 FORWARD_SPLIT_KV = True
