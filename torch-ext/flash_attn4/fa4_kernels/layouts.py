@@ -37,3 +37,16 @@ def last_mode_slice(t: cute.Tensor, index) -> cute.Tensor:
     """``t`` at ``index`` of its last mode, every other mode whole (nested modes, such as packed
     query heads, stay as they are): one split's partial output of a split-KV kernel."""
     return t[(None,) * (cute.rank(t) - 1) + (index,)]
+
+
+def dq_sequence_first(mAccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ, varlen: bool):
+    """The dQ postprocessing's views, sequence first as in the backward's main kernel: the float32
+    accumulator as (rows, 128, head[, batch]) and dQ as (seq, d, head[, batch]) (varlen: the packed
+    sequences are one), with the number of sequences. Trace-time Python: ``varlen`` is a constant."""
+    if varlen:
+        mAccum = cute.make_tensor(mAccum.iterator, cute.select(mAccum.layout, mode=[1, 2, 0]))
+        mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[0, 2, 1]))
+        return mAccum, mdQ, mCuSeqlensQ.shape[0] - 1
+    mAccum = cute.make_tensor(mAccum.iterator, cute.select(mAccum.layout, mode=[2, 3, 1, 0]))
+    mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
+    return mAccum, mdQ, mdQ.shape[3]

@@ -27,7 +27,7 @@ from cutlass import Float32, Int32
 from ..config import PostprocessConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..seqlen import SeqlenInfo, head_rows
-from ..layouts import transpose_view
+from ..layouts import dq_sequence_first, transpose_view
 from .dq_accum import NUM_PARTS, DqTiling, dq_tiled_mma, part_tile, register_order
 from .wgmma import WARPGROUP_THREADS
 
@@ -46,15 +46,7 @@ class BackwardPostprocessSm90:
     @cute.jit
     def __call__(self, mAccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
                  softmax_scale: Float32, max_seqlen_q: Int32, stream: cuda.CUstream):
-        # Sequence first, as in the main kernel: (rows, 128, head[, batch]) and (seq, d, head[, batch]).
-        if cutlass.const_expr(self.cfg.varlen):
-            mAccum = cute.make_tensor(mAccum.iterator, cute.select(mAccum.layout, mode=[1, 2, 0]))
-            mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[0, 2, 1]))
-            num_batch = mCuSeqlensQ.shape[0] - 1
-        else:
-            mAccum = cute.make_tensor(mAccum.iterator, cute.select(mAccum.layout, mode=[2, 3, 1, 0]))
-            mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
-            num_batch = mdQ.shape[3]
+        mAccum, mdQ, num_batch = dq_sequence_first(mAccum, mdQ, mCuSeqlensQ, self.cfg.varlen)
         tile_m, d = self.tiling.tile_m, self.tiling.head_dim
         sdQ_layout = cute.make_layout((tile_m, d), stride=(d + ROW_PAD, 1))
         self.kernel(mAccum, mdQ, mCuSeqlensQ, softmax_scale, sdQ_layout, dq_tiled_mma(self.dtype, self.tiling)).launch(
