@@ -1013,6 +1013,12 @@ def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, hq, hk, varle
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.is_contiguous()
     assert (out.float() - ref_out.float()).abs().max() < 2e-2
     assert torch.allclose(lse, ref_lse, atol=1e-3)
+    # Without return_lse the LSE's unpadding copy is skipped (need_lse=False): the output is the same.
+    if varlen:
+        out_only = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, learnable_sink=sink)
+    else:
+        out_only = flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+    assert torch.equal(out_only, out)
 
 
 def test_unpackable_ratio_without_query_tokens(cpu_kernel):

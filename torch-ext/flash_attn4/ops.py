@@ -209,13 +209,15 @@ def fwd(
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, window_left,
-            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None, seqused_q=None):
+            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None, seqused_q=None,
+            need_lse=True):
     """``fwd`` for the public functions: the op, or its implementation directly where nothing needs
-    the dispatcher (_dispatcher_free)."""
+    the dispatcher (_dispatcher_free). ``need_lse=False``: the caller drops the LSE, so on the direct
+    path it may come back as any float32 tensor (no copy is made for it)."""
     if _dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q):
         return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                         window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table,
-                        seqused_q=seqused_q)
+                        seqused_q=seqused_q, need_lse=need_lse)
     return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits, page_table, seqused_q)
 
@@ -223,8 +225,9 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, soft
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
              window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
              check_values: bool = True, page_table: Optional[torch.Tensor] = None,
-             seqused_q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fwd's implementation, shared with fwd_kvcache. ``check_values=False`` skips the opt-in varlen
+             seqused_q: Optional[torch.Tensor] = None, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """fwd's implementation, shared with fwd_kvcache. ``need_lse=False``: the LSE is dropped by the
+    caller (see _forward_padded_heads). ``check_values=False`` skips the opt-in varlen
     value check (the KV-cache op checks its own metadata: its cu_seqlens_k are cache row offsets,
     which need not increase). ``page_table``: k and v are a paged cache (ForwardConfig.page_size),
     cu_seqlens_k is None and seqused_k holds the key lengths. ``seqused_q``: sequence b uses its first
@@ -240,7 +243,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
     if group:
         return _forward_padded_heads(group, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                                      softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
-                                     max_seqlen_k, num_splits, check_values, page_table, seqused_q)
+                                     max_seqlen_k, num_splits, check_values, page_table, seqused_q, need_lse)
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -377,15 +380,16 @@ def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: boo
 
 def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                           softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
-                          check_values, page_table, seqused_q):
+                          check_values, page_table, seqused_q, need_lse=True):
     """_forward with each KV head's query heads padded by zero heads to ``group`` (a ratio the kernel
     packs: dispatch.padded_pack), then the dummy heads' outputs dropped. The padded q and the
-    outputs' copies are small next to the K/V the packing stops re-reading."""
+    outputs' copies are small next to the K/V the packing stops re-reading, but each is a launch that
+    a decode step pays: one pad, one copy of out, and one of the LSE only when ``need_lse`` (else the
+    padded LSE is returned as it is, for a caller that drops it)."""
     *lead, hq, d = q.shape
     hk = k.shape[-2]
     ratio = hq // hk
-    q_pad = q.new_zeros(*lead, hk, group, d)
-    q_pad[..., :ratio, :] = q.reshape(*lead, hk, ratio, d)
+    q_pad = torch.nn.functional.pad(q.reshape(*lead, hk, ratio, d), (0, 0, 0, group - ratio))
     sink_pad = None
     if learnable_sink is not None:
         sink_pad = learnable_sink.new_zeros(hk, group)
@@ -396,6 +400,8 @@ def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, sequs
                                 max_seqlen_k, num_splits, check_values, page_table, seqused_q)
     dv = out_pad.shape[-1]  # explicit: with no query token (-1) could be any size
     out = out_pad.view(*lead, hk, group, dv)[..., :ratio, :].reshape(*lead, hq, dv)
+    if not need_lse:
+        return out, lse_pad
     head_mode = 0 if cu_seqlens_q is not None else 1  # lse (hq, total_q) or (b, hq, sq)
     lse_shape = lse_pad.shape[:head_mode] + (hk, group) + lse_pad.shape[head_mode + 1:]
     lse = lse_pad.view(lse_shape).narrow(head_mode + 1, 0, ratio).reshape(
@@ -1092,11 +1098,12 @@ def fwd_kvcache(
     if paged:
         out, lse = _forward(q.reshape(batch * sq, hq, d), k_cache, v_cache, cu_seqlens_q, None, seqused_k,
                             learnable_sink, softmax_scale, softcap, causal, window_left, window_right, sq, s_cache,
-                            num_splits, check_values=False, page_table=page_table)
+                            num_splits, check_values=False, page_table=page_table, need_lse=return_lse)
     else:
         out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
                             cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                            window_left, window_right, sq, s_cache, num_splits, check_values=False)
+                            window_left, window_right, sq, s_cache, num_splits, check_values=False,
+                            need_lse=return_lse)
     out = out.view(batch, sq, hq, v_cache.shape[-1])
     if not return_lse:
         return out, lse.new_empty((0,))
