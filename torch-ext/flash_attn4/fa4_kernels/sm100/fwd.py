@@ -32,6 +32,9 @@ Synchronisation (mbarrier pipelines, cutlass.pipeline; stage t of q, s, o is que
                              memory; two stages per tile, (block i, tile t) at (i * tiles + t) mod
                              (2 * tiles), so each softmax warpgroup walks its own stages
     o      MMA -> correction "O_t final" after the last P V
+V's rows past the sequence's keys in the first block (rows of the tensor that hold anything,
+fa4_kernels/kv_tail.py) are zeroed by the MMA warp itself between V_0's full barrier and its first
+P V (zero_v_tail): one CTA only, not pairs.
 tests/cpu/test_sm100_protocol.py replays these calls on the CPU (no deadlock, every hand-off sees
 its producer) for one and two tiles, several ring depths and 0-7 KV blocks, and for persistent CTAs.
 

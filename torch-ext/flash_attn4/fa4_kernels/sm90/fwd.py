@@ -19,6 +19,11 @@ softmax of S_j runs while P V is still on the tensor cores (P of the previous bl
 registers). Overlap between consumers (ping-pong, optional): named barriers hand the right to issue
 GEMMs from one warpgroup to the next, so one's softmax runs under another's GEMMs.
 
+The first block of a tile can reach past the sequence's keys into rows of the tensor that hold
+anything (fa4_kernels/kv_tail.py): the consumers zero V's rows there after V's full barrier, fence
+them for WGMMA and meet at one named barrier before any P @ V (zero_v_tail; only kernels with
+varlen, seqused_k or pages build it).
+
 KV blocks are visited from the last to the first: blocks that cross the right mask edge (sequence
 end, causal diagonal) come first, then full blocks in a loop with no mask code, then (local) blocks
 that cross the left window edge.
