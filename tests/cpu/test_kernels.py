@@ -56,15 +56,16 @@ def test_exp2_round_down_magic_gives_floor_for_negative_and_positive_inputs():
         assert int(low_bits) == int(np.floor(x))
 
 
-def _compile_in_subprocess(tmp_path: Path, cfg_kwargs: dict, keep: str = "") -> subprocess.CompletedProcess:
-    """Compile one configuration in a fresh interpreter (CUTE_DSL_* settings are read at import)."""
+def _compile_in_subprocess(tmp_path: Path, cfg_kwargs: dict, keep: str = "", arch: str = "SM90") -> subprocess.CompletedProcess:
+    """Compile one forward configuration (of Arch.<arch>) in a fresh interpreter (CUTE_DSL_* settings
+    are read at import)."""
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / 'torch-ext')!r})
         from flash_attn4.fa4_kernels.arch import Arch
         from flash_attn4.fa4_kernels.config import ForwardConfig
         from flash_attn4.fa4_kernels.compile import compile_forward
-        compile_forward(ForwardConfig(arch=Arch.SM90, dtype="bfloat16", **{cfg_kwargs!r}))
+        compile_forward(ForwardConfig(arch=Arch.{arch}, dtype="bfloat16", **{cfg_kwargs!r}))
         print("compiled")
     """)
     env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path))
@@ -178,6 +179,37 @@ def test_sm90_forward_converts_p_in_pairs_at_kv_tiles_that_are_not_powers_of_two
 def test_less_common_shapes_compile(tmp_path, cfg):
     proc = _compile_in_subprocess(tmp_path, cfg)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+# The zeroing of V's rows past the keys (fa4_kernels/kv_tail.py) in the PTX: 16-byte zero stores to
+# shared memory, the generic-to-async proxy fence, then the barrier before any MMA reads them.
+_ZERO_STORE = re.compile(r"st\.shared\.v4\.b32\s+\[%r\d+\], \{0, 0, 0, 0\};")
+_ZERO_THEN_SYNC = {"SM90": r"fence\.proxy\.async\.shared::cta;\s+bar\.sync\s+8, {threads};",
+                   "SM100": r"fence\.proxy\.async\.shared::cta;\s+bar\.warp\.sync\s+-1;"}
+
+
+@pytest.mark.parametrize("arch,cfg,threads", [
+    ("SM90", dict(head_dim=128, head_dim_v=128), None),
+    ("SM90", dict(head_dim=64, head_dim_v=64, tile_m=192, has_seqused_k=True), 384),
+    ("SM90", dict(head_dim=128, head_dim_v=128, varlen=True, has_seqused_k=True, page_size=64, split_kv=True,
+                  causal=True), 256),
+    ("SM100", dict(head_dim=128, head_dim_v=128, tile_m=256, varlen=True, has_seqused_k=True), 32),
+], ids=["sm90-batched", "sm90-seqused_k-3wg", "sm90-paged-split", "sm100-varlen"])
+def test_v_rows_past_the_keys_are_zeroed_where_they_can_exist(tmp_path, arch, cfg, threads):
+    """Issue 21 (NaN tail): kernels whose last KV tile can hold rows of the tensor past the keys
+    (varlen, seqused_k, pages) zero those V rows, fenced for the async proxy and followed by the
+    barrier of every thread that wrote (sm90: all consumer warpgroups, named barrier 8; sm100: the
+    MMA warp); a batched kernel without seqused_k (TMA zero-fills past the tensor) has no such code."""
+    proc = _compile_in_subprocess(tmp_path, cfg, keep="ptx", arch=arch)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
+    zero_stores = _ZERO_STORE.findall(ptx)
+    if threads is None:
+        assert not zero_stores and "bar.sync \t8," not in ptx
+        return
+    assert len(zero_stores) == 1, "one 16-byte zero store, in a loop over the rows"
+    tail = ptx[ptx.index(zero_stores[0]):]
+    assert re.search(_ZERO_THEN_SYNC[arch].format(threads=threads), tail), "fence + barrier after the zeroing"
 
 
 _SPLIT = dict(split_head_dim=True, tile_n=64)

@@ -176,7 +176,8 @@ def load(pp, cta, q_tiles, kv_stages, tiles, persistent, log, bugs=()):
 
 def mma(pp, tms, q_tiles, kv_stages, tiles, persistent, log, bugs=()):
     """FlashAttentionForwardSm100.mma per tile (the MMA warp of CTA 0, which issues for a pair):
-    S_t(0); then per block i: O_t += P_t(i-1) V_(i-1), S_t(i); Q's stages released (persistent);
+    S_t(0); with one CTA, the wait for V_0 of zero_v_tail; then per block i: O_t += P_t(i-1) V_(i-1),
+    S_t(i); Q's stages released (persistent);
     then the last P V (its s wait does not advance s) and O's commit. It waits on CTA 0's
     barriers; its commits reach every CTA (multicast); its MMAs read every CTA's operands."""
     p = pp[0]
@@ -212,6 +213,12 @@ def mma(pp, tms, q_tiles, kv_stages, tiles, persistent, log, bugs=()):
             q_state = q_state.advanced()
         multicast(pp, "kv", k_state, "release")
         kv_state = k_state.advanced()
+        if len(pp) == 1:
+            # zero_v_tail (one CTA): V_0 is waited for early and its rows past the keys zeroed; the
+            # model takes the case where every tile's first block reaches past them.
+            v_first = kv_state.advanced() if n > 1 else kv_state
+            yield from p["kv"].consumer_wait(v_first)
+            assert p["kv"].data[v_first.index] == ("V", tile, 0), "zero_v_tail: V_0's stage holds another block"
         for i in range(1, n):
             k_state, v_state = kv_state, kv_state.advanced()
             yield from p["kv"].consumer_wait(k_state)

@@ -223,16 +223,12 @@ def test_whole_cache_and_a_sliced_cache(seed):
     check_against_gathered(out, lse, q, expected_k, expected_v, [298, 40], 2, [0, 1], [0, 0], causal=True)
 
 
-@pytest.mark.xfail(strict=True, reason="known kernel gap (H200, 2026-12-04: NaN out): the last KV tile's V rows "
-                   "past seqlen_k are read from inside the tensor and P = 0 times NaN is NaN; also "
-                   "flash_attn_varlen_func with seqused_k. Strict: a fix makes this fail until the mark goes.")
 def test_nan_outside_the_key_range(seed):
     """Cache positions outside every entry's keys hold NaN (a freshly allocated or recycled cache): they
-    must not leak into the output (0 * NaN). The keys next to a row's last key may be read by the last
-    tile and masked: this checks that masking drops them entirely. On the H200 it fails today: the
-    kernel computes P @ V with P = 0 against V rows past seqlen_k that TMA read from inside the tensor
-    (a kernel fix, also for flash_attn_varlen_func with seqused_k; FlashAttention has the same open
-    issue)."""
+    must not leak into the output (0 * NaN). The keys next to a row's last key are read by the last
+    tile and masked, and its V rows there are zeroed by the kernel before P @ V (issue 21,
+    fa4_kernels/kv_tail.py); unsplit and split (only the last split reads the tail).
+    tests/gpu/test_nan_tail.py covers flash_attn_varlen_func with seqused_k, pages and padded batches."""
     run_kvcache([100, 5, 250], sq=2, s_new=1, s_cache=300, leftpad=[0, 3, 0], causal=True, num_splits=1,
                 tail=float("nan"))
     run_kvcache([100, 5, 250], sq=2, s_new=1, s_cache=300, causal=True, num_splits=3, tail=float("nan"))

@@ -32,6 +32,9 @@ Synchronisation (mbarrier pipelines, cutlass.pipeline; stage t of q, s, o is que
                              memory; two stages per tile, (block i, tile t) at (i * tiles + t) mod
                              (2 * tiles), so each softmax warpgroup walks its own stages
     o      MMA -> correction "O_t final" after the last P V
+V's rows past the sequence's keys in the first block (rows of the tensor that hold anything,
+fa4_kernels/kv_tail.py) are zeroed by the MMA warp itself between V_0's full barrier and its first
+P V (zero_v_tail): one CTA only, not pairs.
 tests/cpu/test_sm100_protocol.py replays these calls on the CPU (no deadlock, every hand-off sees
 its producer) for one and two tiles, several ring depths and 0-7 KV blocks, and for persistent CTAs.
 
@@ -102,6 +105,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
+from ..kv_tail import first_row_past_keys, tail_possible, zero_rows
 from ..layouts import last_mode_slice, pack_query_heads
 from ..mask import AttentionMask
 from ..paged_kv import PagedKV, kernel_view, rows_per_copy
@@ -190,6 +194,10 @@ class FlashAttentionForwardSm100:
         self.persistent = cfg.persistent_ctas > 0
         # CTA pairs (cluster_m = 2): M = 256 MMAs of cta_group::2 over both CTAs' query tiles.
         self.pair = cfg.cluster_m == 2
+        # The MMA warp zeroes V's rows past the keys (zero_v_tail). Not in a pair: half of each V
+        # tile sits in the odd CTA's shared memory, which the even CTA's MMA warp does not write
+        # (pairs run batched problems only; a padded batch with seqused_k there keeps the gap).
+        self.zero_tail = tail_possible(cfg) and not self.pair
         self.cta_group = tcgen05.CtaGroup.TWO if self.pair else tcgen05.CtaGroup.ONE
         self.mma_m = TILE_M * cfg.cluster_m
         self.registers = REGISTERS[self.q_tiles]
@@ -421,7 +429,12 @@ class FlashAttentionForwardSm100:
                     pipes.q.producer_tail(states[0])
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
-                mma_args = (tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args, scheduler, tile)
+                v_rows = None
+                if cutlass.const_expr(self.zero_tail):
+                    # The V ring in (key, column) coordinates: ((key, column), 1, stage).
+                    _, ring = self.kv_box_layouts(sV_layout, self.hdim_v_tile, TILE_N, stage_elems, keys_mode=1)
+                    v_rows = storage.sKV.get_tensor(ring.outer, swizzle=ring.inner)
+                mma_args = (tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args, scheduler, tile, v_rows)
                 if cutlass.const_expr(self.pair):
                     if self.pair_rank() == 0:  # the even CTA issues the pair's MMAs
                         self.mma_warp(*mma_args)
@@ -498,14 +511,14 @@ class FlashAttentionForwardSm100:
         return 0
 
     @cute.jit
-    def mma_warp(self, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args, scheduler, tile):
+    def mma_warp(self, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args, scheduler, tile, v_rows):
         """The MMA warp's tiles (of a pair: the even CTA's, for both CTAs)."""
         # The MMAs' negate flags are kernel arguments (TiledMma fields) loaded at entry; as
         # constants they need no registers across the tile loop (ptxas spilled them there).
         for tiled_mma in (mma_qk, mma_pv):
             tiled_mma.set(tcgen05.Field.NEGATE_A, False)
             tiled_mma.set(tcgen05.Field.NEGATE_B, False)
-        mmas = (tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args)
+        mmas = (tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args, v_rows)
         consumer, producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
         states = (pipeline.make_pipeline_state(consumer, self.q_tiles),
                   pipeline.make_pipeline_state(consumer, self.kv_stages),
@@ -532,12 +545,17 @@ class FlashAttentionForwardSm100:
                          states, paged)
 
     @cute.jit
-    def mma_tile(self, index, tile, states, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args):
+    def mma_tile(self, index, tile, states, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args,
+                 v_rows):
         if cutlass.const_expr(index is not None and self.registers["other"] < 64):
             sQ, sK, sV = [self.tile_variant(x, index) for x in (sQ, sK, sV)]
         # The TMEM address is read per tile (a shared-memory load), so that the compiler does not
         # hoist every MMA's TMEM operand address out of the tile loop, past the 48 registers.
-        return self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, self.num_blocks(tile), states)
+        tail = None
+        if cutlass.const_expr(self.zero_tail):
+            tail = (v_rows, first_row_past_keys(tile.seqlen.seqlen_k, tile.n_block_max - 1, TILE_N))
+        return self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, self.num_blocks(tile), states,
+                        tail)
 
     @staticmethod
     def tile_variant(smem: cute.Tensor, index: Int32) -> cute.Tensor:
@@ -791,10 +809,12 @@ class FlashAttentionForwardSm100:
 
     # ---- MMA warp --------------------------------------------------------------------------------
     @cute.jit
-    def mma(self, tmem_ptr, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks, states):
+    def mma(self, tmem_ptr, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks, states, tail=None):
         """S_t(j) = Q_t K_j^T after O_t += P_t(j-1) V_(j-1), tile after tile; the last P V ends the
         tile. ``states``: the q, kv (consumer), s and o (producer) states, returned past this tile
-        (unchanged for a tile without KV blocks, which the other roles skip alike)."""
+        (unchanged for a tile without KV blocks, which the other roles skip alike). ``tail``
+        (zero_tail): (the V ring in (key, column) coordinates, the first block's first row past
+        the keys) for zero_v_tail."""
         thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
         tSrQ, tSrK = thr_qk.make_fragment_A(sQ), thr_qk.make_fragment_B(sK)  # (MMA, M|N, K, stage)
         tOrV = thr_pv.make_fragment_B(sV)
@@ -820,6 +840,8 @@ class FlashAttentionForwardSm100:
                 q_state = advanced(q_state)
             pipes.kv.consumer_release(k_state)
             kv_state = advanced(k_state)
+            if cutlass.const_expr(tail is not None):
+                self.zero_v_tail(pipes.kv, kv_state, num_blocks, *tail)
             for i in cutlass.range(1, num_blocks, unroll=1):
                 k_state = kv_state
                 v_state = advanced(k_state)
@@ -854,6 +876,26 @@ class FlashAttentionForwardSm100:
             pipes.kv.consumer_release(kv_state)
             kv_state = advanced(kv_state)
         return q_state, kv_state, s_state, o_state
+
+    @cute.jit
+    def zero_v_tail(self, pipe_kv, kv_state, num_blocks: Int32, v_rows: cute.Tensor, first_row: Int32):
+        """Zero the first block's V rows past the sequence's keys before any P V reads them
+        (fa4_kernels/kv_tail.py: 0 * NaN), by the MMA warp itself, so that no other role or barrier
+        is involved: its 32 threads wait for V_0's TMA (the stage after K_1's, or right after K_0's
+        with one block), zero the rows, fence the generic-proxy stores for the tensor cores (async
+        proxy) and meet at a warp barrier before the first P V is issued. V_0's later wait returns
+        at once; its release is unchanged. Runs while the softmax warps work on S(0), when the MMA
+        warp would wait for P anyway; only where the block reaches past the keys."""
+        if first_row < TILE_N:
+            v_state = kv_state
+            if num_blocks > 1:
+                v_state = advanced(kv_state)
+            pipe_kv.consumer_wait(v_state)
+            stage = v_rows[None, 0, v_state.index]  # one mode, (key, column)
+            stage = cute.make_tensor(stage.iterator, cute.get(stage.layout, mode=[0]))
+            zero_rows(stage, first_row, cute.arch.lane_idx(), WARP)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
 
     def tmem_layouts(self, mma_qk, mma_pv, tP_layout):
         """Layouts of S (the QK MMA's accumulator), O (the PV MMA's) and P (the PV MMA's A operand,

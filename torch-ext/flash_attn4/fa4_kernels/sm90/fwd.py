@@ -19,6 +19,11 @@ softmax of S_j runs while P V is still on the tensor cores (P of the previous bl
 registers). Overlap between consumers (ping-pong, optional): named barriers hand the right to issue
 GEMMs from one warpgroup to the next, so one's softmax runs under another's GEMMs.
 
+The first block of a tile can reach past the sequence's keys into rows of the tensor that hold
+anything (fa4_kernels/kv_tail.py): the consumers zero V's rows there after V's full barrier, fence
+them for WGMMA and meet at one named barrier before any P @ V (zero_v_tail; only kernels with
+varlen, seqused_k or pages build it).
+
 KV blocks are visited from the last to the first: blocks that cross the right mask edge (sequence
 end, causal diagonal) come first, then full blocks in a loop with no mask code, then (local) blocks
 that cross the left window edge.
@@ -51,6 +56,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
+from ..kv_tail import first_row_past_keys, tail_possible, zero_rows
 from ..layouts import last_mode_slice, pack_query_heads, tma_partition_tile, transpose_view
 from ..mask import AttentionMask
 from ..paged_kv import PagedKV, kernel_view, rows_per_copy
@@ -81,6 +87,8 @@ class Barrier(enum.IntEnum):
     EPILOGUE_FIRST = PINGPONG_FIRST + MAX_CONSUMER_WARPGROUPS
     # tma_store_o with O staged in Q's buffer: every consumer warpgroup is past its GEMMs
     Q_FREE = EPILOGUE_FIRST + MAX_CONSUMER_WARPGROUPS
+    # zero_v_tail: every consumer warpgroup has zeroed its share of the last KV block's V rows
+    V_TAIL = Q_FREE + 1
 
 
 # A GEMM turn is handed from one warpgroup (arriving) to the next (waiting): both count.
@@ -509,6 +517,8 @@ class FlashAttentionForwardSm90:
             self.scores_to_probs(acc_S, softmax, mask, tScS, seqlen, m_block, n_block_max - 1,
                                  score_prescale, row_scale, masked=True)
             store_converted(rP, acc_S)
+            if cutlass.const_expr(tail_possible(cfg)):
+                self.zero_v_tail(tidx, sV, pipe_v, kv, seqlen, n_block_max - 1)
 
             # Steady state, from the last KV block to the first: blocks that cross the right mask
             # edge (sequence end, causal diagonal, right window), then full blocks without any mask
@@ -553,6 +563,23 @@ class FlashAttentionForwardSm90:
         self.epilogue(tidx, thr_mma_pv, acc_O, out_scale, lse, outputs.o, outputs.lse, seqlen, mask, m_block, head,
                       batch)
         return q_state, kv
+
+    @cute.jit
+    def zero_v_tail(self, tidx, sV: cute.Tensor, pipe_v, kv, seqlen: SeqlenInfo, n_block: Int32):
+        """Zero the rows of V stage ``kv`` (block ``n_block``, the tile's first) past the sequence's
+        keys, before any P @ V reads them (fa4_kernels/kv_tail.py: 0 * NaN). Once per tile, only
+        where the block reaches past the keys; the consumer warpgroups' threads share the rows (each
+        warpgroup's P @ V reads all of them, so all must be written before any warpgroup issues):
+        wait for V's TMA, zero, fence the generic-proxy stores for WGMMA (async proxy), then one
+        barrier of every consumer thread. The stage's later wait (P @ V) returns at once and its
+        release is unchanged."""
+        first_row = first_row_past_keys(seqlen.seqlen_k, n_block, self.tile_n)
+        if first_row < self.tile_n:
+            consumer_threads = self.num_consumer_wg * WARPGROUP_THREADS
+            pipe_v.consumer_wait(kv)
+            zero_rows(sV[None, None, kv.index], first_row, tidx, consumer_threads)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=int(Barrier.V_TAIL), number_of_threads=consumer_threads)
 
     @cute.jit
     def mainloop_step(self, kv, n_block: Int32, masked: cutlass.Constexpr[bool], wg, tSrQ, tSrK, tOrVt,
