@@ -350,3 +350,19 @@ def test_pair_rule_and_refusals():
                 assert sm100_tiles.forward_grid(*args).get("cluster_m", 1) == 1, args
     finally:
         sm100_tiles.TWO_CTA = original
+
+
+def test_no_pairs_where_keys_end_inside_the_tensor():
+    """seqused_k: the V rows past a sequence's keys are inside the tensor and must be zeroed before
+    P V (kv_tail.py); the pair kernel does not zero them, so the rule keeps such problems on single
+    CTAs and a pair config with seqused_k is refused."""
+    if not sm100_tiles.TWO_CTA:
+        pytest.skip("pairs switched off")
+    for d in (128, 256):
+        assert sm100_tiles.forward_grid(d, d, False, False, False, False).get("cluster_m") == 2
+        assert sm100_tiles.forward_grid(d, d, False, False, False, False, True).get("cluster_m", 1) == 1
+        cfg = dispatch.forward_config(Arch.SM100, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
+                                      varlen=False, has_seqused_k=True, has_sink=False)
+        assert cfg.cluster_m == 1
+        with pytest.raises(NotImplementedError, match="has_seqused_k"):
+            cfg.replace(cluster_m=2, persistent_ctas=0)

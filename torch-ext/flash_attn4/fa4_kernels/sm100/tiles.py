@@ -72,14 +72,15 @@ PERSISTENT = True
 PERSISTENT_CTAS = 148
 
 
-def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool) -> dict:
+def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool,
+                 has_seqused_k: bool = False) -> dict:
     """ForwardConfig overrides for the launch grid of a problem class (``varlen``: cu_seqlens_q or
     seqused_q): persistent CTAs where upstream uses them and our kernel compiles spill-free with
     them (see PERSISTENT), and CTA pairs (cluster_m = 2) where pair_applies says."""
     fits = _pad16(head_dim) <= 128 or query_tiles(head_dim, head_dim_v) == 1
     persistent = PERSISTENT and fits and not (causal or local or varlen or split_kv)
     grid = dict(persistent_ctas=PERSISTENT_CTAS if persistent else 0)
-    if pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv):
+    if pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv, has_seqused_k):
         grid["cluster_m"] = 2
     return grid
 
@@ -102,10 +103,14 @@ FORWARD_CLUSTER_M = (1, 2)
 PAIR_HEAD_DIMS = ((128, 128), (256, 256))
 
 
-def pair_applies(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool) -> bool:
-    """Whether the rule runs a problem class on CTA pairs (see TWO_CTA)."""
+def pair_applies(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool,
+                 has_seqused_k: bool = False) -> bool:
+    """Whether the rule runs a problem class on CTA pairs (see TWO_CTA). Not with seqused_k: keys end
+    inside the tensor there, and the V rows past them must be zeroed before P V (kv_tail.py), which
+    the pair kernel does not do (half of each V tile is in the partner CTA's shared memory, and only
+    the leader's MMA warp waits on the V tiles)."""
     return (TWO_CTA and pair_supported(head_dim, head_dim_v)
-            and not (causal or local or varlen or split_kv))
+            and not (causal or local or varlen or split_kv or has_seqused_k))
 
 
 def pair_supported(head_dim: int, head_dim_v: int) -> bool:
@@ -175,7 +180,7 @@ def _check_pair(cfg) -> None:
     if not pair_supported(cfg.head_dim, cfg.head_dim_v):
         raise NotImplementedError(f"{arch} forward: cluster_m=2 (CTA pairs) is not implemented at head dims "
                                   f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims {PAIR_HEAD_DIMS}")
-    for name in ("causal", "local", "varlen", "has_seqused_q", "split_kv"):
+    for name in ("causal", "local", "varlen", "has_seqused_q", "has_seqused_k", "split_kv"):
         if getattr(cfg, name):
             raise NotImplementedError(f"{arch} forward: cluster_m=2 (CTA pairs) with {name}=True is not "
                                       f"implemented; pairs run batched problems without causal or local masks")

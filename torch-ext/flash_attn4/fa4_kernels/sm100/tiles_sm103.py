@@ -15,8 +15,9 @@ from .tiles import forward_grid as _sm100_grid
 from .tiles import forward_schedule as _sm100_schedule
 
 
-def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool) -> dict:
-    grid = _sm100_grid(head_dim, head_dim_v, causal, local, varlen, split_kv)
+def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool,
+                 has_seqused_k: bool = False) -> dict:
+    grid = _sm100_grid(head_dim, head_dim_v, causal, local, varlen, split_kv, has_seqused_k)
     grid.pop("cluster_m", None)
     return grid
 
