@@ -298,14 +298,8 @@ def test_pair_kernel_no_spills(name, over, flavour):
         f"{name}: {stats['ldl']} LDL / {stats['stl']} STL, frame {stats['frame_bytes']} B ({flavour})"
 
 
-# Pair kernels above the bound under ptxas 12.9 (docs/perf.md says by how much and why).
-CU12_PAIRS_OVER_BOUND = {"fwd_d128", "fwd_d128_gqa"}
-
-
-@pytest.mark.parametrize("flavour,name", [
-    pytest.param(f, n, marks=pytest.mark.xfail(strict=True, reason="ptxas 12.9 re-derives the MMA warp's V "
-                                                "descriptors per k-step")) if f == "cu12" and n in CU12_PAIRS_OVER_BOUND
-    else (f, n) for f in ("cu13", "cu12") for n in sorted(PAIR_ANCHORS)])
+@pytest.mark.parametrize("flavour", ["cu13", "cu12"])
+@pytest.mark.parametrize("name", sorted(PAIR_ANCHORS))
 def test_pair_kernel_within_upstreams_instruction_count(flavour, name):
     """The persistent pair kernel (upstream's grid) has at most PAIR_INSTRUCTION_BOUND times the
     SASS instructions of upstream's 2-CTA kernel, under the same ptxas."""
