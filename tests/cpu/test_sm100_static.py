@@ -13,6 +13,9 @@ scripts/sass_stats_lib.compile_config). Known cu12 gap: the single-CTA d = 192 /
 its CTA pair falls back to) spills in its softmax warps under 12.9 (xfail, strict: the test says
 when it is fixed); the pair itself, which dispatch runs, does not. Upstream's d = 192 kernel spills
 under both ptxas versions.
+
+sm_103a (B300) runs the same kernels with every exponential on MUFU; its CTA pairs are compiled
+and checked here too (test_sm103_pair_kernel).
 """
 
 from __future__ import annotations
@@ -322,7 +325,7 @@ def test_pair_kernel_within_upstreams_instruction_count(flavour, name):
 def test_pair_rule_and_refusals():
     """cluster_m = 2 only where the pair kernel runs: d 128 / dv 128, d 192 / dv 128 and d 256 /
     dv 256 (padded to 16), batched, no causal or local mask, no split-KV; anything else is refused
-    when the config is built, naming the option."""
+    when the config is built, naming the option. sm_103a follows the same rule."""
     assert sm100_tiles.pair_supported(128, 128) and sm100_tiles.pair_supported(120, 128)
     assert sm100_tiles.pair_supported(256, 256) and sm100_tiles.pair_supported(248, 256)
     assert sm100_tiles.pair_supported(192, 128) and sm100_tiles.pair_supported(184, 120)
@@ -347,12 +350,45 @@ def test_pair_rule_and_refusals():
                 grid = sm100_tiles.forward_grid(d, dv, False, False, False, False)
                 assert grid.get("cluster_m", 1) == (2 if on else 1)
                 assert grid["persistent_ctas"] % 2 == 0
-                # sm_103a (B300) keeps single CTAs: the pair kernel is not compiled and checked for it
-                assert "cluster_m" not in tiles_sm103.forward_grid(d, dv, False, False, False, False)
+                # sm_103a (B300) runs pairs where sm_100a does (test_sm103_pair_kernel)
+                assert tiles_sm103.forward_grid(d, dv, False, False, False, False) == grid
             for args in ((128, 128, True, False, False, False), (128, 128, False, False, True, False),
                          (64, 64, False, False, False, False), (192, 128, True, False, False, False),
                          (192, 192, False, False, False, False)):
                 assert sm100_tiles.forward_grid(*args).get("cluster_m", 1) == 1, args
+                assert tiles_sm103.forward_grid(*args).get("cluster_m", 1) == 1, args
     finally:
         sm100_tiles.TWO_CTA = original
 
+
+# ---- sm_103a (B300) pairs ----------------------------------------------------------------------------
+def sm103_config(d=128, dv=None, qhead_per_kvhead=1):
+    flags = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
+    return dispatch.forward_config(Arch.SM103, "bfloat16", d, dv or d, qhead_per_kvhead=qhead_per_kvhead, **flags)
+
+
+@pytest.mark.parametrize("name", sorted(PAIR_SPECS))
+def test_sm103_pair_kernel(name):
+    """sm_103a's rules run the same pairs as sm_100a's, and the pair kernel compiled for sm_103a
+    passes the sm_100a pair's static checks (2-CTA MMAs, commits and TMA loads; the MMA count the
+    tiles imply; cta_group::2 TMEM; no local memory under either ptxas) with every exponential on
+    MUFU: its MUFU.EX2 count exceeds the sm_100a pair's by exactly the exponentials sm_100a moves to
+    the FMA pipe (TILE_N * eighths / 8, none above d = 128)."""
+    cfg = sm103_config(**PAIR_SPECS[name])
+    sm100_cfg = config(**PAIR_SPECS[name])
+    assert cfg.arch is Arch.SM103 and cfg.cluster_m == 2 and cfg.exp2_emulated_eighths == 0
+    assert cfg.replace(arch=Arch.SM100, exp2_emulated_eighths=sm100_cfg.exp2_emulated_eighths) == sm100_cfg
+    stats = lib.kernel_stats(cfg, FLAVOUR)
+    ops = opcode_counts(cfg, FLAVOUR)
+    assert ops["mma"] == ops["mma_2cta"] == expected_mma(cfg) == stats["utcmma"], (name, ops)
+    assert ops["commit"] == ops["commit_2cta"] > 0 and ops["tma"] == ops["tma_2cta"] > 0, (name, ops)
+    ptx = stats["ptx"]
+    assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, sm100_fwd.TMEM_COLUMNS)], name
+    assert stats["two_cta"] and stats["two_cta_ptx"] and lib.static_problems(stats) == [], name
+    moved = sm100_tiles.TILE_N * sm100_cfg.exp2_emulated_eighths // 8
+    assert stats["mufu_ex2"] - lib.kernel_stats(sm100_cfg, FLAVOUR)["mufu_ex2"] == moved, name
+    for flavour in ("cu13", "cu12"):
+        if flavour == "cu12" and not flavour_installed("cu12"):
+            continue
+        local = lib.kernel_stats(cfg, flavour)
+        assert local["ldl"] == local["stl"] == 0 and local["frame_bytes"] == 0, (name, flavour, local["ldl"])

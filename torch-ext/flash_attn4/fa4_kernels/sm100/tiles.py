@@ -98,7 +98,7 @@ def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varl
 # makes its operands afresh after each barrier wait (fwd.FlashAttentionForwardSm100.pair_operands):
 # in a cluster launch the shared-memory base is a runtime value, and ptxas hoisted the 2 x 12 + 12
 # + 8 descriptors out of the KV loop and spilled them (13.4: 102 LDL / 86 STL). Not run on a GPU
-# here: a pair that fails its first-use self-check on a B200 is replaced by single CTAs
+# here: a pair that fails its first-use self-check on a B200 or B300 is replaced by single CTAs
 # (dispatch.self_check_fallback). TWO_CTA = False turns the rule off.
 TWO_CTA = True
 FORWARD_CLUSTER_M = (1, 2)
