@@ -692,6 +692,22 @@ def test_problem_of_a_persistent_kernel_has_more_tiles_than_its_ctas(d, dv, rati
     assert single.q.shape[0] == selfcheck.BATCH
 
 
+
+@pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103])
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256), (120, 128), (184, 120)])
+def test_problem_of_a_pair_ends_in_a_ragged_pair(arch, d, dv):
+    """Every head-dim class the rules run on CTA pairs (sm_100a and sm_103a alike, d = 192 / 128
+    included) is checked on a problem whose last pair tile is ragged (its rows are not a multiple of
+    the pair's 2 x tile_m), and its fallback is the single-CTA kernel of the same class, itself a
+    configuration the rules accept."""
+    cfg = config(arch, d=d, dv=dv)
+    assert cfg.cluster_m == 2, (arch, d, dv)
+    p = selfcheck.build_forward_problem(cfg)
+    rows = p.q.shape[1]
+    assert rows % (2 * cfg.tile_m) != 0 and rows > cfg.tile_m  # the first pair's odd CTA has rows too
+    single = dispatch.self_check_fallback(cfg)
+    assert single == cfg.replace(cluster_m=1) and single.arch is arch
+
 def test_problem_varlen_is_ragged():
     for flags in (dict(), dict(has_seqused_k=True), dict(causal=True), dict(local=True, has_seqused_k=True)):
         cfg = config(varlen=True, **flags)

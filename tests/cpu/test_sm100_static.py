@@ -9,9 +9,13 @@ FMA pipe from the emulation rule, TMEM columns from the plan.
 ptxas: the DSL's cu13 flavour (13.4), what the H200 bundle and CUDA 13 drivers use, for every
 check; the spill check runs under cu12 (12.9, plain pip installs on CUDA 12 drivers) too, where the
 DSL's cu12 libraries are installed (each compile runs in its own process, which picks the flavour:
-scripts/sass_stats_lib.compile_config). Known cu12 gap: d = 192 / 128 (one CTA per tile) spills in
-its softmax warps under 12.9 (xfail, strict: the test says when it is fixed); upstream's d = 192
-kernel spills under both ptxas versions.
+scripts/sass_stats_lib.compile_config). Known cu12 gap: the single-CTA d = 192 / 128 kernel (what
+its CTA pair falls back to) spills in its softmax warps under 12.9 (xfail, strict: the test says
+when it is fixed); the pair itself, which dispatch runs, does not. Upstream's d = 192 kernel spills
+under both ptxas versions.
+
+sm_103a (B300) runs the same kernels with every exponential on MUFU; its CTA pairs are compiled
+and checked here too (test_sm103_pair_kernel).
 """
 
 from __future__ import annotations
@@ -81,19 +85,24 @@ def flavour_installed(flavour: str) -> bool:
     return any(Path(p).glob(f"_cutlass_ir.{flavour}.*.so") for p in libs.__path__)
 
 
-# Anchors that still spill under ptxas 12.9 (docs/perf.md says where and why).
-CU12_SPILLS = {"fwd_d192_dv128"}
+# Kernels that still spill under ptxas 12.9 (docs/perf.md says where and why): the single-CTA
+# d = 192 / 128 kernel, which dispatch runs only where its CTA pair fails the first-use check.
+CU12_SPILLS = {"fwd_d192_dv128-single"}
+# The anchors, plus the single-CTA kernels their pairs fall back to.
+CU12_SPECS = {**{name: (spec, {}) for name, spec in ANCHORS.items()},
+              "fwd_d192_dv128-single": (ANCHORS["fwd_d192_dv128"], dict(cluster_m=1))}
 
 
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="softmax spills under ptxas 12.9"))
-    if n in CU12_SPILLS else n for n in sorted(ANCHORS)])
+    if n in CU12_SPILLS else n for n in sorted(CU12_SPECS)])
 def test_no_spills_under_cu12(name):
     """The same anchors under the cu12 flavour's ptxas 12.9 (what a plain pip install on a CUDA 12
     driver runs): no local memory either."""
     if not flavour_installed("cu12"):
         pytest.skip("the DSL's cu12 libraries are not installed")
-    stats = lib.kernel_stats(config(**ANCHORS[name]), "cu12")
+    spec, over = CU12_SPECS[name]
+    stats = lib.kernel_stats(config(**spec).replace(**over), "cu12")
     assert stats["ptxas"] and "12.9" in stats["ptxas"], stats["ptxas"]
     assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
         f"{name}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B (cu12)"
@@ -233,7 +242,8 @@ def test_cu12_flavour_compiles_the_anchor_set_with_the_same_mma_work():
 # The anchors upstream runs as 2-CTA kernels that our pair kernel implements, and upstream's SASS
 # instruction counts for them (ptxas 12.9, 13.4; ../shared/sm100/ANCHOR_SASS.md, flash-attn-4 4.0.0b40).
 PAIR_ANCHORS = {"fwd_d128": (dict(), dict(cu12=3728, cu13=3512)),
-                "fwd_d128_gqa": (dict(qhead_per_kvhead=4), dict(cu12=3736, cu13=3520))}
+                "fwd_d128_gqa": (dict(qhead_per_kvhead=4), dict(cu12=3736, cu13=3520)),
+                "fwd_d192_dv128": (dict(d=192, dv=128), dict(cu12=4008, cu13=3680))}
 # Our pair kernel's instruction count may exceed upstream's by at most this factor (issue 20's bound).
 PAIR_INSTRUCTION_BOUND = 1.05
 
@@ -298,17 +308,12 @@ def test_pair_kernel_no_spills(name, over, flavour):
         f"{name}: {stats['ldl']} LDL / {stats['stl']} STL, frame {stats['frame_bytes']} B ({flavour})"
 
 
-# Pair kernels above the bound under ptxas 12.9 (docs/perf.md says by how much and why).
-CU12_PAIRS_OVER_BOUND = {"fwd_d128", "fwd_d128_gqa"}
-
-
-@pytest.mark.parametrize("flavour,name", [
-    pytest.param(f, n, marks=pytest.mark.xfail(strict=True, reason="ptxas 12.9 re-derives the MMA warp's V "
-                                                "descriptors per k-step")) if f == "cu12" and n in CU12_PAIRS_OVER_BOUND
-    else (f, n) for f in ("cu13", "cu12") for n in sorted(PAIR_ANCHORS)])
+@pytest.mark.parametrize("flavour", ["cu13", "cu12"])
+@pytest.mark.parametrize("name", sorted(PAIR_ANCHORS))
 def test_pair_kernel_within_upstreams_instruction_count(flavour, name):
-    """The persistent pair kernel (upstream's grid) has at most PAIR_INSTRUCTION_BOUND times the
-    SASS instructions of upstream's 2-CTA kernel, under the same ptxas."""
+    """The pair kernel dispatch runs (persistent, upstream's grid; d = 192 / 128 one pair per
+    tile) has at most PAIR_INSTRUCTION_BOUND times the SASS instructions of upstream's 2-CTA kernel,
+    under the same ptxas."""
     if flavour == "cu12" and not flavour_installed("cu12"):
         pytest.skip("the DSL's cu12 libraries are not installed")
     spec, upstream = PAIR_ANCHORS[name]
@@ -318,13 +323,15 @@ def test_pair_kernel_within_upstreams_instruction_count(flavour, name):
 
 
 def test_pair_rule_and_refusals():
-    """cluster_m = 2 only where the pair kernel runs: d 128 / dv 128 and d 256 / dv 256, batched, no
-    causal or local mask, no split-KV; anything else is refused when the config is built, naming
-    the option."""
+    """cluster_m = 2 only where the pair kernel runs: d 128 / dv 128, d 192 / dv 128 and d 256 /
+    dv 256 (padded to 16), batched, no causal or local mask, no split-KV; anything else is refused
+    when the config is built, naming the option. sm_103a follows the same rule."""
     assert sm100_tiles.pair_supported(128, 128) and sm100_tiles.pair_supported(120, 128)
     assert sm100_tiles.pair_supported(256, 256) and sm100_tiles.pair_supported(248, 256)
+    assert sm100_tiles.pair_supported(192, 128) and sm100_tiles.pair_supported(184, 120)
     assert not sm100_tiles.pair_supported(64, 64) and not sm100_tiles.pair_supported(128, 64)
-    assert not sm100_tiles.pair_supported(192, 128) and not sm100_tiles.pair_supported(256, 128)
+    assert not sm100_tiles.pair_supported(256, 128) and not sm100_tiles.pair_supported(192, 192)
+    assert not sm100_tiles.pair_supported(176, 128) and not sm100_tiles.pair_supported(192, 112)
     base = config()
     for flags in (dict(causal=True), dict(local=True), dict(varlen=True)):
         with pytest.raises(NotImplementedError, match="cluster_m=2"):
@@ -339,15 +346,17 @@ def test_pair_rule_and_refusals():
     try:
         for on in (False, True):
             sm100_tiles.TWO_CTA = on
-            for d in (128, 256):
-                grid = sm100_tiles.forward_grid(d, d, False, False, False, False)
+            for d, dv in ((128, 128), (192, 128), (256, 256)):
+                grid = sm100_tiles.forward_grid(d, dv, False, False, False, False)
                 assert grid.get("cluster_m", 1) == (2 if on else 1)
                 assert grid["persistent_ctas"] % 2 == 0
-                # sm_103a (B300) keeps single CTAs: the pair kernel is not compiled and checked for it
-                assert "cluster_m" not in tiles_sm103.forward_grid(d, d, False, False, False, False)
+                # sm_103a (B300) runs pairs where sm_100a does (test_sm103_pair_kernel)
+                assert tiles_sm103.forward_grid(d, dv, False, False, False, False) == grid
             for args in ((128, 128, True, False, False, False), (128, 128, False, False, True, False),
-                         (64, 64, False, False, False, False), (192, 128, False, False, False, False)):
+                         (64, 64, False, False, False, False), (192, 128, True, False, False, False),
+                         (192, 192, False, False, False, False)):
                 assert sm100_tiles.forward_grid(*args).get("cluster_m", 1) == 1, args
+                assert tiles_sm103.forward_grid(*args).get("cluster_m", 1) == 1, args
     finally:
         sm100_tiles.TWO_CTA = original
 
@@ -366,3 +375,36 @@ def test_no_pairs_where_keys_end_inside_the_tensor():
         assert cfg.cluster_m == 1
         with pytest.raises(NotImplementedError, match="has_seqused_k"):
             cfg.replace(cluster_m=2, persistent_ctas=0)
+
+
+# ---- sm_103a (B300) pairs ----------------------------------------------------------------------------
+def sm103_config(d=128, dv=None, qhead_per_kvhead=1):
+    flags = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
+    return dispatch.forward_config(Arch.SM103, "bfloat16", d, dv or d, qhead_per_kvhead=qhead_per_kvhead, **flags)
+
+
+@pytest.mark.parametrize("name", sorted(PAIR_SPECS))
+def test_sm103_pair_kernel(name):
+    """sm_103a's rules run the same pairs as sm_100a's, and the pair kernel compiled for sm_103a
+    passes the sm_100a pair's static checks (2-CTA MMAs, commits and TMA loads; the MMA count the
+    tiles imply; cta_group::2 TMEM; no local memory under either ptxas) with every exponential on
+    MUFU: its MUFU.EX2 count exceeds the sm_100a pair's by exactly the exponentials sm_100a moves to
+    the FMA pipe (TILE_N * eighths / 8, none above d = 128)."""
+    cfg = sm103_config(**PAIR_SPECS[name])
+    sm100_cfg = config(**PAIR_SPECS[name])
+    assert cfg.arch is Arch.SM103 and cfg.cluster_m == 2 and cfg.exp2_emulated_eighths == 0
+    assert cfg.replace(arch=Arch.SM100, exp2_emulated_eighths=sm100_cfg.exp2_emulated_eighths) == sm100_cfg
+    stats = lib.kernel_stats(cfg, FLAVOUR)
+    ops = opcode_counts(cfg, FLAVOUR)
+    assert ops["mma"] == ops["mma_2cta"] == expected_mma(cfg) == stats["utcmma"], (name, ops)
+    assert ops["commit"] == ops["commit_2cta"] > 0 and ops["tma"] == ops["tma_2cta"] > 0, (name, ops)
+    ptx = stats["ptx"]
+    assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, sm100_fwd.TMEM_COLUMNS)], name
+    assert stats["two_cta"] and stats["two_cta_ptx"] and lib.static_problems(stats) == [], name
+    moved = sm100_tiles.TILE_N * sm100_cfg.exp2_emulated_eighths // 8
+    assert stats["mufu_ex2"] - lib.kernel_stats(sm100_cfg, FLAVOUR)["mufu_ex2"] == moved, name
+    for flavour in ("cu13", "cu12"):
+        if flavour == "cu12" and not flavour_installed("cu12"):
+            continue
+        local = lib.kernel_stats(cfg, flavour)
+        assert local["ldl"] == local["stl"] == 0 and local["frame_bytes"] == 0, (name, flavour, local["ldl"])

@@ -1,14 +1,16 @@
-"""The sm100 forward's CTA-pair kernel (cluster_m = 2, cta_group::2 MMAs) on a B200 (capability
-10.0), called directly, without the torch layer's dispatch and first-use self-check (which fall back
-to single CTAs when a pair fails its check, hiding the fault from the caller): a failure here points
-at the pair kernel. The single-CTA kernel of the same problem class runs beside it as a second
-opinion (both must pass the reference rule).
+"""The sm100 forward's CTA-pair kernel (cluster_m = 2, cta_group::2 MMAs) on a B200 or B300
+(capability 10.0 or 10.3: compiled for sm_100a or sm_103a), called directly, without the torch
+layer's dispatch and first-use self-check (which fall back to single CTAs when a pair fails its
+check, hiding the fault from the caller): a failure here points at the pair kernel. The single-CTA
+kernel of the same problem class runs beside it as a second opinion (both must pass the reference
+rule).
 
-Head dims 128 and 256. Lengths cover a pair whose odd CTA has some rows (300), none (200, 1) or all (1000) in the sequence,
-ragged key lengths (333, 1) and a batch with more pair tiles than persistent pairs (the tile loop's
-carried phases). Judged by the suite's rule: max|out - ref| <= 2 max|out_lowp - ref| + atol; LSE
-within 2e-3 where finite. Fresh random inputs every run (seed printed); out starts NaN and lse +inf,
-so unwritten rows fail.
+Head dims 128, 192 / 128 and 256 (d = 192 / 128 has no persistent variant: the rules run one pair
+per tile there, sm100/tiles.PERSISTENT). Lengths cover a pair whose odd CTA has some rows (300),
+none (200, 1) or all (1000) in the sequence, ragged key lengths (333, 1) and a batch with more pair
+tiles than persistent pairs (the tile loop's carried phases). Judged by the suite's rule:
+max|out - ref| <= 2 max|out_lowp - ref| + atol; LSE within 2e-3 where finite. Fresh random inputs
+every run (seed printed); out starts NaN and lse +inf, so unwritten rows fail.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ from tests.reference import attention_ref
 pytestmark = [pytest.mark.gpu]
 
 
+ARCHS = {(10, 0): "sm_100a", (10, 3): "sm_103a"}
+
+
 @pytest.fixture(autouse=True)
 def need_sm100():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (10, 0):
-        pytest.skip("needs an sm_100 GPU (B200/GB200): the CTA-pair kernel is compiled for sm_100a only")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() not in ARCHS:
+        pytest.skip("needs an sm_100 or sm_103 GPU (B200/GB200, B300/GB300): the CTA-pair kernel is compiled "
+                    "for sm_100a and sm_103a")
 
 
 @pytest.fixture(autouse=True)
@@ -35,13 +41,16 @@ def seed():
     return seed_from_urandom()
 
 
-def pair_config(dtype, qhead_per_kvhead, persistent, d=128, **flags):
+def pair_config(dtype, qhead_per_kvhead, persistent, d=128, dv=None, **flags):
     from flash_attn4 import dispatch
     from flash_attn4.fa4_kernels.arch import Arch
 
     base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
     base.update(flags)
-    cfg = dispatch.forward_config(Arch.SM100, dtype, d, d, qhead_per_kvhead=qhead_per_kvhead, **base)
+    arch = Arch(ARCHS[torch.cuda.get_device_capability()])
+    cfg = dispatch.forward_config(arch, dtype, d, dv or d, qhead_per_kvhead=qhead_per_kvhead, **base)
+    if persistent and not cfg.persistent_ctas:
+        pytest.skip(f"the rules run d={d}/{dv or d} pairs one pair per tile")
     return cfg.replace(cluster_m=2, persistent_ctas=cfg.persistent_ctas if persistent else 0)
 
 
@@ -69,18 +78,18 @@ def assert_matches_reference(out, lse, q, k, v, **ref_kwargs):
     assert (lse[finite] - lse_ref[finite].float()).abs().max().item() <= 2e-3
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 333), (200, 333), (1, 1), (1000, 1000), (513, 128)])
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one-pair-per-tile"])
-def test_pair_forward_matches_reference_and_single_ctas(d, dtype, heads, seqlen_q, seqlen_k, persistent):
+def test_pair_forward_matches_reference_and_single_ctas(d, dv, dtype, heads, seqlen_q, seqlen_k, persistent):
     hq, hk = heads
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    cfg = pair_config(name, hq // hk, persistent, d=d)
+    cfg = pair_config(name, hq // hk, persistent, d=d, dv=dv)
     batch = 3
     q, k, v = rand(batch, seqlen_q, hq, d, dtype=dtype), rand(batch, seqlen_k, hk, d, dtype=dtype), \
-        rand(batch, seqlen_k, hk, d, dtype=dtype)
+        rand(batch, seqlen_k, hk, dv, dtype=dtype)
     scale = 1.0 / math.sqrt(d)
     out, lse = run(cfg, q, k, v, scale)
     assert_matches_reference(out, lse, q, k, v, softmax_scale=scale)

@@ -242,7 +242,7 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
                              causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
                              **forward_schedule(arch, d, dv, varlen, qhead_per_kvhead, split_kv=split_kv), **grid)
 
-    # Once each (sm_103a, without pairs, builds the single-CTA entry twice).
+    # Once each (with pairs switched off (sm100/tiles.TWO_CTA), a cluster_m=1 entry repeats its class's).
     return list(dict.fromkeys(cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET))
 
 

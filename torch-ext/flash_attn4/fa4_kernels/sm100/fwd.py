@@ -61,7 +61,9 @@ bytes count on the even CTA's full barriers (tx counts are the pair's). The MMA 
 (q/kv stages free, S full, O full) reach both CTAs' barriers (multicast); both CTAs' softmax and
 correction warps release S on the even CTA's empty barrier (its count is both CTAs' threads). Both
 CTAs walk the pair's KV blocks even when the odd CTA's tile lies past the sequence's end (it stores
-nothing). The protocol replay covers pairs.
+nothing). In a cluster launch the shared-memory base is a runtime value: the MMA warp makes its
+descriptors and TMEM addresses afresh after each barrier wait (pair_operands) rather than holding
+them across the KV loop. The protocol replay covers pairs.
 
 Ordering of tensor-memory accesses across roles: every tcgen05.ld/st is followed by its wait
 (tcgen05.wait::ld/st) before the thread arrives on a barrier that hands the columns on; MMA results
@@ -91,7 +93,7 @@ import copy
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -547,15 +549,13 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def mma_tile(self, index, tile, states, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, tile_args,
                  v_rows):
-        if cutlass.const_expr(index is not None and self.registers["other"] < 64):
+        # (A pair's operands are made afresh in each phase of the tile instead: pair_operands.)
+        if cutlass.const_expr(index is not None and self.registers["other"] < 64 and not self.pair):
             sQ, sK, sV = [self.tile_variant(x, index) for x in (sQ, sK, sV)]
-        # The TMEM address is read per tile (a shared-memory load), so that the compiler does not
-        # hoist every MMA's TMEM operand address out of the tile loop, past the 48 registers.
         tail = None
         if cutlass.const_expr(self.zero_tail):
             tail = (v_rows, first_row_past_keys(tile.seqlen.seqlen_k, tile.n_block_max - 1, TILE_N))
-        return self.mma(tmem.retrieve_ptr(Float32), sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, self.num_blocks(tile), states,
-                        tail)
+        return self.mma(tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, self.num_blocks(tile), states, tail)
 
     @staticmethod
     def tile_variant(smem: cute.Tensor, index: Int32) -> cute.Tensor:
@@ -809,32 +809,31 @@ class FlashAttentionForwardSm100:
 
     # ---- MMA warp --------------------------------------------------------------------------------
     @cute.jit
-    def mma(self, tmem_ptr, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks, states, tail=None):
+    def mma(self, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv, pipes, num_blocks, states, tail=None):
         """S_t(j) = Q_t K_j^T after O_t += P_t(j-1) V_(j-1), tile after tile; the last P V ends the
         tile. ``states``: the q, kv (consumer), s and o (producer) states, returned past this tile
         (unchanged for a tile without KV blocks, which the other roles skip alike). ``tail``
         (zero_tail): (the V ring in (key, column) coordinates, the first block's first row past
         the keys) for zero_v_tail."""
-        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
-        tSrQ, tSrK = thr_qk.make_fragment_A(sQ), thr_qk.make_fragment_B(sK)  # (MMA, M|N, K, stage)
-        tOrV = thr_pv.make_fragment_B(sV)
-        s_layout, o_layout, p_layout, _ = tmem_layouts
-        tStS = [cute.make_tensor(tmem_ptr + c, s_layout) for c in self.tmem_s]
-        tOtO = [cute.make_tensor(tmem_ptr + c, o_layout) for c in self.tmem_o]
-        tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), p_layout) for c in self.tmem_p]
+        views = (sQ, sK, sV, tmem_layouts, mma_qk, mma_pv)
+        # Single CTAs: the operands once per tile. The TMEM address is read per tile (a shared-memory
+        # load), so that the compiler does not hoist every MMA's TMEM operand address out of the
+        # tile loop, past the 48 registers.
+        tile_ops = None if self.pair else self.mma_operands(tmem.retrieve_ptr(Float32), *views)
 
         q_state, kv_state, s_state, o_state = states
         if num_blocks > 0:
             # Prologue: S_t(0) for every tile. (Q_t is in q stage t: each tile advances q by q_tiles.)
             q_first = q_state
             k_state = kv_state
+            first = tile_ops if not self.pair else self.pair_operands(tmem, *views)
             for t in cutlass.range_constexpr(self.q_tiles):
                 pipes.q.consumer_wait(q_state)
                 if cutlass.const_expr(t == 0):
                     pipes.kv.consumer_wait(k_state)
                 pipes.s.producer_acquire(s_state)
-                mma_qk = gemm(mma_qk, tStS[t], tSrQ[None, None, None, t], tSrK[None, None, None, k_state.index],
-                              False)
+                mma_qk = gemm(mma_qk, first.s[t], first.q[None, None, None, t],
+                              first.k[None, None, None, k_state.index], False)
                 pipes.s.producer_commit(s_state)
                 s_state = advanced(s_state)
                 q_state = advanced(q_state)
@@ -846,13 +845,14 @@ class FlashAttentionForwardSm100:
                 k_state = kv_state
                 v_state = advanced(k_state)
                 pipes.kv.consumer_wait(k_state)
+                block = tile_ops if not self.pair else self.pair_operands(tmem, *views)
                 for t in cutlass.range_constexpr(self.q_tiles):
                     pipes.s.producer_acquire(s_state)
                     if cutlass.const_expr(t == 0):
                         pipes.kv.consumer_wait(v_state)
-                    mma_pv = gemm(mma_pv, tOtO[t], tOrP[t], tOrV[None, None, None, v_state.index], i > 1)
-                    mma_qk = gemm(mma_qk, tStS[t], tSrQ[None, None, None, t], tSrK[None, None, None, k_state.index],
-                                  False)
+                    mma_pv = gemm(mma_pv, block.o[t], block.p[t], block.v[None, None, None, v_state.index], i > 1)
+                    mma_qk = gemm(mma_qk, block.s[t], block.q[None, None, None, t],
+                                  block.k[None, None, None, k_state.index], False)
                     pipes.s.producer_commit(s_state)
                     s_state = advanced(s_state)
                 pipes.kv.consumer_release(k_state)
@@ -866,11 +866,12 @@ class FlashAttentionForwardSm100:
             # The last block's P V completes O. Its wait on s does not move s on: S_t's columns
             # hold no new scores until the next tile's S_t(0), which the same wait covers (so each
             # tile advances s by one stage per S = Q K^T, as its consumers do).
+            last = tile_ops if not self.pair else self.pair_operands(tmem, *views)
             for t in cutlass.range_constexpr(self.q_tiles):
                 pipes.s.producer_acquire(advanced(s_state, t))
                 if cutlass.const_expr(t == 0):
                     pipes.kv.consumer_wait(kv_state)
-                mma_pv = gemm(mma_pv, tOtO[t], tOrP[t], tOrV[None, None, None, kv_state.index], num_blocks > 1)
+                mma_pv = gemm(mma_pv, last.o[t], last.p[t], last.v[None, None, None, kv_state.index], num_blocks > 1)
                 pipes.o.producer_commit(o_state)
                 o_state = advanced(o_state)
             pipes.kv.consumer_release(kv_state)
@@ -896,6 +897,33 @@ class FlashAttentionForwardSm100:
             zero_rows(stage, first_row, cute.arch.lane_idx(), WARP)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
+
+    def mma_operands(self, tmem_ptr, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv) -> "MmaOperands":
+        """The MMA warp's operands over tensor memory at ``tmem_ptr`` and the shared-memory views."""
+        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
+        s_layout, o_layout, p_layout, _ = tmem_layouts
+        return MmaOperands(
+            s=[cute.make_tensor(tmem_ptr + c, s_layout) for c in self.tmem_s],
+            o=[cute.make_tensor(tmem_ptr + c, o_layout) for c in self.tmem_o],
+            p=[cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), p_layout) for c in self.tmem_p],
+            q=thr_qk.make_fragment_A(sQ), k=thr_qk.make_fragment_B(sK), v=thr_pv.make_fragment_B(sV))
+
+    def pair_operands(self, tmem, sQ, sK, sV, tmem_layouts, mma_qk, mma_pv) -> "MmaOperands":
+        """A CTA pair's MMA operands, made afresh in each phase of a tile (its first Q K^T, each KV
+        block, the last P V). In a cluster launch the base of shared memory is a runtime value, so
+        each k-step's descriptor is that base plus a constant, and ptxas hoisted all of them out of
+        the KV loop (at d = 192: 2 x 12 for Q, 12 for K, 8 for V, 64 bits each, beside 19 TMEM
+        addresses) and spilled them at the MMA warp's 48 registers (13.4: 102 LDL / 86 STL). Here
+        the TMEM address is loaded from shared memory in the phase, between barrier waits, which
+        neither compiler moves a load across (so it stays in the loop), and the shared-memory views
+        are offset by min(address, 0) whole 1024-byte blocks: 0, since a TMEM address is lane << 16
+        | column with lane < 128, but not known to the compilers. Each descriptor and TMEM address is
+        then derived next to its MMA (one add each) and nothing is held across the loop."""
+        tmem_ptr = tmem.retrieve_ptr(Float32)
+        zero = cutlass.min(tmem_ptr.toint(), 0)
+        views = [cute.make_tensor(x.iterator + zero * (1024 * 8 // x.element_type.width), x.layout)
+                 for x in (sQ, sK, sV)]
+        return self.mma_operands(tmem_ptr, *views, tmem_layouts, mma_qk, mma_pv)
 
     def tmem_layouts(self, mma_qk, mma_pv, tP_layout):
         """Layouts of S (the QK MMA's accumulator), O (the PV MMA's) and P (the PV MMA's A operand,
@@ -1141,6 +1169,18 @@ class FlashAttentionForwardSm100:
 
     def o_chunk(self) -> int:
         return O_CHUNK if self.hdim_v_tile % O_CHUNK == 0 else 16
+
+
+class MmaOperands(NamedTuple):
+    """The MMA warp's operands, one entry per query tile for s, o, p: S_t, O_t (float32) and P_t
+    (16-bit) in tensor memory; the shared-memory descriptors of Q, K, V (MMA, M|N, K, stage)."""
+
+    s: list
+    o: list
+    p: list
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,12 @@ def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvh
 # trace time (cutlass.utils.HardwareInfo needs libcuda) and the kernel's call convention has no SM
 # count. B200 has 148 SMs (B300 products are reported with 148 to 160: with more, the extra SMs idle
 # on these problems; with fewer, the last CTAs wait for a free SM). Not at head_dim 144..256 with two
-# query tiles (d = 192, dv = 128): there the MMA warp's 48 registers do not hold the tile loop beside
-# the descriptors of 2 x 12 k-steps, and ptxas 13.4 spills (88 LDL / 43 STL); one CTA per tile stays
-# spill-free. Not measured: no Blackwell GPU runs here. PERSISTENT = False turns the rule off.
+# query tiles (d = 192, dv = 128): there the single-CTA MMA warp's 48 registers do not hold the tile
+# loop beside the descriptors of 2 x 12 k-steps, and ptxas 13.4 spills (88 LDL / 43 STL); one CTA
+# per tile stays spill-free. The CTA pair that runs this class keeps one pair per tile too: it would
+# compile spill-free persistent, but its fallback (dispatch.self_check_fallback: the same config
+# with cluster_m = 1) would then be the spilling single-CTA kernel. Not measured: no Blackwell GPU
+# runs here. PERSISTENT = False turns the rule off.
 PERSISTENT = True
 PERSISTENT_CTAS = 148
 
@@ -92,15 +95,16 @@ def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varl
 # block from L2 once where two single CTAs read it twice, and each CTA's K/V ring stages are half as
 # large. Upstream runs its 2-CTA kernels for these head dims without causal or local masks and
 # without varlen or split-KV; so does this rule (every CTA of a pair then sees the same KV blocks).
-# Not at d = 192 / 128: there the MMA warp hoists the descriptors of 2 x 12 k-steps, whose base
-# address is a runtime value in a cluster launch, and spills them (ptxas 13.4: 102 LDL / 86 STL at
-# 48 registers, 61 / 61 at 64). Not run on a GPU here: a pair that fails its first-use self-check
-# on a B200 is replaced by single CTAs (dispatch.self_check_fallback). TWO_CTA = False turns the rule
-# off.
+# At d = 192 / dv = 128 (two query tiles per CTA, one pair per tile: see PERSISTENT) the MMA warp
+# makes its operands afresh after each barrier wait (fwd.FlashAttentionForwardSm100.pair_operands):
+# in a cluster launch the shared-memory base is a runtime value, and ptxas hoisted the 2 x 12 + 12
+# + 8 descriptors out of the KV loop and spilled them (13.4: 102 LDL / 86 STL). Not run on a GPU
+# here: a pair that fails its first-use self-check on a B200 or B300 is replaced by single CTAs
+# (dispatch.self_check_fallback). TWO_CTA = False turns the rule off.
 TWO_CTA = True
 FORWARD_CLUSTER_M = (1, 2)
 # Head dims (padded to 16) a pair runs: (head_dim, head_dim_v).
-PAIR_HEAD_DIMS = ((128, 128), (256, 256))
+PAIR_HEAD_DIMS = ((128, 128), (192, 128), (256, 256))
 
 
 def pair_applies(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool,
@@ -204,8 +208,9 @@ FORWARD_KERNEL_SET = (
     dict(varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=4),
     dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=64, causal=True),
     dict(varlen=True, has_seqused_k=True, page_size=16, qhead_per_kvhead=4),
-    # The single-CTA kernel d = 128 falls back to where its CTA pair fails the first-use check.
-    dict(cluster_m=1),
+    # The single-CTA kernels d = 128 and d = 192 / 128 fall back to where their CTA pair fails the
+    # first-use check.
+    dict(cluster_m=1), dict(d=192, dv=128, cluster_m=1),
 )
 # This arch's forward has the split-KV variant (ForwardConfig.split_kv).
 FORWARD_SPLIT_KV = True
