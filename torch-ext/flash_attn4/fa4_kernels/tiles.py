@@ -40,12 +40,13 @@ def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, q
 
 
 def forward_grid(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool,
-                 split_kv: bool = False, has_seqused_k: bool = False) -> dict:
+                 split_kv: bool = False, **flags) -> dict:
     """ForwardConfig overrides for the launch grid of a problem class (persistent CTAs or one CTA per
     tile; ``varlen``: cu_seqlens_q or seqused_q), from the arch's optional ``forward_grid`` rule;
-    none (one CTA per tile, the config's default) for an arch without it."""
+    none (one CTA per tile, the config's default) for an arch without it. ``flags``: the problem's
+    has_seqused_k and has_sink, which some grids refuse."""
     rule = getattr(kernels_for(arch, "forward").rules(), "forward_grid", None)
-    return {} if rule is None else rule(head_dim, head_dim_v, causal, local, varlen, split_kv, has_seqused_k)
+    return {} if rule is None else rule(head_dim, head_dim_v, causal, local, varlen, split_kv, **flags)
 
 
 def has_split_kv(arch: Arch) -> bool:

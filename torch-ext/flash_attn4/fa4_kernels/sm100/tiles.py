@@ -75,15 +75,16 @@ PERSISTENT = True
 PERSISTENT_CTAS = 148
 
 
-def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool,
-                 has_seqused_k: bool = False) -> dict:
+def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool, *,
+                 has_seqused_k: bool = False, has_sink: bool = False) -> dict:
     """ForwardConfig overrides for the launch grid of a problem class (``varlen``: cu_seqlens_q or
     seqused_q): persistent CTAs where upstream uses them and our kernel compiles spill-free with
     them (see PERSISTENT), and CTA pairs (cluster_m = 2) where pair_applies says."""
     fits = _pad16(head_dim) <= 128 or query_tiles(head_dim, head_dim_v) == 1
     persistent = PERSISTENT and fits and not (causal or local or varlen or split_kv)
     grid = dict(persistent_ctas=PERSISTENT_CTAS if persistent else 0)
-    if pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv, has_seqused_k):
+    if pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv, has_seqused_k=has_seqused_k,
+                    has_sink=has_sink):
         grid["cluster_m"] = 2
     return grid
 
@@ -107,14 +108,16 @@ FORWARD_CLUSTER_M = (1, 2)
 PAIR_HEAD_DIMS = ((128, 128), (192, 128), (256, 256))
 
 
-def pair_applies(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool,
-                 has_seqused_k: bool = False) -> bool:
+def pair_applies(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool, *,
+                 has_seqused_k: bool = False, has_sink: bool = False) -> bool:
     """Whether the rule runs a problem class on CTA pairs (see TWO_CTA). Not with seqused_k: keys end
     inside the tensor there, and the V rows past them must be zeroed before P V (kv_tail.py), which
     the pair kernel does not do (half of each V tile is in the partner CTA's shared memory, and only
-    the leader's MMA warp waits on the V tiles)."""
+    the leader's MMA warp waits on the V tiles). Not with learnable sinks: the pair kernel spills
+    there under ptxas 13.4 (d = 128: 7 LDL / 4 STL, 27 / 19 with softcap; the single-CTA kernel
+    none), in its correction and softmax warps."""
     return (TWO_CTA and pair_supported(head_dim, head_dim_v)
-            and not (causal or local or varlen or split_kv or has_seqused_k))
+            and not (causal or local or varlen or split_kv or has_seqused_k or has_sink))
 
 
 def pair_supported(head_dim: int, head_dim_v: int) -> bool:
