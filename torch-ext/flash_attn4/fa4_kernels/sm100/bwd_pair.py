@@ -83,7 +83,7 @@ from ..tile_work import QueryBlocks, TileWork
 from .bwd import (COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, ChunkCopies, FlashAttentionBackwardSm100, Pipelines,
                   Scales, Warp, flat, gemm_a_by_groups, mma_tma_partition)
 from .dq_accum import ROW, VECTOR, chunk_tiles
-from .fwd import PAIR_LEADER, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
+from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
 from .tiles import (BWD_DQ_CHUNK, BWD_PAIR_DQ_ROWS, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
                     backward_pair_shared_memory_bytes)
 
@@ -271,7 +271,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
                 if rank == PAIR_LEADER:  # the even CTA issues the pair's MMAs
-                    self.pair_mma(tmem.retrieve_ptr(Float32), smem, tl, mma_s, mma_dv, mma_dk, mma_dq, pipes,
+                    self.pair_mma(tmem.retrieve_ptr(Float32), storage.tmem_address.ptr, smem, tl, mma_s, mma_dv, mma_dk, mma_dq, pipes,
                                   work.num_steps)
         elif warp >= Warp.COMPUTE:
             set_registers(self.registers["compute"])
@@ -425,14 +425,9 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
 
     # ---- MMA warp (even CTA) -----------------------------------------------------------------------
     @cute.jit
-    def pair_mma(self, tmem_ptr, smem: "PairSharedTiles", tl: "PairTmemLayouts", mma_s, mma_dv, mma_dk, mma_dq,
+    def pair_mma(self, tmem_ptr, tmem_address, smem: "PairSharedTiles", tl: "PairTmemLayouts", mma_s, mma_dv, mma_dk, mma_dq,
                  pipes: Pipelines, num_steps):
         """The pair's MMAs, step by step (module docstring; the 1-CTA kernel's order)."""
-        tSrK, tSrQ = mma_s.make_fragment_A(smem.k), mma_s.make_fragment_B(smem.q)
-        tdPrV, tdPrdO = mma_s.make_fragment_A(smem.v), mma_s.make_fragment_B(smem.do)
-        tdVrdOt = mma_dv.make_fragment_B(smem.dot)
-        tdKrQt = mma_dk.make_fragment_B(smem.qt)
-        tdQrdS, tdQrKt = mma_dq.make_fragment_A(smem.ds), mma_dq.make_fragment_B(smem.kt)
         tStS = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
         tdPtdP = cute.make_tensor(tmem_ptr + self.tmem_dp, tl.s)
         tdVtdV = cute.make_tensor(tmem_ptr + self.tmem_dv, tl.dv)
@@ -454,6 +449,17 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
             pipes.sdp.producer_acquire(sdp_state)
         for i in cutlass.range(num_steps, unroll=1):
+            # In a cluster launch shared-memory addresses are runtime values: hoisted out of the
+            # loop, the 80 descriptors spilled at 128 registers; per step they are rebuilt.
+            # Offset by min(TMEM address, 0) = 0 blocks, read from shared memory per step.
+            opaque = cute.make_tensor(tmem_address, cute.make_layout(1))[0]
+            k, v, q, do, qt, dot, ds, kt = [FlashAttentionForwardSm100.tile_variant(x, opaque) for x in (
+                smem.k, smem.v, smem.q, smem.do, smem.qt, smem.dot, smem.ds, smem.kt)]
+            tSrK, tSrQ = mma_s.make_fragment_A(k), mma_s.make_fragment_B(q)
+            tdPrV, tdPrdO = mma_s.make_fragment_A(v), mma_s.make_fragment_B(do)
+            tdVrdOt = mma_dv.make_fragment_B(dot)
+            tdKrQt = mma_dk.make_fragment_B(qt)
+            tdQrdS, tdQrKt = mma_dq.make_fragment_A(ds), mma_dq.make_fragment_B(kt)
             pipes.qdo.consumer_wait(qdo_state)
             pipes.dq.producer_acquire(dq_state)  # dQ_(i-1) is out of dP^T's columns (both CTAs)
             mma_s = gemm(mma_s, tStS, tSrK[None, None, None, 0], tSrQ[None, None, None, 0], False)
