@@ -283,6 +283,10 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             tmem_ptr = tmem.retrieve_ptr(Float32)
             group = (warp - Warp.COMPUTE) // 4
             self.pair_compute(tmem_ptr, group, rank, smem, tl, pipes, work, scales)
+            if work.num_steps > 0 and work.n_block * TILE_N >= work.seqlen.seqlen_k:
+                # The odd CTA of a pair whose keys end in the even CTA's block stores nothing, but
+                # stays until the pair's last MMA (which reads its shared memory) has completed.
+                pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
             self.store_dkv(tmem_ptr, group, tl, pipes, mdK, mdV, work, scales.softmax)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive_and_wait()
