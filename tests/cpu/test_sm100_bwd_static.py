@@ -55,9 +55,9 @@ def config(d=128, causal=False, dtype="bfloat16", deterministic=False, local=Fal
 
 
 def kernel_plan(cfg):
-    from flash_attn4.fa4_kernels.sm100 import bwd
+    from flash_attn4.fa4_kernels.sm100 import bwd, bwd_pair
 
-    return bwd, bwd.FlashAttentionBackwardSm100(cfg)
+    return bwd, bwd_pair.backward_kernel(cfg)
 
 
 def expected_mma(cfg) -> int:
@@ -295,3 +295,142 @@ def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work():
         assert stats["utcmma"] == expected_mma(cfg)
         assert stats["ldl"] == stats["stl"] == 0, (spec, stats["ldl"], stats["stl"])
         assert stats["usetmaxreg"] == stats["setmaxnreg"]
+
+
+# ---- CTA pairs (cluster_m = 2, sm100/bwd_pair.py) --------------------------------------------------
+# Upstream's bwd d128 is a 2-CTA kernel: its SASS instruction counts under ptxas 12.9 and 13.4
+# (../shared/sm100/ANCHOR_SASS.md, flash-attn-4 4.0.0b40). Our pair kernel may not exceed them (the
+# issue's goal: at most 1.00x; 1.05x is the hard limit).
+PAIR_UPSTREAM = dict(cu12=3536, cu13=3192)
+PAIR_INSTRUCTION_BOUND = 1.00
+
+
+def pair_config(**over):
+    """The pair kernel's problem class (d = dv = 128 batched), whether or not dispatch turns it on."""
+    return config(d=128, **over).replace(cluster_m=2, num_stages=1)
+
+
+def expected_pair_mma(cfg) -> int:
+    """Per query block, each GEMM once in the loop: S^T over d, dP^T over dv, dV and dK over the
+    block's queries (M = the pair's 2 x tile_n keys, one instruction each k-step), dQ over the
+    pair's 2 x tile_n keys (M = the block's queries)."""
+    return (-(-cfg.head_dim // MMA_K) + -(-cfg.head_dim_v // MMA_K) + 2 * (cfg.tile_m // MMA_K)
+            + cfg.cluster_m * cfg.tile_n // MMA_K)
+
+
+@pytest.fixture(scope="module", params=["cu13", "cu12"])
+def pair_compiled(request):
+    cfg = pair_config()
+    return request.param, cfg, lib.kernel_stats(cfg, request.param)
+
+
+def test_pair_compiles_without_spills_under_both_ptxas(pair_compiled):
+    flavour, _, stats = pair_compiled
+    assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
+        f"{flavour}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
+    assert lib.static_problems(stats) == [], flavour
+
+
+def test_pair_within_upstreams_instruction_count(pair_compiled):
+    flavour, _, stats = pair_compiled
+    assert stats["instructions"] <= PAIR_INSTRUCTION_BOUND * PAIR_UPSTREAM[flavour], \
+        (flavour, stats["instructions"], PAIR_UPSTREAM[flavour])
+
+
+def test_pair_is_cta_group_2_throughout(pair_compiled):
+    """Every MMA and commit is its 2-CTA form (an MMA of cta_group::1 would compute 128 of the 256
+    key rows; a commit without multicast would leave the odd CTA waiting), the MMA count is what the
+    tiles imply, every operand load is a 2-CTA TMA (bytes on the even CTA's barrier) and only the
+    two per-CTA row loads (LSE, D) are not; TMEM is allocated, relinquished and freed once with
+    cta_group::2; the budgets are the 1-CTA kernel's, one setmaxnreg each."""
+    from tests.cpu.test_sm100_static import opcode_counts
+
+    flavour, cfg, stats = pair_compiled
+    bwd, plan = kernel_plan(cfg)
+    ops = opcode_counts(cfg, flavour)
+    assert ops["mma"] == ops["mma_2cta"] == expected_pair_mma(cfg) == stats["utcmma"], ops
+    assert ops["commit"] == ops["commit_2cta"] > 0, ops
+    assert ops["tma"] - ops["tma_2cta"] == 2 and stats["opcodes"].get("UTMALDG.3D", 0) == 2, ops
+    ptx = stats["ptx"]
+    assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, bwd.TMEM_COLUMNS)]
+    assert [d["cta_group"] for d in ptx["tmem_dealloc"]] == [2] and ptx["tmem_relinquish"] == [2]
+    assert stats["two_cta"] and stats["two_cta_ptx"] and stats["cta_group"] == 2
+    assert stats["usetmaxreg"] == stats["setmaxnreg"]
+    budgets = plan.registers
+    assert budgets["dq"] + bwd.COMPUTE_GROUPS * budgets["compute"] + budgets["other"] == 4 * bwd.LAUNCH_REGISTERS
+    expected = sorted(v if v > bwd.LAUNCH_REGISTERS else -v for v in set(budgets.values()) - {bwd.LAUNCH_REGISTERS})
+    assert sorted(int(v) for v in stats["usetmaxreg"]) == expected
+
+
+def test_pair_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_adds(pair_compiled):
+    """dS: every compute thread stores its chunk of 16-bit dS (BWD_DQ_CHUNK values) into the dQ
+    operand of the CTA owning that query half through a shared::cluster address (mapa), 16 bytes at
+    a time, in the masked and unmasked variant of a step; then one async-proxy fence over the
+    cluster's shared memory and one cluster acq_rel fence before the release the MMA warp waits
+    for. dQ: per 32-column load of a dQ thread's head-dim half, each half's staged chunk added in
+    runs of this CTA's 64 rows x 4 floats (1-D bulk reduce-adds, no tensor map)."""
+    flavour, cfg, stats = pair_compiled
+    bwd, plan = kernel_plan(cfg)
+    ptx = lib.kernel_artifacts(cfg, flavour)["ptx"].read_text()
+    chunk = sm100_tiles.BWD_DQ_CHUNK
+    chunks_per_group = cfg.tile_m // bwd.COMPUTE_GROUPS // chunk
+    variants = 2
+    assert ptx.count("st.shared::cluster.v4.b32") == variants * chunks_per_group * chunk * 2 // 16
+    assert ptx.count("mapa.shared::cluster") >= 1
+    assert ptx.count("fence.proxy.async.shared::cluster") == 1 and ptx.count("fence.acq_rel.cluster") == 1
+    runs = chunk // sm100_dq.VECTOR
+    assert stats["opcodes"].get("UBLKRED.G.S.ADD.F32.RN", 0) == plan.dq_loads * 2 * runs
+    assert reduce_adds(stats) == 0
+
+
+def test_pair_tmem_plan_and_shared_memory():
+    """S^T, dP^T, dK, dV disjoint in 512 columns; dQ (64 rows per CTA folded into 128 lanes x d / 2)
+    over dP^T's columns; P^T / dS^T of warpgroup w inside its own S^T / dP^T columns. Shared memory:
+    the plan within the sm100 limit (the kernel checks its SharedStorage against the plan when traced)."""
+    import cutlass.memory
+
+    cfg = pair_config()
+    bwd, plan = kernel_plan(cfg)
+    d, dv = cfg.head_dim, cfg.head_dim_v
+    spans = sorted([(plan.tmem_s, plan.tmem_s + cfg.tile_m), (plan.tmem_dp, plan.tmem_dp + cfg.tile_m),
+                    (plan.tmem_dk, plan.tmem_dk + d), (plan.tmem_dv, plan.tmem_dv + dv)])
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= bwd.TMEM_COLUMNS
+    assert plan.dq_over_dp and plan.tmem_dq == plan.tmem_dp and plan.dq_cols == d // 2 <= cfg.tile_m
+    cols = cfg.tile_m // bwd.COMPUTE_GROUPS
+    assert plan.p_words == cols // 2
+    capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_100")
+    assert sm100_tiles.backward_pair_shared_memory_bytes(d, dv) <= min(capacity, sm100_tiles.SMEM_BYTES)
+
+
+def test_pair_rule_and_refusals():
+    """cluster_m = 2 only where the pair kernel runs (d = dv = 128, batched, no causal or local mask,
+    not deterministic, one Q/dO stage); anything else is refused when the config is built, naming
+    the option; the dispatch rule follows BWD_TWO_CTA."""
+    for flags in (dict(causal=True), dict(local=True), dict(varlen=True), dict(deterministic=True)):
+        with pytest.raises(NotImplementedError, match="cluster_m=2"):
+            config(d=128, **flags).replace(cluster_m=2, num_stages=1)
+    for d, dv in ((64, 64), (96, 96), (128, 64)):
+        with pytest.raises(NotImplementedError, match=f"head dims {d}/{dv}"):
+            config(d=d, dv=dv).replace(cluster_m=2, num_stages=1)
+    with pytest.raises(ValueError, match="no kernel with 4 CTAs"):
+        config(d=128).replace(cluster_m=4)
+    with pytest.raises(ValueError, match="no kernel with 2 CTAs"):
+        BackwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, cluster_m=2)
+    original = sm100_tiles.BWD_TWO_CTA
+    try:
+        for on in (False, True):
+            sm100_tiles.BWD_TWO_CTA = on
+            assert sm100_tiles.backward_grid(128, 128, False, False, False, False).get("cluster_m", 1) == \
+                (2 if on else 1)
+            for args in ((128, 128, True, False, False, False), (128, 128, False, True, False, False),
+                         (128, 128, False, False, True, False), (128, 128, False, False, False, True),
+                         (64, 64, False, False, False, False), (96, 96, False, False, False, False)):
+                assert sm100_tiles.backward_grid(*args).get("cluster_m", 1) == 1, args
+    finally:
+        sm100_tiles.BWD_TWO_CTA = original
+
+
+def test_pair_verifier_reports_only_the_reviewed_baseline():
+    baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
+    got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(pair_config(), FLAVOUR))
+    assert got == sorted(baseline["sm100 bwd pair d128"]), got
