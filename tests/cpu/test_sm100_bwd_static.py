@@ -366,8 +366,8 @@ def test_pair_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_adds(p
     """dS: every compute thread stores its chunk of 16-bit dS (BWD_DQ_CHUNK values) into the dQ
     operand of the CTA owning that query half through a shared::cluster address (mapa), 16 bytes at
     a time, in the masked and unmasked variant of a step; then one async-proxy fence over the
-    cluster's shared memory and one cluster acq_rel fence before the release the MMA warp waits
-    for. dQ: per 32-column load of a dQ thread's head-dim half, each half's staged chunk added in
+    cluster's shared memory and the release the MMA warp waits for as a cluster-scope arrival on
+    the even CTA's barrier, which the MMA warp follows with a cluster acq_rel fence. dQ: per 32-column load of a dQ thread's head-dim half, each half's staged chunk added in
     runs of this CTA's 64 rows x 4 floats (1-D bulk reduce-adds, no tensor map)."""
     flavour, cfg, stats = pair_compiled
     bwd, plan = kernel_plan(cfg)
@@ -378,6 +378,7 @@ def test_pair_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_adds(p
     assert ptx.count("st.shared::cluster.v4.b32") == variants * chunks_per_group * chunk * 2 // 16
     assert ptx.count("mapa.shared::cluster") >= 1
     assert ptx.count("fence.proxy.async.shared::cluster") == 1 and ptx.count("fence.acq_rel.cluster") == 1
+    assert ptx.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == 1
     runs = chunk // sm100_dq.VECTOR
     assert stats["opcodes"].get("UBLKRED.G.S.ADD.F32.RN", 0) == plan.dq_loads * 2 * runs
     assert reduce_adds(stats) == 0

@@ -27,9 +27,10 @@ How dS reaches the partner: compute warpgroup w of either CTA owns query columns
 i.e. query half w. dS of this CTA's keys for query half w belongs to CTA w's dQ operand, at the
 k-steps of this CTA's keys (8 r .. 8 r + 7): the warpgroup with w == rank stores it into its own
 shared memory, the other one into the peer's (st.shared::cluster through mapa), at the same
-offsets. Each then fences (proxy.async shared::cluster, acq_rel cluster) before its release of
-"P^T and dS^T written", which arrives on the even CTA's barrier: the MMA warp's wait covers both
-CTAs' local and remote writes. No relay warp: the writer is the compute thread itself.
+offsets. Each then fences (fence.proxy.async.shared::cluster) and releases "P^T and dS^T written"
+with a cluster-scope arrival on the even CTA's barrier; the MMA warp's wait there, followed by a
+cluster acq_rel fence, covers both CTAs' local and remote writes. No relay warp: the writer is the
+compute thread itself.
 
 dQ: each CTA's dQ warpgroup reads its 64 rows from TMEM (thread t: row t % 64, 32 of the head-dim
 half t // 64 per load), stages them in dq_accum's order (dq_accum.py; the same order as the 1-CTA
@@ -69,6 +70,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.experimental.primitives.nvvm_wrapper import CpReduceType, cp_reduce_async_bulk_global_shared_cta
 
@@ -471,6 +473,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             pipes.sdp.producer_commit(sdp_state)
             sdp_state = advanced(sdp_state)
             pipes.sdp.producer_acquire(sdp_state)  # P^T, dS^T in TMEM and dS in shared memory (both CTAs)
+            cute.arch.fence_acq_rel_cluster()  # the acquire side of the compute threads' cluster release
             mma_dv = gemm_a_by_groups(mma_dv, tdVtdV, tdVrP, tdVrdOt[None, None, None, 0], i > 0,
                                       k_slices_per_group)
             mma_dk = gemm_a_by_groups(mma_dk, tdKtdK, tdKrdS, tdKrQt[None, None, None, 0], i > 0,
@@ -521,8 +524,10 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                     self.pair_chunk(c, group, copies, tdSt, rows, scales, work, m_block, thread, True)
             cute.arch.fence_view_async_tmem_store()  # P^T, dS^T in TMEM before the dV / dK MMAs
             cute.arch.fence_proxy("async.shared", space="cluster")  # dS (local or remote) -> MMA
-            cute.arch.fence_acq_rel_cluster()  # ... ordered before the arrival on the even CTA
-            pipes.sdp.consumer_release(sdp_state)
+            # The release of "P^T and dS^T written" (consumer_release's arrival on the even CTA's
+            # barrier) at cluster scope: it hands on shared-memory data written across CTAs.
+            cute.arch.mbarrier_arrive(pipes.sdp.sync_object_empty.get_barrier(sdp_state.index), PAIR_LEADER,
+                                      scope=nvvm.MemScopeKind.CLUSTER)
             pipes.rows.consumer_release(rows_state)
             sdp_state = advanced(sdp_state)
             rows_state = advanced(rows_state)
