@@ -167,11 +167,17 @@ def test_the_kernel_plans_use_the_replayed_cases(d):
     from flash_attn4 import dispatch
     from flash_attn4.fa4_kernels.arch import Arch
 
-    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
-                                   varlen=False, has_seqused_k=False, deterministic=False)
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair
+
+    picked = dispatch.backward_config(Arch.SM100, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
+                                      varlen=False, has_seqused_k=False, deterministic=False)
+    cfg = dispatch.self_check_fallback(picked) or picked  # the 1-CTA kernel (a pair's fallback)
     plan = sm100_bwd.FlashAttentionBackwardSm100(cfg)
-    assert cfg.num_stages in {1, sm100_tiles.BWD_MAX_STAGES}
+    assert cfg.num_stages in {1, sm100_tiles.BWD_MAX_STAGES} and cfg.cluster_m == 1
     assert plan.dq_over_dp == (2 * cfg.tile_n + 3 * d > sm100_bwd.TMEM_COLUMNS) == (d > 64)
+    if picked.cluster_m == 2:  # the pair kernel: one Q/dO stage, dQ over dP^T (run_pair's model)
+        pair = bwd_pair.backward_kernel(picked)
+        assert picked.num_stages == 1 and pair.dq_over_dp and pair.tmem_dq == pair.tmem_dp
 
 
 def test_the_model_catches_a_wrong_count():

@@ -50,8 +50,12 @@ CU12_CONFIGS = (dict(d=64, causal=True), dict(d=96, causal=True), dict(d=128, ca
 
 def config(d=128, causal=False, dtype="bfloat16", deterministic=False, local=False, has_softcap=False,
            varlen=False, has_seqused_k=False, dv=None):
-    return dispatch.backward_config(Arch.SM100, dtype, d, d if dv is None else dv, causal=causal, local=local, has_softcap=has_softcap,
-                                    varlen=varlen, has_seqused_k=has_seqused_k, deterministic=deterministic)
+    """The 1-CTA kernel dispatch runs for the class, or, where it runs CTA pairs (d = 128 batched,
+    no mask), the 1-CTA kernel a pair falls back to (the pair kernel's tests: pair_config)."""
+    cfg = dispatch.backward_config(Arch.SM100, dtype, d, d if dv is None else dv, causal=causal, local=local,
+                                   has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
+                                   deterministic=deterministic)
+    return dispatch.self_check_fallback(cfg) or cfg
 
 
 def kernel_plan(cfg):
@@ -250,13 +254,21 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
 
     configs = backward_kernel_set(Arch.SM100)
     mains = [c for c in configs if isinstance(c, BackwardConfig)]
-    assert {(c.head_dim, c.causal, c.deterministic, c.local, c.has_softcap, c.varlen, c.has_seqused_k)
+    pair = 2 if sm100_tiles.BWD_TWO_CTA else 1
+    assert {(c.head_dim, c.causal, c.deterministic, c.local, c.has_softcap, c.varlen, c.has_seqused_k, c.cluster_m)
             for c in mains} == {
-        (64, False, False, False, False, False, False), (64, True, False, False, False, False, False),
-        (96, True, False, False, False, False, False),
-        (128, False, False, False, False, False, False), (128, True, False, False, False, False, False),
-        (128, True, True, False, False, False, False), (128, True, False, False, False, True, True),
-        (128, False, False, True, True, False, False)}
+        (64, False, False, False, False, False, False, 1), (64, True, False, False, False, False, False, 1),
+        (96, True, False, False, False, False, False, 1),
+        (128, False, False, False, False, False, False, pair), (128, False, False, False, False, False, False, 1),
+        (128, True, False, False, False, False, False, 1),
+        (128, True, True, False, False, False, False, 1), (128, True, False, False, False, True, True, 1),
+        (128, False, False, True, True, False, False, 1)}
+    # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
+    for c in mains:
+        flags = dict(causal=c.causal, local=c.local, has_softcap=c.has_softcap, varlen=c.varlen,
+                     has_seqused_k=c.has_seqused_k, deterministic=c.deterministic)
+        picked = dispatch.backward_config(Arch.SM100, c.dtype, c.head_dim, c.head_dim_v, **flags)
+        assert c in (picked, dispatch.self_check_fallback(picked)), c
     assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
         (64, False), (96, False), (128, False), (128, True)}
     assert any(isinstance(c, PreprocessConfig) for c in configs)

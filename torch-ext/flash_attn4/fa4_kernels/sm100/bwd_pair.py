@@ -1,9 +1,10 @@
 """FlashAttention backward for Blackwell (sm_100a) on CTA pairs: the 1-CTA kernel's roles (bwd.py)
 with the M = 256 tcgen05 MMAs of cta_group::2 over the 256 keys of a cluster of two CTAs.
 
-EXPERIMENTAL, off in dispatch (tiles.BWD_TWO_CTA = False): compiled for sm_100a only; see
-docs/perf.md for what was and was not checked. Problem classes: tiles._check_backward_pair
-(d = dv = 128, batched, no causal/local mask, not deterministic).
+Dispatch runs it where tiles.backward_grid says (switch BWD_TWO_CTA): d = dv = 128, batched, no
+causal or local mask, not deterministic (tiles._check_backward_pair refuses the rest). Compiled and
+statically checked for sm_100a only, never run on a GPU here (docs/perf.md); on a B200 a pair that
+fails its first-use self-check is replaced by the 1-CTA kernel (dispatch.self_check_fallback).
 
 A pair owns KV blocks 2p (the even CTA, rank 0) and 2p + 1 (rank 1), 128 keys each, of one KV head
 and walks the same (query head, 128-row query block) steps as the 1-CTA kernel. Warp roles, register

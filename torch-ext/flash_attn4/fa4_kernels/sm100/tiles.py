@@ -269,10 +269,13 @@ def backward_supported() -> str:
 # peer through distributed shared memory), dQ staging for its 64 rows. Which problem classes the
 # pair kernel runs: BWD_PAIR_HEAD_DIMS, batched, no mask kinds that make the two CTAs' query-block
 # ranges differ, not deterministic (see _check_backward_pair). BWD_TWO_CTA switches the dispatch
-# rule (backward_grid); the kernel itself is reachable through BackwardConfig(cluster_m=2).
+# rule (backward_grid): on, as upstream runs its d = 128 backward on two CTAs (it does so causal
+# too; ours keeps one CTA there). Compiled and statically checked only (docs/perf.md); not run on a
+# GPU here: a pair that fails its first-use self-check on a B200 is replaced by the 1-CTA backward
+# (dispatch.self_check_fallback). The kernel is reachable through BackwardConfig(cluster_m=2) either way.
 BACKWARD_CLUSTER_M = (1, 2)
 BWD_PAIR_HEAD_DIMS = ((128, 128),)
-BWD_TWO_CTA = False
+BWD_TWO_CTA = True
 BWD_PAIR_DQ_ROWS = BWD_TILE_M // 2  # dQ rows of a CTA: the M = 128 dQ MMA of a pair splits its rows
 
 
@@ -352,6 +355,9 @@ def check_postprocess(cfg) -> None:
 # Problem classes CI compiles for sm_100a's backward: each head dim, causal or not, the
 # deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
 # handful: the target's compile time).
+# dict() is d = 128 on CTA pairs where BWD_TWO_CTA runs them; dict(cluster_m=1) the 1-CTA kernel a
+# pair falls back to.
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
-                       dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True))
+                       dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
+                       dict(cluster_m=1))
