@@ -260,9 +260,9 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (64, False, False, False, False, False, False, 1), (64, True, False, False, False, False, False, 1),
         (96, True, False, False, False, False, False, 1),
         (128, False, False, False, False, False, False, pair), (128, False, False, False, False, False, False, 1),
-        (128, True, False, False, False, False, False, 1),
+        (128, True, False, False, False, False, False, pair), (128, True, False, False, False, False, False, 1),
         (128, True, True, False, False, False, False, 1), (128, True, False, False, False, True, True, 1),
-        (128, False, False, True, True, False, False, 1)}
+        (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1)}
     # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
     for c in mains:
         flags = dict(causal=c.causal, local=c.local, has_softcap=c.has_softcap, varlen=c.varlen,
@@ -310,11 +310,17 @@ def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work():
 
 
 # ---- CTA pairs (cluster_m = 2, sm100/bwd_pair.py) --------------------------------------------------
-# Upstream's bwd d128 is a 2-CTA kernel: its SASS instruction counts under ptxas 12.9 and 13.4
-# (../shared/sm100/ANCHOR_SASS.md, flash-attn-4 4.0.0b40). Our pair kernel may not exceed them (the
-# issue's goal: at most 1.00x; 1.05x is the hard limit).
-PAIR_UPSTREAM = dict(cu12=3536, cu13=3192)
-PAIR_INSTRUCTION_BOUND = 1.00
+# The pair kernel's problem classes compiled here, with upstream's SASS instruction counts for its
+# 2-CTA kernel of the same class under ptxas 12.9 and 13.4 (../shared/sm100/ANCHOR_SASS.md,
+# flash-attn-4 4.0.0b40; none for local windows). The issue's goal: at most 1.00x; 1.05x is the hard
+# limit.
+PAIR_CASES = {"d128": (dict(), dict(cu12=3536, cu13=3192)),
+              "d128_causal": (dict(causal=True), dict(cu12=3632, cu13=3336)),
+              "d128_local_softcap": (dict(local=True, has_softcap=True), None)}
+PAIR_INSTRUCTION_GOAL = 1.00
+PAIR_INSTRUCTION_LIMIT = 1.05
+# Above the goal (not the limit) under ptxas 12.9: docs/perf.md says by how much.
+PAIR_OVER_GOAL = {("d128_causal", "cu12")}
 
 
 def pair_config(**over):
@@ -330,23 +336,33 @@ def expected_pair_mma(cfg) -> int:
             + cfg.cluster_m * cfg.tile_n // MMA_K)
 
 
-@pytest.fixture(scope="module", params=["cu13", "cu12"])
+@pytest.fixture(scope="module", params=[(n, f) for n in PAIR_CASES for f in ("cu13", "cu12")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def pair_compiled(request):
-    cfg = pair_config()
-    return request.param, cfg, lib.kernel_stats(cfg, request.param)
+    name, flavour = request.param
+    cfg = pair_config(**PAIR_CASES[name][0])
+    return flavour, cfg, lib.kernel_stats(cfg, flavour)
 
 
 def test_pair_compiles_without_spills_under_both_ptxas(pair_compiled):
-    flavour, _, stats = pair_compiled
+    flavour, cfg, stats = pair_compiled
     assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
-        f"{flavour}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
+        f"{cfg}, {flavour}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
     assert lib.static_problems(stats) == [], flavour
 
 
-def test_pair_within_upstreams_instruction_count(pair_compiled):
-    flavour, _, stats = pair_compiled
-    assert stats["instructions"] <= PAIR_INSTRUCTION_BOUND * PAIR_UPSTREAM[flavour], \
-        (flavour, stats["instructions"], PAIR_UPSTREAM[flavour])
+@pytest.mark.parametrize("name,flavour", [
+    pytest.param(n, f, marks=pytest.mark.xfail(strict=True, reason="over the goal, within the limit (perf.md)"))
+    if (n, f) in PAIR_OVER_GOAL else (n, f)
+    for n, (_, upstream) in PAIR_CASES.items() if upstream for f in ("cu13", "cu12")])
+def test_pair_within_upstreams_instruction_count(name, flavour):
+    """At most PAIR_INSTRUCTION_GOAL times upstream's 2-CTA kernel's SASS instructions under the
+    same ptxas (PAIR_OVER_GOAL: the known exceptions, xfail strict, and still within the limit)."""
+    flags, upstream = PAIR_CASES[name]
+    stats = lib.kernel_stats(pair_config(**flags), flavour)
+    assert stats["instructions"] <= PAIR_INSTRUCTION_LIMIT * upstream[flavour], (name, flavour, stats["instructions"])
+    assert stats["instructions"] <= PAIR_INSTRUCTION_GOAL * upstream[flavour], \
+        (name, flavour, stats["instructions"], upstream[flavour])
 
 
 def test_pair_is_cta_group_2_throughout(pair_compiled):
@@ -379,8 +395,9 @@ def test_pair_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_adds(p
     operand of the CTA owning that query half through a shared::cluster address (mapa), 16 bytes at
     a time, in the masked and unmasked variant of a step; then one async-proxy fence over the
     cluster's shared memory and the release the MMA warp waits for as a cluster-scope arrival on
-    the even CTA's barrier, which the MMA warp follows with a cluster acq_rel fence. dQ: per 32-column load of a dQ thread's head-dim half, each half's staged chunk added in
-    runs of this CTA's 64 rows x 4 floats (1-D bulk reduce-adds, no tensor map)."""
+    the even CTA's barrier, which the MMA warp follows with a cluster acq_rel fence. dQ: per
+    32-column load of a dQ thread's head-dim half, each half's staged chunk added in runs of this
+    CTA's 64 rows x 4 floats (1-D bulk reduce-adds, no tensor map)."""
     flavour, cfg, stats = pair_compiled
     bwd, plan = kernel_plan(cfg)
     ptx = lib.kernel_artifacts(cfg, flavour)["ptx"].read_text()
@@ -416,12 +433,14 @@ def test_pair_tmem_plan_and_shared_memory():
 
 
 def test_pair_rule_and_refusals():
-    """cluster_m = 2 only where the pair kernel runs (d = dv = 128, batched, no causal or local mask,
-    not deterministic, one Q/dO stage); anything else is refused when the config is built, naming
-    the option; the dispatch rule follows BWD_TWO_CTA."""
-    for flags in (dict(causal=True), dict(local=True), dict(varlen=True), dict(deterministic=True)):
+    """cluster_m = 2 only where the pair kernel runs (d = dv = 128, batched, not deterministic, one
+    Q/dO stage; causal, local and softcap included); anything else is refused when the config is
+    built, naming the option; the dispatch rule follows BWD_TWO_CTA."""
+    for flags in (dict(varlen=True), dict(deterministic=True), dict(causal=True, deterministic=True)):
         with pytest.raises(NotImplementedError, match="cluster_m=2"):
             config(d=128, **flags).replace(cluster_m=2, num_stages=1)
+    for flags in (dict(causal=True), dict(local=True, has_softcap=True)):
+        assert pair_config(**flags).cluster_m == 2
     for d, dv in ((64, 64), (96, 96), (128, 64)):
         with pytest.raises(NotImplementedError, match=f"head dims {d}/{dv}"):
             config(d=d, dv=dv).replace(cluster_m=2, num_stages=1)
@@ -433,17 +452,21 @@ def test_pair_rule_and_refusals():
     try:
         for on in (False, True):
             sm100_tiles.BWD_TWO_CTA = on
-            assert sm100_tiles.backward_grid(128, 128, False, False, False, False).get("cluster_m", 1) == \
-                (2 if on else 1)
-            for args in ((128, 128, True, False, False, False), (128, 128, False, True, False, False),
-                         (128, 128, False, False, True, False), (128, 128, False, False, False, True),
-                         (64, 64, False, False, False, False), (96, 96, False, False, False, False)):
+            for causal, local in ((False, False), (True, False), (False, True)):
+                assert sm100_tiles.backward_grid(128, 128, causal, local, False, False).get("cluster_m", 1) == \
+                    (2 if on else 1)
+            for args in ((128, 128, False, False, True, False), (128, 128, False, False, False, True),
+                         (128, 128, True, False, False, True), (64, 64, False, False, False, False),
+                         (96, 96, False, False, False, False), (128, 64, True, False, False, False)):
                 assert sm100_tiles.backward_grid(*args).get("cluster_m", 1) == 1, args
     finally:
         sm100_tiles.BWD_TWO_CTA = original
 
 
-def test_pair_verifier_reports_only_the_reviewed_baseline():
+@pytest.mark.parametrize("name", sorted(PAIR_CASES))
+def test_pair_verifier_reports_only_the_reviewed_baseline(name):
+    """The same reviewed diagnostics for every mask kind (the pipelines are the same)."""
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
-    got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(pair_config(), FLAVOUR))
-    assert got == sorted(baseline["sm100 bwd pair d128"]), got
+    got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(pair_config(**PAIR_CASES[name][0]),
+                                                                            FLAVOUR))
+    assert got == sorted(baseline["sm100 bwd pair d128"]), (name, got)

@@ -1,14 +1,17 @@
 """FlashAttention backward for Blackwell (sm_100a) on CTA pairs: the 1-CTA kernel's roles (bwd.py)
 with the M = 256 tcgen05 MMAs of cta_group::2 over the 256 keys of a cluster of two CTAs.
 
-Dispatch runs it where tiles.backward_grid says (switch BWD_TWO_CTA): d = dv = 128, batched, no
-causal or local mask, not deterministic (tiles._check_backward_pair refuses the rest). Compiled and
-statically checked for sm_100a only, never run on a GPU here (docs/perf.md); on a B200 a pair that
-fails its first-use self-check is replaced by the 1-CTA kernel (dispatch.self_check_fallback).
+Dispatch runs it where tiles.backward_grid says (switch BWD_TWO_CTA): d = dv = 128, batched (causal,
+local windows, softcap, GQA), not deterministic (tiles._check_backward_pair refuses the rest).
+Compiled and statically checked for sm_100a only, never run on a GPU here (docs/perf.md); on a B200
+a pair that fails its first-use self-check is replaced by the 1-CTA kernel
+(dispatch.self_check_fallback).
 
 A pair owns KV blocks 2p (the even CTA, rank 0) and 2p + 1 (rank 1), 128 keys each, of one KV head
-and walks the same (query head, 128-row query block) steps as the 1-CTA kernel. Warp roles, register
-budgets and the compute warps' per-chunk work are the 1-CTA kernel's; what changes:
+and walks the (query head, 128-row query block) steps of the 1-CTA kernel, over the query blocks
+that see a key of either block (under a causal or window mask, a block hidden from one CTA's keys
+runs the masked step there: its P^T and dS^T are 0). Warp roles, register budgets and the compute
+warps' per-chunk work are the 1-CTA kernel's; what changes:
 
 Who issues: the even CTA's MMA warp issues every MMA of the pair (cta_group::2; commits multicast
 to both CTAs' barriers); the odd CTA's MMA warp idles. Both load warps load their CTA's share.
@@ -233,7 +236,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
                           tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
                           tma_atom_dPsum, tma_dPsum)
-        self.kernel(loads, mdQacc, mdK, mdV, scales, qhead_per_kvhead, layouts, sdQ_layout,
+        self.kernel(loads, mdQacc, mdK, mdV, scales, qhead_per_kvhead, window_left, window_right, layouts, sdQ_layout,
                     mma_s, mma_dv, mma_dk, mma_dq, scheduler, cluster).launch(
             grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], cluster=[CTAS, 1, 1], stream=stream,
             min_blocks_per_mp=1)
@@ -243,7 +246,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, loads: "PairLoads", mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scales: Scales,
-               qhead_per_kvhead: Int32, layouts: "PairSmemLayouts", sdQ_layout: cute.Layout,
+               qhead_per_kvhead: Int32, window_left: Int32, window_right: Int32, layouts: "PairSmemLayouts",
+               sdQ_layout: cute.Layout,
                mma_s: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
                scheduler: TileScheduler, cluster: cute.Layout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -266,19 +270,20 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         pipeline.pipeline_init_wait(cluster_mn)
 
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        window = (window_left, window_right)
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
-            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead)
+            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
             if warp == Warp.LOAD:
                 self.pair_load(loads, smem, mma_s, mma_dv, mma_dk, mma_dq, pipes, work, rank)
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
                 if rank == PAIR_LEADER:  # the even CTA issues the pair's MMAs
-                    self.pair_mma(tmem.retrieve_ptr(Float32), storage.tmem_address.ptr, smem, tl, mma_s, mma_dv, mma_dk, mma_dq, pipes,
-                                  work.num_steps)
+                    self.pair_mma(tmem.retrieve_ptr(Float32), storage.tmem_address.ptr, smem, tl,
+                                  (mma_s, mma_dv, mma_dk, mma_dq), pipes, work.num_steps)
         elif warp >= Warp.COMPUTE:
             set_registers(self.registers["compute"])
-            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead)
+            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
             if warp == Warp.COMPUTE:
                 tmem.allocate(TMEM_COLUMNS)
                 tmem.relinquish_alloc_permit()
@@ -297,21 +302,29 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                 tmem.free(tmem_ptr, TMEM_COLUMNS)  # both CTAs together (TmemAllocator's handshake)
         else:
             set_registers(self.registers["dq"])
-            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead)
+            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
             tmem.wait_for_alloc()
             self.pair_reduce_dq(tmem.retrieve_ptr(Float32), smem, tl, pipes, mdQacc, work, rank)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
 
     @cute.jit
-    def pair_tile_work(self, scheduler: TileScheduler, mQ, mK, rank, qhead_per_kvhead) -> TileWork:
-        """This CTA's KV block (2 * pair + rank) and the pair's steps: the query blocks of every
-        query head of the KV head (no mask: all of them), none for a pair past the keys."""
+    def pair_tile_work(self, scheduler: TileScheduler, mQ, mK, rank, qhead_per_kvhead, window_left,
+                       window_right) -> TileWork:
+        """This CTA's KV block (2 * pair + rank) and the pair's steps: for every query head of the
+        KV head, the query blocks that see a key of either CTA's block (the MMAs are the pair's: a
+        block only the even CTA's keys are visible to is fully masked for the odd CTA, whose P^T
+        and dS^T are then 0); none for a pair past the keys."""
         pair, head_kv, batch = scheduler.tile()
         n_block = pair * CTAS + rank
         seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], None, None, None)
-        mask = AttentionMask(BWD_TILE_M, TILE_N, False, False, Int32(0), Int32(0))
+        mask = AttentionMask(BWD_TILE_M, TILE_N, self.cfg.causal, self.cfg.local, window_left, window_right)
+        # Causal and window ranges move right with the keys: the even block's start, the odd one's end
+        # (when the odd block holds keys).
         m_block_min, m_block_max = mask.m_block_range(seqlen, pair * CTAS)
+        if cutlass.const_expr(self.cfg.local):
+            if (pair * CTAS + 1) * TILE_N < seqlen.seqlen_k:
+                _, m_block_max = mask.m_block_range(seqlen, pair * CTAS + 1)
         per_head = cutlass.max(m_block_max - m_block_min, 0)
         if pair * PAIR_N >= seqlen.seqlen_k:
             per_head = Int32(0)
@@ -432,9 +445,12 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
 
     # ---- MMA warp (even CTA) -----------------------------------------------------------------------
     @cute.jit
-    def pair_mma(self, tmem_ptr, tmem_address, smem: "PairSharedTiles", tl: "PairTmemLayouts", mma_s, mma_dv, mma_dk, mma_dq,
+    def pair_mma(self, tmem_ptr, tmem_address, smem: "PairSharedTiles", tl: "PairTmemLayouts", mmas: tuple,
                  pipes: Pipelines, num_steps):
-        """The pair's MMAs, step by step (module docstring; the 1-CTA kernel's order)."""
+        """The pair's MMAs, step by step (module docstring; the 1-CTA kernel's order). ``mmas``:
+        the tiled MMAs of S^T / dP^T, dV, dK, dQ; ``tmem_address``: where the allocator published
+        the TMEM address (read per step, see below)."""
+        mma_s, mma_dv, mma_dk, mma_dq = mmas
         tStS = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
         tdPtdP = cute.make_tensor(tmem_ptr + self.tmem_dp, tl.s)
         tdVtdV = cute.make_tensor(tmem_ptr + self.tmem_dv, tl.dv)
