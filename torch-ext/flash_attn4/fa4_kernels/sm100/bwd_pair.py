@@ -627,7 +627,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                     for h in cutlass.range_constexpr(CTAS):
                         chunk = m_block * self.dq.chunks + h * self.dq_loads + k
                         base = gdQ[None, None, chunk].iterator + rank * run_floats
-                        for j in cutlass.range_constexpr(self.dq_runs):
+                        for j in cutlass.range(self.dq_runs, unroll=1):  # one issuing thread: a loop
                             cp_reduce_async_bulk_global_shared_cta(
                                 base + j * WARPGROUP * VECTOR, smem.dq[None, h].iterator + j * run_floats,
                                 run_floats * 4, type=CpReduceType.F32)
