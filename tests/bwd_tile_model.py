@@ -237,3 +237,18 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
         dq_accum[r0:r1, h] = acc
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(p.dtype)  # noqa: E731
     return dq_accum, to(dk_out), to(dv_out), stats
+
+
+def pair_query_block_range(pair: int, sq: int, sk: int, tile_m: int, tile_n: int, causal: bool,
+                           window: tuple[int, int]) -> range:
+    """FlashAttentionBackwardSm100Pair.pair_tile_work: the query blocks a CTA pair (KV blocks 2p and
+    2p + 1) walks: from the even block's first to, with a window, the odd block's last when the odd
+    block holds keys (else the even block's last); none for a pair past the keys."""
+    if 2 * pair * tile_n >= sk:
+        return range(0)
+    local = not causal and (window[0] >= 0 or window[1] >= 0)
+    even = query_block_range(2 * pair, sq, sk, tile_m, tile_n, causal, window)
+    m_max = even.stop
+    if local and (2 * pair + 1) * tile_n < sk:
+        m_max = query_block_range(2 * pair + 1, sq, sk, tile_m, tile_n, causal, window).stop
+    return range(even.start, max(m_max, even.start))

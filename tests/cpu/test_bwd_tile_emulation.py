@@ -380,3 +380,36 @@ def test_sm100_varlen_sequences_match_reference(flags):
             assert (res.dq == 0).all() and res.dk.numel() == 0 and not res.stats.blocks
             continue
         run_case(gen, sq, sk, seed=sq + sk, arch=Arch.SM100, **flags)
+
+
+# ---- the sm100 backward's CTA pairs (sm100/bwd_pair.py) -----------------------------------------------
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (200, 0)),
+                                           (False, (70, 5)), (False, (0, 300)), (False, (-1, 40)), (False, (5, 5))])
+def test_sm100_pair_walk_covers_every_visible_key_of_both_blocks(causal, window):
+    """A CTA pair walks one list of query blocks for both of its KV blocks (its MMAs are the pair's):
+    bwd_tile_model.pair_query_block_range, the model of pair_tile_work. Every (query, key) the mask
+    lets see each other, with the key in either block, must have its query block in the walk (a
+    missing block would lose its dK, dV and dQ terms); blocks in the walk that one CTA's keys are
+    hidden from run that CTA's masked step (P^T = dS^T = 0), checked by the tile emulation's masks. The
+    walk also covers each block's own range (the 1-CTA kernel's), so the pair does at least that work."""
+    cfg = sm100_config(causal=causal, local=window != (-1, -1))
+    tm_, tn = cfg.tile_m, cfg.tile_n
+    local = window != (-1, -1)
+    for sq, sk in [(1, 1), (128, 128), (300, 333), (333, 300), (129, 1000), (1000, 129), (640, 640), (5, 700),
+                   (700, 5), (257, 385)]:
+        offset = sk - sq
+        for pair in range(-(-sk // (2 * tn))):
+            walk = bm.pair_query_block_range(pair, sq, sk, tm_, tn, causal, window)
+            for n in (2 * pair, 2 * pair + 1):
+                if n * tn >= sk:
+                    continue
+                own = bm.query_block_range(n, sq, sk, tm_, tn, causal, window)
+                assert set(own) <= set(walk), (sq, sk, pair, n, own, walk)
+                for j in range(n * tn, min((n + 1) * tn, sk)):
+                    for i in range(sq):
+                        hi = i + offset if causal else (i + offset + window[1] if local and window[1] >= 0 else sk)
+                        lo = i + offset - window[0] if local and window[0] >= 0 else 0
+                        if lo <= j <= hi:
+                            assert i // tm_ in walk, (sq, sk, pair, i, j, walk)
