@@ -304,17 +304,18 @@ def pair_flags(**flags):
 
 
 def test_dispatch_runs_pairs_where_the_rule_says(bwd_pairs_on):
-    """d = dv = 128 (users' 113..128), batched, not deterministic (causal, local, softcap
-    included): a pair of CTAs; every other problem class: the 1-CTA kernel with its own stages."""
+    """d = dv = 128 (users' 113..128), batched (causal, local, softcap, deterministic included): a
+    pair of CTAs; every other problem class: the 1-CTA kernel with its own stages."""
     from flash_attn4 import dispatch
 
     for d in (128, 120):
         kernel_d = -(-d // 16) * 16
         cfg = dispatch.backward_config(Arch.SM100, "bfloat16", kernel_d, kernel_d, **pair_flags())
         assert (cfg.cluster_m, cfg.num_stages) == (2, 1)
-    for flags in (dict(has_softcap=True), dict(causal=True), dict(local=True, has_softcap=True)):
+    for flags in (dict(has_softcap=True), dict(causal=True), dict(local=True, has_softcap=True),
+                  dict(causal=True, deterministic=True)):
         assert dispatch.backward_config(Arch.SM100, "float16", 128, 128, **pair_flags(**flags)).cluster_m == 2
-    for d, dv, flags in ((128, 128, dict(varlen=True)), (128, 128, dict(deterministic=True)),
+    for d, dv, flags in ((128, 128, dict(varlen=True)), (128, 128, dict(varlen=True, deterministic=True)),
                          (128, 128, dict(causal=True, varlen=True, has_seqused_k=True)),
                          (64, 64, {}), (96, 96, {}), (128, 64, {})):
         cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, dv, **pair_flags(**flags))

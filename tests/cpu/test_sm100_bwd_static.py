@@ -261,7 +261,8 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (96, True, False, False, False, False, False, 1),
         (128, False, False, False, False, False, False, pair), (128, False, False, False, False, False, False, 1),
         (128, True, False, False, False, False, False, pair), (128, True, False, False, False, False, False, 1),
-        (128, True, True, False, False, False, False, 1), (128, True, False, False, False, True, True, 1),
+        (128, True, True, False, False, False, False, pair), (128, True, True, False, False, False, False, 1),
+        (128, True, False, False, False, True, True, 1),
         (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1)}
     # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
     for c in mains:
@@ -316,7 +317,8 @@ def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work():
 # limit.
 PAIR_CASES = {"d128": (dict(), dict(cu12=3536, cu13=3192)),
               "d128_causal": (dict(causal=True), dict(cu12=3632, cu13=3336)),
-              "d128_local_softcap": (dict(local=True, has_softcap=True), None)}
+              "d128_local_softcap": (dict(local=True, has_softcap=True), None),
+              "d128_causal_deterministic": (dict(causal=True, deterministic=True), None)}
 PAIR_INSTRUCTION_GOAL = 1.00
 PAIR_INSTRUCTION_LIMIT = 1.05
 # Above the goal (not the limit): none since the dQ reduce-adds are issued by a rolled loop.
@@ -434,13 +436,13 @@ def test_pair_tmem_plan_and_shared_memory():
 
 
 def test_pair_rule_and_refusals():
-    """cluster_m = 2 only where the pair kernel runs (d = dv = 128, batched, not deterministic, one
-    Q/dO stage; causal, local and softcap included); anything else is refused when the config is
+    """cluster_m = 2 only where the pair kernel runs (d = dv = 128, batched, one Q/dO stage;
+    causal, local, softcap and deterministic included); anything else is refused when the config is
     built, naming the option; the dispatch rule follows BWD_TWO_CTA."""
-    for flags in (dict(varlen=True), dict(deterministic=True), dict(causal=True, deterministic=True)):
+    for flags in (dict(varlen=True), dict(varlen=True, has_seqused_k=True, causal=True)):
         with pytest.raises(NotImplementedError, match="cluster_m=2"):
             config(d=128, **flags).replace(cluster_m=2, num_stages=1)
-    for flags in (dict(causal=True), dict(local=True, has_softcap=True)):
+    for flags in (dict(causal=True), dict(local=True, has_softcap=True), dict(deterministic=True)):
         assert pair_config(**flags).cluster_m == 2
     for d, dv in ((64, 64), (96, 96), (128, 64)):
         with pytest.raises(NotImplementedError, match=f"head dims {d}/{dv}"):
@@ -456,9 +458,11 @@ def test_pair_rule_and_refusals():
             for causal, local in ((False, False), (True, False), (False, True)):
                 assert sm100_tiles.backward_grid(128, 128, causal, local, False, False).get("cluster_m", 1) == \
                     (2 if on else 1)
-            for args in ((128, 128, False, False, True, False), (128, 128, False, False, False, True),
-                         (128, 128, True, False, False, True), (64, 64, False, False, False, False),
-                         (96, 96, False, False, False, False), (128, 64, True, False, False, False)):
+            assert sm100_tiles.backward_grid(128, 128, True, False, False, True).get("cluster_m", 1) == \
+                (2 if on else 1)
+            for args in ((128, 128, False, False, True, False), (128, 128, True, False, True, True),
+                         (64, 64, False, False, False, False), (96, 96, False, False, False, False),
+                         (128, 64, True, False, False, False)):
                 assert sm100_tiles.backward_grid(*args).get("cluster_m", 1) == 1, args
     finally:
         sm100_tiles.BWD_TWO_CTA = original
@@ -471,3 +475,18 @@ def test_pair_verifier_reports_only_the_reviewed_baseline(name):
     got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(pair_config(**PAIR_CASES[name][0]),
                                                                             FLAVOUR))
     assert got == sorted(baseline["sm100 bwd pair d128"]), (name, got)
+
+
+def test_pair_deterministic_dq_order_one_turn_wait_and_one_release_per_query_block():
+    """deterministic pairs: the issuing dQ thread's semaphore protocol once in the step loop
+    (pair_turn / pair_done): against the same pair without it, one acquire load it spins on, one
+    release add after the block's reduce-adds landed (with its GPU-scope fence), an async-proxy fence
+    on each side; the pair's cluster hand-offs account for the GPU-scope fences both kernels have."""
+    def sem(flags):
+        ops = lib.kernel_stats(pair_config(**flags), FLAVOUR)["opcodes"]
+        return {op: ops.get(op, 0) for op in ("LDG.E.STRONG.GPU", "REDG.E.ADD.S32.STRONG.GPU", "FENCE.VIEW.ASYNC.G",
+                                              "MEMBAR.ALL.GPU")}
+    det, plain = sem(dict(causal=True, deterministic=True)), sem(dict(causal=True))
+    assert {op: det[op] - plain[op] for op in det} == {"LDG.E.STRONG.GPU": 1, "REDG.E.ADD.S32.STRONG.GPU": 1,
+                                                       "FENCE.VIEW.ASYNC.G": 2, "MEMBAR.ALL.GPU": 1}, (det, plain)
+    assert plain["LDG.E.STRONG.GPU"] == plain["REDG.E.ADD.S32.STRONG.GPU"] == plain["FENCE.VIEW.ASYNC.G"] == 0

@@ -2,7 +2,7 @@
 with the M = 256 tcgen05 MMAs of cta_group::2 over the 256 keys of a cluster of two CTAs.
 
 Dispatch runs it where tiles.backward_grid says (switch BWD_TWO_CTA): d = dv = 128, batched (causal,
-local windows, softcap, GQA), not deterministic (tiles._check_backward_pair refuses the rest).
+local windows, softcap, GQA, deterministic), not varlen (tiles._check_backward_pair refuses it).
 Compiled and statically checked for sm_100a only, never run on a GPU here (docs/perf.md); on a B200
 a pair that fails its first-use self-check is replaced by the 1-CTA kernel
 (dispatch.self_check_fallback).
@@ -10,8 +10,18 @@ a pair that fails its first-use self-check is replaced by the 1-CTA kernel
 A pair owns KV blocks 2p (the even CTA, rank 0) and 2p + 1 (rank 1), 128 keys each, of one KV head
 and walks the (query head, 128-row query block) steps of the 1-CTA kernel, over the query blocks
 that see a key of either block (under a causal or window mask, a block hidden from one CTA's keys
-runs the masked step there: its P^T and dS^T are 0). Warp roles, register budgets and the compute
-warps' per-chunk work are the 1-CTA kernel's; what changes:
+runs the masked step there: its P^T and dS^T are 0). Warp roles and register budgets are the 1-CTA
+kernel's (bwd.Warp, bwd.REGISTERS), in each CTA of the pair:
+
+    warps 0-3    dQ          setmaxnreg 64: its CTA's 64 dQ rows out of TMEM, reduce-added (below)
+    warps 4-11   compute     setmaxnreg 160: two warpgroups, query columns 0-63 / 64-127 of the
+                             step, thread = key row: P^T, dS^T (the 1-CTA kernel's chunk work, plus
+                             dS^T into TMEM and dS into the dQ operand); dK, dV out at the end
+    warp 12      MMA         the even CTA's issues the pair's MMAs; the odd CTA's idles
+    warp 13      load        TMA of this CTA's shares (below)
+    warps 14-15  idle        (12-15: the launch's 128 registers, no setmaxnreg)
+
+What changes against the 1-CTA kernel:
 
 Who issues: the even CTA's MMA warp issues every MMA of the pair (cta_group::2; commits multicast
 to both CTAs' barriers); the odd CTA's MMA warp idles. Both load warps load their CTA's share.
@@ -40,7 +50,9 @@ dQ: each CTA's dQ warpgroup reads its 64 rows from TMEM (thread t: row t % 64, 3
 half t // 64 per load), stages them in dq_accum's order (dq_accum.py; the same order as the 1-CTA
 kernel, so the postprocessing is shared) and adds them with 1-D bulk reduce-adds
 (cp.reduce.async.bulk .add.f32): its rows of a chunk are 8 runs of two 128-float rows. The two CTAs
-add disjoint rows; pairs of different KV blocks add into the same rows in any order.
+add disjoint rows; pairs of different KV blocks add into the same rows in any order, or, when
+deterministic, in pair order: semaphore slot ``rank`` of the query block counts the pairs that added
+(pair_turn / pair_done; the 1-CTA kernel's protocol with pairs in place of KV blocks).
 dK, dV: each CTA's own key rows, from its TMEM, as in the 1-CTA kernel.
 
 Tensor memory (512 columns, allocated and freed once with cta_group::2 by compute warp 4 of each
@@ -59,6 +71,11 @@ Barriers (cutlass.pipeline, over the cluster where the MMA warp is involved):
     sdp   MMA -> compute  "S/dP full" (multicast); empty: both CTAs' compute threads (512)
     dq    MMA -> dQ       "dQ full" (multicast); empty: both CTAs' dQ threads (256)
     dkv   MMA -> compute  "dK/dV final", once
+Named barriers: bwd.Barrier (TMEM_ALLOC also counts the odd CTA's idle MMA warp, which waits for
+the allocation like the even one). In a cluster launch shared-memory addresses are runtime values:
+the MMA warp rebuilds its operand descriptors every step (pair_mma), hoisted they spilled.
+tests/cpu/test_sm100_bwd_protocol.py replays these barriers for both CTAs; test_sm100_bwd_static.py
+checks the compiled kernel (2-CTA forms, MMA count, TMEM, spills, budgets, the dS stores and fences).
 """
 
 from __future__ import annotations
@@ -88,7 +105,7 @@ from ..softmax import LOG2_E
 from ..tile_work import QueryBlocks, TileWork
 from .bwd import (COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, ChunkCopies, FlashAttentionBackwardSm100, Pipelines,
                   Scales, Warp, flat, gemm_a_by_groups, mma_tma_partition)
-from .dq_accum import ROW, VECTOR, chunk_tiles
+from .dq_accum import VECTOR, chunk_tiles
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
 from .tiles import (BWD_DQ_CHUNK, BWD_PAIR_DQ_ROWS, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
                     backward_pair_shared_memory_bytes)
@@ -236,7 +253,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
                           tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
                           tma_atom_dPsum, tma_dPsum)
-        self.kernel(loads, mdQacc, mdK, mdV, scales, qhead_per_kvhead, window_left, window_right, layouts, sdQ_layout,
+        self.kernel(loads, mdQacc, mdK, mdV, mSemaphore, scales, qhead_per_kvhead, window_left, window_right, layouts,
+                    sdQ_layout,
                     mma_s, mma_dv, mma_dk, mma_dq, scheduler, cluster).launch(
             grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], cluster=[CTAS, 1, 1], stream=stream,
             min_blocks_per_mp=1)
@@ -245,7 +263,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
     # Device side
     # ------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, loads: "PairLoads", mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scales: Scales,
+    def kernel(self, loads: "PairLoads", mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               mSemaphore: Optional[cute.Tensor], scales: Scales,
                qhead_per_kvhead: Int32, window_left: Int32, window_right: Int32, layouts: "PairSmemLayouts",
                sdQ_layout: cute.Layout,
                mma_s: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -304,7 +323,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             set_registers(self.registers["dq"])
             work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
             tmem.wait_for_alloc()
-            self.pair_reduce_dq(tmem.retrieve_ptr(Float32), smem, tl, pipes, mdQacc, work, rank)
+            self.pair_reduce_dq(tmem.retrieve_ptr(Float32), smem, tl, pipes, mdQacc, mSemaphore, work, rank)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
 
@@ -588,10 +607,11 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
     # ---- dQ warpgroup ----------------------------------------------------------------------------
     @cute.jit
     def pair_reduce_dq(self, tmem_ptr, smem: "PairSharedTiles", tl: "PairTmemLayouts", pipes: Pipelines, mdQacc,
-                       work: TileWork, rank):
+                       mSemaphore: Optional[cute.Tensor], work: TileWork, rank):
         """Per step: this CTA's 64 dQ rows from TMEM (thread t: row t % 64 of its rows, head-dim
         half t // 64), chunk by chunk staged in dq_accum's order and added by bulk reduce-adds of
-        thread 0 (runs of two 128-float rows)."""
+        thread 0 (runs of two 128-float rows). Deterministic: a query block's adds of this CTA's
+        rows in pair order, on semaphore slot ``rank`` (pair_turn / pair_done)."""
         thread = cute.arch.thread_idx()[0] % WARPGROUP
         half, row = thread // BWD_PAIR_DQ_ROWS, thread % BWD_PAIR_DQ_ROWS
         t = cute.make_tensor(tmem_ptr + self.tmem_dq, cute.make_layout((WARPGROUP, self.dq_cols), stride=(1 << 16, 1)))
@@ -624,6 +644,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                 cute.arch.fence_view_async_shared()
                 stage_barrier.arrive_and_wait()
                 if thread == 0:
+                    if cutlass.const_expr(self.cfg.deterministic and k == 0):
+                        self.pair_turn(mSemaphore, work, head, m_block, rank)
                     for h in cutlass.range_constexpr(CTAS):
                         chunk = m_block * self.dq.chunks + h * self.dq_loads + k
                         base = gdQ[None, None, chunk].iterator + rank * run_floats
@@ -632,9 +654,36 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                                 base + j * WARPGROUP * VECTOR, smem.dq[None, h].iterator + j * run_floats,
                                 run_floats * 4, type=CpReduceType.F32)
                     cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(self.cfg.deterministic and k == self.dq_loads - 1):
+                        self.pair_done(mSemaphore, work, head, m_block, rank)
             dq_state = advanced(dq_state)
         if thread == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def pair_turn(self, mSemaphore: cute.Tensor, work: TileWork, head, m_block, rank):
+        """Wait (the issuing thread) until every pair before this one that visits query block
+        m_block of ``head`` has added its rows of this CTA's half: slot ``rank`` of the block's
+        semaphore counts them. The pairs that visit a query block are contiguous from the one holding
+        its first KV block, mask.n_block_range's (tests/cpu/test_bwd_tile_emulation.py checks it for
+        the pair walk), and pairs start in KV-block order within a head, so the pair waited for never
+        waits for this one."""
+        lock = mSemaphore.iterator + cute.crd2idx((work.batch, head, m_block, rank), mSemaphore.layout)
+        n_block_first, _ = work.mask.n_block_range(work.seqlen, m_block)
+        turn = work.n_block // CTAS - n_block_first // CTAS
+        done = Int32(-1)
+        while done != turn:
+            done = cute.arch.load(lock, Int32, sem="acquire", scope="gpu")
+        cute.arch.fence_proxy("async.global")  # the earlier pairs' adds are visible to the bulk copies
+
+    @cute.jit
+    def pair_done(self, mSemaphore: cute.Tensor, work: TileWork, head, m_block, rank):
+        """After the query block's last reduce-add (this thread's bulk groups): wait until they have
+        landed in global memory, then count this pair on slot ``rank``."""
+        lock = mSemaphore.iterator + cute.crd2idx((work.batch, head, m_block, rank), mSemaphore.layout)
+        cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.fence_proxy("async.global")
+        cute.arch.red(lock, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
 
 
 @dataclass(frozen=True)

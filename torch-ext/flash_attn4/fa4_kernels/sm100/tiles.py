@@ -267,11 +267,11 @@ def backward_supported() -> str:
 # keys, one Q/dO stage as two halves each (the query half the S^T/dP^T MMAs read, the head-dim half
 # the dK/dV MMAs read), dS for its 64 query rows over the pair's keys (half of it written by the
 # peer through distributed shared memory), dQ staging for its 64 rows. Which problem classes the
-# pair kernel runs: BWD_PAIR_HEAD_DIMS, batched (causal, local windows and softcap included: the
-# pair walks the union of its two KV blocks' query blocks), not deterministic (see
-# _check_backward_pair). BWD_TWO_CTA switches the dispatch rule (backward_grid): on, as upstream
-# runs its backward at d >= 128 on two CTAs (varlen and deterministic too; ours keeps one CTA
-# there). Compiled and statically checked only (docs/perf.md); not run on a GPU here: a pair that
+# pair kernel runs: BWD_PAIR_HEAD_DIMS, batched (causal, local windows, softcap and deterministic
+# included: the pair walks the union of its two KV blocks' query blocks; deterministic dQ adds go
+# in pair order), not varlen (see _check_backward_pair). BWD_TWO_CTA switches the dispatch rule
+# (backward_grid): on, as upstream runs its backward at d >= 128 on two CTAs (varlen too; ours
+# keeps one CTA there). Compiled and statically checked only (docs/perf.md); not run on a GPU here: a pair that
 # fails its first-use self-check on a B200 is replaced by the 1-CTA backward
 # (dispatch.self_check_fallback). The kernel is reachable through BackwardConfig(cluster_m=2) either way.
 BACKWARD_CLUSTER_M = (1, 2)
@@ -297,9 +297,8 @@ def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, var
                   deterministic: bool) -> dict:
     """BackwardConfig overrides for the launch grid: CTA pairs where BWD_TWO_CTA and the pair
     kernel's rules allow (off: the 1-CTA kernel everywhere)."""
-    del causal, local  # the pair kernel takes both
-    pair = (BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS
-            and not (varlen or deterministic))
+    del causal, local, deterministic  # the pair kernel takes them
+    pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS and not varlen
     return dict(cluster_m=2, num_stages=1) if pair else {}
 
 
@@ -309,10 +308,9 @@ def _check_backward_pair(cfg) -> None:
     if (cfg.head_dim, cfg.head_dim_v) not in BWD_PAIR_HEAD_DIMS:
         raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) is not implemented at head dims "
                                   f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims {BWD_PAIR_HEAD_DIMS}")
-    for name in ("varlen", "deterministic"):
-        if getattr(cfg, name):
-            raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with {name}=True is not "
-                                      f"implemented; pairs run batched problems, not deterministic")
+    if cfg.varlen:
+        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen=True is not "
+                                  f"implemented; pairs run batched problems")
     if cfg.num_stages != 1:
         raise ValueError(f"{arch} backward: the pair kernel has one Q/dO stage, got {cfg.num_stages}")
     if backward_pair_shared_memory_bytes(cfg.head_dim, cfg.head_dim_v) > SMEM_BYTES:
@@ -356,10 +354,11 @@ def check_postprocess(cfg) -> None:
 # Problem classes CI compiles for sm_100a's backward: each head dim, causal or not, the
 # deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
 # handful: the target's compile time).
-# dict(), dict(causal=True) and dict(local=True, has_softcap=True) are d = 128 on CTA pairs where
-# BWD_TWO_CTA runs them; the cluster_m=1 entries the 1-CTA kernels those pairs fall back to.
+# The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
+# 1-CTA kernels those pairs fall back to.
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
                        dict(cluster_m=1), dict(causal=True, cluster_m=1),
-                       dict(local=True, has_softcap=True, cluster_m=1))
+                       dict(local=True, has_softcap=True, cluster_m=1),
+                       dict(causal=True, deterministic=True, cluster_m=1))
