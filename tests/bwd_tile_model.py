@@ -49,11 +49,16 @@ class BwdTileParams:
     tile_m: int
     tile_n: int
     dtype: torch.dtype = torch.bfloat16  # P, dS and the gradients
+    # 2: CTA pairs (sm100/bwd_pair.py): KV blocks 2p and 2p + 1 walk one query-block list
+    # (pair_query_block_range) and a query block's dQ part is the pair's, one product over both
+    # blocks' keys (the M = 128 dQ MMA), added in pair order when deterministic.
+    cluster_m: int = 1
 
     @staticmethod
     def from_backward_config(cfg) -> "BwdTileParams":
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-        return BwdTileParams(tile_m=cfg.tile_m, tile_n=cfg.tile_n, dtype=dtype)
+        return BwdTileParams(tile_m=cfg.tile_m, tile_n=cfg.tile_n, dtype=dtype,
+                             cluster_m=getattr(cfg, "cluster_m", 1))
 
 
 # ---- mask.py's block ranges, for the backward's orientation --------------------------------------
@@ -175,52 +180,71 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
         scale_log2 = f32(F32(softmax_scale) * F64(F32(LOG2_E)))
     stats = BwdStats()
     covered = np.zeros((g, sq, sk), dtype=bool)
-    # dQ parts per (head, query block): [(n_block, float32 part)], summed in arrival order below
+    # dQ parts per (head, query block): [(n_block or pair, float32 part)], summed in arrival order below
     dq_parts: dict = {}
     dk_out = np.zeros((sk, d), dtype=F64)
     dv_out = np.zeros((sk, dvd), dtype=F64)
+    n_blocks = (sk + p.tile_n - 1) // p.tile_n
+    keys = [(n * p.tile_n, min((n + 1) * p.tile_n, sk)) for n in range(n_blocks)]
+    acc_dk = [np.zeros((c1 - c0, d), dtype=F32) for c0, c1 in keys]
+    acc_dv = [np.zeros((c1 - c0, dvd), dtype=F32) for c0, c1 in keys]
 
-    for n_block in range((sk + p.tile_n - 1) // p.tile_n):
-        c0, c1 = n_block * p.tile_n, min((n_block + 1) * p.tile_n, sk)
-        acc_dk = np.zeros((c1 - c0, d), dtype=F32)
-        acc_dv = np.zeros((c1 - c0, dvd), dtype=F32)
-        for h in range(g):
-            for m_block in query_block_range(n_block, sq, sk, p.tile_m, p.tile_n, causal, window):
-                r0, r1 = m_block * p.tile_m, min((m_block + 1) * p.tile_m, sq)
-                full = block_is_full(m_block, n_block, sq, sk, p.tile_m, p.tile_n, causal, window)
-                seen = vis[r0:r1, c0:c1]
-                if full and not seen.all():
-                    raise AssertionError(f"query block {m_block} x KV block {n_block} called full but has masked keys")
-                stats.blocks.append((h, m_block, n_block, not full))
-                stats.full_steps += full
-                stats.masked_steps += not full
-                covered[h, r0:r1, c0:c1] = True
-                # S^T and dP^T (here as S and dP, queries x keys), float32 accumulators
-                s = f32(q64[r0:r1, h] @ k64[c0:c1].T)
-                dp = f32(do64[r0:r1, h] @ v64[c0:c1].T)
-                if softcap:
-                    t = np.tanh(f32(s.astype(F64) * F64(prescale)).astype(F64))
-                    if tanh_rel_error > 0:
-                        t = t * (1.0 + rng.uniform(-tanh_rel_error, tanh_rel_error, size=t.shape))
-                    s = f32(t)
-                with np.errstate(invalid="ignore"):
-                    x = fma_f32(s, scale_log2, -L2[h, r0:r1, None])
-                prob = exp2_mufu(x, mufu_rel_error, rng)
-                if not full:
-                    prob = np.where(seen, prob, F32(0.0))
-                stats.p_max = max(stats.p_max, float(prob.max(initial=0.0)))
-                grad_p = prob
-                if softcap:
-                    grad_p = f32(prob.astype(F64) * fma_f32(-s, s, F32(1.0)).astype(F64))
-                with np.errstate(invalid="ignore"):
-                    ds = f32(grad_p.astype(F64) * add_f32(dp, -D[h, r0:r1, None]).astype(F64))
-                p16 = _round_to(prob, p.dtype)
-                ds16 = _round_to(ds, p.dtype)
-                acc_dv = add_f32(acc_dv, f32(p16.T @ do64[r0:r1, h]))
-                acc_dk = add_f32(acc_dk, f32(ds16.T @ q64[r0:r1, h]))
-                dq_parts.setdefault((h, m_block), []).append((n_block, f32(ds16 @ k64[c0:c1])))
-        dk_out[c0:c1] = _round_to(f32(acc_dk.astype(F64) * F64(F32(softmax_scale))), p.dtype)
-        dv_out[c0:c1] = _round_to(acc_dv, p.dtype)
+    def step(n_block, h, m_block):
+        """One KV block's step for query block m_block of head h: dK, dV accumulated; dS returned."""
+        c0, c1 = keys[n_block]
+        r0, r1 = m_block * p.tile_m, min((m_block + 1) * p.tile_m, sq)
+        full = block_is_full(m_block, n_block, sq, sk, p.tile_m, p.tile_n, causal, window)
+        seen = vis[r0:r1, c0:c1]
+        if full and not seen.all():
+            raise AssertionError(f"query block {m_block} x KV block {n_block} called full but has masked keys")
+        stats.blocks.append((h, m_block, n_block, not full))
+        stats.full_steps += full
+        stats.masked_steps += not full
+        covered[h, r0:r1, c0:c1] = True
+        # S^T and dP^T (here as S and dP, queries x keys), float32 accumulators
+        s = f32(q64[r0:r1, h] @ k64[c0:c1].T)
+        dp = f32(do64[r0:r1, h] @ v64[c0:c1].T)
+        if softcap:
+            t = np.tanh(f32(s.astype(F64) * F64(prescale)).astype(F64))
+            if tanh_rel_error > 0:
+                t = t * (1.0 + rng.uniform(-tanh_rel_error, tanh_rel_error, size=t.shape))
+            s = f32(t)
+        with np.errstate(invalid="ignore"):
+            x = fma_f32(s, scale_log2, -L2[h, r0:r1, None])
+        prob = exp2_mufu(x, mufu_rel_error, rng)
+        if not full:
+            prob = np.where(seen, prob, F32(0.0))
+        stats.p_max = max(stats.p_max, float(prob.max(initial=0.0)))
+        grad_p = prob
+        if softcap:
+            grad_p = f32(prob.astype(F64) * fma_f32(-s, s, F32(1.0)).astype(F64))
+        with np.errstate(invalid="ignore"):
+            ds = f32(grad_p.astype(F64) * add_f32(dp, -D[h, r0:r1, None]).astype(F64))
+        p16 = _round_to(prob, p.dtype)
+        ds16 = _round_to(ds, p.dtype)
+        acc_dv[n_block] = add_f32(acc_dv[n_block], f32(p16.T @ do64[r0:r1, h]))
+        acc_dk[n_block] = add_f32(acc_dk[n_block], f32(ds16.T @ q64[r0:r1, h]))
+        return ds16
+
+    if p.cluster_m == 1:
+        for n_block in range(n_blocks):
+            for h in range(g):
+                for m_block in query_block_range(n_block, sq, sk, p.tile_m, p.tile_n, causal, window):
+                    ds16 = step(n_block, h, m_block)
+                    c0, c1 = keys[n_block]
+                    dq_parts.setdefault((h, m_block), []).append((n_block, f32(ds16 @ k64[c0:c1])))
+    else:
+        assert p.cluster_m == 2
+        for pair in range(-(-n_blocks // 2)):
+            blocks = [n for n in (2 * pair, 2 * pair + 1) if n < n_blocks]
+            for h in range(g):
+                for m_block in pair_query_block_range(pair, sq, sk, p.tile_m, p.tile_n, causal, window):
+                    ds16 = np.concatenate([step(n, h, m_block) for n in blocks], axis=1)
+                    c0, c1 = keys[blocks[0]][0], keys[blocks[-1]][1]
+                    dq_parts.setdefault((h, m_block), []).append((pair, f32(ds16 @ k64[c0:c1])))
+    for n_block, (c0, c1) in enumerate(keys):
+        dk_out[c0:c1] = _round_to(f32(acc_dk[n_block].astype(F64) * F64(F32(softmax_scale))), p.dtype)
+        dv_out[c0:c1] = _round_to(acc_dv[n_block], p.dtype)
 
     missed = np.broadcast_to(vis, covered.shape) & ~covered
     if missed.any():
@@ -237,3 +261,18 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
         dq_accum[r0:r1, h] = acc
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(p.dtype)  # noqa: E731
     return dq_accum, to(dk_out), to(dv_out), stats
+
+
+def pair_query_block_range(pair: int, sq: int, sk: int, tile_m: int, tile_n: int, causal: bool,
+                           window: tuple[int, int]) -> range:
+    """FlashAttentionBackwardSm100Pair.pair_tile_work: the query blocks a CTA pair (KV blocks 2p and
+    2p + 1) walks: from the even block's first to, with a window, the odd block's last when the odd
+    block holds keys (else the even block's last); none for a pair past the keys."""
+    if 2 * pair * tile_n >= sk:
+        return range(0)
+    local = not causal and (window[0] >= 0 or window[1] >= 0)
+    even = query_block_range(2 * pair, sq, sk, tile_m, tile_n, causal, window)
+    m_max = even.stop
+    if local and (2 * pair + 1) * tile_n < sk:
+        m_max = query_block_range(2 * pair + 1, sq, sk, tile_m, tile_n, causal, window).stop
+    return range(even.start, max(m_max, even.start))

@@ -380,3 +380,87 @@ def test_sm100_varlen_sequences_match_reference(flags):
             assert (res.dq == 0).all() and res.dk.numel() == 0 and not res.stats.blocks
             continue
         run_case(gen, sq, sk, seed=sq + sk, arch=Arch.SM100, **flags)
+
+
+# ---- the sm100 backward's CTA pairs (sm100/bwd_pair.py) -----------------------------------------------
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (200, 0)),
+                                           (False, (70, 5)), (False, (0, 300)), (False, (-1, 40)), (False, (5, 5))])
+def test_sm100_pair_walk_covers_every_visible_key_of_both_blocks(causal, window):
+    """A CTA pair walks one list of query blocks for both of its KV blocks (its MMAs are the pair's):
+    bwd_tile_model.pair_query_block_range, the model of pair_tile_work. Every (query, key) the mask
+    lets see each other, with the key in either block, must have its query block in the walk (a
+    missing block would lose its dK, dV and dQ terms); blocks in the walk that one CTA's keys are
+    hidden from run that CTA's masked step (P^T = dS^T = 0), checked by the tile emulation's masks. The
+    walk also covers each block's own range (the 1-CTA kernel's), so the pair does at least that work."""
+    cfg = sm100_config(causal=causal, local=window != (-1, -1))
+    tm_, tn = cfg.tile_m, cfg.tile_n
+    local = window != (-1, -1)
+    for sq, sk in [(1, 1), (128, 128), (300, 333), (333, 300), (129, 1000), (1000, 129), (640, 640), (5, 700),
+                   (700, 5), (257, 385)]:
+        offset = sk - sq
+        for pair in range(-(-sk // (2 * tn))):
+            walk = bm.pair_query_block_range(pair, sq, sk, tm_, tn, causal, window)
+            for n in (2 * pair, 2 * pair + 1):
+                if n * tn >= sk:
+                    continue
+                own = bm.query_block_range(n, sq, sk, tm_, tn, causal, window)
+                assert set(own) <= set(walk), (sq, sk, pair, n, own, walk)
+                for j in range(n * tn, min((n + 1) * tn, sk)):
+                    for i in range(sq):
+                        hi = i + offset if causal else (i + offset + window[1] if local and window[1] >= 0 else sk)
+                        lo = i + offset - window[0] if local and window[0] >= 0 else 0
+                        if lo <= j <= hi:
+                            assert i // tm_ in walk, (sq, sk, pair, i, j, walk)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (200, 0)),
+                                           (False, (70, 5)), (False, (0, 300)), (False, (-1, 40))])
+def test_sm100_pair_semaphore_turns_count_exactly_the_earlier_pairs(causal, window):
+    """bwd_pair.py pair_turn: the pair of KV blocks 2p, 2p + 1 adds its dQ rows of query block m once
+    slot ``rank`` of the block's semaphore reads p - n_first(m) // 2 (n_first from mask.n_block_range,
+    tile_model.block_schedule), then counts itself. That is pair order without a deadlock only if the
+    pairs whose walk (pair_query_block_range) holds m are exactly n_first // 2 .. the pair of m's last
+    KV block."""
+    cfg = sm100_config(causal=causal, local=window != (-1, -1))
+    tm_, tn = cfg.tile_m, cfg.tile_n
+    for sq, sk in [(1, 1), (128, 128), (300, 333), (333, 300), (129, 1000), (1000, 129), (640, 640), (5, 700),
+                   (257, 385)]:
+        visits = {}
+        for pair in range(-(-sk // (2 * tn))):
+            for m in bm.pair_query_block_range(pair, sq, sk, tm_, tn, causal, window):
+                visits.setdefault(m, []).append(pair)
+        for m in range(-(-sq // tm_)):
+            blocks = [n for n, _ in tm.block_schedule(m, sq, sk, tm_, tn, causal, window)]
+            if not blocks:
+                assert m not in visits, (sq, sk, m)  # pair_turn would count from a block range that is empty
+                continue
+            first, last = min(blocks) // 2, max(blocks) // 2
+            assert visits.get(m, [])[:1] == [first] and visits[m] == list(range(first, first + len(visits[m]))), \
+                (sq, sk, m, visits.get(m), first)
+            assert visits[m][-1] >= last, (sq, sk, m, visits[m], last)
+
+
+@pytest.mark.parametrize("causal,window,deterministic", [(False, (-1, -1), False), (True, (-1, -1), True),
+                                                         (False, (150, 20), True), (False, (60, 0), False)])
+def test_sm100_pair_model_matches_reference(causal, window, deterministic):
+    """The model in pair mode (BwdTileParams.cluster_m = 2, whatever dispatch's switch): the pair
+    walk, one dQ part per pair over both blocks' keys, added in pair order when deterministic (bit
+    for bit the same whatever the arrival order); every gradient within the GPU suite's rule, and dK /
+    dV the 1-CTA model's bit for bit (each CTA's own keys, the same steps in the same order plus
+    masked ones that add zeros)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((causal, window)).encode()))
+    sq, sk, d = 300, 650, 128
+    q, k, v, dout = _rand(gen, sq, 2, d), _rand(gen, sk, d), _rand(gen, sk, d), _rand(gen, sq, 2, d)
+    _, fwd_cfg = configs(d=d, causal=causal, local=window != (-1, -1))
+    kw = dict(softmax_scale=d ** -0.5, causal=causal, window=window)
+    out, lse = forward_outputs(q, k, v, fwd_cfg, **kw)
+    single, pair = (bm.BwdTileParams(128, 128, torch.bfloat16, cluster_m=c) for c in (1, 2))
+    runs = [bm.backward(q, k, v, out, dout, lse, pair, deterministic=deterministic, seed=s, **kw) for s in (1, 2)]
+    check_rule(runs[0], q, k, v, dout, None, **kw)
+    if deterministic:
+        assert np.array_equal(runs[0].dq_accum.view(np.int32), runs[1].dq_accum.view(np.int32))
+    one = bm.backward(q, k, v, out, dout, lse, single, deterministic=deterministic, seed=1, **kw)
+    assert torch.equal(one.dk, runs[0].dk) and torch.equal(one.dv, runs[0].dv)
+    assert len(runs[0].stats.blocks) >= len(one.stats.blocks)

@@ -282,3 +282,127 @@ def test_run_dependent_sm100_dq_fails_the_deterministic_check(b200):
     with pytest.raises(selfcheck.SelfCheckError, match="deterministic mode gave a different result"):
         out.backward(torch.randn_like(out))
     assert q.grad is None
+
+
+# ---- CTA pairs (BackwardConfig.cluster_m = 2, sm100/bwd_pair.py) ------------------------------------
+
+@pytest.fixture
+def bwd_pairs_on(monkeypatch):
+    """The sm100 rules with backward CTA pairs switched on (sm100/tiles.BWD_TWO_CTA), whatever the
+    default."""
+    from flash_attn4 import dispatch
+
+    monkeypatch.setattr(sm100_tiles, "BWD_TWO_CTA", True)
+    dispatch.backward_config.cache_clear()
+    yield
+    dispatch.backward_config.cache_clear()
+
+
+def pair_flags(**flags):
+    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
+    return {**base, **flags}
+
+
+def test_dispatch_runs_pairs_where_the_rule_says(bwd_pairs_on):
+    """d = dv = 128 (users' 113..128), batched (causal, local, softcap, deterministic included): a
+    pair of CTAs; every other problem class: the 1-CTA kernel with its own stages."""
+    from flash_attn4 import dispatch
+
+    for d in (128, 120):
+        kernel_d = -(-d // 16) * 16
+        cfg = dispatch.backward_config(Arch.SM100, "bfloat16", kernel_d, kernel_d, **pair_flags())
+        assert (cfg.cluster_m, cfg.num_stages) == (2, 1)
+    for flags in (dict(has_softcap=True), dict(causal=True), dict(local=True, has_softcap=True),
+                  dict(causal=True, deterministic=True)):
+        assert dispatch.backward_config(Arch.SM100, "float16", 128, 128, **pair_flags(**flags)).cluster_m == 2
+    for d, dv, flags in ((128, 128, dict(varlen=True)), (128, 128, dict(varlen=True, deterministic=True)),
+                         (128, 128, dict(causal=True, varlen=True, has_seqused_k=True)),
+                         (64, 64, {}), (96, 96, {}), (128, 64, {})):
+        cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, dv, **pair_flags(**flags))
+        assert cfg.cluster_m == 1 and cfg.num_stages == sm100_tiles.backward_stages(d, dv), (d, dv, flags)
+
+
+def test_b200_backward_runs_the_pair_after_its_self_check(b200, bwd_pairs_on):
+    """A user's d = 128 backward (GQA 4/2) reaches the pair configuration, checked before the user's
+    launch, and its gradients match autograd of the reference."""
+    q, k, v = rand_qkv(b=2, sq=150, sk=300, hq=4, hk=2, d=128)
+    dout = torch.randn(2, 150, 4, 128, dtype=BF16)
+    got = grads_of(lambda *t: ops_call(*t), leaves(q, k, v), dout)
+    want = reference_grads(q, k, v, dout)
+    for name, g, w in zip("qkv", got, want):
+        assert float((g.double() - w).abs().max()) <= 0.02 * float(w.abs().max()) + 1e-3, name
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert cfg.cluster_m == 2 and selfcheck.verdict(cfg, "cpu") == "passed"
+    assert len(b200["bwd_calls"]) == 2
+
+
+def odd_cta_dk_unwritten(state):
+    """A pair kernel whose odd CTA of the first pair leaves its keys' dK as the op poisoned them."""
+    def mutate(q, k, v, dq_acc, dk, dv, call):
+        if state["pair_running"]:
+            dk[:, 128:256] = float("nan")
+    return mutate
+
+
+def test_pair_failing_its_check_falls_back_to_the_1cta_backward(b200, bwd_pairs_on, monkeypatch, caplog):
+    """A backward pair that fails its first-use check is replaced, on that device, by the 1-CTA
+    backward of the same problem class (dispatch.self_check_fallback), checked in turn: the user
+    gets the 1-CTA kernel's (right) gradients and one warning line; later calls go straight to it."""
+    from flash_attn4 import dispatch, settings
+    from tests.cpu.test_selfcheck import FakeBackward
+
+    b200["pair_running"] = False
+    b200["bwd_mutate"] = odd_cta_dk_unwritten(b200)
+
+    class PairAware(FakeBackward):
+        def __call__(self, *args):
+            b200["pair_running"] = self.cfg.cluster_m == 2
+            return super().__call__(*args)
+
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: PairAware(cfg, b200))
+    pair = dispatch.backward_config(Arch.SM100, "bfloat16", 128, 128, **pair_flags())
+    single = dispatch.self_check_fallback(pair)
+    assert pair.cluster_m == 2 and single.cluster_m == 1
+    assert single.num_stages == sm100_tiles.backward_stages(128) and single.replace(cluster_m=2, num_stages=1) == pair
+    q, k, v = rand_qkv(b=2, sq=150, sk=300, hq=4, hk=2, d=128)
+    dout = torch.randn(2, 150, 4, 128, dtype=BF16)
+    with caplog.at_level("WARNING", logger=settings.LOGGER_NAME):
+        got = grads_of(lambda *t: ops_call(*t), leaves(q, k, v), dout)
+        again = grads_of(lambda *t: ops_call(*t), leaves(q, k, v), dout)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "cluster_m=2" in warnings[0] and "cluster_m=1" in warnings[0], warnings
+    assert selfcheck.verdict(pair, "cpu") == "failed" and selfcheck.verdict(single, "cpu") == "passed"
+    # the pair's check, the 1-CTA kernel's check, then the two users' launches (1-CTA)
+    check = selfcheck.build_backward_problem(pair).fwd.q.shape
+    assert b200["bwd_calls"] == [tuple(check), tuple(check), tuple(q.shape), tuple(q.shape)]
+    want = reference_grads(q, k, v, dout)
+    for grads in (got, again):
+        for name, g, w in zip("qkv", grads, want):
+            assert float((g.double() - w).abs().max()) <= 0.02 * float(w.abs().max()) + 1e-3, name
+
+
+def test_pair_fallback_that_fails_too_raises(b200, bwd_pairs_on):
+    """No fallback hides a wrong kernel: with the 1-CTA backward wrong as well, the backward raises
+    the 1-CTA configuration's SelfCheckError and returns no gradients."""
+    b200["bwd_mutate"] = dk_scaled
+    q, k, v = tensors = leaves(*rand_qkv(hq=4, hk=2, d=128))
+    out = ops_call(q, k, v)
+    with pytest.raises(selfcheck.SelfCheckError, match=r"cluster_m=1"):
+        out.backward(torch.randn_like(out))
+    assert all(t.grad is None for t in tensors)
+
+
+def test_backward_pair_that_hangs_raises_without_falling_back(b200, bwd_pairs_on, monkeypatch):
+    """A hang is not answered with the fallback (it would queue behind the hung kernel): it raises."""
+    from flash_attn4 import dispatch
+
+    q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=128))
+    out = ops_call(q, k, v)
+    monkeypatch.setattr(selfcheck, "completion_probe", lambda device: (lambda: False))
+    monkeypatch.setattr(selfcheck, "HANG_TIMEOUT_S", 0.05)
+    with pytest.raises(selfcheck.SelfCheckError, match="did not finish") as info:
+        out.backward(torch.randn_like(out))
+    assert len(b200["bwd_calls"]) == 1  # the pair's check only: no 1-CTA launch
+    pair = dispatch.backward_config(Arch.SM100, "bfloat16", 128, 128, **pair_flags())
+    assert info.value.hung and pair.cluster_m == 2
+    assert selfcheck.verdict(dispatch.self_check_fallback(pair), "cpu") is None

@@ -25,7 +25,7 @@ import pytest
 
 from flash_attn4.fa4_kernels.sm100 import bwd as sm100_bwd
 from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
-from tests.cpu.test_sm100_protocol import Pipeline, State, consumer, interleave, producer
+from tests.cpu.test_sm100_protocol import Mbarrier, Pipeline, State, consumer, interleave, producer
 
 WARPGROUP = sm100_bwd.WARPGROUP
 GROUPS = sm100_bwd.COMPUTE_GROUPS
@@ -167,11 +167,17 @@ def test_the_kernel_plans_use_the_replayed_cases(d):
     from flash_attn4 import dispatch
     from flash_attn4.fa4_kernels.arch import Arch
 
-    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
-                                   varlen=False, has_seqused_k=False, deterministic=False)
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair
+
+    picked = dispatch.backward_config(Arch.SM100, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
+                                      varlen=False, has_seqused_k=False, deterministic=False)
+    cfg = dispatch.self_check_fallback(picked) or picked  # the 1-CTA kernel (a pair's fallback)
     plan = sm100_bwd.FlashAttentionBackwardSm100(cfg)
-    assert cfg.num_stages in {1, sm100_tiles.BWD_MAX_STAGES}
+    assert cfg.num_stages in {1, sm100_tiles.BWD_MAX_STAGES} and cfg.cluster_m == 1
     assert plan.dq_over_dp == (2 * cfg.tile_n + 3 * d > sm100_bwd.TMEM_COLUMNS) == (d > 64)
+    if picked.cluster_m == 2:  # the pair kernel: one Q/dO stage, dQ over dP^T (run_pair's model)
+        pair = bwd_pair.backward_kernel(picked)
+        assert picked.num_stages == 1 and pair.dq_over_dp and pair.tmem_dq == pair.tmem_dp
 
 
 def test_the_model_catches_a_wrong_count():
@@ -188,3 +194,193 @@ def test_the_model_catches_dq_acquired_late_over_dp():
     with pytest.raises(AssertionError, match="dP\\^T overwrites dQ"):
         for order in ROLE_ORDERS:
             run(1, 3, True, order, dq_acquire_early=False)
+
+
+# ---- CTA pairs (cluster_m = 2, sm100/bwd_pair.py) ----------------------------------------------------
+# Two CTAs, each with its own barriers, load warp, two compute warpgroups and dQ warpgroup; the even
+# CTA's MMA warp issues for both. The kv and qdo full barriers of the even CTA count its expect-tx
+# arrival and both CTAs' TMA bytes; every commit reaches both CTAs (multicast); the sdp empty barrier
+# of the even CTA counts both CTAs' compute threads, the dq one both dQ warpgroups; rows stays per
+# CTA. Compute warpgroup w of CTA c writes dS of c's keys for query half w into CTA w's dQ operand
+# (ds[w][c]); the dQ MMA reads all four parts. Each CTA's allocator warp frees TMEM after its CTA's
+# compute and dQ warpgroups are done (the TMEM_FREE barrier) and the peer arrived (the handshake); a
+# freed CTA has exited, and the MMA must never read its shared memory or TMEM after that.
+
+def make_pair_pipelines(sdp_empty=2 * GROUPS * WARPGROUP, dq_empty=2 * WARPGROUP, tx_ctas=2):
+    """FlashAttentionBackwardSm100Pair.make_pair_pipelines, per CTA (one Q/dO stage)."""
+    full = 1 + tx_ctas
+    return [dict(kv=Pipeline(1, full, 1), qdo=Pipeline(1, full, 1), rows=Pipeline(1, 1, GROUPS * WARPS_PER_GROUP),
+                 sdp=Pipeline(1, 1, sdp_empty), dq=Pipeline(1, 1, dq_empty), dkv=Pipeline(1, 1, GROUPS * WARPGROUP),
+                 dealloc=Mbarrier(1))
+            for _ in range(2)]
+
+
+def pair_arrive_tx(pp, pipe, state, cta):
+    """A CTA's load: the even CTA's expect-tx arrival, and each CTA's bytes on the even CTA's barrier."""
+    if cta == 0:
+        pp[0][pipe].commit(state)
+    pp[0][pipe].commit(state)
+
+
+def pair_commit(pp, pipe, state, kind="commit", ctas=(0, 1)):
+    for c in ctas:
+        getattr(pp[c][pipe], kind)(state)
+
+
+def pair_load(pp, cta, n, log):
+    """FlashAttentionBackwardSm100Pair.pair_load of CTA ``cta``."""
+    p = pp[cta]
+    qdo_state, rows_state = producer(1), producer(1)
+    if n > 0:
+        kv_state = producer(1)
+        yield from p["kv"].producer_acquire(kv_state)
+        p["kv"].data[0] = "KV"
+        pair_arrive_tx(pp, "kv", kv_state, cta)
+    for i in range(n):
+        yield from p["qdo"].producer_acquire(qdo_state)
+        p["qdo"].data[0] = ("QdO", i)
+        pair_arrive_tx(pp, "qdo", qdo_state, cta)
+        qdo_state = qdo_state.advanced()
+        yield from p["rows"].producer_acquire(rows_state)
+        p["rows"].data[0] = ("rows", i)
+        p["rows"].commit(rows_state)
+        rows_state = rows_state.advanced()
+    if n > 0:
+        yield from p["qdo"].producer_acquire(qdo_state)
+    log.append(f"{cta}:load")
+
+
+def pair_mma(pp, mem, n, log, faults=()):
+    """FlashAttentionBackwardSm100Pair.pair_mma (the even CTA's MMA warp). ``faults``:
+    'release_to_even_cta' the qdo release reaches the even CTA only (no multicast)."""
+    qdo_state, sdp_state, dq_state = consumer(1), producer(1), producer(1)
+    release_ctas = (0,) if "release_to_even_cta" in faults else (0, 1)
+
+    def both_alive():
+        assert not any(m["exited"] for m in mem), "an MMA reads the shared memory of a CTA that has exited"
+
+    if n > 0:
+        yield from pp[0]["kv"].consumer_wait(consumer(1))
+        assert [p["kv"].data[0] for p in pp] == ["KV", "KV"]
+        yield from pp[0]["sdp"].producer_acquire(sdp_state)
+    for i in range(n):
+        yield from pp[0]["qdo"].consumer_wait(qdo_state)
+        assert [p["qdo"].data[0] for p in pp] == [("QdO", i)] * 2, "a CTA's Q/dO half holds another block"
+        yield from pp[0]["dq"].producer_acquire(dq_state)
+        both_alive()
+        for m in mem:  # dP^T_i overwrites dQ_(i-1) (over dP^T's columns) in both CTAs
+            assert i == 0 or m["dQ_read"] == i - 1, "dP^T overwrites dQ before it was read out"
+            m["S"], m["dP"] = i, i
+        pair_commit(pp, "sdp", sdp_state)
+        sdp_state = sdp_state.advanced()
+        yield from pp[0]["sdp"].producer_acquire(sdp_state)
+        both_alive()
+        for c, m in enumerate(mem):
+            assert m["P"] == [i] * GROUPS and m["dS_t"] == [i] * GROUPS, f"dV/dK_{i} on CTA {c}'s step {m['P']}"
+            m["dKV"].append(i)
+        pair_commit(pp, "qdo", qdo_state, "release", release_ctas)
+        qdo_state = qdo_state.advanced()
+        for c, m in enumerate(mem):
+            assert m["ds"] == [i, i], f"dQ_{i} on CTA {c}'s dS parts of steps {m['ds']}"
+            assert m["dP_read"] == [i] * GROUPS, "dQ overwrites dP^T before both warpgroups read it"
+            m["dP"], m["dQ"] = ("dQ", i), i
+        pair_commit(pp, "dq", dq_state)
+        dq_state = dq_state.advanced()
+    if n > 0:
+        pair_commit(pp, "dkv", producer(1))
+    log.append("0:mma")
+
+
+def pair_compute(pp, mem, cta, w, n, log):
+    """FlashAttentionBackwardSm100Pair.pair_compute (+ pair_chunk), the dK/dV wait of the kernel's
+    compute branch or store_dkv, and for warpgroup 0 (the allocator warp's) the TMEM free."""
+    p, m = pp[cta], mem[cta]
+    sdp_state, rows_state = consumer(1), consumer(1)
+    for i in range(n):
+        yield from p["rows"].consumer_wait(rows_state)
+        yield from p["sdp"].consumer_wait(sdp_state)
+        assert p["rows"].data[0] == ("rows", i), "LSE/D of another block"
+        assert m["S"] == i and m["dP"] == i, f"CTA {cta} compute {w} read S^T/dP^T of {m['S']}/{m['dP']}"
+        m["P"][w], m["dS_t"][w], m["dP_read"][w] = i, i, i
+        mem[w]["ds"][cta] = i  # this CTA's keys, query half w: CTA w's dQ operand
+        pp[0]["sdp"].release(sdp_state, WARPGROUP)
+        p["rows"].release(rows_state, WARPS_PER_GROUP)
+        sdp_state, rows_state = sdp_state.advanced(), rows_state.advanced()
+    if n > 0:
+        yield from p["dkv"].consumer_wait(consumer(1))
+        assert m["dKV"] == list(range(n)), "dK/dV read before the last step's MMAs"
+    log.append(f"{cta}:compute{w}")
+    if w == 0:  # TMEM_FREE: this CTA's other compute warpgroup and dQ warpgroup are done
+        yield lambda: f"{cta}:compute1" in log and f"{cta}:dq" in log
+        pp[1 - cta]["dealloc"].arrive()
+        yield lambda: p["dealloc"].passed(0)
+        m["exited"] = True
+
+
+def pair_reduce_dq(pp, mem, cta, n, log):
+    """FlashAttentionBackwardSm100Pair.pair_reduce_dq of CTA ``cta``."""
+    p, m = pp[cta], mem[cta]
+    dq_state = consumer(1)
+    for i in range(n):
+        yield from p["dq"].consumer_wait(dq_state)
+        assert m["dQ"] == i, f"CTA {cta}'s dQ warpgroup read dQ of step {m['dQ']}, wanted {i}"
+        m["dQ_read"] = i
+        pp[0]["dq"].release(dq_state, WARPGROUP)
+        dq_state = dq_state.advanced()
+    log.append(f"{cta}:dq")
+
+
+def run_pair(n, order, odd_first, pipelines=make_pair_pipelines, faults=()):
+    pp = pipelines()
+    mem = [dict(S=None, dP=None, P=[None] * GROUPS, dS_t=[None] * GROUPS, dP_read=[None] * GROUPS,
+                ds=[None, None], dQ=None, dQ_read=None, dKV=[], exited=False) for _ in range(2)]
+    log = []
+    roles = {"0:mma": pair_mma(pp, mem, n, log, faults)}
+    for c in range(2):
+        roles[f"{c}:load"] = pair_load(pp, c, n, log)
+        roles[f"{c}:dq"] = pair_reduce_dq(pp, mem, c, n, log)
+        for w in range(GROUPS):
+            roles[f"{c}:compute{w}"] = pair_compute(pp, mem, c, w, n, log)
+    interleave(roles, order, f"pair, steps={n}", odd_first)
+    assert all(m["exited"] for m in mem), "a CTA of the pair never freed its TMEM"
+    return log
+
+
+PAIR_ORDERS = [(order, odd_first) for order in ROLE_ORDERS for odd_first in (False, True)]
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 3, 7])
+def test_pair_every_role_of_both_ctas_finishes_and_every_hand_off_sees_both_ctas(steps):
+    for order, odd_first in PAIR_ORDERS:
+        log = run_pair(steps, order, odd_first)
+        assert sorted(log) == sorted(["0:mma"] + [f"{c}:{r}" for c in range(2)
+                                                  for r in ("load", "dq", "compute0", "compute1")])
+
+
+@pytest.mark.parametrize("fault", ["sdp_one_cta", "dq_one_cta", "tx_one_cta", "release_to_even_cta"])
+def test_the_pair_model_catches_pair_faults(fault):
+    """Not vacuous: the sdp empty barrier counting one CTA's compute threads (the MMA would read the
+    peer's dS or P^T early), dq counting one CTA's dQ warpgroup (dP^T over the peer's unread dQ),
+    the full barriers counting one CTA's bytes, or the qdo release reaching the even CTA only: each
+    hangs or hands some role the wrong step for some interleaving."""
+    kwargs = dict(sdp_one_cta=dict(sdp_empty=GROUPS * WARPGROUP), dq_one_cta=dict(dq_empty=WARPGROUP),
+                  tx_one_cta=dict(tx_ctas=1)).get(fault, {})
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        for order, odd_first in PAIR_ORDERS:
+            run_pair(3, order, odd_first, pipelines=lambda: make_pair_pipelines(**kwargs), faults=(fault,))
+
+
+def test_pair_barrier_counts_are_the_kernels():
+    """The model's counts are the pair kernel's: sdp and dkv count both CTAs' compute threads (its
+    ``compute`` group), dq both dQ warpgroups, and the TMA transaction bytes are both CTAs'."""
+    from pathlib import Path
+
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair
+
+    src = Path(bwd_pair.__file__).read_text()
+    assert "CooperativeGroup(thread, CTAS * COMPUTE_GROUPS * WARPGROUP)" in src
+    assert "CooperativeGroup(thread, CTAS * WARPGROUP)" in src
+    assert "return CTAS * sum(cute.size_in_bytes" in src
+    pp = make_pair_pipelines()
+    assert pp[0]["sdp"].empty[0].count == bwd_pair.CTAS * GROUPS * WARPGROUP
+    assert pp[0]["dq"].empty[0].count == bwd_pair.CTAS * WARPGROUP

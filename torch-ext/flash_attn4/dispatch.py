@@ -16,7 +16,7 @@ import torch
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
 from .fa4_kernels.config import BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
-from .fa4_kernels.tiles import backward_tiles, forward_grid, forward_schedule, forward_tiles
+from .fa4_kernels.tiles import backward_grid, backward_tiles, forward_grid, forward_schedule, forward_tiles
 
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -84,24 +84,29 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
     )
 
 
-def self_check_fallback(cfg) -> Optional[ForwardConfig]:
+def self_check_fallback(cfg) -> Optional[ForwardConfig | BackwardConfig]:
     """The configuration that computes ``cfg``'s problem class in its place once ``cfg`` has failed
     its first-use self-check on a device, or None (the failure raises: selfcheck.py). CTA pairs
-    (cluster_m = 2: the newest, least verified kernel) fall back to single CTAs, the kernel the
-    rules pick with the pair switch off (sm100/tiles.TWO_CTA)."""
+    (cluster_m = 2: the newest, least verified kernels) fall back to single CTAs, the kernel the
+    rules pick with the pair switch off (sm100/tiles.TWO_CTA for the forward, BWD_TWO_CTA for the
+    backward, whose 1-CTA kernel takes the stages of its own rule)."""
     if isinstance(cfg, ForwardConfig) and cfg.cluster_m > 1:
         return cfg.replace(cluster_m=1)
+    if isinstance(cfg, BackwardConfig) and cfg.cluster_m > 1:
+        single = backward_tiles(cfg.arch, cfg.head_dim, cfg.head_dim_v, cfg.causal, cfg.local, cfg.has_softcap)
+        return cfg.replace(cluster_m=1, **single)
     return None
 
 
 @functools.lru_cache(maxsize=256)
 def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
                     has_softcap: bool, varlen: bool, has_seqused_k: bool, deterministic: bool) -> BackwardConfig:
-    """The BackwardConfig for a problem class (tiles: fa4_kernels/tiles.py)."""
+    """The BackwardConfig for a problem class (tiles and grid: fa4_kernels/tiles.py)."""
     return BackwardConfig(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                           local=local, has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
                           deterministic=deterministic,
-                          **backward_tiles(arch, head_dim, head_dim_v, causal, local, has_softcap))
+                          **{**backward_tiles(arch, head_dim, head_dim_v, causal, local, has_softcap),
+                             **backward_grid(arch, head_dim, head_dim_v, causal, local, varlen, deterministic)})
 
 
 @functools.lru_cache(maxsize=64)

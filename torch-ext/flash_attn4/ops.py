@@ -732,16 +732,25 @@ def bwd(
         return (torch.zeros_like(q), torch.zeros(k.shape, dtype=k.dtype, device=k.device),
                 torch.zeros(v.shape, dtype=v.dtype, device=v.device))
     q, k, v, dout = (validate.kernel_layout(t) for t in (q, k, v, dout))
-    cfg = dispatch.backward_config(
+    cfg = selfcheck.substitute(dispatch.backward_config(
         dispatch.arch_for_device(q.device, kernel="backward"), dispatch.dtype_name(q.dtype), q.shape[-1],
         v.shape[-1], causal=causal, local=_is_local(causal, window_left, window_right),
         has_softcap=softcap > 0.0, varlen=cu_seqlens_q is not None, has_seqused_k=seqused_k is not None,
-        deterministic=deterministic)
+        deterministic=deterministic), q.device)
     kernel = compile_cache.get_backward_kernel(cfg)
     # First use of (device, cfg) on an architecture we have not run: the whole backward (pre- and
     # postprocessing included) is checked against a PyTorch reference before it computes anything for
-    # the caller (selfcheck.py).
-    selfcheck.ensure_checked(cfg, q.device, kernel, BACKWARD_LAUNCH)
+    # the caller (selfcheck.py). A configuration with a fallback (CTA pairs: single CTAs) that computed
+    # wrong results is replaced on this device from now on, as in _kernel_for.
+    try:
+        selfcheck.ensure_checked(cfg, q.device, kernel, BACKWARD_LAUNCH)
+    except selfcheck.SelfCheckError as error:
+        fallback = dispatch.self_check_fallback(cfg)
+        if fallback is None or error.hung:
+            raise
+        selfcheck.fall_back(cfg, fallback, q.device, error)
+        cfg, kernel = fallback, compile_cache.get_backward_kernel(fallback)
+        selfcheck.ensure_checked(cfg, q.device, kernel, BACKWARD_LAUNCH)
     return _launch_backward(kernel, cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                             softmax_scale, softcap, window_left, window_right, max_seqlen_q, max_seqlen_k, dlse,
                             poison=_poison_outputs_for_tests)

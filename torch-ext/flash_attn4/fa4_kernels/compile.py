@@ -20,7 +20,7 @@ import warnings
 
 from .arch import KERNELS, Arch, describe_implemented, kernels_for
 from .config import BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
-from .tiles import backward_tiles, forward_grid, forward_schedule, forward_tiles
+from .tiles import backward_grid, backward_tiles, forward_grid, forward_schedule, forward_tiles
 
 
 def _cutlass_dtype(name: str):
@@ -206,7 +206,7 @@ def combine_kernel_set(arch: Arch) -> list[CombineConfig]:
 
 def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | PostprocessConfig]:
     """Backward configurations CI compiles: the arch's BACKWARD_KERNEL_SET (tiles.py) with the tiles
-    dispatch picks, the postprocessing of each of their dQ tilings and the preprocessing; empty for
+    and grid dispatch picks (an entry's ``cluster_m`` overrides the grid rule's), the postprocessing of each of their dQ tilings and the preprocessing; empty for
     an arch without a backward."""
     entry = KERNELS.get(arch)
     if entry is None or "backward" not in entry.compiled_kernels:
@@ -214,8 +214,13 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
 
     def cfg(d=128, dv=128, **flags):
         mask = {f: flags.get(f, False) for f in ("causal", "local", "has_softcap")}
-        return BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, **flags,
-                              **backward_tiles(arch, d, dv, **mask))
+        fields = backward_tiles(arch, d, dv, **mask)
+        # The grid rule's CTA pairs, unless the entry names cluster_m (1: the single-CTA kernel a
+        # pair falls back to, with its own stages).
+        if flags.pop("cluster_m", None) is None:
+            fields.update(backward_grid(arch, d, dv, mask["causal"], mask["local"], flags.get("varlen", False),
+                                        flags.get("deterministic", False)))
+        return BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, **flags, **fields)
 
     mains = [cfg(**problem) for problem in entry.rules().BACKWARD_KERNEL_SET]
     # Postprocessing: each dQ tiling (80-query blocks transposed, 128 split by rows, 64 by columns),

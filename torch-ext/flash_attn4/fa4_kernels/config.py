@@ -284,11 +284,21 @@ class BackwardConfig(_KernelConfig):
     # step) and a TMA store each, instead of 32-bit global stores from the accumulators. Batched
     # inputs, unsplit layout.
     tma_store_dkv: bool = False
+    # CTAs that share one MMA along the keys: 1, each CTA issues its own; 2, a cluster of two CTAs
+    # (a pair, tile_n keys each) runs the M = 2 * tile_n tcgen05 MMAs of cta_group::2 issued by the
+    # even CTA. Only for an arch whose rules say it has backward pairs (``BACKWARD_CLUSTER_M`` in its
+    # tiles.py), which also say for which problem classes (its check_backward).
+    cluster_m: int = 1
 
     def __post_init__(self):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
+        if self.cluster_m != 1:
+            entry = KERNELS.get(self.arch)
+            if entry is None or self.cluster_m not in getattr(entry.rules(), "BACKWARD_CLUSTER_M", (1,)):
+                raise ValueError(f"cluster_m={self.cluster_m}: the {self.arch} backward has no kernel with "
+                                 f"{self.cluster_m} CTAs per MMA")
         self._check_arch("check_backward")
 
     def postprocess(self) -> "PostprocessConfig":

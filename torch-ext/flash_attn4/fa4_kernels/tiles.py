@@ -58,3 +58,12 @@ def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loc
     """BackwardConfig overrides (tiles, stages and the arch's backward layout switches) for a
     problem class."""
     return _rule(arch, "backward_tiles", "backward")(head_dim, head_dim_v, causal, local, has_softcap)
+
+
+def backward_grid(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool,
+                  deterministic: bool) -> dict:
+    """BackwardConfig overrides for the launch grid of a problem class (CTA pairs where the arch's
+    optional ``backward_grid`` rule runs them; they take precedence over backward_tiles' fields);
+    none (one CTA per KV tile) for an arch without the rule."""
+    rule = getattr(kernels_for(arch, "backward", compiled=True).rules(), "backward_grid", None)
+    return {} if rule is None else rule(head_dim, head_dim_v, causal, local, varlen, deterministic)

@@ -274,6 +274,63 @@ def backward_supported() -> str:
             f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True")
 
 
+# CTA pairs for the backward (BackwardConfig.cluster_m = 2, sm100/bwd_pair.py): a cluster of two
+# CTAs, TILE_N keys each, runs the M = 256 tcgen05 MMAs of cta_group::2 issued by the even CTA, as
+# upstream does at d = 128. Per CTA: K, V (its keys), K^T's half of the head dim over the pair's 256
+# keys, one Q/dO stage as two halves each (the query half the S^T/dP^T MMAs read, the head-dim half
+# the dK/dV MMAs read), dS for its 64 query rows over the pair's keys (half of it written by the
+# peer through distributed shared memory), dQ staging for its 64 rows. Which problem classes the
+# pair kernel runs: BWD_PAIR_HEAD_DIMS, batched (causal, local windows, softcap and deterministic
+# included: the pair walks the union of its two KV blocks' query blocks; deterministic dQ adds go
+# in pair order), not varlen (see _check_backward_pair). BWD_TWO_CTA switches the dispatch rule
+# (backward_grid): on, as upstream runs its backward at d >= 128 on two CTAs (varlen too; ours
+# keeps one CTA there). Compiled and statically checked only (docs/perf.md); not run on a GPU here: a pair that
+# fails its first-use self-check on a B200 is replaced by the 1-CTA backward
+# (dispatch.self_check_fallback). The kernel is reachable through BackwardConfig(cluster_m=2) either way.
+BACKWARD_CLUSTER_M = (1, 2)
+BWD_PAIR_HEAD_DIMS = ((128, 128),)
+BWD_TWO_CTA = True
+BWD_PAIR_DQ_ROWS = BWD_TILE_M // 2  # dQ rows of a CTA: the M = 128 dQ MMA of a pair splits its rows
+
+
+def backward_pair_shared_memory_bytes(head_dim: int, head_dim_v: int, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of a CTA of the backward pair kernel (one Q/dO stage), each buffer
+    rounded up to its 1024-byte alignment."""
+    d, dv = _pad16(head_dim), _pad16(head_dim_v)
+    kv = TILE_N * (d + dv) * element_bytes  # K and V, this CTA's keys
+    kt = 2 * TILE_N * (d // 2) * element_bytes  # K^T: half the head dim, both CTAs' keys
+    qdo = 2 * BWD_TILE_M * (d + dv) // 2 * element_bytes  # Q, dO (query halves), Q^T, dO^T (dim halves)
+    ds = BWD_PAIR_DQ_ROWS * 2 * TILE_N * element_bytes  # dS: this CTA's query rows, the pair's keys
+    dq = 2 * BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK * 4  # two staged dQ chunks
+    rows = 2 * BWD_TILE_M * 4
+    return kv + kt + qdo + ds + dq + rows + BWD_SMEM_RESERVED
+
+
+def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool,
+                  deterministic: bool) -> dict:
+    """BackwardConfig overrides for the launch grid: CTA pairs where BWD_TWO_CTA and the pair
+    kernel's rules allow (off: the 1-CTA kernel everywhere)."""
+    del causal, local, deterministic  # the pair kernel takes them
+    pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS and not varlen
+    return dict(cluster_m=2, num_stages=1) if pair else {}
+
+
+def _check_backward_pair(cfg) -> None:
+    """NotImplementedError for a problem class the backward pair kernel does not run."""
+    arch = cfg.arch.value
+    if (cfg.head_dim, cfg.head_dim_v) not in BWD_PAIR_HEAD_DIMS:
+        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) is not implemented at head dims "
+                                  f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims {BWD_PAIR_HEAD_DIMS}")
+    if cfg.varlen:
+        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen=True is not "
+                                  f"implemented; pairs run batched problems")
+    if cfg.num_stages != 1:
+        raise ValueError(f"{arch} backward: the pair kernel has one Q/dO stage, got {cfg.num_stages}")
+    if backward_pair_shared_memory_bytes(cfg.head_dim, cfg.head_dim_v) > SMEM_BYTES:
+        raise ValueError(f"{arch} backward: the pair kernel's shared memory exceeds {SMEM_BYTES} bytes at head "
+                         f"dims {cfg.head_dim}/{cfg.head_dim_v}")
+
+
 def check_backward(cfg) -> None:
     """NotImplementedError for what the sm100 backward does not do (naming the option and the
     arch), ValueError for tiles it cannot build; run when a BackwardConfig is constructed, i.e. in
@@ -289,6 +346,8 @@ def check_backward(cfg) -> None:
                                   f"it runs: {backward_supported()}")
     if cfg.tile_m != BWD_TILE_M or cfg.tile_n != TILE_N:
         raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")
+    if cfg.cluster_m == 2:
+        _check_backward_pair(cfg)
     stages = backward_stages(cfg.head_dim, cfg.head_dim_v)
     if not 1 <= cfg.num_stages <= stages:
         raise ValueError(f"{arch} backward: {cfg.num_stages} Q/dO stages do not fit in shared memory at head dims "
@@ -308,6 +367,11 @@ def check_postprocess(cfg) -> None:
 # Problem classes CI compiles for sm_100a's backward: each head dim, causal or not, the
 # deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
 # handful: the target's compile time).
+# The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
+# 1-CTA kernels those pairs fall back to.
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
-                       dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True))
+                       dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
+                       dict(cluster_m=1), dict(causal=True, cluster_m=1),
+                       dict(local=True, has_softcap=True, cluster_m=1),
+                       dict(causal=True, deterministic=True, cluster_m=1))
