@@ -187,3 +187,21 @@ def score_scales(softmax_scale, softcap, has_softcap: bool):
     if has_softcap:
         return softmax_scale / softcap, softcap * LOG2_E
     return Float32(1.0), softmax_scale * LOG2_E
+
+
+@dataclass(frozen=True)
+class BackwardScales:
+    """The backward's scales, shared by every arch's kernel: softmax (dK's scale), score (applied
+    before softcap's tanh: the softmax scale, or it over the cap), log2 (turns a capped score into
+    P's exponent, log2(e) included). The forward scored cap * tanh(s * scale / cap); the backward
+    recomputes P the same way."""
+
+    softmax: Float32
+    score: Float32
+    log2: Float32
+
+    @staticmethod
+    def of(softmax_scale: Float32, softcap: Float32, has_softcap: bool) -> "BackwardScales":
+        if has_softcap:
+            return BackwardScales(softmax_scale, softmax_scale / softcap, softcap * LOG2_E)
+        return BackwardScales(softmax_scale, softmax_scale, softmax_scale * LOG2_E)

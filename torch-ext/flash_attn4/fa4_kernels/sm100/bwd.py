@@ -98,7 +98,7 @@ from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
-from ..softmax import LOG2_E
+from ..softmax import BackwardScales
 from ..tile_work import QueryBlocks, TileWork
 from .dq_accum import ROW, VECTOR, DqChunks, chunk_tiles
 from .fwd import LAUNCH_REGISTERS, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
@@ -296,10 +296,7 @@ class FlashAttentionBackwardSm100:
                              f"{planned}, limit {SMEM_BYTES}) at head dim {d}, {self.num_stages} stages")
         self.shared_storage = SharedStorage
 
-        # Softcap: the forward scored cap * tanh(s * scale / cap); P recomputes it the same way.
-        scales = Scales(softmax_scale, softmax_scale, softmax_scale * LOG2_E)
-        if cutlass.const_expr(self.cfg.has_softcap):
-            scales = Scales(softmax_scale, softmax_scale / softcap, softcap * LOG2_E)
+        scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(self.cfg.has_softcap))
         num_n_blocks = (max_seqlen_k + TILE_N - 1) // TILE_N
         qdo_bytes_per_head = mQ.shape[0] * 2 * d * (self.dtype.width // 8) * qhead_per_kvhead
         scheduler = TileScheduler.create(num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
@@ -322,7 +319,7 @@ class FlashAttentionBackwardSm100:
                tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom, mdPsum: cute.Tensor,
                tma_atom_dQ: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor], scales: "Scales",
+               mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor], scales: BackwardScales,
                window_left: Int32, window_right: Int32, qhead_per_kvhead: Int32, layouts: "SmemLayouts",
                rows_layout: cute.Layout, sdQ_layout: cute.Layout, mma_s: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dk: cute.TiledMma, mma_dq: cute.TiledMma, scheduler: TileScheduler):
@@ -548,7 +545,7 @@ class FlashAttentionBackwardSm100:
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
     def compute(self, tmem_ptr, group, smem: "SharedTiles", tl: "TmemLayouts", pipes: "Pipelines",
-                work: TileWork, scales: "Scales"):
+                work: TileWork, scales: BackwardScales):
         """P^T and dS^T of this thread's key row over the warpgroup's query columns, step by step."""
         thread = cute.arch.thread_idx()[0] % WARPGROUP
         first_col = group * self.cols_per_group
@@ -594,7 +591,7 @@ class FlashAttentionBackwardSm100:
             rows_state = advanced(rows_state)
 
     @cute.jit
-    def chunk_step(self, c, full, group, copies: "ChunkCopies", rows, scales: "Scales", work: TileWork, m_block,
+    def chunk_step(self, c, full, group, copies: "ChunkCopies", rows, scales: BackwardScales, work: TileWork, m_block,
                    thread):
         """chunk_gradients of chunk c, without the element-wise mask where the block is ``full``."""
         if full:
@@ -603,7 +600,7 @@ class FlashAttentionBackwardSm100:
             self.chunk_gradients(c, group, copies, rows, scales, work, m_block, thread, True)
 
     @cute.jit
-    def chunk_gradients(self, c, group, copies: "ChunkCopies", rows, scales: "Scales",
+    def chunk_gradients(self, c, group, copies: "ChunkCopies", rows, scales: BackwardScales,
                         work: TileWork, m_block, thread, masked: cutlass.Constexpr[bool]):
         """Chunk c (BWD_DQ_CHUNK query columns) of this warpgroup: S^T from TMEM, P^T to TMEM (16-bit),
         dP^T from TMEM, dS^T = P^T (dP^T - D) to shared memory (16-bit; softcap: times 1 - tanh^2)."""
@@ -629,7 +626,7 @@ class FlashAttentionBackwardSm100:
             cute.autovec_copy(cute.local_tile(ds, (MMA_K,), (s,)), copies.ds_row[None, first_col // MMA_K + s])
 
     @cute.jit
-    def probabilities(self, p, p16, sLSE, first_col, scales: "Scales", work: TileWork, m_block, thread,
+    def probabilities(self, p, p16, sLSE, first_col, scales: BackwardScales, work: TileWork, m_block, thread,
                       masked: cutlass.Constexpr[bool]):
         """From the scores s of this key row, per query column: P = exp2(s' * scales.log2 - LSE)
         into p16 in the input dtype (dV's operand), with s' = s, or tanh(s * scales.score) under
@@ -861,16 +858,6 @@ class TmemLayouts:
     dk: cute.Layout
     dq: cute.Layout
     p: cute.Layout  # P^T, the dV MMA's A operand
-
-
-@dataclass(frozen=True)
-class Scales:
-    """softmax: dK's scale; score: applied before softcap's tanh (unused without softcap); log2:
-    turns a (capped) score into the exponent of P, log2(e) included."""
-
-    softmax: Float32
-    score: Float32
-    log2: Float32
 
 
 @dataclass(frozen=True)

@@ -101,10 +101,10 @@ from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import TileScheduler
 from ..seqlen import SeqlenInfo
-from ..softmax import LOG2_E
+from ..softmax import BackwardScales
 from ..tile_work import QueryBlocks, TileWork
 from .bwd import (COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, ChunkCopies, FlashAttentionBackwardSm100, Pipelines,
-                  Scales, Warp, flat, gemm_a_by_groups, mma_tma_partition)
+                  Warp, flat, gemm_a_by_groups, mma_tma_partition)
 from .dq_accum import VECTOR, chunk_tiles
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
 from .tiles import (BWD_DQ_CHUNK, BWD_PAIR_DQ_ROWS, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
@@ -242,9 +242,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                              f"{planned}, limit {SMEM_BYTES})")
         self.shared_storage = SharedStorage
 
-        scales = Scales(softmax_scale, softmax_scale, softmax_scale * LOG2_E)
-        if cutlass.const_expr(self.cfg.has_softcap):
-            scales = Scales(softmax_scale, softmax_scale / softcap, softcap * LOG2_E)
+        scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(self.cfg.has_softcap))
         num_pairs = (max_seqlen_k + PAIR_N - 1) // PAIR_N
         qdo_bytes_per_head = mQ.shape[0] * 2 * d * (self.dtype.width // 8) * qhead_per_kvhead
         scheduler = TileScheduler.create(num_pairs, num_heads_kv, num_batch, qdo_bytes_per_head,
@@ -264,7 +262,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, loads: "PairLoads", mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mSemaphore: Optional[cute.Tensor], scales: Scales,
+               mSemaphore: Optional[cute.Tensor], scales: BackwardScales,
                qhead_per_kvhead: Int32, window_left: Int32, window_right: Int32, layouts: "PairSmemLayouts",
                sdQ_layout: cute.Layout,
                mma_s: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -525,7 +523,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
     def pair_compute(self, tmem_ptr, group, rank, smem: "PairSharedTiles", tl: "PairTmemLayouts",
-                     pipes: Pipelines, work: TileWork, scales: Scales):
+                     pipes: Pipelines, work: TileWork, scales: BackwardScales):
         """The 1-CTA kernel's compute step, with dS^T also into TMEM (dK's A operand) and dS into
         the dQ operand of CTA ``group`` (this CTA's or the peer's shared memory)."""
         thread = cute.arch.thread_idx()[0] % WARPGROUP
@@ -580,7 +578,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         return store, store.partition_D(t), regs
 
     @cute.jit
-    def pair_chunk(self, c, group, copies: ChunkCopies, tdSt, rows, scales: Scales, work: TileWork, m_block,
+    def pair_chunk(self, c, group, copies: ChunkCopies, tdSt, rows, scales: BackwardScales, work: TileWork, m_block,
                    thread, masked: cutlass.Constexpr[bool]):
         """Chunk c: P^T to TMEM, dS^T = P^T (dP^T - D) to TMEM (packed) and to the dQ operand."""
         sLSE, sdPsum = rows

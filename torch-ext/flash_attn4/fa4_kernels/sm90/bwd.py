@@ -80,7 +80,7 @@ from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import TileScheduler, longest_first_applies
 from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
-from ..softmax import LOG2_E
+from ..softmax import BackwardScales
 from ..tile_work import QueryBlocks, TileWork
 from .dq_accum import ROW, DqTiling, dq_tiled_mma, part_tile, register_order
 from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
@@ -168,12 +168,7 @@ class FlashAttentionBackwardSm90:
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
-        # Softcap: the forward scored cap * tanh(s * scale / cap); P recomputes it the same way.
-        score_prescale = softmax_scale
-        scale_log2 = softmax_scale * LOG2_E
-        if cutlass.const_expr(cfg.has_softcap):
-            score_prescale = softmax_scale / softcap
-            scale_log2 = softcap * LOG2_E
+        scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(cfg.has_softcap))
 
         K_major, MN_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         wgs = NUM_CONSUMER_WARPGROUPS
@@ -280,7 +275,7 @@ class FlashAttentionBackwardSm90:
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ,
             mdK, mdV, tma_atom_dK, tma_atom_dV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore,
-            softmax_scale, score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
+            scales.softmax, scales.score, scales.log2, window_left, window_right, qhead_per_kvhead,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, scheduler,
         ).launch(grid=scheduler.grid(), block=[self.num_threads, 1, 1],
@@ -371,7 +366,7 @@ class FlashAttentionBackwardSm90:
                 consume = self.consume_split if cutlass.const_expr(self.split) else self.consume
                 consume(tidx - WARPGROUP_THREADS, smem, Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq),
                         pipe_kv, pipe_qdo, pipe_do, KeyOutputs(mdK, mdV, tma_atom_dK, tma_atom_dV), work,
-                        Scales(softmax_scale, score_prescale, scale_log2))
+                        BackwardScales(softmax_scale, score_prescale, scale_log2))
 
     # ---- producer warp --------------------------------------------------------------------------
     @cute.jit
@@ -428,7 +423,7 @@ class FlashAttentionBackwardSm90:
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
     def consume(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, pipe_do, outputs: "KeyOutputs",
-                work: "TileWork", scales: "Scales"):
+                work: "TileWork", scales: BackwardScales):
         """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (mmas.dk serves dK
         and dV, as d == dv; smem.p and mmas.dv are unused)."""
         tiled_mma_dkv = mmas.dk
@@ -485,7 +480,7 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def consume_split(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, pipe_do,
-                      outputs: "KeyOutputs", work: "TileWork", scales: "Scales"):
+                      outputs: "KeyOutputs", work: "TileWork", scales: BackwardScales):
         """The split layout (head dims above 128, d != dv): both warpgroups work on the CTA's 64 keys.
         Each computes S^T and dP^T for half of the query block, writes its half of P^T and dS^T to
         shared memory, and then, over all queries, its half of the head dim of dV, dK and dQ."""
@@ -581,7 +576,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def finish(self, tidx, smem: "SharedTiles", pipe_kv, kv_state, tiled_mma_dk: cute.TiledMma, thr_dk,
                acc_dK: cute.Tensor, thr_dv, acc_dV: cute.Tensor, outputs: "KeyOutputs", work: "TileWork",
-               scales: "Scales"):
+               scales: BackwardScales):
         """After the last query block: K/V released, dK and dV written (the writer warp keeps the
         CTA, and so sdQ, alive until its last reduce-add has read it)."""
         pipe_kv.consumer_release(kv_state)
@@ -593,7 +588,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def scores_and_gradients(self, pipe_qdo, pipe_do, state, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands",
                              rP: cute.Tensor, rdS: cute.Tensor, smem: "SharedTiles", work: "TileWork",
-                             m_block: Int32, scales: "Scales"):
+                             m_block: Int32, scales: BackwardScales):
         """The first half of a step, the same in both layouts: once the query block's stage has
         landed, S^T and dP^T, then P^T (rP, and scores.acc_s), the first exp_eighths_under_dp of it
         while dP^T still runs, then dS^T (rdS)."""
@@ -641,7 +636,7 @@ class FlashAttentionBackwardSm90:
     def probabilities_then_gradients(self, scores: "ScoreOperands", rP: cute.Tensor, sLSE: cute.Tensor,
                                      rLSE: Optional[cute.Tensor], sdPsum: cute.Tensor,
                                      rdPsum: Optional[cute.Tensor], work: "TileWork", m_block: Int32,
-                                     scales: "Scales", masked: cutlass.Constexpr[bool],
+                                     scales: BackwardScales, masked: cutlass.Constexpr[bool],
                                      first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
         """P^T and then dS^T, column by column, for the thread's query columns [first, end)."""
         for c in cutlass.range_constexpr(first, end):
@@ -682,7 +677,7 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def probabilities(self, scores: "ScoreOperands", rP: cute.Tensor, sLSE: cute.Tensor,
-                      rLSE: Optional[cute.Tensor], work: "TileWork", m_block: Int32, scales: "Scales",
+                      rLSE: Optional[cute.Tensor], work: "TileWork", m_block: Int32, scales: BackwardScales,
                       masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
         """P^T from S^T for the thread's query columns [first, end) (the LSE from rLSE, if given, else
         from sLSE); with ``masked``, entries the mask hides and rows past the sequence 0.
@@ -893,16 +888,6 @@ class Mmas:
     dk: cute.TiledMma
     dv: cute.TiledMma
     dq: cute.TiledMma
-
-
-@dataclass(frozen=True)
-class Scales:
-    """softmax: dK's scale; score: applied before softcap's tanh (the softmax scale, or it over
-    the cap); log2: turns a score into the exponent of P (with log2(e))."""
-
-    softmax: Float32
-    score: Float32
-    log2: Float32
 
 
 @dataclass(frozen=True)
