@@ -143,22 +143,27 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
         # The kernel folds exactly pack_gqa query heads into each KV head's rows.
         raise ValueError(f"ForwardConfig.pack_gqa={cfg.pack_gqa} but the inputs have {qhead_per_kvhead} query "
                          f"heads per KV head")
-    kernel = compile_cache.get_forward_kernel(cfg)
-    # First use of (device, cfg) in this process: on an architecture we have not run, the kernel is
-    # checked against a PyTorch reference before it computes anything for the caller (selfcheck.py).
+    return _checked_kernel(cfg, q.device, compile_cache.get_forward_kernel, _launch_forward)[1]
+
+
+def _checked_kernel(cfg, device: torch.device, get_kernel: Callable, launch: Callable):
+    """(cfg, its compiled kernel) once the kernel has passed its first-use self-check on ``device``:
+    on an architecture we have not run, it is checked against a PyTorch reference before it computes
+    anything for the caller (selfcheck.py). A configuration with a fallback (CTA pairs: single
+    CTAs) that computed wrong results is replaced on this device from now on (selfcheck.substitute
+    returns the fallback), and the fallback is checked on its first use in turn. Not after a hang:
+    the fallback would queue behind the hung kernel."""
+    kernel = get_kernel(cfg)
     try:
-        selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
+        selfcheck.ensure_checked(cfg, device, kernel, launch)
     except selfcheck.SelfCheckError as error:
-        # A configuration with a fallback (CTA pairs: single CTAs) that computed wrong results is
-        # replaced on this device from now on (_config_for returns the fallback), itself checked on
-        # its first use. Not after a hang: the fallback would queue behind the hung kernel.
         fallback = dispatch.self_check_fallback(cfg)
         if fallback is None or error.hung:
             raise
-        selfcheck.fall_back(cfg, fallback, q.device, error)
-        kernel = compile_cache.get_forward_kernel(fallback)
-        selfcheck.ensure_checked(fallback, q.device, kernel, _launch_forward)
-    return kernel
+        selfcheck.fall_back(cfg, fallback, device, error)
+        cfg, kernel = fallback, get_kernel(fallback)
+        selfcheck.ensure_checked(cfg, device, kernel, launch)
+    return cfg, kernel
 
 
 def _config_for(q: torch.Tensor, v: torch.Tensor, **flags):
@@ -737,20 +742,8 @@ def bwd(
         v.shape[-1], causal=causal, local=_is_local(causal, window_left, window_right),
         has_softcap=softcap > 0.0, varlen=cu_seqlens_q is not None, has_seqused_k=seqused_k is not None,
         deterministic=deterministic), q.device)
-    kernel = compile_cache.get_backward_kernel(cfg)
-    # First use of (device, cfg) on an architecture we have not run: the whole backward (pre- and
-    # postprocessing included) is checked against a PyTorch reference before it computes anything for
-    # the caller (selfcheck.py). A configuration with a fallback (CTA pairs: single CTAs) that computed
-    # wrong results is replaced on this device from now on, as in _kernel_for.
-    try:
-        selfcheck.ensure_checked(cfg, q.device, kernel, BACKWARD_LAUNCH)
-    except selfcheck.SelfCheckError as error:
-        fallback = dispatch.self_check_fallback(cfg)
-        if fallback is None or error.hung:
-            raise
-        selfcheck.fall_back(cfg, fallback, q.device, error)
-        cfg, kernel = fallback, compile_cache.get_backward_kernel(fallback)
-        selfcheck.ensure_checked(cfg, q.device, kernel, BACKWARD_LAUNCH)
+    # The self-check runs the whole backward (pre- and postprocessing included).
+    cfg, kernel = _checked_kernel(cfg, q.device, compile_cache.get_backward_kernel, BACKWARD_LAUNCH)
     return _launch_backward(kernel, cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                             softmax_scale, softcap, window_left, window_right, max_seqlen_q, max_seqlen_k, dlse,
                             poison=_poison_outputs_for_tests)
