@@ -75,6 +75,7 @@ from cutlass.experimental.primitives.nvvm_wrapper import CpReduceType, cp_reduce
 
 from ..config import BackwardConfig
 from ..dtypes import CUTLASS_DTYPES
+from ..kv_tail import first_row_past_keys, zero_rows
 from ..layouts import tma_partition_tile, transpose_view
 from ..mask import AttentionMask
 from ..pipelines import advanced
@@ -100,6 +101,7 @@ class Barrier(enum.IntEnum):
     DQ_FULL_FIRST = 2  # consumer w's dQ part is staged in shared memory
     DQ_EMPTY_FIRST = DQ_FULL_FIRST + NUM_CONSUMER_WARPGROUPS  # the writer warp has read it
     DKV = DQ_EMPTY_FIRST + NUM_CONSUMER_WARPGROUPS  # tma_store_dkv: K's/V's tiles free, then staged
+    KV_TAIL = DKV + 1  # zero_kv_tail: the consumers have zeroed K's and V's rows past the keys
 
 
 class Warp(enum.IntEnum):
@@ -422,6 +424,25 @@ class FlashAttentionBackwardSm90:
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
+    def zero_kv_tail(self, tidx, smem: "SharedTiles", work: "TileWork"):
+        """Zero the KV tile's K and V rows past the sequence's keys (fa4_kernels/kv_tail.py): with
+        varlen keys or seqused_k they are rows of the tensor that belong to no key of this sequence
+        and may hold NaN, and although their scores are masked (P = 0), dP^T = V dO^T and dQ = dS K
+        would multiply them (0 * NaN). Once per CTA, after the K/V tile's full barrier and before any
+        GEMM reads it: all consumer threads share the stores, fence them for WGMMA (async proxy) and
+        meet at one named barrier (every warpgroup's GEMMs read every row). Only in the tile that
+        holds the key end; kernels without varlen or seqused_k are built without it (their keys end
+        at the tensor's end, where TMA fills zeros)."""
+        if cutlass.const_expr(self.cfg.varlen or self.cfg.has_seqused_k):
+            first_row = first_row_past_keys(work.seqlen.seqlen_k, work.n_block, self.tile_n)
+            if first_row < self.tile_n:
+                threads = NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS
+                zero_rows(smem.k, first_row, tidx, threads)
+                zero_rows(smem.v, first_row, tidx, threads)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=int(Barrier.KV_TAIL), number_of_threads=threads)
+
+    @cute.jit
     def consume(self, tidx, smem: "SharedTiles", mmas: "Mmas", pipe_kv, pipe_qdo, pipe_do, outputs: "KeyOutputs",
                 work: "TileWork", scales: BackwardScales):
         """The unsplit layout: each warpgroup owns 64 keys and the whole head dim (mmas.dk serves dK
@@ -448,6 +469,7 @@ class FlashAttentionBackwardSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
+        self.zero_kv_tail(tidx, smem, work)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for step in cutlass.range(work.num_steps, unroll=1):
             _, m_block = work.blocks.at(step)
@@ -508,6 +530,7 @@ class FlashAttentionBackwardSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
+        self.zero_kv_tail(tidx, smem, work)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         all_consumers = NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS
         for step in cutlass.range(work.num_steps, unroll=1):
