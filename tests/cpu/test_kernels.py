@@ -488,3 +488,34 @@ def test_sass_paths_counts_what_one_loop_trip_executes():
     assert [hl for hl in paths.loops(code) if hl[1] - hl[0] > 1] == [(1, 7)]
     trips = sorted((t["instructions"], t["MUFU.EX2"], t["FSEL"], t["HGMMA"]) for t in paths.main_loop_trips(sass))
     assert trips == [(5, 0, 0, 1), (7, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("switch", [False, True])
+def test_backward_kv_tail_zeroing_is_built_only_when_switched_on(tmp_path, switch):
+    """sm90/bwd.py zero_kv_tail (issue 21, the backward's NaN tail) is off until it has run on a GPU
+    (ZERO_KV_TAIL): off, a varlen + seqused_k backward has no zero stores; on, K's and V's tail rows
+    are zeroed (one 16-byte zero store each, in loops), fenced for WGMMA and followed by the
+    consumers' barrier (KV_TAIL = 7, 256 threads) before any GEMM."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / 'torch-ext')!r})
+        from flash_attn4 import dispatch
+        from flash_attn4.fa4_kernels.arch import Arch
+        from flash_attn4.fa4_kernels.compile import compile_backward
+        from flash_attn4.fa4_kernels.sm90 import bwd
+        bwd.ZERO_KV_TAIL = {switch!r}
+        compile_backward(dispatch.backward_config(Arch.SM90, "bfloat16", 128, 128, causal=True, local=False,
+                                                  has_softcap=False, varlen=True, has_seqused_k=True,
+                                                  deterministic=False))
+    """)
+    env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP="ptx")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
+    zero_stores = _ZERO_STORE.findall(ptx)
+    if not switch:
+        assert not zero_stores and "bar.sync \t7," not in ptx
+        return
+    assert len(zero_stores) == 2, "K's and V's rows, one 16-byte zero store each"
+    tail = ptx[ptx.index(zero_stores[-1]):]
+    assert re.search(r"fence\.proxy\.async\.shared::cta;\s+bar\.sync\s+7, 256;", tail), "fence + barrier after"
