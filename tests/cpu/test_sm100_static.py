@@ -279,6 +279,17 @@ def opcode_counts(cfg, flavour) -> dict:
                 tma=count("UTMALDG"), tma_2cta=sum(op.startswith("UTMALDG") and op.endswith(".2CTA") for op in ops))
 
 
+def assert_pair_forms(cfg, name):
+    """A pair kernel's MMAs (as many as the tiles imply), commits and TMA loads are all in their
+    2-CTA form, and TMEM is allocated once, 512 columns with cta_group::2. Returns its statistics."""
+    stats = lib.kernel_stats(cfg, FLAVOUR)
+    ops = opcode_counts(cfg, FLAVOUR)
+    assert ops["mma"] == ops["mma_2cta"] == expected_mma(cfg) == stats["utcmma"], (name, ops)
+    assert ops["commit"] == ops["commit_2cta"] > 0 and ops["tma"] == ops["tma_2cta"] > 0, (name, ops)
+    assert [(a["cta_group"], a["columns"]) for a in stats["ptx"]["tmem_alloc"]] == [(2, sm100_fwd.TMEM_COLUMNS)], name
+    return stats
+
+
 @pytest.mark.parametrize("name,over", pair_variants())
 def test_pair_kernel_is_cta_group_2_throughout(name, over):
     """Every MMA, commit and TMA load of the pair kernel is its 2-CTA form (an MMA issued as
@@ -286,12 +297,8 @@ def test_pair_kernel_is_cta_group_2_throughout(name, over):
     waiting; a 1-CTA TMA would signal its own barrier, which nobody waits on), the MMA count is
     what the tiles imply, and TMEM is allocated, relinquished and freed once with cta_group::2."""
     cfg = pair_config(PAIR_SPECS[name], **over)
-    stats = lib.kernel_stats(cfg, FLAVOUR)
-    ops = opcode_counts(cfg, FLAVOUR)
-    assert ops["mma"] == ops["mma_2cta"] == expected_mma(cfg) == stats["utcmma"], (name, ops)
-    assert ops["commit"] == ops["commit_2cta"] > 0 and ops["tma"] == ops["tma_2cta"] > 0, (name, ops)
+    stats = assert_pair_forms(cfg, name)
     ptx = stats["ptx"]
-    assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, sm100_fwd.TMEM_COLUMNS)], name
     assert [d["cta_group"] for d in ptx["tmem_dealloc"]] == [2] and ptx["tmem_relinquish"] == [2], name
     assert stats["two_cta"] and stats["two_cta_ptx"] and stats["cta_group"] == 2
     assert lib.static_problems(stats) == [], name
@@ -394,12 +401,7 @@ def test_sm103_pair_kernel(name):
     sm100_cfg = config(**PAIR_SPECS[name])
     assert cfg.arch is Arch.SM103 and cfg.cluster_m == 2 and cfg.exp2_emulated_eighths == 0
     assert cfg.replace(arch=Arch.SM100, exp2_emulated_eighths=sm100_cfg.exp2_emulated_eighths) == sm100_cfg
-    stats = lib.kernel_stats(cfg, FLAVOUR)
-    ops = opcode_counts(cfg, FLAVOUR)
-    assert ops["mma"] == ops["mma_2cta"] == expected_mma(cfg) == stats["utcmma"], (name, ops)
-    assert ops["commit"] == ops["commit_2cta"] > 0 and ops["tma"] == ops["tma_2cta"] > 0, (name, ops)
-    ptx = stats["ptx"]
-    assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, sm100_fwd.TMEM_COLUMNS)], name
+    stats = assert_pair_forms(cfg, name)
     assert stats["two_cta"] and stats["two_cta_ptx"] and lib.static_problems(stats) == [], name
     moved = sm100_tiles.TILE_N * sm100_cfg.exp2_emulated_eighths // 8
     assert stats["mufu_ex2"] - lib.kernel_stats(sm100_cfg, FLAVOUR)["mufu_ex2"] == moved, name
