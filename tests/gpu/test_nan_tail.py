@@ -111,14 +111,14 @@ def _on_sm100() -> bool:
 
 @pytest.mark.backward
 @pytest.mark.xfail(_on_sm100() or not sm90_bwd.ZERO_KV_TAIL, strict=True,
-                   reason="known gap (docs/CONTRACTS.md): the backward does not zero the key/value rows past "
-                   "seqused_k (sm90: sm90/bwd.py ZERO_KV_TAIL is off until this test has run with it on a GPU; "
-                   "sm100: not written), so dS = P (dP - D) = 0 x NaN there reaches dQ")
+                   reason="known gap (docs/CONTRACTS.md): the sm100 backward does not zero the key/value rows "
+                   "past seqused_k (nor the sm90 one with sm90/bwd.py ZERO_KV_TAIL off), so "
+                   "dS = P (dP - D) = 0 x NaN there reaches dQ")
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_with_nan_past_seqused_k(seed, d):
     """The backward over packed slots with seqused_k and NaN in every slot's rows past its keys: dQ,
     dK and dV of the used rows must be finite and equal to the same call's on zeroed tails (the
-    sm90 backward's zero_kv_tail zeroes K's and V's tail rows in shared memory, when switched on)."""
+    sm90 backward's zero_kv_tail zeroes K's and V's tail rows in shared memory)."""
     hq, hk = RATIOS[4]
     lens, used_k = [65, 130], [65, 130]
     slots_k = [n + 50 for n in used_k]

@@ -93,10 +93,9 @@ PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 SMEM_BYTES_PER_BLOCK = 227 * 1024  # the most dynamic shared memory an sm90 block can opt into
 
 
-# zero_kv_tail, off until it has run on a GPU (written and compiled 2026-12-06, when no device time was
-# left): turn on once tests/gpu/test_nan_tail.py::test_backward_with_nan_past_seqused_k passes with it
-# (that test is a strict xfail while this is off).
-ZERO_KV_TAIL = False
+# zero_kv_tail (fa4_kernels/kv_tail.py): a switch so that tests/cpu/test_kernels.py can build the kernel
+# both ways and show what the fix adds; on in the shipped kernels.
+ZERO_KV_TAIL = True
 
 
 class Barrier(enum.IntEnum):
