@@ -654,8 +654,15 @@ def test_llama_left_padding_logits_match_sdpa(backend):
 
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
-@torch.no_grad()
-def test_llama_greedy_generation_matches_sdpa(backend, cache_implementation):
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_llama_greedy_generation_matches_sdpa(backend, cache_implementation, grad_mode):
+    """Under no_grad and under inference_mode, whose tensors (the mask, the cache) have no version
+    counter."""
+    with grad_mode():
+        _greedy_generation_matches_sdpa(backend, cache_implementation)
+
+
+def _greedy_generation_matches_sdpa(backend, cache_implementation):
     gen = torch.Generator().manual_seed(22)
     ref, ours = _model_pair(_llama_config(), seed=1)
     ids, mask = _left_padded_batch([19, 11, 6], 19, gen)

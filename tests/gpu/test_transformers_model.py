@@ -359,8 +359,8 @@ def _spy(monkeypatch):
     return calls
 
 
-def _generate(model, ids, mask, **kw):
-    with torch.no_grad():
+def _generate(model, ids, mask, grad_mode=torch.no_grad, **kw):
+    with grad_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                              eos_token_id=None, output_logits=True, return_dict_in_generate=True, **kw)
     return out.sequences, torch.stack(out.logits, dim=1).float()
@@ -421,11 +421,15 @@ def test_generate_64_tokens_on_the_kv_cache_path(monkeypatch, cache_implementati
                              flash_attn_with_kvcache=0), spied
 
 
-@pytest.mark.parametrize("lengths", [[50], [50, 31, 7, 50]], ids=["batch1", "batch4-left-padded"])
-def test_compiled_static_cache_generate_does_not_recompile(lengths):
+@pytest.mark.parametrize("lengths, grad_mode", [([50], torch.no_grad), ([50, 31, 7, 50], torch.no_grad),
+                                              ([50, 31, 7, 50], torch.inference_mode)],
+                         ids=["batch1", "batch4-left-padded", "batch4-left-padded-inference-mode"])
+def test_compiled_static_cache_generate_does_not_recompile(lengths, grad_mode):
     """generate() with a static cache compiles the decode step by itself on a GPU (inductor, CUDA graphs).
     With "fa4" it must trace as one graph (fullgraph=True) and never recompile as the sequence grows, nor
-    for a second prompt of the same shape; the tokens and per-step logits as in the eager test."""
+    for a second prompt of the same shape; the tokens and per-step logits as in the eager test. Also
+    under torch.inference_mode, as pipelines and servers generate (its mask and cache tensors have no
+    version counter)."""
     from torch._dynamo.utils import counters
 
     gen = torch.Generator().manual_seed(200 + len(lengths))
@@ -442,7 +446,7 @@ def test_compiled_static_cache_generate_does_not_recompile(lengths):
             ids, mask = _left_padded(lengths, max(lengths), gen)
             kw = dict(past_key_values=transformers.StaticCache(config=ours.config, max_cache_len=max_cache_len),
                       compile_config=transformers.CompileConfig(fullgraph=True))
-            seq_o, logits_o = _generate(ours, ids, mask, **kw)
+            seq_o, logits_o = _generate(ours, ids, mask, grad_mode, **kw)
             assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
             seq_r, logits_r = _generate(ref16, ids, mask, cache_implementation="static", disable_compile=True)
             _assert_generation_matches_sdpa(ref32, ref16, ids, mask, seq_o, logits_o, seq_r, logits_r)

@@ -490,14 +490,23 @@ def _eager_key_ranges(mask: torch.Tensor, heads: int):
     """_key_ranges with the contiguity read on the host (one sync) and the ranges repeated for each
     of ``heads`` KV heads (one cache row per (batch, KV head)), remembered for the mask object: the
     layers of one forward share it, and pay neither the sync nor the repeats again."""
+    version = _mask_version(mask)
     if _RANGE_CACHE:
-        ref, version, cached_heads, ranges = _RANGE_CACHE[0]
-        if ref() is mask and version == mask._version and cached_heads == heads:
+        ref, cached_version, cached_heads, ranges = _RANGE_CACHE[0]
+        if ref() is mask and cached_version == version and cached_heads == heads:
             return ranges
     leftpad, end, contiguous = _key_ranges(mask)
     ranges = (leftpad.repeat_interleave(heads), end.repeat_interleave(heads), bool(contiguous))
-    _RANGE_CACHE[:] = [(weakref.ref(mask), mask._version, heads, ranges)]
+    _RANGE_CACHE[:] = [(weakref.ref(mask), version, heads, ranges)]
     return ranges
+
+
+def _mask_version(mask: torch.Tensor):
+    """The mask's version counter, which in-place changes bump; None for an inference tensor (made
+    under torch.inference_mode, as pipelines and servers generate), which has none: such a mask
+    is recognised by identity alone (transformers builds a new mask for each step and never
+    changes one in place)."""
+    return None if mask.is_inference() else mask._version
 
 
 def _cache_forward(fa, query, key, value, mask, options: dict):
