@@ -34,12 +34,12 @@ def heuristic(b, sq, sk, hq, hk, d=128, sms=H200_SMS, **window):
 # (b, sq, sk, hq, hk, d) -> splits on 132 SMs. Decoding with few (batch x KV head) tiles splits until
 # the SMs are nearly full; tiles that already fill 0.8 of the SMs, or <= 4 KV blocks, run unsplit.
 HEURISTIC_TABLE = [
-    ((1, 1, 131072, 32, 8, 128), 15),  # 8 packed tiles: 120 CTAs
-    ((1, 1, 65536, 32, 8, 128), 15),
+    ((1, 1, 131072, 32, 8, 128), 16),  # 8 packed tiles: 128 CTAs
+    ((1, 1, 65536, 32, 8, 128), 16),
     ((2, 1, 131072, 64, 8, 128), 8),  # 16 tiles: 128 CTAs
     ((8, 1, 16384, 32, 8, 128), 2),  # 64 tiles: 128 CTAs
     ((4, 1, 32768, 8, 4, 256), 8),  # d = 256: 80-key blocks
-    ((1, 4, 32768, 32, 8, 128), 15),  # 4 tokens x 4 heads = 16 rows of one tile per KV head
+    ((1, 4, 32768, 32, 8, 128), 16),  # 4 tokens x 4 heads = 16 rows of one tile per KV head
     ((16, 1, 8192, 32, 8, 128), 1),  # 128 tiles >= 0.8 x 132
     ((32, 1, 8192, 28, 4, 128), 1),  # ratio 7 runs unpacked: 896 tiles
     ((16, 64, 8192, 32, 8, 128), 1),  # 256 packed rows: 2 tiles per KV head, 256 tiles

@@ -156,8 +156,11 @@ MAX_SPLITS = 256
 # most SHORT_KV_BLOCKS blocks (the partials and the combine would cost more than the idle SMs).
 FULL_SHARE = 0.8
 SHORT_KV_BLOCKS = 4
-# Among the split counts, the smallest whose wave efficiency is this close to the best one's.
-NEAR_BEST = 0.85
+# Among the split counts, the smallest whose wave efficiency is this close to the best one's. At
+# 0.85, 8 tiles took 15 splits (120 CTAs on 132 SMs); 16 (128 CTAs) ran 2.5-2.8% faster at 1 x 64k
+# keys (H100, twice, scripts/decode_ab.py; docs/perf.md), and with 0.95 only such near-full waves
+# change.
+NEAR_BEST = 0.95
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -6,9 +6,9 @@ Per row (one query token of one head), over the splits s:
     m = max_s LSE_s (0 where every LSE_s is -inf), sum = sum_s exp(LSE_s - m),
     LSE = log(sum) + m (-inf where every split is empty), O = sum_s exp(LSE_s - m) / sum * O_s,
 in float32, O then cast to the output dtype. A split with LSE_s = -inf (it saw no key) adds
-nothing and its partial output is not read (whatever it holds). With a learnable sink (``has_sink``)
-the sink logit of the row's head joins the maximum and the sum as one more split without a value:
-the split-KV forward leaves it to the combine, so that it counts once.
+nothing: its partial output, read with the others, is selected away (whatever it holds). With a
+learnable sink (``has_sink``) the sink logit of the row's head joins the maximum and the sum as one
+more split without a value: the split-KV forward leaves it to the combine, so that it counts once.
 
 Work split: a row's head-dim vectors (4 floats, 16 bytes) are spread over ``threads_per_row``
 neighbouring lanes (32 at dv = 128: a warp reads a split's row in one 512-byte sweep); a CTA of
@@ -38,6 +38,7 @@ from .dtypes import CUTLASS_DTYPES
 
 THREADS = 128
 VECTOR = 4  # float32 elements per 16-byte load
+SPLITS_UNROLL = 4  # splits whose partial rows a lane loads at once (fewer for wide rows per lane)
 
 
 def _fmax(a, b):
@@ -57,6 +58,8 @@ class SplitKVCombine:
         self.threads_per_row = max(t for t in (1, 2, 4, 8, 16, 32) if vectors % t == 0)
         self.vectors_per_thread = vectors // self.threads_per_row
         self.rows_per_cta = THREADS // self.threads_per_row
+        # at most 8 vectors (32 registers) of partials in flight per lane
+        self.splits_unroll = max(1, min(SPLITS_UNROLL, 8 // self.vectors_per_thread))
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -64,11 +67,17 @@ class SplitKVCombine:
         rows = mO.shape[1] * mO.shape[2]  # (token, head) pairs of a batch entry
         self.kernel(mOp, mLSEp, mO, mLSE, mSink).launch(
             grid=((rows + self.rows_per_cta - 1) // self.rows_per_cta, mO.shape[0], 1),
-            block=[THREADS, 1, 1], stream=stream)
+            block=[THREADS, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mSink: Optional[cute.Tensor]):
+        # Launched as a programmatic dependent (PDL) of the kernel before it in the stream, the
+        # split-KV forward, which lets it launch early: its CTAs start while the forward's last
+        # CTAs run and wait here until that grid has finished and its partials are visible,
+        # instead of a launch gap after it. Any other previous kernel is waited for the same way.
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         row_block, batch, _ = cute.arch.block_idx()
         tpr = self.threads_per_row
@@ -111,17 +120,32 @@ class SplitKVCombine:
         if inside:
             acc = cute.make_rmem_tensor((self.vectors_per_thread * VECTOR,), Float32)
             acc.fill(0.0)
-            part = cute.make_rmem_tensor((VECTOR,), Float32)
-            for s in cutlass.range(num_splits, unroll=1):
-                lse_s = mLSEp[s, batch, head, token]
-                if lse_s != -Float32.inf:  # an empty split's partial is not read
-                    scale = cute.math.exp(lse_s - shift) * inv_total
+            # Splits in groups of `unroll`: all of a group's partial rows are loaded into their own
+            # registers before any is used, so their loads are in flight together (decoding
+            # combines a few rows over many splits, and one dependent load after another was most
+            # of the kernel's time). A split past the end reads the last split again, and an
+            # empty split's partial is read too; both are selected away (it may hold anything,
+            # NaN included), never multiplied.
+            unroll = self.splits_unroll
+            for first in cutlass.range(0, num_splits, unroll, unroll=1):
+                parts = [[cute.make_rmem_tensor((VECTOR,), Float32) for _ in range(self.vectors_per_thread)]
+                         for _ in range(unroll)]
+                scales = cute.make_rmem_tensor((unroll,), Float32)
+                for j in cutlass.range_constexpr(unroll):
+                    inside_splits = first + j < num_splits
+                    s = cutlass.select_(inside_splits, first + j, num_splits - 1)
+                    lse_s = mLSEp[s, batch, head, token]
+                    scales[j] = cutlass.select_(inside_splits and lse_s != -Float32.inf,
+                                                cute.math.exp(lse_s - shift) * inv_total, Float32(0.0))
                     # (dv,) -> (VECTOR, vectors): this lane takes vectors lane, lane + tpr, ...
                     o_row = cute.zipped_divide(mOp[s, batch, token, head, None], (VECTOR,))
                     for i in cutlass.range_constexpr(self.vectors_per_thread):
-                        cute.autovec_copy(o_row[None, i * tpr + lane], part)
+                        cute.autovec_copy(o_row[None, i * tpr + lane], parts[j][i])
+                for j in cutlass.range_constexpr(unroll):
+                    for i in cutlass.range_constexpr(self.vectors_per_thread):
                         for e in cutlass.range_constexpr(VECTOR):
-                            acc[i * VECTOR + e] += scale * part[e]
+                            acc[i * VECTOR + e] += cutlass.select_(scales[j] > Float32(0.0),
+                                                                   scales[j] * parts[j][i][e], Float32(0.0))
             out_row = cute.zipped_divide(mO[batch, token, head, None], (VECTOR,))
             converted = cute.make_rmem_tensor((VECTOR,), self.dtype)
             for i in cutlass.range_constexpr(self.vectors_per_thread):

@@ -328,12 +328,14 @@ class CombineConfig(_Config):
     partial outputs and LSEs into the output, for every architecture; it depends on the output's
     dtype (float32 too: users merging partial attention themselves may keep it), its head dim, and
     whether a learnable sink joins the denominator (``has_sink``: the split-KV forward leaves the
-    sink to the combine, which counts it once)."""
+    sink to the combine, which counts it once). ``pdl``: launched as a programmatic dependent of the
+    kernel before it (early launch, a grid-dependency wait at its start); off for A/B runs."""
 
     arch: Arch
     dtype: str
     head_dim_v: int
     has_sink: bool = False
+    pdl: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES + ("float32",):

@@ -365,6 +365,11 @@ class FlashAttentionForwardSm90:
                                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                                   self.num_stages))
+                        if cutlass.const_expr(self.cfg.split_kv):
+                            # The combine is a programmatic dependent of this grid (combine.py): it
+                            # may launch once every CTA has issued its last load (a few KV blocks
+                            # before the end), and waits for this grid to finish.
+                            cute.arch.griddepcontrol_launch_dependents()
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     self.consume(tidx - WARPGROUP_THREADS, smem, pipes, mmas, outputs, tile,
