@@ -492,8 +492,8 @@ def test_sass_paths_counts_what_one_loop_trip_executes():
 
 @pytest.mark.parametrize("switch", [False, True])
 def test_backward_kv_tail_zeroing_is_built_only_when_switched_on(tmp_path, switch):
-    """sm90/bwd.py zero_kv_tail (issue 21, the backward's NaN tail) is off until it has run on a GPU
-    (ZERO_KV_TAIL): off, a varlen + seqused_k backward has no zero stores; on, K's and V's tail rows
+    """sm90/bwd.py zero_kv_tail (issue 21, the backward's NaN tail; ZERO_KV_TAIL, on since it passed
+    on a GPU): off, a varlen + seqused_k backward has no zero stores; on, K's and V's tail rows
     are zeroed (one 16-byte zero store each, in loops), fenced for WGMMA and followed by the
     consumers' barrier (KV_TAIL = 7, 256 threads) before any GEMM."""
     code = textwrap.dedent(f"""
