@@ -1021,6 +1021,20 @@ def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, hq, hk, varle
     assert torch.equal(out_only, out)
 
 
+@pytest.mark.parametrize("shape,hk,ratio,group", [((2, 3, 14, 64), 2, 7, 8), ((9, 10, 40), 2, 5, 8),
+                                                    ((1, 1, 28, 128), 4, 7, 8)])
+def test_padded_query_is_the_zero_padded_heads(shape, hk, ratio, group):
+    """ops._padded_query (a cat with an expanded cached zero) equals F.pad's zero heads, and the zero
+    scalar stays zero and unshared with the output."""
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.randn(shape, dtype=dtype)
+        got = ops._padded_query(q, hk, ratio, group)
+        want = torch.nn.functional.pad(q.reshape(*shape[:-2], hk, ratio, shape[-1]), (0, 0, 0, group - ratio))
+        assert got.shape == want.shape and got.is_contiguous() and torch.equal(got, want)
+        got.fill_(1.0)  # the output owns its memory: the cached zero is untouched
+        assert ops._ZEROS[(q.device, dtype)].item() == 0
+
+
 def test_unpackable_ratio_without_query_tokens(cpu_kernel):
     """A varlen call whose sequences have no query token but keys (found by the GPU fuzz: 6/2 heads,
     a sink) takes the dummy-head path too: empty out and lse of the right shapes, no error."""

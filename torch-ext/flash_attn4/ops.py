@@ -383,18 +383,36 @@ def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: boo
     return dispatch.padded_pack(arch, q.shape[-1], v.shape[-1], varlen, hq // hk, max_seqlen_q)
 
 
+_ZEROS: dict = {}
+
+
+def _padded_query(q: torch.Tensor, hk: int, ratio: int, group: int) -> torch.Tensor:
+    """q (..., hk * ratio, d) as (..., hk, group, d) with zero heads after each KV head's ``ratio``:
+    in one launch, a cat with a zero scalar expanded (F.pad fills a zero tensor, then copies),
+    the scalar made once per device and dtype. Not made while a CUDA graph is being captured (its
+    fill would only be recorded, and the scalar reused outside the graph unfilled): F.pad then."""
+    *lead, _, d = q.shape
+    grouped = q.reshape(*lead, hk, ratio, d)
+    zero = _ZEROS.get((q.device, q.dtype))
+    if zero is None:
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return torch.nn.functional.pad(grouped, (0, 0, 0, group - ratio))
+        zero = _ZEROS.setdefault((q.device, q.dtype), torch.zeros((), device=q.device, dtype=q.dtype))
+    return torch.cat((grouped, zero.expand(*lead, hk, group - ratio, d)), dim=-2)
+
+
 def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                           softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
                           check_values, page_table, seqused_q, need_lse=True):
     """_forward with each KV head's query heads padded by zero heads to ``group`` (a ratio the kernel
     packs: dispatch.padded_pack), then the dummy heads' outputs dropped. The padded q and the
     outputs' copies are small next to the K/V the packing stops re-reading, but each is a launch that
-    a decode step pays: one pad, one copy of out, and one of the LSE only when ``need_lse`` (else the
+    a decode step pays: one for the padded q, one copy of out, and one of the LSE only when ``need_lse`` (else the
     padded LSE is returned as it is, for a caller that drops it)."""
     *lead, hq, d = q.shape
     hk = k.shape[-2]
     ratio = hq // hk
-    q_pad = torch.nn.functional.pad(q.reshape(*lead, hk, ratio, d), (0, 0, 0, group - ratio))
+    q_pad = _padded_query(q, hk, ratio, group)
     sink_pad = None
     if learnable_sink is not None:
         sink_pad = learnable_sink.new_zeros(hk, group)
