@@ -1,87 +1,118 @@
 #!/usr/bin/env python3
-"""Decode tiles A/B in one run: the d = 128 decode problems of issue 21 (one query token, bf16,
-non-causal) through flash_attn_func (num_splits=0, the automatic split), with dispatch's
-ForwardConfig as chosen and with tile overrides, against cuDNN SDPA. The question it answers: is a
-decode CTA that streams K/V alone on its SM limited by the bytes in flight (two stages of 128-key
-tiles), so that a third stage or longer tiles (shared memory freed by storing O from registers)
-raise the bandwidth? Interleaved rounds of triton.testing.do_bench medians (L2 not flushed: the
-caches are far larger than L2); prints us, % of HBM peak, the ratio to the base choice and to
-cuDNN, and the largest difference from the base output.
+"""Decode A/B in one run: the decode benchmark's problems (bench_decode.PROBLEMS, or --problem)
+through flash_attn_func (num_splits=0, the automatic split) with dispatch's choices and with
+variants, against cuDNN SDPA. A variant overrides ForwardConfig fields (tiles, stages, ...),
+dispatch constants (``dispatch.NAME``, e.g. the split heuristic's NEAR_BEST) or CombineConfig fields
+(``combine.FIELD``, e.g. pdl) for every call. Interleaved rounds (base, variants, cuDNN; again) of
+triton.testing.do_bench medians (L2 not flushed: the caches are far larger than L2); prints us, the
+K+V bandwidth as % of the device's HBM peak, each variant's time over base's (< 1: faster), base's
+over cuDNN's, and checks every variant's output against base's.
 
-    python benchmarks/decode_tiles_ab.py
-    python benchmarks/decode_tiles_ab.py --variant st3:num_stages=3,tma_store_o=false --problem 32,8192,28,4
+    python benchmarks/decode_tiles_ab.py --variant st3:num_stages=3,tma_store_o=false
+    python benchmarks/decode_tiles_ab.py --variant nopdl:combine.pdl=false --problems 0,1,2,4 --rounds 7
+    python benchmarks/decode_tiles_ab.py --variant fill:dispatch.NEAR_BEST=0.95 --problem 1,1,65536,32,8,128
+
+Field variants apply to kernels up to --max-head-dim (shared memory); larger ones run base's kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench
 
-from flash_attn4 import dispatch, flash_attn_func, ops
-from flash_attn4.fa4_kernels import config
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "torch-ext")]
 
-PROBLEMS = ["32,8192,28,4", "32,8192,32,4", "8,16384,32,8", "1,65536,32,8", "2,131072,64,8"]
-VARIANTS = ["st3:num_stages=3,tma_store_o=false", "n176:tile_n=176,tma_store_o=false",
-            "n192:tile_n=192,tma_store_o=false"]
+from benchmarks import bench_decode  # noqa: E402
+from flash_attn4 import dispatch, flash_attn_func, ops  # noqa: E402
+from flash_attn4.fa4_kernels import config  # noqa: E402
+
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # peak by device name (SXM parts)
+_CHOSEN = {"forward_config": dispatch.forward_config, "combine_config": dispatch.combine_config}
+_CONSTANTS: dict = {}
+
+
+def use(overrides: dict, max_head_dim: int) -> None:
+    """Route every call through ``overrides`` (cached launch plans cleared: they hold their config)."""
+    fields = {k: v for k, v in overrides.items() if "." not in k}
+    combine = {k.partition(".")[2]: v for k, v in overrides.items() if k.startswith("combine.")}
+    for name, value in _CONSTANTS.items():
+        setattr(dispatch, name, value)
+    for key, value in overrides.items():
+        if key.startswith("dispatch."):
+            name = key.partition(".")[2]
+            _CONSTANTS.setdefault(name, getattr(dispatch, name))
+            setattr(dispatch, name, value)
+
+    def forward_config(*args, **kwargs):
+        cfg = _CHOSEN["forward_config"](*args, **kwargs)
+        return cfg.replace(**fields) if fields and max(cfg.head_dim, cfg.head_dim_v) <= max_head_dim else cfg
+
+    dispatch.forward_config = forward_config
+    dispatch.combine_config = lambda *a, **k: _CHOSEN["combine_config"](*a, **k).replace(**combine)
+    dispatch._fullest_split.cache_clear()
+    ops._PLANS.clear()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--problem", action="append", help="b,s_cache,h,h_kv (d = 128, one query)")
-    p.add_argument("--variant", action="append", help="NAME:field=value,... (ForwardConfig overrides)")
+    p.add_argument("--problem", action="append", help="b,s_q,s_cache,h,h_kv,d (else the decode set)")
+    p.add_argument("--problems", help="indexes into the decode set, comma-separated")
+    p.add_argument("--variant", action="append", default=[], help="NAME:field=value,... (see above)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-head-dim", type=int, default=128)
     args = p.parse_args()
-    chosen = dispatch.forward_config
     variants = {"base": {}}
-    for text in args.variant or VARIANTS:
+    for text in args.variant:
         name, _, spec = text.partition(":")
         variants[name] = config.parse_overrides(spec)
-
-    def use(overrides):
-        dispatch.forward_config = lambda *a, **k: chosen(*a, **k).replace(**overrides)
-        ops._PLANS.clear()  # cached launch plans hold the config they were made with
+    problems = list(bench_decode.PROBLEMS)
+    if args.problems:
+        problems = [problems[int(i)] for i in args.problems.split(",")]
+    if args.problem:
+        problems = [bench_decode.Problem(*map(int, spec.split(","))) for spec in args.problem]
 
     gpu = torch.cuda.get_device_name()
     peak = next((tbps for part, tbps in HBM_TBPS.items() if part in gpu), HBM_TBPS["H200"])
-    print(f"{gpu}; d = 128, s_q = 1, bf16, num_splits = 0; % HBM of {peak} TB/s")
-    print("| b, s_cache, h/h_kv | impl | us | % HBM | base / this | cuDNN / this | max diff |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for spec in args.problem or PROBLEMS:
-        b, sk, h, hk = map(int, spec.split(","))
-        q = torch.randn(b, 1, h, 128, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(b, sk, hk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        gbytes = 2 * 2 * b * sk * hk * 128 / 1e9
+    print(f"{gpu}, torch {torch.__version__}; bf16, num_splits = 0; % HBM: K+V bytes of {peak} TB/s; "
+          f"variants {variants}")
+    names = [*variants, "cudnn"]
+    lines = ["| problem | " + " | ".join(f"{n} us" for n in names) + " | base % HBM | " +
+             " | ".join(f"{n} / base" for n in variants if n != "base") + " | base / cuDNN |"]
+    lines.append("|---|" + "---:|" * (len(names) + len(variants) + 1))
+    print(lines[0] + "\n" + lines[1])
+    for prob in problems:
+        x = bench_decode.make_inputs(prob, torch.bfloat16, 0)
+        q, k, v = x["q"], x["k"], x["v"]
         fns, outs = {}, {}
         for name, overrides in variants.items():
-            use(overrides)
-            fns[name] = lambda: flash_attn_func(q, k, v, num_splits=0)
+            use(overrides, args.max_head_dim)
+            fns[name] = lambda: flash_attn_func(q, k, v, causal=prob.causal, num_splits=0)
             outs[name] = fns[name]()
-        use({})
-
-        def cudnn():
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-
-        ref = cudnn().transpose(1, 2)
-        times = {name: [] for name in [*variants, "cudnn"]}
+            diff = (outs[name].float() - outs["base"].float()).abs().max().item()
+            assert diff < 2e-2, f"{name} differs from base by {diff:.1e} on {prob.name}"
+        use({}, args.max_head_dim)
+        fns["cudnn"] = bench_decode._sdpa("CUDNN_ATTENTION")(prob, x, {})
+        fns["cudnn"]()
+        times = {name: [] for name in names}
         for _ in range(args.rounds):
-            for name in variants:
-                use(variants[name])
-                times[name].append(do_bench(fns[name], warmup=20, rep=200, return_mode="median"))
-            times["cudnn"].append(do_bench(cudnn, warmup=20, rep=200, return_mode="median"))
-        use({})
-        us = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        for name in times:
-            diff = (outs.get(name, ref).float() - outs["base"].float()).abs().max().item()
-            print(f"| {b}, {sk // 1024}k, {h}/{hk} | {name} | {us[name]:.1f} | "
-                  f"{100 * gbytes / us[name] * 1e3 / peak:.0f}% | {us['base'] / us[name]:.2f} | "
-                  f"{us['cudnn'] / us[name]:.2f} | {diff:.1e} |")
+            for name in names:
+                use(variants.get(name, {}), args.max_head_dim)
+                times[name].append(1e3 * do_bench(fns[name], warmup=20, rep=100, return_mode="median"))
+        use({}, args.max_head_dim)
+        us = {name: statistics.median(t) for name, t in times.items()}
+        hbm = 100 * prob.kv_bytes() / (us["base"] * 1e-6) / (peak * 1e12)
+        row = [prob.name, *(f"{us[n]:.1f}" for n in names), f"{hbm:.0f}%",
+               *(f"{us[n] / us['base']:.3f}" for n in variants if n != "base"), f"{us['base'] / us['cudnn']:.3f}"]
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+        del x, q, k, v, fns, outs
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ FULL_SHARE = 0.8
 SHORT_KV_BLOCKS = 4
 # Among the split counts, the smallest whose wave efficiency is this close to the best one's. At
 # 0.85, 8 tiles took 15 splits (120 CTAs on 132 SMs); 16 (128 CTAs) ran 2.5-2.8% faster at 1 x 64k
-# keys (H100, twice, scripts/decode_ab.py; docs/perf.md), and with 0.95 only such near-full waves
+# keys (H100, twice, benchmarks/decode_tiles_ab.py; docs/perf.md), and with 0.95 only such near-full waves
 # change.
 NEAR_BEST = 0.95
 
