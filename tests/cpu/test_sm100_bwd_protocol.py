@@ -4,7 +4,8 @@ As tests/cpu/test_sm100_protocol.py does for the forward (whose mbarrier model t
 backward's roles (fa4_kernels/sm100/bwd.py: load, mma, compute warpgroups 0 and 1, the dQ
 warpgroup) replayed as Python coroutines making the kernel's pipeline calls with its states, stage
 counts and arrival counts, interleaved in every priority order, for one and two Q/dO stages, dQ in
-its own TMEM columns (d = 64) or over dP^T's (d = 128), and 0 to 7 query-block steps. Checked:
+its own TMEM columns (d = 64) or over dP^T's (d = 128), and 0 to 7 query-block steps, with and
+without the tail tile's zeroing (zero_kv_tail). Checked:
 
 - every role finishes (a stuck role is a hang on a B200);
 - every hand-off sees its producer: the MMA issues dV/dK/dQ of step i only on P^T and dS^T of step i
@@ -65,14 +66,21 @@ def load(p, stages, n, log):
     log.append("load")
 
 
-def mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early=None):
+def mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early=None, tail=False, tail_needs_steps=True):
     """FlashAttentionBackwardSm100.mma (``dq_acquire_early``: where the dq stage is acquired, the
-    kernel's choice by default: before S^T/dP^T when dQ shares dP^T's columns)."""
+    kernel's choice by default: before S^T/dP^T when dQ shares dP^T's columns), after zero_kv_tail
+    where the tile holds its sequence's key end (``tail``): its own wait for K/V, only where the CTA
+    has steps (``tail_needs_steps=False``: without that guard), then the zeroing; mma's wait then
+    passes on the same phase."""
     early = dq_over_dp if dq_acquire_early is None else dq_acquire_early
     qdo_state, sdp_state, dq_state = consumer(stages), producer(1), producer(1)
+    if tail and (n > 0 or not tail_needs_steps):
+        yield from p["kv"].consumer_wait(consumer(1))
+        assert p["kv"].data[0] == "KV", "zero_kv_tail ran before K/V landed"
+        p["kv"].data[0] = "KV, tail zeroed"
     if n > 0:
         yield from p["kv"].consumer_wait(consumer(1))
-        assert p["kv"].data[0] == "KV"
+        assert p["kv"].data[0] == ("KV, tail zeroed" if tail else "KV"), "S^T issued on K/V's unzeroed tail"
         yield from p["sdp"].producer_acquire(sdp_state)
     for i in range(n):
         yield from p["qdo"].consumer_wait(qdo_state)
@@ -134,12 +142,14 @@ def reduce_dq(p, mem, n, log):
     log.append("dq")
 
 
-def run(stages, n, dq_over_dp, order, pipelines=make_pipelines, dq_acquire_early=None):
+def run(stages, n, dq_over_dp, order, pipelines=make_pipelines, dq_acquire_early=None, tail=False,
+        tail_needs_steps=True):
     p = pipelines(stages)
     mem = dict(S=None, dP=None, P=[None] * GROUPS, dS=[None] * GROUPS, dP_read=[None] * GROUPS, dQ=None,
                dQ_read=None, dKV=[])
     log = []
-    roles = {"load": load(p, stages, n, log), "mma": mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early),
+    roles = {"load": load(p, stages, n, log),
+             "mma": mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early, tail, tail_needs_steps),
              "dq": reduce_dq(p, mem, n, log)}
     for w in range(GROUPS):
         roles[f"compute{w}"] = compute(p, mem, w, stages, n, log)
@@ -153,9 +163,10 @@ ROLE_ORDERS = [list(o) for o in itertools.permutations(["load", "mma", "compute"
 @pytest.mark.parametrize("stages", sorted({1, sm100_tiles.BWD_MAX_STAGES}))
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 7])
 @pytest.mark.parametrize("dq_over_dp", [False, True])
-def test_every_role_finishes_and_every_hand_off_sees_its_producer(stages, steps, dq_over_dp):
+@pytest.mark.parametrize("tail", [False, True], ids=["no_tail", "tail"])
+def test_every_role_finishes_and_every_hand_off_sees_its_producer(stages, steps, dq_over_dp, tail):
     for order in ROLE_ORDERS:
-        log = run(stages, steps, dq_over_dp, order)
+        log = run(stages, steps, dq_over_dp, order, tail=tail)
         assert sorted(log) == sorted(["load", "mma", "dq"] + [f"compute{w}" for w in range(GROUPS)])
 
 
@@ -186,6 +197,13 @@ def test_the_model_catches_a_wrong_count():
     with pytest.raises(AssertionError):
         for order in ROLE_ORDERS:
             run(2, 3, False, order, pipelines=lambda s: make_pipelines(s, sdp_empty=WARPGROUP))
+
+
+def test_the_model_catches_a_tail_wait_without_steps():
+    """Not vacuous: a tile past its sequence's keys (or one no query block sees) has no step and its
+    load warp loads no K/V; zero_kv_tail waiting for them there hangs the MMA warp: caught."""
+    with pytest.raises(pytest.fail.Exception, match="deadlock"):
+        run(1, 0, True, ROLE_ORDERS[0], tail=True, tail_needs_steps=False)
 
 
 def test_the_model_catches_dq_acquired_late_over_dp():

@@ -9,6 +9,7 @@ register budgets, the dQ chunking), never copied from a compile. ptxas: the cu13
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,45 @@ def test_deterministic_dq_order_one_turn_wait_and_one_release_per_query_block(co
 def test_static_problems_none(compiled):
     name, _, stats = compiled
     assert lib.static_problems(stats) == [], name
+
+
+# Issue 21 (the NaN tail), zero_kv_tail: a 16-byte zero store to shared memory in the PTX and SASS,
+# the generic-to-async proxy fence and the MMA warp's barrier, and the K/V full barrier's wait
+# (parity 0: its only phase) before the stores.
+ZERO_STORE_PTX = re.compile(r"st\.shared\.v4\.b32\s+\[%r\d+\], \{0, 0, 0, 0\};")
+MBARRIER_WAIT_PTX = re.compile(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[%r\d+\], (\S+),")
+FENCE_THEN_WARP_BARRIER_PTX = re.compile(r"fence\.proxy\.async\.shared::cta;\s+bar\.warp\.sync\s+-1;")
+
+
+@pytest.mark.parametrize("flavour", ["cu13", "cu12"])
+@pytest.mark.parametrize("spec", ["d128", "d128_varlen_seqused_k"])
+def test_kv_tail_rows_are_zeroed_before_the_first_mma_only_where_they_can_exist(spec, flavour):
+    """With varlen keys or seqused_k, K's and V's rows past the keys (NaN possible) are zeroed:
+    one zero-store loop each, after the K/V tile's full-barrier wait and before the first tcgen05
+    MMA, followed by the async-proxy fence and the warp barrier (PTX: the order as written; SASS: the
+    two STS.128 of RZ, then FENCE.VIEW.ASYNC.S, all before the first UTC*MMA), without spills under
+    either ptxas. A batched kernel (keys end at the tensor's end, where TMA fills zeros) has none of
+    it."""
+    cfg = config(**CONFIGS[spec])
+    files, stats = lib.kernel_artifacts(cfg, flavour), lib.kernel_stats(cfg, flavour)
+    ptx = files["ptx"].read_text()
+    (sass,) = lib.sass_kernels(files["sass"].read_text()).values()
+    assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, (spec, flavour)
+    zero_sts = [i for i, inst in enumerate(sass) if inst.opcode == "STS.128" and inst.operands.endswith(", RZ")]
+    zero_stores = [m.start() for m in ZERO_STORE_PTX.finditer(ptx)]
+    if not (cfg.varlen or cfg.has_seqused_k):
+        assert not zero_stores and not zero_sts, (spec, flavour)
+        return
+    assert len(zero_stores) == 2 and len(zero_sts) == 2, ("K's and V's rows, one loop each", spec, flavour)
+    first_mma = ptx.index("tcgen05.mma")
+    assert zero_stores[-1] < first_mma, "zeroed after the first MMA was issued"
+    waits = list(MBARRIER_WAIT_PTX.finditer(ptx, 0, zero_stores[0]))
+    assert waits and waits[-1].group(1) == "0", "the stores do not follow the K/V full barrier's wait"
+    assert FENCE_THEN_WARP_BARRIER_PTX.search(ptx, zero_stores[-1], first_mma), "fence + warp barrier after"
+    first_utcmma = next(i for i, inst in enumerate(sass) if inst.base.startswith("UTC") and inst.base.endswith("MMA"))
+    fences = [i for i, inst in enumerate(sass) if inst.opcode == "FENCE.VIEW.ASYNC.S"]
+    assert any(zero_sts[-1] < i < first_utcmma for i in fences), (flavour, "SASS: no fence between stores and MMA")
+    assert zero_sts[-1] < first_utcmma, flavour
 
 
 @pytest.mark.parametrize("spec", sorted(CONFIGS))

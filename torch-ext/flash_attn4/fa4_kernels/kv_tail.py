@@ -1,4 +1,4 @@
-"""The V rows past a sequence's last key (issue 21, "NaN tail"), for every architecture's forward.
+"""The K/V rows past a sequence's last key (issue 21, "NaN tail"), for the forwards and backwards.
 
 The KV block that holds a sequence's last key is loaded whole, as one TMA tile. Its rows past the
 key end are zeros only where they lie outside the tensor (a batched problem whose keys fill the
@@ -10,6 +10,10 @@ scores with -inf (a select, so a NaN score is dropped too) and P is 0 there, but
 multiplies them: 0 * NaN = NaN, in every row of O. K's rows need nothing (their scores are
 replaced); V's rows are zeroed in shared memory after TMA has written them and before the MMA reads
 them. Only that one block per tile (the first the n-loop visits) can hold them.
+
+The backward needs K's rows zeroed too: besides dP = dO V^T (V's rows), dQ = dS K multiplies K's
+rows, and dS = P (dP - D) is 0 * NaN where dP is NaN. Its KV-stationary CTAs load their one K/V
+tile once and zero both (sm90/bwd.py and sm100/bwd.py zero_kv_tail).
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ STORE_BITS = 128
 
 
 def tail_possible(cfg) -> bool:
-    """Whether a ForwardConfig can have rows inside the tensor past a sequence's keys: with varlen
-    keys, seqused_k or pages. Batched keys without seqused_k end at the tensor's end (TMA zero-fill),
-    and their kernels are built without the zeroing."""
-    return cfg.varlen or cfg.has_seqused_k or cfg.page_size > 0
+    """Whether a ForwardConfig or BackwardConfig can have rows inside the tensor past a sequence's
+    keys: with varlen keys, seqused_k or pages (forward only). Batched keys without seqused_k end at
+    the tensor's end (TMA zero-fill), and their kernels are built without the zeroing."""
+    return cfg.varlen or cfg.has_seqused_k or getattr(cfg, "page_size", 0) > 0
 
 
 @cute.jit

@@ -37,7 +37,9 @@ Deterministic (cfg.deterministic): the dQ warp adds a query block's chunks only 
 semaphore (dq_semaphore[batch, head, m_block, 0]) counts every earlier KV block that sees it, and
 counts its own after its reduce-adds landed (deterministic_turn / deterministic_done).
 
-Per step i (query head h, query block m), the MMA warp issues, waiting where marked:
+First, in the tile that holds its sequence's last key (varlen keys, seqused_k), the MMA warp waits for
+K and V and zeroes their rows past the keys (zero_kv_tail: NaN there would reach dQ). Then
+per step i (query head h, query block m), the MMA warp issues, waiting where marked:
     [Q_i, dO_i landed]  [dQ_(i-1) read out, when dQ shares dP's columns]
     S^T = K Q_i^T, dP^T = V dO_i^T                       -> commit "S/dP full"
     [P^T and dS^T written: the compute warps' release]
@@ -93,6 +95,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..config import BackwardConfig
 from ..dtypes import CUTLASS_DTYPES
+from ..kv_tail import first_row_past_keys, tail_possible, zero_rows
 from ..layouts import tma_partition_tile
 from ..mask import AttentionMask
 from ..pipelines import advanced
@@ -180,6 +183,9 @@ class FlashAttentionBackwardSm100:
         # columns, or 16 where the half is no multiple of it (96: 48 columns per warpgroup).
         self.dk_chunk, self.dv_chunk = (out_chunk(dim) for dim in (self.hdim, self.hdim_v))
         assert self.hdim % BWD_DQ_CHUNK == 0
+        # The MMA warp zeroes K's and V's rows past the keys (zero_kv_tail) where the tensor can
+        # hold such rows: varlen keys or seqused_k.
+        self.zero_tail = tail_possible(cfg)
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -246,6 +252,9 @@ class FlashAttentionBackwardSm100:
         check_same_elements(layouts.do, layouts.dot, BWD_TILE_M, dv, "dO")
         check_same_elements(layouts.k, layouts.kt, TILE_N, d, "K")
         check_same_elements(layouts.dst, layouts.ds, TILE_N, BWD_TILE_M, "dS^T")
+        if cutlass.const_expr(self.zero_tail):
+            check_key_rows(mma_s, layouts.k, d, "K")
+            check_key_rows(mma_s, layouts.v, dv, "V")
         rows_layout = cute.make_layout((BWD_TILE_M, self.num_stages))
         # dQ staging: one chunk per buffer in dq_accum's order, rows of ROW floats (a TMA box).
         dq_rows = self.dq.rows_per_chunk
@@ -350,6 +359,8 @@ class FlashAttentionBackwardSm100:
                           tma_atom_dPsum, mdPsum, smem, mma_s, pipes, work)
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
+                if cutlass.const_expr(self.zero_tail):
+                    self.zero_kv_tail(storage, layouts, pipes.kv, work)
                 self.mma(tmem.retrieve_ptr(Float32), smem, tmem_layouts, mma_s, mma_dv, mma_dk, mma_dq, pipes,
                          work.num_steps)
         elif warp >= Warp.COMPUTE:
@@ -541,6 +552,32 @@ class FlashAttentionBackwardSm100:
             dq_state = advanced(dq_state)
         if num_steps > 0:
             pipes.dkv.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+
+    @cute.jit
+    def zero_kv_tail(self, storage, layouts: "SmemLayouts", pipe_kv, work: TileWork):
+        """Zero K's and V's rows past the sequence's keys before any MMA reads them (issue 21,
+        fa4_kernels/kv_tail.py). With varlen keys or seqused_k the tile holding the last key is
+        loaded whole, and its rows past the key end belong to no key of this sequence and may hold
+        NaN. The mask makes P^T = 0 on them, but dP^T = V dO^T puts NaN into those key rows of dP^T,
+        dS^T = P^T (dP^T - D) turns 0 * NaN into NaN, and dQ = dS K multiplies K's rows again: every
+        dQ row of the step would come out NaN. Zeroing the rows in shared memory, once per CTA,
+        cures all three GEMMs; masking the scores cannot.
+
+        The MMA warp does it itself, so that no other role or barrier is involved: its 32 threads
+        wait for the K/V tile's TMA (mma's own wait then returns at once), zero the rows, fence the
+        generic-proxy stores for the tensor cores (async proxy) and meet at a warp barrier before
+        mma issues S^T = K Q^T. It costs the tile that holds the key end a delay of its first MMA;
+        no other tile runs it. Never where the CTA has no step: the load warp then loads no K/V
+        and the wait would never return."""
+        first_row = first_row_past_keys(work.seqlen.seqlen_k, work.n_block, TILE_N)
+        if work.num_steps > 0:
+            if first_row < TILE_N:
+                pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+                for buffer, layout, cols in ((storage.sK, layouts.k, self.hdim), (storage.sV, layouts.v, self.hdim_v)):
+                    rows = buffer.get_tensor(key_rows(layout.outer, cols), swizzle=layout.inner)
+                    zero_rows(rows, first_row, cute.arch.lane_idx(), WARP)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
 
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
@@ -782,6 +819,35 @@ def mma_tma_partition(atom, smem, gmem_mma):
     (TMA, tile index)."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 3),
                                  cute.group_modes(gmem_mma, 0, 3))
+
+
+def key_rows(layout: cute.Layout, cols: int) -> cute.Layout:
+    """K's or V's MMA operand layout (the outer layout of SmemLayouts.k / .v: ((TILE_N, MMA_K), 1,
+    k-slices, 1)) as a plain (key, column) layout over the same offsets, for zero_kv_tail. It takes
+    the operand's coordinates to be ((key, column % MMA_K), 0, column // MMA_K, 0), which
+    check_key_rows confirms against the MMA's own partitioning at trace time."""
+    # (key, (column in k-slice, k-slice)) -> the operand's colexicographic index, then the operand.
+    return cute.composition(layout, cute.make_layout((TILE_N, (MMA_K, cols // MMA_K)),
+                                                     stride=(1, (TILE_N, TILE_N * MMA_K))))
+
+
+def check_key_rows(tiled_mma: cute.TiledMma, layout: cute.ComposedLayout, cols: int, name: str):
+    """ValueError unless key_rows(layout) puts (key, column) where ``tiled_mma`` (S^T = K Q^T or
+    dP^T = V dO^T, whose A partition the TMA load also follows) reads that key and column: each
+    operand coordinate's (key, column), read off the MMA's A partition of an identity tile, must
+    land at that coordinate's offset. Every key at the k-slice and swizzle-atom edges, every
+    column of a few keys."""
+    keys = tiled_mma.get_slice(0).partition_A(cute.make_identity_tensor((TILE_N, cols)))
+    view = key_rows(layout.outer, cols)
+    edges = {0, 1, MMA_K - 1, MMA_K, 31, 32, 63, 64, 65, cols - 1}
+    sample = [(r, c) for r in range(TILE_N) for c in sorted(x for x in edges if x < cols)]
+    sample += [(r, c) for r in (0, 1, MMA_K - 1, MMA_K, 63, 64, TILE_N - 1) for c in range(cols)]
+    for r, c in sample:
+        coord = ((r, c % MMA_K), 0, c // MMA_K)
+        key, col = keys[coord]
+        if cute.crd2idx((key, col), view) != cute.crd2idx((*coord, 0), layout.outer):
+            raise ValueError(f"sm100 backward: the (key, column) view of {name} disagrees with the MMA at key "
+                             f"{key}, column {col}")
 
 
 def check_same_elements(a: cute.ComposedLayout, b: cute.ComposedLayout, mn: int, k: int, name: str):
