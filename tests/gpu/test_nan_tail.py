@@ -105,8 +105,12 @@ def test_padded_batch_with_nan_past_seqused_k(seed, causal, num_splits):
         check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal)
 
 
+def _on_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 @pytest.mark.backward
-@pytest.mark.xfail(not sm90_bwd.ZERO_KV_TAIL, strict=True,
+@pytest.mark.xfail(_on_sm90() and not sm90_bwd.ZERO_KV_TAIL, strict=True,
                    reason="sm90/bwd.py ZERO_KV_TAIL off: the key/value rows past seqused_k are not zeroed, so "
                    "dS = P (dP - D) = 0 x NaN there reaches dQ")
 @pytest.mark.parametrize("d", [64, 128])
