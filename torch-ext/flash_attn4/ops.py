@@ -992,15 +992,16 @@ def _keepable_now(device: torch.device) -> bool:
 def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      rows: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
     """k_cache[rows[b], cache_seqlens[b] + t] = k[b, t] (and v), in place, as device-side index
-    tensors (no sync: CUDA-graph capturable with cache_seqlens changing between replays). Any layout
-    of the caches; duplicate rows: one of the writers wins (as in FlashAttention)."""
+    tensors (no sync: CUDA-graph capturable with cache_seqlens changing between replays). ``rows``
+    None: row b. Any layout of the caches; duplicate rows: one of the writers wins (as in
+    FlashAttention)."""
     batch, s_new, s_cache = k.shape[0], k.shape[1], k_cache.shape[1]
     k_rows, v_rows = _rows_view(k_cache), _rows_view(v_cache)
     if k_rows is not None and v_rows is not None:
         # One index_copy_ per cache into its (b_cache * s_cache) rows: a few kernels in all, where
         # index_put_ on (row, position) pairs launches several per cache (decoding pays each launch
         # on the host at every step). Token (b, t) goes to row rows[b] * s_cache + cache_seqlens[b] + t.
-        if rows is _offsets(batch, 1, k.device):  # int64 starts: the sum is the index, one op (a launch) fewer
+        if rows is None or rows is _offsets(batch, 1, k.device):  # int64 starts: the sum is the index, one op
             index = cache_seqlens + _offsets(batch, s_cache, k.device, dtype=torch.int64)
         else:
             index = (cache_seqlens + rows * s_cache).long()
@@ -1010,7 +1011,7 @@ def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tens
         v_rows.index_copy_(0, index, v.reshape(batch * s_new, *v.shape[2:]))
         return
     pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)
-    row = rows.long()[:, None].expand(batch, s_new)
+    row = (torch.arange(batch, device=k.device) if rows is None else rows.long())[:, None].expand(batch, s_new)
     k_cache.index_put_((row, pos), k)
     v_cache.index_put_((row, pos), v)
 
@@ -1062,8 +1063,10 @@ def fwd_kvcache(
     rotary_interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache (arguments checked by validate.check_kvcache; cache_seqlens an int32
-    tensor or None): append k, v to the caches in place, then attend through the varlen forward over
-    the packed cache without copying it (_kvcache_metadata). With rotary_cos/sin (validate.check_kvcache:
+    tensor or None): append k, v to the caches in place, then attend: without cache_batch_idx and
+    cache_leftpad through the batched forward over the caches themselves with seqused_k =
+    cache_seqlens + s_new, else through the varlen forward over the packed cache without copying it
+    (_kvcache_metadata). With rotary_cos/sin (validate.check_kvcache:
     only with k) the new keys are rotated at positions cache_seqlens + t before the append, q at
     cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). With a
     ``page_table`` the caches are paged (validate.check_page_table): the append goes to the pages and
@@ -1079,7 +1082,13 @@ def fwd_kvcache(
         validate.check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new, k_cache.shape[0],
                                       s_cache, sq if positional else 1,
                                       None if rotary_cos is None else rotary_cos.shape[0])
-    if paged:
+    # Decoding's common case (entry b on cache row b from position 0): the batched forward over the cache
+    # itself with seqused_k = cache_seqlens + s_new, no packed-varlen metadata (_kvcache_metadata) to build.
+    batched = not paged and cache_batch_idx is None and cache_leftpad is None
+    if batched:
+        rows = None
+        seqused_k = None if cache_seqlens is None else cache_seqlens + s_new if s_new else cache_seqlens
+    elif paged:
         cu_seqlens_q, seqused_k = _paged_kvcache_metadata(q, page_table, k_cache.shape[1], s_new, cache_seqlens)
         if settings.check_cu_seqlens() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             validate.check_page_table_values(page_table, seqused_k, k_cache.shape[0], k_cache.shape[1])
@@ -1097,6 +1106,11 @@ def fwd_kvcache(
             _append_to_pages(k_cache, v_cache, k, v, page_table, cache_seqlens)
         else:
             _append_to_cache(k_cache, v_cache, k, v, rows, cache_seqlens)
+    if batched:
+        out, lse = _forward(q, k_cache, v_cache, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                            window_left, window_right, sq, s_cache, num_splits, check_values=False,
+                            need_lse=return_lse)
+        return out, lse if return_lse else lse.new_empty((0,))
     if paged:
         out, lse = _forward(q.reshape(batch * sq, hq, d), k_cache, v_cache, cu_seqlens_q, None, seqused_k,
                             learnable_sink, softmax_scale, softcap, causal, window_left, window_right, sq, s_cache,
