@@ -487,16 +487,19 @@ def _key_ranges(mask: torch.Tensor):
 
 
 def _eager_key_ranges(mask: torch.Tensor, heads: int):
-    """_key_ranges with the contiguity read on the host (one sync) and the ranges repeated for each
-    of ``heads`` KV heads (one cache row per (batch, KV head)), remembered for the mask object: the
-    layers of one forward share it, and pay neither the sync nor the repeats again."""
+    """_key_ranges with the contiguity, and whether any row is left-padded, read on the host (one
+    sync) and the ranges repeated for each of ``heads`` KV heads (one cache row per (batch, KV head)),
+    remembered for the mask object: the layers of one forward share it, and pay neither the sync nor
+    the repeats again. leftpad is None when no row is left-padded (a static cache's unused tail
+    only): the KV-cache call then takes its common case (the batched kernel, no varlen metadata)."""
     version = _mask_version(mask)
     if _RANGE_CACHE:
         ref, cached_version, cached_heads, ranges = _RANGE_CACHE[0]
         if ref() is mask and cached_version == version and cached_heads == heads:
             return ranges
     leftpad, end, contiguous = _key_ranges(mask)
-    ranges = (leftpad.repeat_interleave(heads), end.repeat_interleave(heads), bool(contiguous))
+    contiguous, padded = torch.stack((contiguous, (leftpad != 0).any())).tolist()
+    ranges = (leftpad.repeat_interleave(heads) if padded else None, end.repeat_interleave(heads), contiguous)
     _RANGE_CACHE[:] = [(weakref.ref(mask), version, heads, ranges)]
     return ranges
 
