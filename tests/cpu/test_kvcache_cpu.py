@@ -264,6 +264,9 @@ CASES = [
     (2, 2, 2, 4, 2, True, 1, False, False, "int"),
     (2, 2, 0, 4, 2, True, 1, False, False, "none"),
     (2, 2, 0, 4, 2, False, 3, True, True, "none"),
+    (1, 1, 1, 8, 2, False, 0, False, False, "tensor"),  # one sequence: the append indexes the positions
+    (1, 4, 3, 8, 2, True, 1, False, False, "tensor"),
+    (1, 2, 2, 4, 2, True, 3, True, False, "int"),
 ]
 
 
@@ -275,9 +278,9 @@ def test_append_and_attention_match_the_reference(kernels, b, sq, s_new, hq, hk,
     q, kc, vc, k, v = problem(b=b, sq=sq, s_cache=s_cache, hq=hq, hk=hk, s_new=s_new, b_cache=b_cache)
     lens = torch.randint(0, s_cache - s_new + 1, (b,), dtype=torch.int32)
     lens[0] = s_cache - s_new  # one row filled to the end
-    cache_seqlens = {"tensor": lens, "int": int(lens[1]), "none": None}[kind]
+    cache_seqlens = {"tensor": lens, "int": int(lens[-1]), "none": None}[kind]
     idx = torch.randperm(b_cache)[:b].to(torch.int32) if batch_idx else None
-    end = lens if kind == "tensor" else torch.full((b,), s_cache if kind == "none" else int(lens[1]))
+    end = lens if kind == "tensor" else torch.full((b,), s_cache if kind == "none" else int(lens[-1]))
     pad = torch.minimum((torch.rand(b) * (end.float() + 1)).floor(), end.float()).to(torch.int32) if leftpad else None
     k_cache, v_cache = kc.clone(), vc.clone()
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=idx,
@@ -354,23 +357,24 @@ def test_window_softcap_sink_pass_through(kernels):
     assert_close(out, lse, ro, rl)
 
 
+@pytest.mark.parametrize("b", [1, 2])
 @pytest.mark.parametrize("batch_idx", [False, True])
-def test_cache_that_is_a_slice_of_a_bigger_buffer(kernels, batch_idx):
+def test_cache_that_is_a_slice_of_a_bigger_buffer(kernels, batch_idx, b):
     """A cache whose batch stride is not s_cache rows (a slice of a longer buffer): the append writes the
     caller's tensor (so the buffer); the batched kernel (the common case) reads the slice in place, the
-    varlen one (cache_batch_idx) a packed copy; both right."""
-    q, kc_full, vc_full, k, v = problem(b=2, sq=1, s_cache=64, s_new=1, seed=5)
+    varlen one (cache_batch_idx) a packed copy (of more than one row); both right."""
+    q, kc_full, vc_full, k, v = problem(b=b, sq=1, s_cache=64, s_new=1, seed=5)
     kc, vc = kc_full[:, :40], vc_full[:, :40]
     before = kc_full.clone()
-    seq = as_i32([7, 39])
-    idx = as_i32([1, 0]) if batch_idx else None
+    seq = as_i32([7, 39][:b])
+    idx = as_i32([1, 0][2 - b:]) if batch_idx else None
     out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seq, cache_batch_idx=idx,
                                        return_softmax_lse=True)
     ref_kc, _, ro, rl = reference(q, before[:, :40], vc_full[:, :40].clone(), k, v, seq, idx)
     assert torch.equal(kc_full[:, :40], ref_kc) and torch.equal(kc_full[:, 40:], before[:, 40:])
     assert_close(out, lse, ro, rl)
     (cfg, args), = kernels
-    assert cfg.varlen == batch_idx and (args["k"].data_ptr() == kc_full.data_ptr()) != batch_idx
+    assert cfg.varlen == batch_idx and (args["k"].data_ptr() == kc_full.data_ptr()) == (not batch_idx or b == 1)
 
 
 def test_out_only_unless_lse_asked(kernels):

@@ -996,6 +996,13 @@ def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tens
     None: row b. Any layout of the caches; duplicate rows: one of the writers wins (as in
     FlashAttention)."""
     batch, s_new, s_cache = k.shape[0], k.shape[1], k_cache.shape[1]
+    if rows is None and batch == 1:
+        # One sequence (single-stream decoding): index_copy_ along the caches' positions, any strides,
+        # no views; one conversion (with s_new > 1 an add) for the index.
+        index = cache_seqlens.long() if s_new == 1 else cache_seqlens + torch.arange(s_new, device=k.device)
+        k_cache.index_copy_(1, index, k)
+        v_cache.index_copy_(1, index, v)
+        return
     k_rows, v_rows = _rows_view(k_cache), _rows_view(v_cache)
     if k_rows is not None and v_rows is not None:
         # One index_copy_ per cache into its (b_cache * s_cache) rows: a few kernels in all, where
@@ -1007,8 +1014,8 @@ def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tens
             index = (cache_seqlens + rows * s_cache).long()
         if s_new > 1:
             index = (index[:, None] + torch.arange(s_new, device=k.device)).flatten()
-        k_rows.index_copy_(0, index, k.reshape(batch * s_new, *k.shape[2:]))
-        v_rows.index_copy_(0, index, v.reshape(batch * s_new, *v.shape[2:]))
+        k_rows.index_copy_(0, index, k.flatten(0, 1))
+        v_rows.index_copy_(0, index, v.flatten(0, 1))
         return
     pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)
     row = (torch.arange(batch, device=k.device) if rows is None else rows.long())[:, None].expand(batch, s_new)
@@ -1018,11 +1025,11 @@ def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tens
 
 def _rows_view(cache: torch.Tensor) -> Optional[torch.Tensor]:
     """(b_cache, s_cache, h, d) as a (b_cache * s_cache, h, d) view of the same storage, or None when
-    the strides do not allow one."""
-    try:
-        return cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
-    except RuntimeError:
-        return None
+    the strides do not allow one (decided from the strides: a failed view's exception costs more)."""
+    b_cache, s_cache = cache.shape[0], cache.shape[1]
+    if b_cache == 1 or s_cache == 1 or cache.stride(0) == s_cache * cache.stride(1):
+        return cache.flatten(0, 1)  # a view under that condition
+    return None
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,

@@ -539,11 +539,17 @@ def _cache_forward(fa, query, key, value, mask, options: dict):
         if not contiguous:
             return None
     group = hq // hk
-    # (B, Hq, Sq, D) -> (B * Hk, Sq, group, D): the query heads of one KV head share its cache row
-    q_rows = query.reshape(batch, hk, group, sq, d).transpose(2, 3).reshape(batch * hk, sq, group, d)
+    # (B, Hq, Sq, D) -> (B * Hk, Sq, group, D): the query heads of one KV head share its cache row. One
+    # query (decoding) is one reshape each way: (b, head, d) is the same order on both sides.
+    if sq == 1:
+        q_rows = query.reshape(batch * hk, 1, group, d)
+    else:
+        q_rows = query.reshape(batch, hk, group, sq, d).transpose(2, 3).reshape(batch * hk, sq, group, d)
     if torch.compiler.is_compiling():  # eager: _eager_key_ranges repeated them once for every layer
         leftpad, end = leftpad.repeat_interleave(hk), end.repeat_interleave(hk)
     out = _first_tensor(fa.flash_attn_with_kvcache(
         q_rows, k_rows, v_rows, cache_seqlens=end, cache_leftpad=leftpad, **options))
     dv = out.shape[-1]
+    if sq == 1:
+        return out.reshape(batch, 1, hq, dv)
     return out.view(batch, hk, sq, group, dv).transpose(1, 2).reshape(batch, sq, hq, dv)
