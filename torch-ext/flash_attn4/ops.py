@@ -1047,7 +1047,7 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
-def fwd_kvcache(
+def _kvcache_forward(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -1068,7 +1068,7 @@ def fwd_kvcache(
     num_splits: int,
     return_lse: bool,
     rotary_interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """flash_attn_with_kvcache (arguments checked by validate.check_kvcache; cache_seqlens an int32
     tensor or None): append k, v to the caches in place, then attend: without cache_batch_idx and
     cache_leftpad through the batched forward over the caches themselves with seqused_k =
@@ -1078,7 +1078,7 @@ def fwd_kvcache(
     cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). With a
     ``page_table`` the caches are paged (validate.check_page_table): the append goes to the pages and
     the forward reads them through the table. Returns out (b, sq, hq, dv) and lse (b, hq, sq) float32
-    when ``return_lse``, else an empty float32 tensor (no transpose copy)."""
+    when ``return_lse``, else None (no transpose copy; the op returns an empty tensor there)."""
     batch, sq, hq, d = q.shape
     paged = page_table is not None
     s_cache = k_cache.shape[1] * (page_table.shape[1] if paged else 1)  # a sequence's capacity
@@ -1117,7 +1117,7 @@ def fwd_kvcache(
         out, lse = _forward(q, k_cache, v_cache, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                             window_left, window_right, sq, s_cache, num_splits, check_values=False,
                             need_lse=return_lse)
-        return out, lse if return_lse else lse.new_empty((0,))
+        return out, lse if return_lse else None
     if paged:
         out, lse = _forward(q.reshape(batch * sq, hq, d), k_cache, v_cache, cu_seqlens_q, None, seqused_k,
                             learnable_sink, softmax_scale, softcap, causal, window_left, window_right, sq, s_cache,
@@ -1129,21 +1129,49 @@ def fwd_kvcache(
                             need_lse=return_lse)
     out = out.view(batch, sq, hq, v_cache.shape[-1])
     if not return_lse:
-        return out, lse.new_empty((0,))
+        return out, None
     return out, lse.view(hq, batch, sq).transpose(0, 1).contiguous()  # (hq, total_q) -> (b, hq, sq)
 
 
-_fwd_kvcache_impl = fwd_kvcache
+def fwd_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    rotary_cos: Optional[torch.Tensor],
+    rotary_sin: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    cache_batch_idx: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor],
+    page_table: Optional[torch.Tensor],
+    learnable_sink: Optional[torch.Tensor],
+    softmax_scale: float,
+    softcap: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    num_splits: int,
+    return_lse: bool,
+    rotary_interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op: _kvcache_forward, with an empty float32 LSE when not ``return_lse`` (an op returns tensors)."""
+    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, window_left,
+                                window_right, num_splits, return_lse, rotary_interleaved)
+    return out, out.new_empty((0,), dtype=torch.float32) if lse is None else lse
+
+
 fwd_kvcache = _define_op(fwd_kvcache, mutates_args=("k_cache", "v_cache"))
 
 
 def forward_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     page_table, learnable_sink, *options):
     """``fwd_kvcache`` for flash_attn_with_kvcache: the op, or its implementation directly where
-    nothing needs the dispatcher (_dispatcher_free)."""
+    nothing needs the dispatcher (_dispatcher_free; the LSE is then None unless asked for)."""
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                page_table, learnable_sink)
-    run = _fwd_kvcache_impl if _dispatcher_free(*tensors) else fwd_kvcache
+    run = _kvcache_forward if _dispatcher_free(*tensors) else fwd_kvcache
     return run(*tensors, *options)
 
 
