@@ -352,9 +352,8 @@ def attention_forward(
         is_causal = getattr(module, "is_causal", True)
     is_causal = bool(is_causal)
 
-    device_type = query.device.type
-    if query.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
 
     mask = attention_mask
@@ -364,7 +363,8 @@ def attention_forward(
                 f"attn_implementation 'fa4' takes the 2-D (batch, kv_len) padding mask; got a {mask.dim()}-D "
                 "mask (a custom mask?). Use attn_implementation='sdpa' or 'eager' for arbitrary masks."
             )
-        mask = mask.bool()
+        if mask.dtype != torch.bool:
+            mask = mask.bool()
         if mask.shape[-1] > key.shape[2]:
             mask = mask[:, -key.shape[2]:]
 
