@@ -921,15 +921,11 @@ def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
     cache_seqlens[b] + s_new (s_cache without cache_seqlens), so in the packed cache
     cu_seqlens_k[b] = rows[b] * s_cache + leftpad[b] and seqused_k[b] = cache_seqlens[b] + s_new -
     leftpad[b]. cu_seqlens_k[batch] is the packed total: with seqused_k the kernel reads only
-    cu_seqlens_k[b] (seqlen.SeqlenInfo), so the entries need not increase (cache_batch_idx may permute)."""
+    cu_seqlens_k[b] (seqlen.SeqlenInfo), so the entries need not increase (cache_batch_idx may permute).
+    Only for calls with cache_batch_idx or cache_leftpad: without both fwd_kvcache runs the batched
+    kernel, which needs none of this."""
     batch, sq, device = q.shape[0], q.shape[1], q.device
     cu_seqlens_q = _offsets(batch + 1, sq, device)
-    if cache_batch_idx is None and cache_leftpad is None:  # decoding's common case: two constants, one add
-        rows = _offsets(batch, 1, device)
-        cu_seqlens_k = _offsets(batch, s_cache, device, last=b_cache * s_cache)
-        seqused_k = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
-                     else cache_seqlens + s_new if s_new else cache_seqlens)
-        return rows, cu_seqlens_q, cu_seqlens_k, seqused_k
     # Constants from _offsets where they can be: each tensor op here is a launch per call and layer.
     rows = _offsets(batch, 1, device) if cache_batch_idx is None else cache_batch_idx
     ends = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
