@@ -135,6 +135,13 @@ def paths(fa, dev: str, gpu: bool) -> dict:
     # (no mask) and on a static cache (padding mask: the unused tail is False)
     tq, tk, tv = rand(b, 16, 1, d), rand(b, 4, s_cache, d), rand(b, 4, s_cache, d)
     mask = torch.arange(s_cache, device=dev)[None] < s_cache - 100
+    # several sequences: 4 x 4k caches (the append's rows view), and a left-padded batch of 2 on the adapter
+    q4, k4, v4 = rand(4, 1, hq, d), rand(4, 1, hk, d), rand(4, 1, hk, d)
+    k_cache4, v_cache4 = rand(4, 4096, hk, d), rand(4, 4096, hk, d)
+    lens4 = torch.tensor([4095, 100, 2000, 7], dtype=torch.int32, device=dev)
+    tq2, tk2, tv2 = rand(2, 16, 1, d), rand(2, 4, 4096, d), rand(2, 4, 4096, d)
+    keys = torch.arange(4096, device=dev)[None]
+    left_mask = (keys >= torch.tensor([[0], [37]], device=dev)) & (keys < 4000)
     module = _Module()
     calls = {
         "flash_attn_func": (lambda: fa.flash_attn_func(q, k, v), False),
@@ -150,10 +157,14 @@ def paths(fa, dev: str, gpu: bool) -> dict:
                                   False),
         "kvcache 16k num_splits=1": (lambda: fa.flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=full, num_splits=1), False),
+        "kvcache 4x4k append 1": (lambda: fa.flash_attn_with_kvcache(
+            q4, k_cache4, v_cache4, k4, v4, cache_seqlens=lens4), False),
         "adapter decode (dynamic cache)": (lambda: adapter.attention_forward(
             module, tq, tk, tv, None, scaling=d ** -0.5), False),
         "adapter decode (padding mask)": (lambda: adapter.attention_forward(
             module, tq, tk, tv, mask, scaling=d ** -0.5), False),
+        "adapter decode (left padding)": (lambda: adapter.attention_forward(
+            module, tq2, tk2, tv2, left_mask, scaling=d ** -0.5), False),
     }
     if gpu:
         import torch.nn.functional as F
