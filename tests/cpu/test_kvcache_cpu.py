@@ -1,11 +1,14 @@
 """flash_attn_with_kvcache on the CPU: argument validation, the in-place append, the mapping onto the
-varlen kernel's arguments (cu_seqlens_k = cache row start + leftpad, seqused_k = cache_seqlens + s_new -
-leftpad, the packed cache passed without a copy), the op's fake implementation and torch.compile.
+kernels' arguments (the common case - entry b on cache row b from position 0 - the batched kernel over
+the cache itself with seqused_k = cache_seqlens + s_new; with cache_batch_idx or cache_leftpad the varlen
+kernel with cu_seqlens_k = cache row start + leftpad, seqused_k = cache_seqlens + s_new - leftpad, the
+packed cache passed without a copy), the op's fake implementation and torch.compile.
 
 The kernels are torch stand-ins with the real call convention: the unsplit one is test_ops.torch_kernel
 (attention_ref over keys [cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b]) of the packed tensor, as
-seqlen.SeqlenInfo reads them), the split one below reads the same keys, the combine one is
-test_splitkv_cpu's. What they cannot show is the kernels' numerics: tests/gpu/test_kvcache.py."""
+seqlen.SeqlenInfo reads them, or the first seqused_k[b] keys of batch entry b), the split one below reads
+the same keys, the combine one is test_splitkv_cpu's. What they cannot show is the kernels' numerics:
+tests/gpu/test_kvcache.py."""
 
 from __future__ import annotations
 
@@ -21,30 +24,44 @@ BF16 = torch.bfloat16
 H200_SMS = 132
 
 
+def _clone(t):
+    return None if t is None else t.clone()
+
+
 def split_stand_in(cfg, calls):
-    """The split-KV kernel's call convention over varlen inputs with seqused_k: sequence b's keys are
-    [cu_k[b], cu_k[b] + seqused_k[b]) of the packed tensor (cu_k[b + 1] is not read); split s takes KV
-    blocks [s * per, (s + 1) * per)."""
+    """The split-KV kernel's call convention with seqused_k: varlen, sequence b's keys are [cu_k[b],
+    cu_k[b] + seqused_k[b]) of the packed tensor (cu_k[b + 1] is not read); batched, the first
+    seqused_k[b] keys of entry b (all of them without seqused_k); split s takes KV blocks
+    [s * per, (s + 1) * per)."""
 
     def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, scale, softcap, left, right,
             max_seqlen_q):
         assert seqused_q is None
         if page_table is not None:
             k, v, cu_k = unpage(k, v, page_table, seqused_k)
-        calls.append((cfg, dict(k=k, v=v, cu_q=cu_q.clone(), cu_k=cu_k.clone(), seqused_k=seqused_k.clone(),
+        calls.append((cfg, dict(k=k, v=v, cu_q=_clone(cu_q), cu_k=_clone(cu_k), seqused_k=_clone(seqused_k),
                                 max_seqlen_q=max_seqlen_q, page_table=page_table)))
-        assert cfg.split_kv and cfg.varlen and cfg.has_seqused_k and sink is None
+        assert cfg.split_kv and sink is None
+        assert (cu_q is not None) == cfg.varlen and (seqused_k is not None) == cfg.has_seqused_k
         window = (left, right) if cfg.local else (-1, -1)
-        for b in range(cu_q.shape[0] - 1):
-            rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-            start, n = int(cu_k[b]), int(seqused_k[b])
-            ks, vs = k[start:start + n], v[start:start + n]
+        for b in range(cu_q.shape[0] - 1 if cfg.varlen else q.shape[0]):
+            if cfg.varlen:
+                rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+                start, n = int(cu_k[b]), int(seqused_k[b])
+                qs, ks, vs = q[rows], k[start:start + n], v[start:start + n]
+            else:
+                assert max_seqlen_q == q.shape[1]
+                n = k.shape[1] if seqused_k is None else int(seqused_k[b])
+                qs, ks, vs = q[b], k[b, :n], v[b, :n]
             per = -(-(-(-n // cfg.tile_n)) // out_p.shape[0]) * cfg.tile_n
             pos = torch.arange(n)
             for s in range(out_p.shape[0]):
-                o, lse = partial_attention_ref(q[rows], ks, vs, (pos >= s * per) & (pos < (s + 1) * per),
+                o, lse = partial_attention_ref(qs, ks, vs, (pos >= s * per) & (pos < (s + 1) * per),
                                                softmax_scale=scale, causal=cfg.causal, window_size=window)
-                out_p[s, rows], lse_p[s, :, rows] = o, lse
+                if cfg.varlen:
+                    out_p[s, rows], lse_p[s, :, rows] = o, lse
+                else:
+                    out_p[s, b], lse_p[s, b] = o, lse
 
     return run
 
@@ -56,8 +73,8 @@ def unsplit_stand_in(cfg, calls):
 
     def run(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, *rest):
         packed = (k, v, cu_k) if page_table is None else unpage(k, v, page_table, seqused_k)
-        calls.append((cfg, dict(k=packed[0], v=packed[1], cu_q=cu_q.clone(), cu_k=packed[2].clone(),
-                                seqused_k=seqused_k.clone(), max_seqlen_q=rest[-1], page_table=page_table)))
+        calls.append((cfg, dict(k=packed[0], v=packed[1], cu_q=_clone(cu_q), cu_k=_clone(packed[2]),
+                                seqused_k=_clone(seqused_k), max_seqlen_q=rest[-1], page_table=page_table)))
         inner(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, *rest)
 
     return run
@@ -247,6 +264,9 @@ CASES = [
     (2, 2, 2, 4, 2, True, 1, False, False, "int"),
     (2, 2, 0, 4, 2, True, 1, False, False, "none"),
     (2, 2, 0, 4, 2, False, 3, True, True, "none"),
+    (1, 1, 1, 8, 2, False, 0, False, False, "tensor"),  # one sequence: the append indexes the positions
+    (1, 4, 3, 8, 2, True, 1, False, False, "tensor"),
+    (1, 2, 2, 4, 2, True, 3, True, False, "int"),
 ]
 
 
@@ -258,9 +278,9 @@ def test_append_and_attention_match_the_reference(kernels, b, sq, s_new, hq, hk,
     q, kc, vc, k, v = problem(b=b, sq=sq, s_cache=s_cache, hq=hq, hk=hk, s_new=s_new, b_cache=b_cache)
     lens = torch.randint(0, s_cache - s_new + 1, (b,), dtype=torch.int32)
     lens[0] = s_cache - s_new  # one row filled to the end
-    cache_seqlens = {"tensor": lens, "int": int(lens[1]), "none": None}[kind]
+    cache_seqlens = {"tensor": lens, "int": int(lens[-1]), "none": None}[kind]
     idx = torch.randperm(b_cache)[:b].to(torch.int32) if batch_idx else None
-    end = lens if kind == "tensor" else torch.full((b,), s_cache if kind == "none" else int(lens[1]))
+    end = lens if kind == "tensor" else torch.full((b,), s_cache if kind == "none" else int(lens[-1]))
     pad = torch.minimum((torch.rand(b) * (end.float() + 1)).floor(), end.float()).to(torch.int32) if leftpad else None
     k_cache, v_cache = kc.clone(), vc.clone()
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=idx,
@@ -271,7 +291,9 @@ def test_append_and_attention_match_the_reference(kernels, b, sq, s_new, hq, hk,
     assert_close(out, lse, ro, rl)
     assert lse.is_contiguous() and lse.dtype == torch.float32 and out.shape == (b, sq, hq, 64)
     cfg, args = kernels[0]
-    assert cfg.varlen and cfg.has_seqused_k and cfg.causal == causal
+    # the common case runs batched over the cache (seqused_k unless the whole cache is used), the others varlen
+    assert cfg.varlen == (batch_idx or leftpad) and cfg.causal == causal
+    assert cfg.has_seqused_k == (cfg.varlen or kind != "none")
     if num_splits != 0:
         assert cfg.split_kv == (num_splits > 1)
 
@@ -290,6 +312,26 @@ def test_argument_mapping_onto_the_varlen_kernel(kernels):
     assert args["seqused_k"].tolist() == [10 + 2 - 3, 0 + 2 - 0, 38 + 2 - 38]
     assert args["k"].shape == (5 * 40, 2, 64) and args["k"].data_ptr() == kc.data_ptr()
     assert args["v"].data_ptr() == vc.data_ptr()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_argument_mapping_of_the_common_case_onto_the_batched_kernel(kernels, num_splits):
+    """No cache_batch_idx, no cache_leftpad (so b_cache == b): the batched kernel over the caller's cache
+    itself, seqused_k = cache_seqlens + s_new, max_seqlen_q = sq; no varlen metadata."""
+    q, kc, vc, k, v = problem(b=2, sq=2, s_cache=40, s_new=2, seed=11)
+    seq = torch.randint(0, 39, (2,), dtype=torch.int32)
+    k_cache, v_cache = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seq, causal=True, num_splits=num_splits,
+                                       return_softmax_lse=True)
+    (cfg, args), = kernels
+    assert not cfg.varlen and cfg.has_seqused_k and cfg.split_kv == (num_splits > 1)
+    assert args["cu_q"] is None and args["cu_k"] is None and args["max_seqlen_q"] == 2
+    assert args["seqused_k"].tolist() == (seq + 2).tolist() and args["seqused_k"].dtype == torch.int32
+    assert args["k"].shape == (2, 40, 2, 64) and args["k"].data_ptr() == k_cache.data_ptr()
+    assert args["v"].data_ptr() == v_cache.data_ptr()
+    ref_kc, ref_vc, ro, rl = reference(q, kc, vc, k, v, seq, causal=True)
+    assert torch.equal(k_cache, ref_kc) and torch.equal(v_cache, ref_vc)
+    assert_close(out, lse, ro, rl)
 
 
 def test_fully_masked_rows_give_zero_and_minus_inf(kernels):
@@ -315,17 +357,24 @@ def test_window_softcap_sink_pass_through(kernels):
     assert_close(out, lse, ro, rl)
 
 
-def test_cache_that_is_a_slice_of_a_bigger_buffer(kernels):
+@pytest.mark.parametrize("b", [1, 2])
+@pytest.mark.parametrize("batch_idx", [False, True])
+def test_cache_that_is_a_slice_of_a_bigger_buffer(kernels, batch_idx, b):
     """A cache whose batch stride is not s_cache rows (a slice of a longer buffer): the append writes the
-    caller's tensor (so the buffer), the attention reads a copy; both right."""
-    q, kc_full, vc_full, k, v = problem(b=2, sq=1, s_cache=64, s_new=1, seed=5)
+    caller's tensor (so the buffer); the batched kernel (the common case) reads the slice in place, the
+    varlen one (cache_batch_idx) a packed copy (of more than one row); both right."""
+    q, kc_full, vc_full, k, v = problem(b=b, sq=1, s_cache=64, s_new=1, seed=5)
     kc, vc = kc_full[:, :40], vc_full[:, :40]
     before = kc_full.clone()
-    seq = as_i32([7, 39])
-    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seq, return_softmax_lse=True)
-    ref_kc, _, ro, rl = reference(q, before[:, :40], vc_full[:, :40].clone(), k, v, seq)
+    seq = as_i32([7, 39][:b])
+    idx = as_i32([1, 0][2 - b:]) if batch_idx else None
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seq, cache_batch_idx=idx,
+                                       return_softmax_lse=True)
+    ref_kc, _, ro, rl = reference(q, before[:, :40], vc_full[:, :40].clone(), k, v, seq, idx)
     assert torch.equal(kc_full[:, :40], ref_kc) and torch.equal(kc_full[:, 40:], before[:, 40:])
     assert_close(out, lse, ro, rl)
+    (cfg, args), = kernels
+    assert cfg.varlen == batch_idx and (args["k"].data_ptr() == kc_full.data_ptr()) == (not batch_idx or b == 1)
 
 
 def test_out_only_unless_lse_asked(kernels):

@@ -237,16 +237,18 @@ def test_nan_outside_the_key_range(seed):
 # ---- CUDA graphs and torch.compile ----
 
 
+@pytest.mark.parametrize("b", [1, 2])
 @pytest.mark.parametrize("num_splits", [0, 1])
-def test_cuda_graph_replay_with_changing_cache_seqlens(seed, num_splits):
+def test_cuda_graph_replay_with_changing_cache_seqlens(seed, num_splits, b):
     """Captured once, replayed with new cache_seqlens, q and new k/v copied into the captured tensors: each
     replay appends at the new positions and equals an eager call bit for bit; no kernel is compiled after
-    the warm-up (the automatic split count depends on s_cache, not the fill)."""
-    b, s_cache, hq, hk, d = 2, 4096, 8, 2, 128
+    the warm-up (the automatic split count depends on s_cache, not the fill). One sequence appends along
+    the cache's positions, two through the rows view (ops._append_to_cache)."""
+    s_cache, hq, hk, d = 4096, 8, 2, 128
     base_k, base_v = rand(b, s_cache, hk, d), rand(b, s_cache, hk, d)
     k_cache, v_cache = base_k.clone(), base_v.clone()
     q, k, v = rand(b, 1, hq, d), rand(b, 1, hk, d), rand(b, 1, hk, d)
-    seqlens = i32([100, 7])
+    seqlens = i32([100, 7][:b])
 
     def step():
         return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True,
@@ -263,6 +265,7 @@ def test_cuda_graph_replay_with_changing_cache_seqlens(seed, num_splits):
     with torch.cuda.graph(graph):
         out_g, lse_g = step()
     for lens in ([0, 4095], [2048, 1], [4000, 129]):
+        lens = lens[:b]
         k_cache.copy_(base_k)
         v_cache.copy_(base_v)
         seqlens.copy_(i32(lens))
@@ -276,7 +279,7 @@ def test_cuda_graph_replay_with_changing_cache_seqlens(seed, num_splits):
                                                num_splits=num_splits, return_softmax_lse=True)
         assert torch.equal(graph_k, eager_k) and torch.equal(graph_v, eager_v)
         assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e)
-        check_against_gathered(out_g, lse_g, q, graph_k, graph_v, lens, 1, [0, 1], [0, 0], causal=True)
+        check_against_gathered(out_g, lse_g, q, graph_k, graph_v, lens, 1, [0, 1][:b], [0, 0][:b], causal=True)
     assert compile_cache.stats()["compiled"] == compiled_before
 
 

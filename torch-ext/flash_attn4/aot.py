@@ -87,7 +87,9 @@ MODEL_PROFILES = (
 # How calls reach the kernels (ops.py): "dense" = flash_attn_func on an unpadded batch; "varlen" =
 # padded or packed batches (the transformers adapter unpads to cu_seqlens); "decode" = one query per
 # sequence (heads padded to a packable group, dispatch.padded_pack); "kvcache" = flash_attn_with_kvcache
-# over a contiguous cache (varlen + seqused_k), unsplit and split-KV plus the combine kernel.
+# over a contiguous cache, unsplit and split-KV plus the combine kernel: batched + seqused_k (entry b on
+# cache row b from position 0: decoding's common case) and varlen + seqused_k (cache_batch_idx or
+# cache_leftpad: left-padded batches, the transformers adapter's left padding).
 CALL_PATTERNS = ("dense", "varlen", "decode", "kvcache")
 
 
@@ -122,9 +124,11 @@ def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTE
         if "decode" in patterns and p.causal:
             out += [fwd(False, True, has_seqused_k=False), fwd(True, True, has_seqused_k=False)]
         if "kvcache" in patterns and p.causal:
-            out.append(fwd(True, True, has_seqused_k=True))
+            for varlen in (False, True):
+                out.append(fwd(varlen, True, has_seqused_k=True))
+                if has_split_kv(arch):
+                    out.append(fwd(varlen, True, has_seqused_k=True, split_kv=True))
             if has_split_kv(arch):
-                out.append(fwd(True, True, has_seqused_k=True, split_kv=True))
                 out.append(dispatch.combine_config(arch, dtype, p.dv))
     return out
 

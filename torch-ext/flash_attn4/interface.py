@@ -347,8 +347,9 @@ def flash_attn_with_kvcache(
     Values are the caller's contract, as in FlashAttention: cache_seqlens + s_new <= s_cache,
     cache_batch_idx < b_cache, cache_leftpad <= cache_seqlens (checked for an int cache_seqlens, and
     for tensors with FLASH_ATTN4_CHECK_CU_SEQLENS=1, at the cost of a sync). Cache positions outside
-    a row's key range may hold anything finite. Caches whose batch stride is not s_cache times their
-    row stride are copied for reading on every call (slow; the append still goes to the caller's tensor).
+    a row's key range may hold anything finite. With cache_batch_idx or cache_leftpad, caches whose batch
+    stride is not s_cache times their row stride are copied for reading on every call (slow; the append
+    still goes to the caller's tensor); without them the kernel reads any batch stride in place.
     ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2), with k and v only: rotary embedding of the
     first rotary_dim dims (pairs (2i, 2i + 1) with ``rotary_interleaved``, else (i, i + rotary_dim / 2)),
     in float32 by torch ops before the append: the new keys at positions cache_seqlens + t (the cache

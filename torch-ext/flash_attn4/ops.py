@@ -939,15 +939,11 @@ def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
     cache_seqlens[b] + s_new (s_cache without cache_seqlens), so in the packed cache
     cu_seqlens_k[b] = rows[b] * s_cache + leftpad[b] and seqused_k[b] = cache_seqlens[b] + s_new -
     leftpad[b]. cu_seqlens_k[batch] is the packed total: with seqused_k the kernel reads only
-    cu_seqlens_k[b] (seqlen.SeqlenInfo), so the entries need not increase (cache_batch_idx may permute)."""
+    cu_seqlens_k[b] (seqlen.SeqlenInfo), so the entries need not increase (cache_batch_idx may permute).
+    Only for calls with cache_batch_idx or cache_leftpad: without both fwd_kvcache runs the batched
+    kernel, which needs none of this."""
     batch, sq, device = q.shape[0], q.shape[1], q.device
     cu_seqlens_q = _offsets(batch + 1, sq, device)
-    if cache_batch_idx is None and cache_leftpad is None:  # decoding's common case: two constants, one add
-        rows = _offsets(batch, 1, device)
-        cu_seqlens_k = _offsets(batch, s_cache, device, last=b_cache * s_cache)
-        seqused_k = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
-                     else cache_seqlens + s_new if s_new else cache_seqlens)
-        return rows, cu_seqlens_q, cu_seqlens_k, seqused_k
     # Constants from _offsets where they can be: each tensor op here is a launch per call and layer.
     rows = _offsets(batch, 1, device) if cache_batch_idx is None else cache_batch_idx
     ends = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
@@ -1010,36 +1006,44 @@ def _keepable_now(device: torch.device) -> bool:
 def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      rows: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
     """k_cache[rows[b], cache_seqlens[b] + t] = k[b, t] (and v), in place, as device-side index
-    tensors (no sync: CUDA-graph capturable with cache_seqlens changing between replays). Any layout
-    of the caches; duplicate rows: one of the writers wins (as in FlashAttention)."""
+    tensors (no sync: CUDA-graph capturable with cache_seqlens changing between replays). ``rows``
+    None: row b. Any layout of the caches; duplicate rows: one of the writers wins (as in
+    FlashAttention)."""
     batch, s_new, s_cache = k.shape[0], k.shape[1], k_cache.shape[1]
+    if rows is None and batch == 1:
+        # One sequence (single-stream decoding): index_copy_ along the caches' positions, any strides,
+        # no views; one conversion (with s_new > 1 an add) for the index.
+        index = cache_seqlens.long() if s_new == 1 else cache_seqlens + torch.arange(s_new, device=k.device)
+        k_cache.index_copy_(1, index, k)
+        v_cache.index_copy_(1, index, v)
+        return
     k_rows, v_rows = _rows_view(k_cache), _rows_view(v_cache)
     if k_rows is not None and v_rows is not None:
         # One index_copy_ per cache into its (b_cache * s_cache) rows: a few kernels in all, where
         # index_put_ on (row, position) pairs launches several per cache (decoding pays each launch
         # on the host at every step). Token (b, t) goes to row rows[b] * s_cache + cache_seqlens[b] + t.
-        if rows is _offsets(batch, 1, k.device):  # int64 starts: the sum is the index, one op (a launch) fewer
+        if rows is None or rows is _offsets(batch, 1, k.device):  # int64 starts: the sum is the index, one op
             index = cache_seqlens + _offsets(batch, s_cache, k.device, dtype=torch.int64)
         else:
             index = (cache_seqlens + rows * s_cache).long()
         if s_new > 1:
             index = (index[:, None] + torch.arange(s_new, device=k.device)).flatten()
-        k_rows.index_copy_(0, index, k.reshape(batch * s_new, *k.shape[2:]))
-        v_rows.index_copy_(0, index, v.reshape(batch * s_new, *v.shape[2:]))
+        k_rows.index_copy_(0, index, k.flatten(0, 1))
+        v_rows.index_copy_(0, index, v.flatten(0, 1))
         return
     pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)
-    row = rows.long()[:, None].expand(batch, s_new)
+    row = (torch.arange(batch, device=k.device) if rows is None else rows.long())[:, None].expand(batch, s_new)
     k_cache.index_put_((row, pos), k)
     v_cache.index_put_((row, pos), v)
 
 
 def _rows_view(cache: torch.Tensor) -> Optional[torch.Tensor]:
     """(b_cache, s_cache, h, d) as a (b_cache * s_cache, h, d) view of the same storage, or None when
-    the strides do not allow one."""
-    try:
-        return cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
-    except RuntimeError:
-        return None
+    the strides do not allow one (decided from the strides: a failed view's exception costs more)."""
+    b_cache, s_cache = cache.shape[0], cache.shape[1]
+    if b_cache == 1 or s_cache == 1 or cache.stride(0) == s_cache * cache.stride(1):
+        return cache.flatten(0, 1)  # a view under that condition
+    return None
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
@@ -1055,6 +1059,92 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     r1, r2 = x1 * c - x2 * s, x1 * s + x2 * c
     rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
     return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _kvcache_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    rotary_cos: Optional[torch.Tensor],
+    rotary_sin: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    cache_batch_idx: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor],
+    page_table: Optional[torch.Tensor],
+    learnable_sink: Optional[torch.Tensor],
+    softmax_scale: float,
+    softcap: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    num_splits: int,
+    return_lse: bool,
+    rotary_interleaved: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """flash_attn_with_kvcache (arguments checked by validate.check_kvcache; cache_seqlens an int32
+    tensor or None): append k, v to the caches in place, then attend: without cache_batch_idx and
+    cache_leftpad through the batched forward over the caches themselves with seqused_k =
+    cache_seqlens + s_new, else through the varlen forward over the packed cache without copying it
+    (_kvcache_metadata). With rotary_cos/sin (validate.check_kvcache:
+    only with k) the new keys are rotated at positions cache_seqlens + t before the append, q at
+    cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). With a
+    ``page_table`` the caches are paged (validate.check_page_table): the append goes to the pages and
+    the forward reads them through the table. Returns out (b, sq, hq, dv) and lse (b, hq, sq) float32
+    when ``return_lse``, else None (no transpose copy; the op returns an empty tensor there)."""
+    batch, sq, hq, d = q.shape
+    paged = page_table is not None
+    s_cache = k_cache.shape[1] * (page_table.shape[1] if paged else 1)  # a sequence's capacity
+    s_new = 0 if k is None else k.shape[1]
+    positional = causal or window_left >= 0 or window_right >= 0  # q's rotary positions advance per token
+    if (settings.check_cu_seqlens()
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        validate.check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new, k_cache.shape[0],
+                                      s_cache, sq if positional else 1,
+                                      None if rotary_cos is None else rotary_cos.shape[0])
+    # Decoding's common case (entry b on cache row b from position 0): the batched forward over the cache
+    # itself with seqused_k = cache_seqlens + s_new, no packed-varlen metadata (_kvcache_metadata) to build.
+    batched = not paged and cache_batch_idx is None and cache_leftpad is None
+    if batched:
+        rows = None
+        seqused_k = None if cache_seqlens is None else cache_seqlens + s_new if s_new else cache_seqlens
+    elif paged:
+        cu_seqlens_q, seqused_k = _paged_kvcache_metadata(q, page_table, k_cache.shape[1], s_new, cache_seqlens)
+        if settings.check_cu_seqlens() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            validate.check_page_table_values(page_table, seqused_k, k_cache.shape[0], k_cache.shape[1])
+    else:
+        rows, cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
+            q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad)
+    if rotary_cos is not None:
+        steps = torch.arange(max(sq, s_new), device=q.device)
+        start = cache_seqlens.long()[:, None]
+        k = _rotary(k, rotary_cos, rotary_sin, start + steps[:s_new], rotary_interleaved)
+        q_pos = start + steps[:sq] if positional else start.expand(batch, sq)
+        q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+    if k is not None and k.numel():
+        if paged:
+            _append_to_pages(k_cache, v_cache, k, v, page_table, cache_seqlens)
+        else:
+            _append_to_cache(k_cache, v_cache, k, v, rows, cache_seqlens)
+    if batched:
+        out, lse = _forward(q, k_cache, v_cache, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                            window_left, window_right, sq, s_cache, num_splits, check_values=False,
+                            need_lse=return_lse)
+        return out, lse if return_lse else None
+    if paged:
+        out, lse = _forward(q.reshape(batch * sq, hq, d), k_cache, v_cache, cu_seqlens_q, None, seqused_k,
+                            learnable_sink, softmax_scale, softcap, causal, window_left, window_right, sq, s_cache,
+                            num_splits, check_values=False, page_table=page_table, need_lse=return_lse)
+    else:
+        out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
+                            cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                            window_left, window_right, sq, s_cache, num_splits, check_values=False,
+                            need_lse=return_lse)
+    out = out.view(batch, sq, hq, v_cache.shape[-1])
+    if not return_lse:
+        return out, None
+    return out, lse.view(hq, batch, sq).transpose(0, 1).contiguous()  # (hq, total_q) -> (b, hq, sq)
 
 
 def fwd_kvcache(
@@ -1079,68 +1169,23 @@ def fwd_kvcache(
     return_lse: bool,
     rotary_interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attn_with_kvcache (arguments checked by validate.check_kvcache; cache_seqlens an int32
-    tensor or None): append k, v to the caches in place, then attend through the varlen forward over
-    the packed cache without copying it (_kvcache_metadata). With rotary_cos/sin (validate.check_kvcache:
-    only with k) the new keys are rotated at positions cache_seqlens + t before the append, q at
-    cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). With a
-    ``page_table`` the caches are paged (validate.check_page_table): the append goes to the pages and
-    the forward reads them through the table. Returns out (b, sq, hq, dv) and lse (b, hq, sq) float32
-    when ``return_lse``, else an empty float32 tensor (no transpose copy)."""
-    batch, sq, hq, d = q.shape
-    paged = page_table is not None
-    s_cache = k_cache.shape[1] * (page_table.shape[1] if paged else 1)  # a sequence's capacity
-    s_new = 0 if k is None else k.shape[1]
-    positional = causal or window_left >= 0 or window_right >= 0  # q's rotary positions advance per token
-    if (settings.check_cu_seqlens()
-            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        validate.check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new, k_cache.shape[0],
-                                      s_cache, sq if positional else 1,
-                                      None if rotary_cos is None else rotary_cos.shape[0])
-    if paged:
-        cu_seqlens_q, seqused_k = _paged_kvcache_metadata(q, page_table, k_cache.shape[1], s_new, cache_seqlens)
-        if settings.check_cu_seqlens() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            validate.check_page_table_values(page_table, seqused_k, k_cache.shape[0], k_cache.shape[1])
-    else:
-        rows, cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
-            q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad)
-    if rotary_cos is not None:
-        steps = torch.arange(max(sq, s_new), device=q.device)
-        start = cache_seqlens.long()[:, None]
-        k = _rotary(k, rotary_cos, rotary_sin, start + steps[:s_new], rotary_interleaved)
-        q_pos = start + steps[:sq] if positional else start.expand(batch, sq)
-        q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-    if k is not None and k.numel():
-        if paged:
-            _append_to_pages(k_cache, v_cache, k, v, page_table, cache_seqlens)
-        else:
-            _append_to_cache(k_cache, v_cache, k, v, rows, cache_seqlens)
-    if paged:
-        out, lse = _forward(q.reshape(batch * sq, hq, d), k_cache, v_cache, cu_seqlens_q, None, seqused_k,
-                            learnable_sink, softmax_scale, softcap, causal, window_left, window_right, sq, s_cache,
-                            num_splits, check_values=False, page_table=page_table, need_lse=return_lse)
-    else:
-        out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
-                            cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                            window_left, window_right, sq, s_cache, num_splits, check_values=False,
-                            need_lse=return_lse)
-    out = out.view(batch, sq, hq, v_cache.shape[-1])
-    if not return_lse:
-        return out, lse.new_empty((0,))
-    return out, lse.view(hq, batch, sq).transpose(0, 1).contiguous()  # (hq, total_q) -> (b, hq, sq)
+    """The op: _kvcache_forward, with an empty float32 LSE when not ``return_lse`` (an op returns tensors)."""
+    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, window_left,
+                                window_right, num_splits, return_lse, rotary_interleaved)
+    return out, out.new_empty((0,), dtype=torch.float32) if lse is None else lse
 
 
-_fwd_kvcache_impl = fwd_kvcache
 fwd_kvcache = _define_op(fwd_kvcache, mutates_args=("k_cache", "v_cache"))
 
 
 def forward_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     page_table, learnable_sink, *options):
     """``fwd_kvcache`` for flash_attn_with_kvcache: the op, or its implementation directly where
-    nothing needs the dispatcher (_dispatcher_free)."""
+    nothing needs the dispatcher (_dispatcher_free; the LSE is then None unless asked for)."""
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                page_table, learnable_sink)
-    run = _fwd_kvcache_impl if _dispatcher_free(*tensors) else fwd_kvcache
+    run = _kvcache_forward if _dispatcher_free(*tensors) else fwd_kvcache
     return run(*tensors, *options)
 
 

@@ -352,9 +352,8 @@ def attention_forward(
         is_causal = getattr(module, "is_causal", True)
     is_causal = bool(is_causal)
 
-    device_type = query.device.type
-    if query.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
 
     mask = attention_mask
@@ -364,7 +363,8 @@ def attention_forward(
                 f"attn_implementation 'fa4' takes the 2-D (batch, kv_len) padding mask; got a {mask.dim()}-D "
                 "mask (a custom mask?). Use attn_implementation='sdpa' or 'eager' for arbitrary masks."
             )
-        mask = mask.bool()
+        if mask.dtype != torch.bool:
+            mask = mask.bool()
         if mask.shape[-1] > key.shape[2]:
             mask = mask[:, -key.shape[2]:]
 
@@ -487,16 +487,19 @@ def _key_ranges(mask: torch.Tensor):
 
 
 def _eager_key_ranges(mask: torch.Tensor, heads: int):
-    """_key_ranges with the contiguity read on the host (one sync) and the ranges repeated for each
-    of ``heads`` KV heads (one cache row per (batch, KV head)), remembered for the mask object: the
-    layers of one forward share it, and pay neither the sync nor the repeats again."""
+    """_key_ranges with the contiguity, and whether any row is left-padded, read on the host (one
+    sync) and the ranges repeated for each of ``heads`` KV heads (one cache row per (batch, KV head)),
+    remembered for the mask object: the layers of one forward share it, and pay neither the sync nor
+    the repeats again. leftpad is None when no row is left-padded (a static cache's unused tail
+    only): the KV-cache call then takes its common case (the batched kernel, no varlen metadata)."""
     version = _mask_version(mask)
     if _RANGE_CACHE:
         ref, cached_version, cached_heads, ranges = _RANGE_CACHE[0]
         if ref() is mask and cached_version == version and cached_heads == heads:
             return ranges
     leftpad, end, contiguous = _key_ranges(mask)
-    ranges = (leftpad.repeat_interleave(heads), end.repeat_interleave(heads), bool(contiguous))
+    contiguous, padded = torch.stack((contiguous, (leftpad != 0).any())).tolist()
+    ranges = (leftpad.repeat_interleave(heads) if padded else None, end.repeat_interleave(heads), contiguous)
     _RANGE_CACHE[:] = [(weakref.ref(mask), version, heads, ranges)]
     return ranges
 
@@ -536,11 +539,17 @@ def _cache_forward(fa, query, key, value, mask, options: dict):
         if not contiguous:
             return None
     group = hq // hk
-    # (B, Hq, Sq, D) -> (B * Hk, Sq, group, D): the query heads of one KV head share its cache row
-    q_rows = query.reshape(batch, hk, group, sq, d).transpose(2, 3).reshape(batch * hk, sq, group, d)
+    # (B, Hq, Sq, D) -> (B * Hk, Sq, group, D): the query heads of one KV head share its cache row. One
+    # query (decoding) is one reshape each way: (b, head, d) is the same order on both sides.
+    if sq == 1:
+        q_rows = query.reshape(batch * hk, 1, group, d)
+    else:
+        q_rows = query.reshape(batch, hk, group, sq, d).transpose(2, 3).reshape(batch * hk, sq, group, d)
     if torch.compiler.is_compiling():  # eager: _eager_key_ranges repeated them once for every layer
         leftpad, end = leftpad.repeat_interleave(hk), end.repeat_interleave(hk)
     out = _first_tensor(fa.flash_attn_with_kvcache(
         q_rows, k_rows, v_rows, cache_seqlens=end, cache_leftpad=leftpad, **options))
     dv = out.shape[-1]
+    if sq == 1:
+        return out.reshape(batch, 1, hq, dv)
     return out.view(batch, hk, sq, group, dv).transpose(1, 2).reshape(batch, sq, hq, dv)
