@@ -164,7 +164,17 @@ class FlashAttentionBackwardSm100:
         self.registers = registers(self.hdim, self.hdim_v, self.num_stages)
         regs = self.registers
         assert regs["dq"] + COMPUTE_GROUPS * regs["compute"] + regs["other"] == 4 * LAUNCH_REGISTERS
-        # Tensor-memory plan (columns).
+        self.plan_tmem()
+        # P^T of compute warpgroup w: its 64 query columns as 32 words of 16-bit pairs at 64 w.
+        self.cols_per_group = BWD_TILE_M // COMPUTE_GROUPS
+        self.p_words = self.cols_per_group * self.dtype.width // 32
+        # dK and dV leave TMEM by chunks of a compute warpgroup's half of their head dim: BWD_DQ_CHUNK
+        # columns, or 16 where the half is no multiple of it (96: 48 columns per warpgroup).
+        self.dk_chunk, self.dv_chunk = (out_chunk(dim) for dim in (self.hdim, self.hdim_v))
+        assert self.hdim % BWD_DQ_CHUNK == 0
+
+    def plan_tmem(self):
+        """Tensor-memory plan (columns; module docstring)."""
         self.tmem_s, self.tmem_dp = 0, TILE_N
         self.tmem_dk = 2 * TILE_N
         self.tmem_dv = self.tmem_dk + self.hdim
@@ -173,13 +183,6 @@ class FlashAttentionBackwardSm100:
         self.tmem_dq = self.tmem_dp if self.dq_over_dp else after_dv
         assert after_dv <= TMEM_COLUMNS and self.tmem_dq + self.hdim <= TMEM_COLUMNS
         assert not self.dq_over_dp or self.hdim <= BWD_TILE_M
-        # P^T of compute warpgroup w: its 64 query columns as 32 words of 16-bit pairs at 64 w.
-        self.cols_per_group = BWD_TILE_M // COMPUTE_GROUPS
-        self.p_words = self.cols_per_group * self.dtype.width // 32
-        # dK and dV leave TMEM by chunks of a compute warpgroup's half of their head dim: BWD_DQ_CHUNK
-        # columns, or 16 where the half is no multiple of it (96: 48 columns per warpgroup).
-        self.dk_chunk, self.dv_chunk = (out_chunk(dim) for dim in (self.hdim, self.hdim_v))
-        assert self.hdim % BWD_DQ_CHUNK == 0
 
     # ------------------------------------------------------------------------------------------
     # Host side
