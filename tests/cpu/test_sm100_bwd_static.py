@@ -230,7 +230,7 @@ def test_varlen_local_and_softcap_configs_are_accepted(flags):
     assert cfg.postprocess().varlen == flags.get("varlen", False)
 
 
-@pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (192, 128), (128, 80)])
+@pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (128, 192), (192, 64), (128, 80)])
 def test_other_head_dims_raise(d, dv):
     with pytest.raises(NotImplementedError, match="sm_100a backward: head dims"):
         BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,

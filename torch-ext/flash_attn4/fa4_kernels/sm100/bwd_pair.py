@@ -105,18 +105,24 @@ from ..softmax import BackwardScales
 from ..tile_work import QueryBlocks, TileWork
 from .bwd import (COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, ChunkCopies, FlashAttentionBackwardSm100, Pipelines,
                   Warp, flat, gemm_a_by_groups, mma_tma_partition)
+from .bwd_serial import FlashAttentionBackwardSm100Serial
 from .dq_accum import VECTOR, chunk_tiles
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
 from .tiles import (BWD_DQ_CHUNK, BWD_PAIR_DQ_ROWS, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
-                    backward_pair_shared_memory_bytes)
+                    backward_pair_shared_memory_bytes, backward_serial)
 
 CTAS = 2
 PAIR_N = CTAS * TILE_N  # keys of one MMA (M of S^T, dP^T, dK, dV; K of dQ)
 
 
 def backward_kernel(cfg: BackwardConfig):
-    """The registry's sm100 backward (arch.py): the pair kernel for cluster_m = 2, else 1-CTA."""
-    return FlashAttentionBackwardSm100Pair(cfg) if cfg.cluster_m == 2 else FlashAttentionBackwardSm100(cfg)
+    """The registry's sm100 backward (arch.py): the pair kernel for cluster_m = 2, the serial 1-CTA
+    kernel at its head dims (bwd_serial.py), else the 1-CTA kernel."""
+    if cfg.cluster_m == 2:
+        return FlashAttentionBackwardSm100Pair(cfg)
+    if backward_serial(cfg.head_dim, cfg.head_dim_v):
+        return FlashAttentionBackwardSm100Serial(cfg)
+    return FlashAttentionBackwardSm100(cfg)
 
 
 class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
