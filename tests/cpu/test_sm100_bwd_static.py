@@ -263,7 +263,9 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (128, True, False, False, False, False, False, pair), (128, True, False, False, False, False, False, 1),
         (128, True, True, False, False, False, False, pair), (128, True, True, False, False, False, False, 1),
         (128, True, False, False, False, True, True, 1),
-        (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1)}
+        (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1),
+        (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1)}
+    assert {c.head_dim_v for c in mains if c.head_dim == 192} == {128}
     # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
     for c in mains:
         flags = dict(causal=c.causal, local=c.local, has_softcap=c.has_softcap, varlen=c.varlen,
@@ -271,16 +273,17 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         picked = dispatch.backward_config(Arch.SM100, c.dtype, c.head_dim, c.head_dim_v, **flags)
         assert c in (picked, dispatch.self_check_fallback(picked)), c
     assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
-        (64, False), (96, False), (128, False), (128, True)}
+        (64, False), (96, False), (128, False), (128, True), (192, False)}
     assert any(isinstance(c, PreprocessConfig) for c in configs)
 
 
 def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
     from flash_attn4.fa4_kernels.compile import compile_backward_postprocess
 
-    for d in sm100_tiles.BWD_HEAD_DIMS:
+    dims = [(d, d) for d in sm100_tiles.BWD_HEAD_DIMS] + list(sm100_tiles.BWD_SERIAL_HEAD_DIMS)
+    for d, dv in dims:
         for varlen in (False, True):
-            compile_backward_postprocess(config(d=d, varlen=varlen).postprocess(), jit_engine=False)
+            compile_backward_postprocess(config(d=d, dv=dv, varlen=varlen).postprocess(), jit_engine=False)
 
 
 def test_verifier_reports_only_the_reviewed_baseline():

@@ -383,10 +383,11 @@ def check_postprocess(cfg) -> None:
 # deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
 # handful: the target's compile time).
 # The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
-# 1-CTA kernels those pairs fall back to.
+# 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain and causal.
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
                        dict(cluster_m=1), dict(causal=True, cluster_m=1),
                        dict(local=True, has_softcap=True, cluster_m=1),
-                       dict(causal=True, deterministic=True, cluster_m=1))
+                       dict(causal=True, deterministic=True, cluster_m=1),
+                       dict(d=192, dv=128), dict(d=192, dv=128, causal=True))
