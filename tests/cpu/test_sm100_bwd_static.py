@@ -499,9 +499,9 @@ def test_pair_deterministic_dq_order_one_turn_wait_and_one_release_per_query_blo
 # ---- The serial 1-CTA kernel (head dims 192 / 128, sm100/bwd_serial.py) ----------------------------
 # Compiled here with upstream's SASS instruction counts for its kernel of the same head dims (a 2-CTA
 # kernel there; ../shared/sm100/compile_anchor.py with a bwd (192, 128) configuration added, flash-attn-4
-# 4.0.0b40, docs/perf.md); none for the masked and deterministic variants.
+# 4.0.0b40, docs/perf.md); none for the varlen/local/deterministic variant.
 SERIAL_CASES = {"d192_dv128": (dict(d=192, dv=128), dict(cu12=3328, cu13=3008)),
-                "d192_dv128_causal": (dict(d=192, dv=128, causal=True), None),
+                "d192_dv128_causal": (dict(d=192, dv=128, causal=True), dict(cu12=3400, cu13=3136)),
                 "d192_dv128_varlen_local_deterministic": (dict(d=192, dv=128, varlen=True, local=True,
                                                                deterministic=True), None)}
 
@@ -552,9 +552,10 @@ def test_serial_mma_tmem_and_budgets(serial_compiled):
 def test_serial_tmem_traffic_and_exponentials_as_planned(serial_compiled):
     """Phase 1 (compute_chunks chunks of 32 query columns per warpgroup): an S^T load and a P^T store
     per chunk in the unmasked variant (unrolled) and once in the masked one (a loop); phase 2: a
-    P^T load and a dP^T load per chunk, no variants (the mask is in P^T already). dK and dV by
-    their chunks, dQ by 32 columns, one TMA reduce-add each; the exponentials of one chunk per
-    phase-1 copy."""
+    P^T load and a dP^T load per chunk, no variants (the mask is in P^T already), dS^T's
+    subtraction and product as packed f32x2 (one of each per pair of columns). dK and dV by their
+    chunks, dQ by 32 columns, one TMA reduce-add each; the exponentials of one chunk per phase-1
+    copy."""
     flavour, cfg, stats = serial_compiled
     bwd, plan = kernel_plan(cfg)
     chunk = sm100_tiles.BWD_DQ_CHUNK
@@ -565,6 +566,7 @@ def test_serial_tmem_traffic_and_exponentials_as_planned(serial_compiled):
     assert stats["ldtm"] == phase1_copies + 2 * compute_chunks + dkv_chunks + cfg.head_dim // chunk, flavour
     assert stats["sttm"] == phase1_copies, flavour
     assert stats["mufu_ex2"] == phase1_copies * chunk, flavour
+    assert stats["fmul2"] == stats["fadd2"] == compute_chunks * chunk // 2, flavour
     assert reduce_adds(stats) == cfg.head_dim // chunk
 
 
