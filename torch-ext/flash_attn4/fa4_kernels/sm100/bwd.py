@@ -500,16 +500,8 @@ class FlashAttentionBackwardSm100:
     def mma(self, tmem_ptr, smem: "SharedTiles", tl: "TmemLayouts", mma_s, mma_dv, mma_dk, mma_dq,
             pipes: "Pipelines", num_steps):
         """Every MMA of the tile, step by step (module docstring)."""
-        tSrK, tSrQ = mma_s.make_fragment_A(smem.k), mma_s.make_fragment_B(smem.q)
-        tdPrV, tdPrdO = mma_s.make_fragment_A(smem.v), mma_s.make_fragment_B(smem.do)
-        tdVrdOt = mma_dv.make_fragment_B(smem.dot)
-        tdKrdSt, tdKrQt = mma_dk.make_fragment_A(smem.dst), mma_dk.make_fragment_B(smem.qt)
-        tdQrdS, tdQrKt = mma_dq.make_fragment_A(smem.ds), mma_dq.make_fragment_B(smem.kt)
-        tStS = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
-        tdPtdP = cute.make_tensor(tmem_ptr + self.tmem_dp, tl.s)
-        tdVtdV = cute.make_tensor(tmem_ptr + self.tmem_dv, tl.dv)
-        tdKtdK = cute.make_tensor(tmem_ptr + self.tmem_dk, tl.dk)
-        tdQtdQ = cute.make_tensor(tmem_ptr + self.tmem_dq, tl.dq)
+        (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt, tStS, tdPtdP, tdVtdV, tdKtdK,
+         tdQtdQ) = self.mma_operands(tmem_ptr, smem, tl, mma_s, mma_dv, mma_dk, mma_dq)
         # P^T as the dV MMA's A operand: compute warpgroup w's query columns (k-slices) start at
         # TMEM column 64 w, so its k-slices are read through a base shifted by w * (64 - 32).
         k_slices_per_group = self.cols_per_group // MMA_K
@@ -544,6 +536,30 @@ class FlashAttentionBackwardSm100:
             dq_state = advanced(dq_state)
         if num_steps > 0:
             pipes.dkv.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+
+    def mma_operands(self, tmem_ptr, smem: "SharedTiles", tl: "TmemLayouts", mma_s, mma_dv, mma_dk, mma_dq) -> tuple:
+        """The MMA warp's shared-memory fragments (K, Q; V, dO; dO^T; dS^T, Q^T; dS, K^T) and TMEM
+        accumulators (S^T, dP^T, dV, dK, dQ at the plan's columns)."""
+        return (mma_s.make_fragment_A(smem.k), mma_s.make_fragment_B(smem.q),
+                mma_s.make_fragment_A(smem.v), mma_s.make_fragment_B(smem.do),
+                mma_dv.make_fragment_B(smem.dot),
+                mma_dk.make_fragment_A(smem.dst), mma_dk.make_fragment_B(smem.qt),
+                mma_dq.make_fragment_A(smem.ds), mma_dq.make_fragment_B(smem.kt),
+                cute.make_tensor(tmem_ptr + self.tmem_s, tl.s), cute.make_tensor(tmem_ptr + self.tmem_dp, tl.s),
+                cute.make_tensor(tmem_ptr + self.tmem_dv, tl.dv), cute.make_tensor(tmem_ptr + self.tmem_dk, tl.dk),
+                cute.make_tensor(tmem_ptr + self.tmem_dq, tl.dq))
+
+    def packed_chunks(self, tmem_ptr, s_layout, words: int, chunk_words: int, thread, load: bool = False):
+        """(copy, TMEM per chunk, register shape) of 16-bit values packed in pairs, ``words`` columns
+        of S^T's layout from ``tmem_ptr`` (P^T over S^T, dS^T over dP^T) by ``chunk_words``: a
+        tcgen05.st (the chunks as destinations), or with ``load`` a tcgen05.ld (as sources)."""
+        t = cute.make_tensor(tmem_ptr, cute.composition(s_layout, cute.make_layout((TILE_N, words))))
+        t = cute.flat_divide(t, (TILE_N, chunk_words))[None, None, 0, None]  # (TILE_N, words, chunks)
+        op = tcgen05.Ld32x32bOp if load else tcgen05.St32x32bOp
+        copy = tcgen05.make_tmem_copy(cute.make_copy_atom(op(tcgen05.Repetition(chunk_words)), Float32),
+                                      t[None, None, 0]).get_slice(thread)
+        regs = copy.partition_S(cute.make_identity_tensor((TILE_N, chunk_words))).shape
+        return copy, copy.partition_S(t) if load else copy.partition_D(t), regs
 
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit

@@ -539,8 +539,10 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         chunks = self.cols_per_group // BWD_DQ_CHUNK
         chunk_words = BWD_DQ_CHUNK * self.dtype.width // 32
         tSt = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
-        store_p, tPt, p_regs = self.packed_chunks(tmem_ptr + self.tmem_s + first_col, tSt.layout, chunk_words, thread)
-        _, tdSt, _ = self.packed_chunks(tmem_ptr + self.tmem_dp + first_col, tSt.layout, chunk_words, thread)
+        store_p, tPt, p_regs = self.packed_chunks(tmem_ptr + self.tmem_s + first_col, tSt.layout, self.p_words,
+                                                  chunk_words, thread)
+        _, tdSt, _ = self.packed_chunks(tmem_ptr + self.tmem_dp + first_col, tSt.layout, self.p_words, chunk_words,
+                                        thread)
         # dS of this key row for query half ``group``: the dQ operand's k-step of this CTA's key.
         key = rank * TILE_N + thread
         ds_row = smem.ds[((None, key % MMA_K), 0, key // MMA_K, 0)]  # (64 queries,)
@@ -571,17 +573,6 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             pipes.rows.consumer_release(rows_state)
             sdp_state = advanced(sdp_state)
             rows_state = advanced(rows_state)
-
-    def packed_chunks(self, tmem_ptr, s_layout, chunk_words: int, thread):
-        """(store, destination per chunk, register shape) of 16-bit values packed in pairs over
-        this warpgroup's S^T-shaped columns from ``tmem_ptr`` (P^T over S^T, dS^T over dP^T)."""
-        t = cute.make_tensor(tmem_ptr, cute.composition(s_layout, cute.make_layout((TILE_N, self.p_words))))
-        t = cute.flat_divide(t, (TILE_N, chunk_words))[None, None, 0, None]  # (TILE_N, words, chunks)
-        store = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(chunk_words)), Float32),
-            t[None, None, 0]).get_slice(thread)
-        regs = store.partition_S(cute.make_identity_tensor((TILE_N, chunk_words))).shape
-        return store, store.partition_D(t), regs
 
     @cute.jit
     def pair_chunk(self, c, group, copies: ChunkCopies, tdSt, rows, scales: BackwardScales, work: TileWork, m_block,

@@ -81,7 +81,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32
-from cutlass.cute.nvgpu import tcgen05
 
 from ..config import BackwardConfig
 from ..dtypes import CUTLASS_DTYPES
@@ -142,16 +141,8 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
     def mma(self, tmem_ptr, smem: SharedTiles, tl: TmemLayouts, mma_s, mma_dv, mma_dk, mma_dq, pipes: Pipelines,
             num_steps):
         """Every MMA of the tile, in the serial order (module docstring)."""
-        tSrK, tSrQ = mma_s.make_fragment_A(smem.k), mma_s.make_fragment_B(smem.q)
-        tdPrV, tdPrdO = mma_s.make_fragment_A(smem.v), mma_s.make_fragment_B(smem.do)
-        tdVrdOt = mma_dv.make_fragment_B(smem.dot)
-        tdKrdSt, tdKrQt = mma_dk.make_fragment_A(smem.dst), mma_dk.make_fragment_B(smem.qt)
-        tdQrdS, tdQrKt = mma_dq.make_fragment_A(smem.ds), mma_dq.make_fragment_B(smem.kt)
-        tStS = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
-        tdPtdP = cute.make_tensor(tmem_ptr + self.tmem_dp, tl.s)
-        tdVtdV = cute.make_tensor(tmem_ptr + self.tmem_dv, tl.dv)
-        tdKtdK = cute.make_tensor(tmem_ptr + self.tmem_dk, tl.dk)
-        tdQtdQ = cute.make_tensor(tmem_ptr + self.tmem_dq, tl.dq)
+        (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt, tStS, tdPtdP, tdVtdV, tdKtdK,
+         tdQtdQ) = self.mma_operands(tmem_ptr, smem, tl, mma_s, mma_dv, mma_dk, mma_dq)
         # P^T as the dV MMA's A operand, one base per k-slice: slice s of tl.p starts s * MMA_K / 2
         # words after its base, so the base is shifted to put it at serial_p_slices()[s].
         tdVrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s + word - s * MMA_K // 2, dtype=self.dtype),
@@ -193,18 +184,11 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
         thread = cute.arch.thread_idx()[0] % WARPGROUP
         load_s, tS, s_regs = self.tmem_row_chunks(tmem_ptr + self.tmem_s, tl.s, TILE_N, BWD_TILE_M, thread)
         load_dp, tdP, _ = self.tmem_row_chunks(tmem_ptr + self.tmem_dp, tl.s, TILE_N, BWD_TILE_M, thread)
-        # P^T's 64 words from S^T's base, by chunks of chunk_words: (TILE_N, chunk_words, chunks).
+        # P^T's words from S^T's base, by chunks of chunk_words (stored in phase 1, loaded in phase 2).
         words = COMPUTE_GROUPS * CHUNKS * self.chunk_words
-        tPt = cute.make_tensor(tmem_ptr + self.tmem_s, cute.composition(tl.s, cute.make_layout((TILE_N, words))))
-        tPt = cute.flat_divide(tPt, (TILE_N, self.chunk_words))[None, None, 0, None]
-        store_p = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(self.chunk_words)), Float32),
-            tPt[None, None, 0]).get_slice(thread)
-        load_p = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(self.chunk_words)), Float32),
-            tPt[None, None, 0]).get_slice(thread)
-        p_regs = store_p.partition_S(cute.make_identity_tensor((TILE_N, self.chunk_words))).shape
-        tP_store, tP_load = store_p.partition_D(tPt), load_p.partition_S(tPt)
+        store_p, tP_store, p_regs = self.packed_chunks(tmem_ptr + self.tmem_s, tl.s, words, self.chunk_words, thread)
+        load_p, tP_load, _ = self.packed_chunks(tmem_ptr + self.tmem_s, tl.s, words, self.chunk_words, thread,
+                                                load=True)
         ds_row = smem.dst[((thread, None), 0, None, 0)]  # dS^T: this key row, (MMA_K, k-slices)
 
         sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
