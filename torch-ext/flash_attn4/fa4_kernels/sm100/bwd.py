@@ -508,12 +508,7 @@ class FlashAttentionBackwardSm100:
         tdVrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s + w * (self.cols_per_group - self.p_words),
                                                   dtype=self.dtype), tl.p) for w in range(COMPUTE_GROUPS)]
 
-        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if num_steps > 0:
-            pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            pipes.sdp.producer_acquire(sdp_state)
+        qdo_state, sdp_state, dq_state = self.mma_start(pipes, num_steps, self.num_stages)
         for i in cutlass.range(num_steps, unroll=1):
             pipes.qdo.consumer_wait(qdo_state)
             stage = qdo_state.index
@@ -531,9 +526,30 @@ class FlashAttentionBackwardSm100:
             qdo_state = advanced(qdo_state)
             if cutlass.const_expr(not self.dq_over_dp):
                 pipes.dq.producer_acquire(dq_state)
-            mma_dq = gemm(mma_dq, tdQtdQ, tdQrdS[None, None, None, 0], tdQrKt[None, None, None, 0], False)
-            pipes.dq.producer_commit(dq_state)
-            dq_state = advanced(dq_state)
+            mma_dq, dq_state = self.issue_dq(mma_dq, tdQtdQ, tdQrdS, tdQrKt, pipes, dq_state)
+        self.mma_finish(pipes, num_steps)
+
+    @cute.jit
+    def mma_start(self, pipes: "Pipelines", num_steps, qdo_stages: cutlass.Constexpr[int]):
+        """The MMA warp's pipeline states (Q/dO consumer; S/dP and dQ producers), after K and V
+        landed and the first S/dP stage was acquired (when the tile has steps)."""
+        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, qdo_stages)
+        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if num_steps > 0:
+            pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            pipes.sdp.producer_acquire(sdp_state)
+        return qdo_state, sdp_state, dq_state
+
+    def issue_dq(self, mma_dq, tdQtdQ, tdQrdS, tdQrKt, pipes: "Pipelines", dq_state):
+        """dQ_i = dS K (fresh accumulator), committed as "dQ full"; (MMA, next dq state)."""
+        mma_dq = gemm(mma_dq, tdQtdQ, tdQrdS[None, None, None, 0], tdQrKt[None, None, None, 0], False)
+        pipes.dq.producer_commit(dq_state)
+        return mma_dq, advanced(dq_state)
+
+    @cute.jit
+    def mma_finish(self, pipes: "Pipelines", num_steps):
+        """After the last step: commit "dK/dV final" (when the tile had steps)."""
         if num_steps > 0:
             pipes.dkv.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
 

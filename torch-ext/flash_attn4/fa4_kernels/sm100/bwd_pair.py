@@ -488,12 +488,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         tdKrdS = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_dp + w * shift, dtype=self.dtype), tl.dst)
                   for w in range(COMPUTE_GROUPS)]
 
-        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if num_steps > 0:
-            pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            pipes.sdp.producer_acquire(sdp_state)
+        qdo_state, sdp_state, dq_state = self.mma_start(pipes, num_steps, 1)
         for i in cutlass.range(num_steps, unroll=1):
             # In a cluster launch shared-memory addresses are runtime values: hoisted out of the
             # loop, the 80 descriptors spilled at 128 registers; per step they are rebuilt.
@@ -520,11 +515,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                                       k_slices_per_group)
             pipes.qdo.consumer_release(qdo_state)
             qdo_state = advanced(qdo_state)
-            mma_dq = gemm(mma_dq, tdQtdQ, tdQrdS[None, None, None, 0], tdQrKt[None, None, None, 0], False)
-            pipes.dq.producer_commit(dq_state)
-            dq_state = advanced(dq_state)
-        if num_steps > 0:
-            pipes.dkv.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+            mma_dq, dq_state = self.issue_dq(mma_dq, tdQtdQ, tdQrdS, tdQrKt, pipes, dq_state)
+        self.mma_finish(pipes, num_steps)
 
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit

@@ -148,12 +148,7 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
         tdVrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s + word - s * MMA_K // 2, dtype=self.dtype),
                                   tl.p) for s, word in enumerate(self.p_slices)]
 
-        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if num_steps > 0:
-            pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            pipes.sdp.producer_acquire(sdp_state)
+        qdo_state, sdp_state, dq_state = self.mma_start(pipes, num_steps, 1)
         for i in cutlass.range(num_steps, unroll=1):
             pipes.qdo.consumer_wait(qdo_state)
             pipes.dq.producer_acquire(dq_state)  # dQ_(i-1) is out of S^T's and dP^T's columns
@@ -169,11 +164,8 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
             mma_dk = gemm(mma_dk, tdKtdK, tdKrdSt[None, None, None, 0], tdKrQt[None, None, None, 0], i > 0)
             pipes.qdo.consumer_release(qdo_state)
             qdo_state = advanced(qdo_state)
-            mma_dq = gemm(mma_dq, tdQtdQ, tdQrdS[None, None, None, 0], tdQrKt[None, None, None, 0], False)
-            pipes.dq.producer_commit(dq_state)
-            dq_state = advanced(dq_state)
-        if num_steps > 0:
-            pipes.dkv.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+            mma_dq, dq_state = self.issue_dq(mma_dq, tdQtdQ, tdQrdS, tdQrKt, pipes, dq_state)
+        self.mma_finish(pipes, num_steps)
 
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
