@@ -108,14 +108,24 @@ def compute(p, mem, w, stages, n, log):
     """FlashAttentionBackwardSm100.compute (+ chunk_gradients) and store_dkv, warpgroup w."""
     sdp_state, rows_state = consumer(1), consumer(stages)
     for i in range(n):
-        yield from p["rows"].consumer_wait(rows_state)
-        yield from p["sdp"].consumer_wait(sdp_state)
-        assert p["rows"].data[rows_state.index] == ("rows", i), "LSE/D of another block"
+        yield from wait_step(p, rows_state, sdp_state, i)
         assert mem["S"] == i and mem["dP"] == i, f"compute {w} read S^T/dP^T of {mem['S']}/{mem['dP']}, wanted {i}"
         mem["P"][w], mem["dS"][w], mem["dP_read"][w] = i, i, i
         p["sdp"].release(sdp_state, WARPGROUP)
         p["rows"].release(rows_state, WARPS_PER_GROUP)
         sdp_state, rows_state = sdp_state.advanced(), rows_state.advanced()
+    yield from store_dkv(p, mem, w, n, log)
+
+
+def wait_step(p, rows_state, sdp_state, i):
+    """A compute warpgroup's waits at the start of step i: LSE/D, then "S/dP full" ("S full")."""
+    yield from p["rows"].consumer_wait(rows_state)
+    yield from p["sdp"].consumer_wait(sdp_state)
+    assert p["rows"].data[rows_state.index] == ("rows", i), "LSE/D of another block"
+
+
+def store_dkv(p, mem, w, n, log):
+    """FlashAttentionBackwardSm100.store_dkv's wait: dK/dV final after the last step's MMAs."""
     if n > 0:
         yield from p["dkv"].consumer_wait(consumer(1))
         assert mem["dKV"] == list(range(n)), "dK/dV read before the last step's MMAs"
@@ -134,17 +144,25 @@ def reduce_dq(p, mem, n, log):
     log.append("dq")
 
 
+def replay(p, stages, n, order, mma_role, compute_role, label):
+    """The 1-CTA roles over pipelines ``p`` in role ``order``: load and reduce_dq, with the MMA
+    warp's and the compute warpgroups' coroutines made by ``mma_role(mem, log)`` and
+    ``compute_role(mem, w, log)``; returns the finish log."""
+    mem = dict(S=None, dP=None, P=[None] * GROUPS, S_read=[None] * GROUPS, dS=[None] * GROUPS,
+               dP_read=[None] * GROUPS, dQ=None, dQ_read=None, dKV=[])
+    log = []
+    roles = {"load": load(p, stages, n, log), "mma": mma_role(mem, log), "dq": reduce_dq(p, mem, n, log)}
+    for w in range(GROUPS):
+        roles[f"compute{w}"] = compute_role(mem, w, log)
+    interleave(roles, order, label)
+    return log
+
+
 def run(stages, n, dq_over_dp, order, pipelines=make_pipelines, dq_acquire_early=None):
     p = pipelines(stages)
-    mem = dict(S=None, dP=None, P=[None] * GROUPS, dS=[None] * GROUPS, dP_read=[None] * GROUPS, dQ=None,
-               dQ_read=None, dKV=[])
-    log = []
-    roles = {"load": load(p, stages, n, log), "mma": mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early),
-             "dq": reduce_dq(p, mem, n, log)}
-    for w in range(GROUPS):
-        roles[f"compute{w}"] = compute(p, mem, w, stages, n, log)
-    interleave(roles, order, f"stages={stages}, steps={n}, dq_over_dp={dq_over_dp}")
-    return log
+    return replay(p, stages, n, order, lambda mem, log: mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early),
+                  lambda mem, w, log: compute(p, mem, w, stages, n, log),
+                  f"stages={stages}, steps={n}, dq_over_dp={dq_over_dp}")
 
 
 ROLE_ORDERS = [list(o) for o in itertools.permutations(["load", "mma", "compute", "dq"])]
@@ -437,9 +455,7 @@ def serial_compute(p, mem, w, n, log):
     """FlashAttentionBackwardSm100Serial.compute (phase 1, phase 2) and store_dkv, warpgroup w."""
     sdp_state, rows_state = consumer(1), consumer(1)
     for i in range(n):
-        yield from p["rows"].consumer_wait(rows_state)
-        yield from p["sdp"].consumer_wait(sdp_state)  # "S full"
-        assert p["rows"].data[rows_state.index] == ("rows", i), "LSE/D of another block"
+        yield from wait_step(p, rows_state, sdp_state, i)  # LSE/D, "S full"
         assert mem["S"] == i, f"compute {w} read S^T of {mem['S']}, wanted {i}"
         mem["S_read"][w], mem["P"][w] = i, i
         p["sdp"].release(sdp_state, WARPGROUP)
@@ -450,22 +466,13 @@ def serial_compute(p, mem, w, n, log):
         p["sdp"].release(sdp_state, WARPGROUP)
         p["rows"].release(rows_state, WARPS_PER_GROUP)
         sdp_state, rows_state = sdp_state.advanced(), rows_state.advanced()
-    if n > 0:
-        yield from p["dkv"].consumer_wait(consumer(1))
-        assert mem["dKV"] == list(range(n)), "dK/dV read before the last step's MMAs"
-    log.append(f"compute{w}")
+    yield from store_dkv(p, mem, w, n, log)
 
 
 def run_serial(n, order, pipelines=make_pipelines, faults=()):
     p = pipelines(1)
-    mem = dict(S=None, dP=None, P=[None] * GROUPS, S_read=[None] * GROUPS, dS=[None] * GROUPS,
-               dP_read=[None] * GROUPS, dQ=None, dQ_read=None, dKV=[])
-    log = []
-    roles = {"load": load(p, 1, n, log), "mma": serial_mma(p, mem, n, log, faults), "dq": reduce_dq(p, mem, n, log)}
-    for w in range(GROUPS):
-        roles[f"compute{w}"] = serial_compute(p, mem, w, n, log)
-    interleave(roles, order, f"serial, steps={n}, faults={faults}")
-    return log
+    return replay(p, 1, n, order, lambda mem, log: serial_mma(p, mem, n, log, faults),
+                  lambda mem, w, log: serial_compute(p, mem, w, n, log), f"serial, steps={n}, faults={faults}")
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 7])

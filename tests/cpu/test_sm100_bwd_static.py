@@ -342,12 +342,18 @@ def expected_pair_mma(cfg) -> int:
             + cfg.cluster_m * cfg.tile_n // MMA_K)
 
 
-@pytest.fixture(scope="module", params=[(n, f) for n in PAIR_CASES for f in ("cu13", "cu12")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
-def pair_compiled(request):
-    name, flavour = request.param
-    cfg = pair_config(**PAIR_CASES[name][0])
-    return flavour, cfg, lib.kernel_stats(cfg, flavour)
+def flavoured_fixture(cases: dict, make_config):
+    """A module fixture over every (case, ptxas flavour): (flavour, config, its SASS statistics)."""
+    @pytest.fixture(scope="module", params=[(n, f) for n in cases for f in ("cu13", "cu12")],
+                    ids=lambda p: f"{p[0]}-{p[1]}")
+    def compiled(request):
+        name, flavour = request.param
+        cfg = make_config(**cases[name][0])
+        return flavour, cfg, lib.kernel_stats(cfg, flavour)
+    return compiled
+
+
+pair_compiled = flavoured_fixture(PAIR_CASES, pair_config)
 
 
 def test_pair_compiles_without_spills_under_both_ptxas(pair_compiled):
@@ -506,12 +512,7 @@ SERIAL_CASES = {"d192_dv128": (dict(d=192, dv=128), dict(cu12=3328, cu13=3008)),
                                                                deterministic=True), None)}
 
 
-@pytest.fixture(scope="module", params=[(n, f) for n in SERIAL_CASES for f in ("cu13", "cu12")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
-def serial_compiled(request):
-    name, flavour = request.param
-    cfg = config(**SERIAL_CASES[name][0])
-    return flavour, cfg, lib.kernel_stats(cfg, flavour)
+serial_compiled = flavoured_fixture(SERIAL_CASES, config)
 
 
 def test_serial_is_what_dispatch_runs_at_192_128():

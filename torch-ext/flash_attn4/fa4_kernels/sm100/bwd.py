@@ -619,11 +619,15 @@ class FlashAttentionBackwardSm100:
                 for c in cutlass.range_constexpr(chunks):
                     self.chunk_step(c, full, group, copies, rows, scales, work, m_block, thread)
             cute.arch.fence_view_async_tmem_store()  # P^T is in TMEM before the dV MMA reads it
-            cute.arch.fence_view_async_shared()  # dS^T is visible to the MMAs (async proxy)
-            pipes.sdp.consumer_release(sdp_state)
-            pipes.rows.consumer_release(rows_state)
-            sdp_state = advanced(sdp_state)
-            rows_state = advanced(rows_state)
+            sdp_state, rows_state = self.end_step(pipes, sdp_state, rows_state)
+
+    def end_step(self, pipes: "Pipelines", sdp_state, rows_state):
+        """A compute warpgroup's step end: dS^T in shared memory made visible to the MMAs (async
+        proxy), then "dS^T written" and LSE/D released; the next states."""
+        cute.arch.fence_view_async_shared()
+        pipes.sdp.consumer_release(sdp_state)
+        pipes.rows.consumer_release(rows_state)
+        return advanced(sdp_state), advanced(rows_state)
 
     @cute.jit
     def chunk_step(self, c, full, group, copies: "ChunkCopies", rows, scales: BackwardScales, work: TileWork, m_block,

@@ -206,11 +206,7 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
             pipes.sdp.consumer_wait(sdp_state)  # "dP full"
             for c in cutlass.range_constexpr(CHUNKS):
                 self.serial_ds_chunk(c, group, load_p, tP_load, p_regs, load_dp, tdP, s_regs, ds_row, sdPsum)
-            cute.arch.fence_view_async_shared()  # dS^T is visible to the MMAs (async proxy)
-            pipes.sdp.consumer_release(sdp_state)
-            pipes.rows.consumer_release(rows_state)
-            sdp_state = advanced(sdp_state)
-            rows_state = advanced(rows_state)
+            sdp_state, rows_state = self.end_step(pipes, sdp_state, rows_state)
 
     @cute.jit
     def serial_p_chunk(self, c, group, p_copies, sLSE, scales: BackwardScales, work: TileWork, m_block, thread,
