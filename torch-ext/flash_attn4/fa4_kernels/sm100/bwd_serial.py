@@ -49,7 +49,7 @@ descriptors at d = 192 (the 1-CTA d = 128 kernel 40, spill-free at 128).
 
 Shared memory (tiles.backward_shared_memory_bytes(192, 1, head_dim_v=128)): K 48 KiB, V 32 KiB, one
 Q/dO stage 48 + 32 KiB, dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE/D 1 KiB, barriers <= 1 KiB: 226 KiB
-of the 227 KiB a block may use. Two Q/dO stages would need 306 KiB.
+of the 227 KiB a block may use. Two Q/dO stages would need 307 KiB.
 
 What it does not do: softcap (phase 2 would need 1 - tanh^2 of S^T, which dP^T has overwritten;
 refused in tiles.check_backward); CTA pairs at these head dims (tiles._check_backward_pair).

@@ -228,7 +228,8 @@ def _pad16(d: int) -> int:
 # Q and dO per stage, dS^T, two float32 dQ staging buffers of BWD_DQ_CHUNK columns, LSE and rowsum
 # per stage, and at most BWD_SMEM_RESERVED of barriers. d = 64 takes two Q/dO stages (163 KiB),
 # d = 96 two (211 KiB), d = 128 one (194 KiB): two would need 256 KiB, which is why upstream runs
-# d = 128 on two CTAs.
+# d = 128 on two CTAs. 192 / 128 (the serial kernel) one (226 KiB); d = dv = 192 would need 258 KiB
+# for one stage.
 BWD_TILE_M = 128
 BWD_DQ_CHUNK = 32  # dQ columns per TMEM load / shared-memory stage / TMA reduce-add
 BWD_DQ_BUFFERS = 2
