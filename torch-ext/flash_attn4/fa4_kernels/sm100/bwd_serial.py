@@ -65,10 +65,13 @@ orientations, dS) is 258 KiB without aliasing. A pair at these dims reads K/V fr
 
 Head dims this kernel does not reach (NotImplementedError in tiles.check_backward):
     d = dv = 192: TMEM d + dv = 384 leaves 128 columns for S^T, P^T, dP^T and dQ (192): dQ does not
-        fit even serially; and one Q/dO stage makes the 1-CTA shared memory 258 KiB. Candidate: a
-        pair with 64 keys per CTA (M = 128 2-CTA MMAs, whose accumulators fold 64 rows into 128
-        lanes x N / 2 columns): dK 96 + dV 96 + S^T 64 + dP^T 64 + dQ 96 = 416 columns, 202 KiB of
-        shared memory per CTA, no serialisation needed.
+        fit even serially; and one Q/dO stage makes the 1-CTA shared memory 258 KiB. Candidates:
+        (a) a pair with 64 keys per CTA (M = 128 2-CTA MMAs, whose accumulators fold 64 rows into
+        128 lanes x N / 2 columns): dK 96 + dV 96 + S^T 64 + dP^T 64 + dQ 96 = 416 columns, about
+        202 KiB of shared memory per CTA, no serialisation needed; (b) this 1-CTA kernel with
+        64-row query blocks: S^T and dP^T 64 columns each beside dK and dV (512), 178 KiB of shared
+        memory, but dQ (M = 64, 192 columns) only in two 96-column halves over S^T / dP^T, each read
+        out before the next (and the M = 64 accumulator's lane layout to be settled for the dQ warps).
     d = dv = 256: the same pair layout needs 128 + 128 + 64 + 64 + 128 = 512 columns (fits) but
         258 KiB of shared memory per CTA (Q, dO, Q^T, dO^T, K, V, K^T halves of 32 KiB each); dS
         aliased into Q's buffer (serial) and one dQ staging buffer bring it to 234 KiB, still over.
