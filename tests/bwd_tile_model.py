@@ -17,7 +17,8 @@ What the model reproduces, and how exactly:
   exp2(fma(score, scale_log2, -LSE_log2)) on MUFU.EX2 (flushing below 2^-126); dS = P * (dP - D),
   with softcap P * fma(-t, t, 1) * (dP - D), without the softmax scale. P is rounded to the input
   dtype before dV += P^T dO_i, dS before dK += dS^T Q_i and dQ_i = dS K (dP is not rounded: the
-  accumulator feeds dS directly). dK and dV accumulate in float32 over every query head and block
+  accumulator feeds dS directly; the serial sm100 kernel at 192 / 128 computes dS from the rounded P,
+  ``ds_from_rounded_p``). dK and dV accumulate in float32 over every query head and block
   of the group, then dK * softmax_scale and dV are rounded to the input dtype once.
 * dQ: each KV block's float32 dQ_i part is added into a float32 accumulator per query block; the
   arrival order is arbitrary (a permutation drawn from ``seed``) or, deterministic, in increasing KV
@@ -53,12 +54,19 @@ class BwdTileParams:
     # (pair_query_block_range) and a query block's dQ part is the pair's, one product over both
     # blocks' keys (the M = 128 dQ MMA), added in pair order when deterministic.
     cluster_m: int = 1
+    # The serial sm100 kernel (sm100/bwd_serial.py, head dims 192 / 128): dS = P16 * (dP - D) from the
+    # P rounded to the input dtype (read back from TMEM), not from the float32 P.
+    ds_from_rounded_p: bool = False
 
     @staticmethod
     def from_backward_config(cfg) -> "BwdTileParams":
+        from flash_attn4.fa4_kernels.arch import Arch
+        from flash_attn4.fa4_kernels.sm100.tiles import backward_serial
+
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+        serial = cfg.arch is Arch.SM100 and backward_serial(cfg.head_dim, cfg.head_dim_v)
         return BwdTileParams(tile_m=cfg.tile_m, tile_n=cfg.tile_n, dtype=dtype,
-                             cluster_m=getattr(cfg, "cluster_m", 1))
+                             cluster_m=getattr(cfg, "cluster_m", 1), ds_from_rounded_p=serial)
 
 
 # ---- mask.py's block ranges, for the backward's orientation --------------------------------------
@@ -215,8 +223,9 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
         if not full:
             prob = np.where(seen, prob, F32(0.0))
         stats.p_max = max(stats.p_max, float(prob.max(initial=0.0)))
-        grad_p = prob
+        grad_p = f32(_round_to(prob, p.dtype)) if p.ds_from_rounded_p else prob
         if softcap:
+            assert not p.ds_from_rounded_p, "the serial kernel has no softcap (tiles.check_backward)"
             grad_p = f32(prob.astype(F64) * fma_f32(-s, s, F32(1.0)).astype(F64))
         with np.errstate(invalid="ignore"):
             ds = f32(grad_p.astype(F64) * add_f32(dp, -D[h, r0:r1, None]).astype(F64))

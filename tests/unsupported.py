@@ -13,8 +13,9 @@ Refused today (anything else must run):
 - sm_103a: the backward pass (its kernels are forward only; tests marked ``backward`` are skipped
   there by tests/conftest.py for the same reason);
 - sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims outside 64, 96 and 128 (each of
-  head_dim and head_dim_v) after the backward's padding to a multiple of 16 (at least 32) (local windows, softcap,
-  varlen and seqused_k run; its BWD_UNIMPLEMENTED flags, none today, would be listed here);
+  head_dim and head_dim_v) after the backward's padding to a multiple of 16 (at least 32), except the pair
+  (192, 128) of the serial kernel (local windows, softcap, varlen and seqused_k run; its BWD_UNIMPLEMENTED flags,
+  none today, would be listed here); softcap at (192, 128);
 - every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
 """
 
@@ -33,6 +34,8 @@ HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
 NO_BACKWARD = r"backward kernels are not implemented yet"
 SM100_BWD_HEAD_DIMS = (64, 96, 128)
 SM100_BWD_HEAD_DIM = r"sm_100a backward: head dims \d+/\d+ are not implemented"
+SM100_BWD_SERIAL_HEAD_DIMS = ((192, 128),)  # the serial kernel's (head_dim, head_dim_v), without softcap
+SM100_BWD_SERIAL_SOFTCAP = r"sm_100a backward: has_softcap=True at head dims \d+/\d+ is not implemented"
 
 # raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)
 NO_INFERENCE_ONLY_BACKWARD = r"no backward (with (page_table|seqused_q)|through a paged KV cache)"
@@ -62,7 +65,10 @@ def backward_refusals(arch: Arch, *, head_dim: int = 128, head_dim_v: int = 128,
     reasons = [NO_BACKWARD] if arch is Arch.SM103 else []
     if arch is Arch.SM100:
         d, dv = backward_kernel_head_dim(head_dim), backward_kernel_head_dim(head_dim_v)
-        if d not in SM100_BWD_HEAD_DIMS or dv not in SM100_BWD_HEAD_DIMS:
+        if (d, dv) in SM100_BWD_SERIAL_HEAD_DIMS:
+            if softcap:
+                reasons.append(SM100_BWD_SERIAL_SOFTCAP)
+        elif d not in SM100_BWD_HEAD_DIMS or dv not in SM100_BWD_HEAD_DIMS:
             reasons.append(SM100_BWD_HEAD_DIM)
     del window, softcap, varlen, seqused_k, deterministic  # every arch with a backward runs these
     return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])
@@ -75,7 +81,7 @@ def listed_backward_refusal(arch: Arch, message: str) -> Optional[str]:
     ones the list says this arch refuses."""
     if arch is not Arch.SM100:
         return None
-    return SM100_BWD_HEAD_DIM if re.search(SM100_BWD_HEAD_DIM, message) else None
+    return next((r for r in (SM100_BWD_HEAD_DIM, SM100_BWD_SERIAL_SOFTCAP) if re.search(r, message)), None)
 
 
 def refusal_pattern(reasons: list[str]) -> Optional[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -339,6 +340,10 @@ SM100_CASES = {
     "d96-local-softcap-gqa": dict(sq=200, sk=290, g=3, window=(90, 20), softcap=6.0, d=96),
     "d128-dv64-causal": dict(sq=260, sk=300, causal=True, d=128, dv=64),
     "d64-dv128-local": dict(sq=200, sk=333, window=(80, 10), d=64, dv=128),
+    # the serial kernel (sm100/bwd_serial.py): dS from the 16-bit P
+    "d192-dv128-causal": dict(sq=260, sk=300, causal=True, d=192, dv=128),
+    "d192-dv128-local-gqa-deterministic": dict(sq=200, sk=333, g=2, window=(90, 20), d=192, dv=128,
+                                               deterministic=True),
 }
 
 
@@ -464,3 +469,23 @@ def test_sm100_pair_model_matches_reference(causal, window, deterministic):
     one = bm.backward(q, k, v, out, dout, lse, single, deterministic=deterministic, seed=1, **kw)
     assert torch.equal(one.dk, runs[0].dk) and torch.equal(one.dv, runs[0].dv)
     assert len(runs[0].stats.blocks) >= len(one.stats.blocks)
+
+
+def test_sm100_serial_model_takes_ds_from_the_rounded_p():
+    """The serial kernel's configurations (192 / 128) set ds_from_rounded_p and no other does; with it
+    the model's dK and dQ differ from the float32-P model's (the flag is not vacuous) while both stay
+    within the rule (test_sm100_tiles_match_reference)."""
+    serial, _ = configs(d=192, dv=128, causal=True, arch=Arch.SM100)
+    assert bm.BwdTileParams.from_backward_config(serial).ds_from_rounded_p
+    for d, dv, arch in ((128, 128, Arch.SM100), (64, 128, Arch.SM100), (192, 128, Arch.SM90)):
+        assert not bm.BwdTileParams.from_backward_config(configs(d=d, dv=dv, arch=arch)[0]).ds_from_rounded_p
+    gen = torch.Generator().manual_seed(1925)
+    sq, sk, d, dv = 200, 260, 192, 128
+    q, k = _rand(gen, sq, 1, d), _rand(gen, sk, d)
+    v, dout = _rand(gen, sk, dv), _rand(gen, sq, 1, dv)
+    kw = dict(softmax_scale=d ** -0.5, causal=True)
+    out, lse = forward_outputs(q, k, v, configs(d=d, dv=dv, causal=True)[1], **kw)
+    params = bm.BwdTileParams.from_backward_config(serial)
+    got = [bm.backward(q, k, v, out, dout, lse, pr, **kw) for pr in (params, replace(params, ds_from_rounded_p=False))]
+    assert not torch.equal(got[0].dk, got[1].dk) and not torch.equal(got[0].dq, got[1].dq)
+    assert torch.equal(got[0].dv, got[1].dv)  # dV uses the rounded P either way

@@ -92,11 +92,12 @@ def test_b200_backward_runs_the_sm100_configs_after_its_self_check(b200, monkeyp
     assert selfcheck.verdict(cfg, "cpu") == "passed"
 
 
-@pytest.mark.parametrize("d,dv,causal", [(128, 64, True), (64, 128, False), (96, 128, True), (120, 56, False)])
+@pytest.mark.parametrize("d,dv,causal", [(128, 64, True), (64, 128, False), (96, 128, True), (120, 56, False),
+                                         (192, 128, True), (184, 120, False)])
 def test_b200_backward_with_head_dim_v_unlike_head_dim(b200, d, dv, causal):
-    """d != dv (each padded to a multiple of 16 and run at 64, 96 or 128) reaches the sm_100a
-    backward with both head dims on its configuration (the preprocessing at dv, the postprocessing
-    at d) and the gradients match autograd of the reference."""
+    """d != dv (each padded to a multiple of 16 and run at 64, 96 or 128, or as the pair 192 / 128 of
+    the serial kernel) reaches the sm_100a backward with both head dims on its configuration (the
+    preprocessing at dv, the postprocessing at d) and the gradients match autograd of the reference."""
     q, k, _ = rand_qkv(b=2, sq=150, sk=140, hq=4, hk=2, d=d)
     v = torch.randn(2, 140, 2, dv, dtype=BF16)
     dout = torch.randn(2, 150, 4, dv, dtype=BF16)
@@ -144,10 +145,28 @@ def test_wrong_sm100_backward_is_refused_by_its_self_check(b200):
     assert all(t.grad is None for t in tensors) and len(b200["bwd_calls"]) == 1  # the check's launch only
 
 
+def test_wrong_serial_backward_raises_without_a_fallback(b200):
+    """The serial kernel (192 / 128) has no other kernel to fall back to (dispatch.self_check_fallback
+    is None for it): a failed first-use check raises its SelfCheckError, and no gradient is returned."""
+    from flash_attn4 import dispatch
+
+    b200["bwd_mutate"] = dk_scaled
+    q, k, v = rand_qkv(hq=4, hk=2, d=192)
+    q, k, v = tensors = leaves(q, k, torch.randn(*v.shape[:-1], 128, dtype=BF16))
+    out = ops_call(q, k, v, causal=True)
+    with pytest.raises(selfcheck.SelfCheckError, match=r"BackwardConfig\(arch=sm_100a") as info:
+        out.backward(torch.randn_like(out))
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert (cfg.head_dim, cfg.head_dim_v, cfg.cluster_m) == (192, 128, 1)
+    assert dispatch.self_check_fallback(cfg) is None and "head_dim=192" in str(info.value)
+    assert all(t.grad is None for t in tensors) and len(b200["bwd_calls"]) == 1  # the check's launch only
+
+
 UNSUPPORTED = {
     "head dim 80": (dict(d=80), r"head dims 80/80"),
     "head dim 192": (dict(d=192), r"head dims 192/192"),
     "head dims 128/192": (dict(dv=192), r"head dims 128/192"),
+    "softcap at head dims 192/128": (dict(d=192, dv=128, softcap=2.0), r"has_softcap=True at head dims 192/128"),
 }
 
 

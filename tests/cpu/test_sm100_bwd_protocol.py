@@ -116,14 +116,24 @@ def compute(p, mem, w, stages, n, log):
     """FlashAttentionBackwardSm100.compute (+ chunk_gradients) and store_dkv, warpgroup w."""
     sdp_state, rows_state = consumer(1), consumer(stages)
     for i in range(n):
-        yield from p["rows"].consumer_wait(rows_state)
-        yield from p["sdp"].consumer_wait(sdp_state)
-        assert p["rows"].data[rows_state.index] == ("rows", i), "LSE/D of another block"
+        yield from wait_step(p, rows_state, sdp_state, i)
         assert mem["S"] == i and mem["dP"] == i, f"compute {w} read S^T/dP^T of {mem['S']}/{mem['dP']}, wanted {i}"
         mem["P"][w], mem["dS"][w], mem["dP_read"][w] = i, i, i
         p["sdp"].release(sdp_state, WARPGROUP)
         p["rows"].release(rows_state, WARPS_PER_GROUP)
         sdp_state, rows_state = sdp_state.advanced(), rows_state.advanced()
+    yield from store_dkv(p, mem, w, n, log)
+
+
+def wait_step(p, rows_state, sdp_state, i):
+    """A compute warpgroup's waits at the start of step i: LSE/D, then "S/dP full" ("S full")."""
+    yield from p["rows"].consumer_wait(rows_state)
+    yield from p["sdp"].consumer_wait(sdp_state)
+    assert p["rows"].data[rows_state.index] == ("rows", i), "LSE/D of another block"
+
+
+def store_dkv(p, mem, w, n, log):
+    """FlashAttentionBackwardSm100.store_dkv's wait: dK/dV final after the last step's MMAs."""
     if n > 0:
         yield from p["dkv"].consumer_wait(consumer(1))
         assert mem["dKV"] == list(range(n)), "dK/dV read before the last step's MMAs"
@@ -142,19 +152,27 @@ def reduce_dq(p, mem, n, log):
     log.append("dq")
 
 
+def replay(p, stages, n, order, mma_role, compute_role, label):
+    """The 1-CTA roles over pipelines ``p`` in role ``order``: load and reduce_dq, with the MMA
+    warp's and the compute warpgroups' coroutines made by ``mma_role(mem, log)`` and
+    ``compute_role(mem, w, log)``; returns the finish log."""
+    mem = dict(S=None, dP=None, P=[None] * GROUPS, S_read=[None] * GROUPS, dS=[None] * GROUPS,
+               dP_read=[None] * GROUPS, dQ=None, dQ_read=None, dKV=[])
+    log = []
+    roles = {"load": load(p, stages, n, log), "mma": mma_role(mem, log), "dq": reduce_dq(p, mem, n, log)}
+    for w in range(GROUPS):
+        roles[f"compute{w}"] = compute_role(mem, w, log)
+    interleave(roles, order, label)
+    return log
+
+
 def run(stages, n, dq_over_dp, order, pipelines=make_pipelines, dq_acquire_early=None, tail=False,
         tail_needs_steps=True):
     p = pipelines(stages)
-    mem = dict(S=None, dP=None, P=[None] * GROUPS, dS=[None] * GROUPS, dP_read=[None] * GROUPS, dQ=None,
-               dQ_read=None, dKV=[])
-    log = []
-    roles = {"load": load(p, stages, n, log),
-             "mma": mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early, tail, tail_needs_steps),
-             "dq": reduce_dq(p, mem, n, log)}
-    for w in range(GROUPS):
-        roles[f"compute{w}"] = compute(p, mem, w, stages, n, log)
-    interleave(roles, order, f"stages={stages}, steps={n}, dq_over_dp={dq_over_dp}")
-    return log
+    return replay(p, stages, n, order,
+                  lambda mem, log: mma(p, mem, stages, n, dq_over_dp, log, dq_acquire_early, tail, tail_needs_steps),
+                  lambda mem, w, log: compute(p, mem, w, stages, n, log),
+                  f"stages={stages}, steps={n}, dq_over_dp={dq_over_dp}")
 
 
 ROLE_ORDERS = [list(o) for o in itertools.permutations(["load", "mma", "compute", "dq"])]
@@ -402,3 +420,108 @@ def test_pair_barrier_counts_are_the_kernels():
     pp = make_pair_pipelines()
     assert pp[0]["sdp"].empty[0].count == bwd_pair.CTAS * GROUPS * WARPGROUP
     assert pp[0]["dq"].empty[0].count == bwd_pair.CTAS * WARPGROUP
+
+
+# ---- The serial schedule (head dims 192 / 128, sm100/bwd_serial.py) ----------------------------------
+# The 1-CTA kernel's pipelines, with "sdp" handed back and forth twice per step: "S full" -> "P^T
+# written, S^T read" -> "dP full" -> "dS^T written, P^T and dP^T read". TMEM regions modelled: S^T's
+# upper half (which dP^T and then dQ overwrite), each warpgroup's P^T words (overwritten by the next S^T
+# and by dQ), dP^T and dQ.
+
+def serial_mma(p, mem, n, log, faults=()):
+    """FlashAttentionBackwardSm100Serial.mma (``faults``: "dp_before_p" issues dP^T without waiting for
+    the first release, "dq_late" acquires the dq stage only before the dQ MMA)."""
+    qdo_state, sdp_state, dq_state = consumer(1), producer(1), producer(1)
+    if n > 0:
+        yield from p["kv"].consumer_wait(consumer(1))
+        yield from p["sdp"].producer_acquire(sdp_state)
+    for i in range(n):
+        yield from p["qdo"].consumer_wait(qdo_state)
+        assert p["qdo"].data[qdo_state.index] == ("QdO", i), "Q/dO stage holds another block"
+        if "dq_late" not in faults:
+            yield from p["dq"].producer_acquire(dq_state)
+        assert i == 0 or mem["dQ_read"] == i - 1, "S^T overwrites dQ before it was read out"
+        mem["S"], mem["P"] = i, [("S", i)] * GROUPS  # S^T over P^T's words and the columns dQ used
+        p["sdp"].commit(sdp_state)
+        sdp_state = sdp_state.advanced()
+        if "dp_before_p" not in faults:
+            yield from p["sdp"].producer_acquire(sdp_state)  # P^T written, S^T read
+        assert mem["S_read"] == [i] * GROUPS, "dP^T overwrites S^T before both warpgroups read it"
+        mem["S"], mem["dP"] = ("dP", i), i
+        p["sdp"].commit(sdp_state)
+        sdp_state = sdp_state.advanced()
+        assert mem["P"] == [i] * GROUPS, f"dV_{i} issued on P^T {mem['P']}"
+        if "dp_before_p" in faults:
+            yield from p["sdp"].producer_acquire(sdp_state)
+        yield from p["sdp"].producer_acquire(sdp_state)  # dS^T written, P^T and dP^T read
+        assert mem["dS"] == [i] * GROUPS, f"dK_{i} issued on dS^T of steps {mem['dS']}"
+        mem["dKV"].append(i)
+        p["qdo"].release(qdo_state)
+        qdo_state = qdo_state.advanced()
+        if "dq_late" in faults:
+            yield from p["dq"].producer_acquire(dq_state)
+        assert mem["dP_read"] == [i] * GROUPS, "dQ overwrites P^T / dP^T before both warpgroups read them"
+        mem["dP"], mem["P"], mem["dQ"] = ("dQ", i), [("dQ", i)] * GROUPS, i
+        p["dq"].commit(dq_state)
+        dq_state = dq_state.advanced()
+    if n > 0:
+        p["dkv"].commit(producer(1))
+    log.append("mma")
+
+
+def serial_compute(p, mem, w, n, log):
+    """FlashAttentionBackwardSm100Serial.compute (phase 1, phase 2) and store_dkv, warpgroup w."""
+    sdp_state, rows_state = consumer(1), consumer(1)
+    for i in range(n):
+        yield from wait_step(p, rows_state, sdp_state, i)  # LSE/D, "S full"
+        assert mem["S"] == i, f"compute {w} read S^T of {mem['S']}, wanted {i}"
+        mem["S_read"][w], mem["P"][w] = i, i
+        p["sdp"].release(sdp_state, WARPGROUP)
+        sdp_state = sdp_state.advanced()
+        yield from p["sdp"].consumer_wait(sdp_state)  # "dP full"
+        assert mem["dP"] == i and mem["P"][w] == i, f"compute {w} read dP^T {mem['dP']} / P^T {mem['P'][w]}"
+        mem["dP_read"][w], mem["dS"][w] = i, i
+        p["sdp"].release(sdp_state, WARPGROUP)
+        p["rows"].release(rows_state, WARPS_PER_GROUP)
+        sdp_state, rows_state = sdp_state.advanced(), rows_state.advanced()
+    yield from store_dkv(p, mem, w, n, log)
+
+
+def run_serial(n, order, pipelines=make_pipelines, faults=()):
+    p = pipelines(1)
+    return replay(p, 1, n, order, lambda mem, log: serial_mma(p, mem, n, log, faults),
+                  lambda mem, w, log: serial_compute(p, mem, w, n, log), f"serial, steps={n}, faults={faults}")
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 3, 7])
+def test_serial_every_role_finishes_and_every_hand_off_sees_its_producer(steps):
+    for order in ROLE_ORDERS:
+        log = run_serial(steps, order)
+        assert sorted(log) == sorted(["load", "mma", "dq"] + [f"compute{w}" for w in range(GROUPS)])
+
+
+@pytest.mark.parametrize("fault", ["sdp_one_group", "dp_before_p", "dq_late"])
+def test_the_serial_model_catches_serial_faults(fault):
+    """Not vacuous: an sdp empty barrier counting one compute warpgroup, dP^T issued before the
+    first release (over S^T still being read), and the dq stage acquired only before the dQ MMA
+    (the next S^T over dQ not yet read out) are each caught in some order."""
+    pipelines = (lambda s: make_pipelines(s, sdp_empty=WARPGROUP)) if fault == "sdp_one_group" else make_pipelines
+    faults = () if fault == "sdp_one_group" else (fault,)
+    with pytest.raises(AssertionError):
+        for order in ROLE_ORDERS:
+            run_serial(3, order, pipelines=pipelines, faults=faults)
+
+
+def test_serial_kernel_plan_is_the_replayed_one():
+    """The serial kernel is the 1-CTA kernel with one Q/dO stage and dQ over S^T's columns: what
+    run_serial replays (its pipelines are make_pipelines(1))."""
+    from flash_attn4 import dispatch
+    from flash_attn4.fa4_kernels.arch import Arch
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_serial
+
+    for d, dv in sm100_tiles.BWD_SERIAL_HEAD_DIMS:
+        cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, dv, causal=True, local=False, has_softcap=False,
+                                       varlen=False, has_seqused_k=False, deterministic=False)
+        plan = bwd_pair.backward_kernel(cfg)
+        assert isinstance(plan, bwd_serial.FlashAttentionBackwardSm100Serial) and cfg.num_stages == 1
+        assert plan.tmem_dq == plan.tmem_s and plan.tmem_s < plan.tmem_dp < plan.tmem_s + cfg.tile_m

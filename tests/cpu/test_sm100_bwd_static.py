@@ -270,7 +270,7 @@ def test_varlen_local_and_softcap_configs_are_accepted(flags):
     assert cfg.postprocess().varlen == flags.get("varlen", False)
 
 
-@pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (192, 128), (128, 80)])
+@pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (128, 192), (192, 64), (128, 80)])
 def test_other_head_dims_raise(d, dv):
     with pytest.raises(NotImplementedError, match="sm_100a backward: head dims"):
         BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,
@@ -303,7 +303,9 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (128, True, False, False, False, False, False, pair), (128, True, False, False, False, False, False, 1),
         (128, True, True, False, False, False, False, pair), (128, True, True, False, False, False, False, 1),
         (128, True, False, False, False, True, True, 1),
-        (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1)}
+        (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1),
+        (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1)}
+    assert {c.head_dim_v for c in mains if c.head_dim == 192} == {128}
     # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
     for c in mains:
         flags = dict(causal=c.causal, local=c.local, has_softcap=c.has_softcap, varlen=c.varlen,
@@ -311,27 +313,29 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         picked = dispatch.backward_config(Arch.SM100, c.dtype, c.head_dim, c.head_dim_v, **flags)
         assert c in (picked, dispatch.self_check_fallback(picked)), c
     assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
-        (64, False), (96, False), (128, False), (128, True)}
+        (64, False), (96, False), (128, False), (128, True), (192, False)}
     assert any(isinstance(c, PreprocessConfig) for c in configs)
 
 
 def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
     from flash_attn4.fa4_kernels.compile import compile_backward_postprocess
 
-    for d in sm100_tiles.BWD_HEAD_DIMS:
+    dims = [(d, d) for d in sm100_tiles.BWD_HEAD_DIMS] + list(sm100_tiles.BWD_SERIAL_HEAD_DIMS)
+    for d, dv in dims:
         for varlen in (False, True):
-            compile_backward_postprocess(config(d=d, varlen=varlen).postprocess(), jit_engine=False)
+            compile_backward_postprocess(config(d=d, dv=dv, varlen=varlen).postprocess(), jit_engine=False)
 
 
 def test_verifier_reports_only_the_reviewed_baseline():
     """CUTE_DSL_COMPILER_OPT=warnings: nothing beyond tests/cpu/verifier_baseline.json's reviewed
-    entries for the sm100 backward. The varlen, local/softcap and d = 96 kernels use the same
-    pipelines as the reviewed ones, so they must report exactly the same (no entry of their own)."""
+    entries for the sm100 backward. The varlen, local/softcap, d = 96 and serial (192 / 128) kernels use
+    the same pipelines as the reviewed ones, so they must report exactly the same (no entry of their own)."""
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
     for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True)),
                        ("sm100 bwd d128 causal", dict(d=128, causal=True, varlen=True, has_seqused_k=True)),
                        ("sm100 bwd d128 causal", dict(d=128, local=True, has_softcap=True)),
-                       ("sm100 bwd d64", dict(d=96, causal=True))):
+                       ("sm100 bwd d64", dict(d=96, causal=True)),
+                       ("sm100 bwd d128 causal", dict(d=192, dv=128))):
         got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(config(**spec), FLAVOUR))
         assert got == sorted(baseline[name]), (name, got)
 
@@ -378,12 +382,18 @@ def expected_pair_mma(cfg) -> int:
             + cfg.cluster_m * cfg.tile_n // MMA_K)
 
 
-@pytest.fixture(scope="module", params=[(n, f) for n in PAIR_CASES for f in ("cu13", "cu12")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
-def pair_compiled(request):
-    name, flavour = request.param
-    cfg = pair_config(**PAIR_CASES[name][0])
-    return flavour, cfg, lib.kernel_stats(cfg, flavour)
+def flavoured_fixture(cases: dict, make_config):
+    """A module fixture over every (case, ptxas flavour): (flavour, config, its SASS statistics)."""
+    @pytest.fixture(scope="module", params=[(n, f) for n in cases for f in ("cu13", "cu12")],
+                    ids=lambda p: f"{p[0]}-{p[1]}")
+    def compiled(request):
+        name, flavour = request.param
+        cfg = make_config(**cases[name][0])
+        return flavour, cfg, lib.kernel_stats(cfg, flavour)
+    return compiled
+
+
+pair_compiled = flavoured_fixture(PAIR_CASES, pair_config)
 
 
 def test_pair_compiles_without_spills_under_both_ptxas(pair_compiled):
@@ -530,3 +540,124 @@ def test_pair_deterministic_dq_order_one_turn_wait_and_one_release_per_query_blo
     assert {op: det[op] - plain[op] for op in det} == {"LDG.E.STRONG.GPU": 1, "REDG.E.ADD.S32.STRONG.GPU": 1,
                                                        "FENCE.VIEW.ASYNC.G": 2, "MEMBAR.ALL.GPU": 1}, (det, plain)
     assert plain["LDG.E.STRONG.GPU"] == plain["REDG.E.ADD.S32.STRONG.GPU"] == plain["FENCE.VIEW.ASYNC.G"] == 0
+
+
+# ---- The serial 1-CTA kernel (head dims 192 / 128, sm100/bwd_serial.py) ----------------------------
+# Compiled here with upstream's SASS instruction counts for its kernel of the same head dims (a 2-CTA
+# kernel there; ../shared/sm100/compile_anchor.py with a bwd (192, 128) configuration added, flash-attn-4
+# 4.0.0b40, docs/perf.md); none for the varlen/local/deterministic variant.
+SERIAL_CASES = {"d192_dv128": (dict(d=192, dv=128), dict(cu12=3328, cu13=3008)),
+                "d192_dv128_causal": (dict(d=192, dv=128, causal=True), dict(cu12=3400, cu13=3136)),
+                "d192_dv128_varlen_local_deterministic": (dict(d=192, dv=128, varlen=True, local=True,
+                                                               deterministic=True), None)}
+
+
+serial_compiled = flavoured_fixture(SERIAL_CASES, config)
+
+
+def test_serial_is_what_dispatch_runs_at_192_128():
+    from flash_attn4.fa4_kernels.sm100 import bwd_serial
+
+    for flags in (dict(), dict(causal=True), dict(varlen=True, local=True, deterministic=True)):
+        cfg = config(d=192, dv=128, **flags)
+        assert (cfg.cluster_m, cfg.num_stages) == (1, 1)
+        assert dispatch.self_check_fallback(cfg) is None  # no other kernel at these head dims
+        assert type(kernel_plan(cfg)[1]) is bwd_serial.FlashAttentionBackwardSm100Serial
+
+
+def test_serial_compiles_without_spills_under_both_ptxas(serial_compiled):
+    flavour, cfg, stats = serial_compiled
+    assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
+        f"{cfg}, {flavour}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
+    assert lib.static_problems(stats) == [], flavour
+
+
+def test_serial_mma_tmem_and_budgets(serial_compiled):
+    """The MMA count the tiles imply (each GEMM once in the loop, expected_mma), all cta_group::1; one
+    512-column TMEM allocation, relinquished and freed once; the 1-CTA kernel's register budgets,
+    one setmaxnreg per role."""
+    flavour, cfg, stats = serial_compiled
+    bwd, plan = kernel_plan(cfg)
+    assert stats["utcmma"] == expected_mma(cfg), (flavour, stats["utcmma"], expected_mma(cfg))
+    assert not stats["two_cta"] and stats["cta_group"] == 1
+    ptx = stats["ptx"]
+    assert [a["columns"] for a in ptx["tmem_alloc"]] == [bwd.TMEM_COLUMNS] and bwd.TMEM_COLUMNS <= TMEM_LIMIT
+    assert len(ptx["tmem_dealloc"]) == 1 and len(ptx["tmem_relinquish"]) == 1
+    assert plan.registers == bwd.registers(cfg.head_dim, cfg.head_dim_v, cfg.num_stages)
+    assert stats["usetmaxreg"] == stats["setmaxnreg"]
+    expected = sorted(v if v > bwd.LAUNCH_REGISTERS else -v
+                      for v in set(plan.registers.values()) - {bwd.LAUNCH_REGISTERS})
+    assert sorted(int(v) for v in stats["usetmaxreg"]) == expected
+
+
+def test_serial_tmem_traffic_and_exponentials_as_planned(serial_compiled):
+    """Phase 1 (compute_chunks chunks of 32 query columns per warpgroup): an S^T load and a P^T store
+    per chunk in the unmasked variant (unrolled) and once in the masked one (a loop); phase 2: a
+    P^T load and a dP^T load per chunk, no variants (the mask is in P^T already), dS^T's
+    subtraction and product as packed f32x2 (one of each per pair of columns). dK and dV by their
+    chunks, dQ by 32 columns, one TMA reduce-add each; the exponentials of one chunk per phase-1
+    copy."""
+    flavour, cfg, stats = serial_compiled
+    bwd, plan = kernel_plan(cfg)
+    chunk = sm100_tiles.BWD_DQ_CHUNK
+    compute_chunks = cfg.tile_m // bwd.COMPUTE_GROUPS // chunk
+    phase1_copies = compute_chunks + 1
+    dkv_chunks = sum(dim // bwd.COMPUTE_GROUPS // width
+                     for dim, width in ((cfg.head_dim, plan.dk_chunk), (cfg.head_dim_v, plan.dv_chunk)))
+    assert stats["ldtm"] == phase1_copies + 2 * compute_chunks + dkv_chunks + cfg.head_dim // chunk, flavour
+    assert stats["sttm"] == phase1_copies, flavour
+    assert stats["mufu_ex2"] == phase1_copies * chunk, flavour
+    assert stats["fmul2"] == stats["fadd2"] == compute_chunks * chunk // 2, flavour
+    assert reduce_adds(stats) == cfg.head_dim // chunk
+
+
+@pytest.mark.parametrize("name,flavour", [(n, f) for n, (_, upstream) in SERIAL_CASES.items() if upstream
+                                          for f in ("cu13", "cu12")])
+def test_serial_within_upstreams_instruction_count(name, flavour):
+    flags, upstream = SERIAL_CASES[name]
+    stats = lib.kernel_stats(config(**flags), flavour)
+    assert stats["instructions"] <= PAIR_INSTRUCTION_GOAL * upstream[flavour], \
+        (name, flavour, stats["instructions"], upstream[flavour])
+
+
+def test_serial_tmem_plan_and_shared_memory():
+    """What is live together is disjoint: dK, dV, S^T (phase 1); dK, dV, P^T, dP^T (phase 2 and dV);
+    dK, dV, dQ. P^T of each (warpgroup, chunk) lies inside its warpgroup's own chunk-0 columns, and
+    every query's P^T word is where phase 1 stores it and where the dV MMA's k-slice reads it. Shared
+    memory: one Q/dO stage within the limit, two over it."""
+    import cutlass.memory
+
+    from flash_attn4.fa4_kernels.sm100 import bwd_serial
+
+    cfg = config(d=192, dv=128)
+    bwd, plan = kernel_plan(cfg)
+    d, dv, tile_m = cfg.head_dim, cfg.head_dim_v, cfg.tile_m
+    words = plan.chunk_words
+    compute_chunks = tile_m // bwd.COMPUTE_GROUPS // sm100_tiles.BWD_DQ_CHUNK
+    p_cols = {plan.tmem_s + bwd_serial.serial_p_word(w, c, words) + i
+              for w in range(bwd.COMPUTE_GROUPS) for c in range(compute_chunks) for i in range(words)}
+    assert len(p_cols) == tile_m // 2  # 16-bit pairs, no word written twice
+
+    def cols(start, width):
+        return set(range(start, start + width))
+
+    dk, dv_cols = cols(plan.tmem_dk, d), cols(plan.tmem_dv, dv)
+    for live in ([dk, dv_cols, cols(plan.tmem_s, tile_m)], [dk, dv_cols, p_cols, cols(plan.tmem_dp, tile_m)],
+                 [dk, dv_cols, cols(plan.tmem_dq, d)]):
+        assert sum(len(x) for x in live) == len(set().union(*live)) and max(set().union(*live)) < bwd.TMEM_COLUMNS
+    stored, read = {}, {}
+    for w in range(bwd.COMPUTE_GROUPS):
+        for c in range(compute_chunks):
+            first = bwd_serial.serial_chunk_column(w, c)
+            own = cols(plan.tmem_s + bwd_serial.serial_chunk_column(w, 0), sm100_tiles.BWD_DQ_CHUNK)
+            for q in range(first, first + sm100_tiles.BWD_DQ_CHUNK):
+                stored[q] = plan.tmem_s + bwd_serial.serial_p_word(w, c, words) + (q - first) // 2
+                assert stored[q] in own
+    for s, word in enumerate(plan.p_slices):
+        for q in range(s * MMA_K, (s + 1) * MMA_K):
+            read[q] = plan.tmem_s + word + (q % MMA_K) // 2
+    assert sorted(stored) == list(range(tile_m)) and stored == read
+    capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_100")
+    assert sm100_tiles.backward_stages(d, dv) == cfg.num_stages == 1
+    assert sm100_tiles.backward_shared_memory_bytes(d, 1, head_dim_v=dv) <= min(capacity, sm100_tiles.SMEM_BYTES)
+    assert sm100_tiles.backward_shared_memory_bytes(d, 2, head_dim_v=dv) > sm100_tiles.SMEM_BYTES

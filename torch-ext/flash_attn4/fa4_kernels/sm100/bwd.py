@@ -167,15 +167,7 @@ class FlashAttentionBackwardSm100:
         self.registers = registers(self.hdim, self.hdim_v, self.num_stages)
         regs = self.registers
         assert regs["dq"] + COMPUTE_GROUPS * regs["compute"] + regs["other"] == 4 * LAUNCH_REGISTERS
-        # Tensor-memory plan (columns).
-        self.tmem_s, self.tmem_dp = 0, TILE_N
-        self.tmem_dk = 2 * TILE_N
-        self.tmem_dv = self.tmem_dk + self.hdim
-        after_dv = self.tmem_dv + self.hdim_v
-        self.dq_over_dp = after_dv + self.hdim > TMEM_COLUMNS
-        self.tmem_dq = self.tmem_dp if self.dq_over_dp else after_dv
-        assert after_dv <= TMEM_COLUMNS and self.tmem_dq + self.hdim <= TMEM_COLUMNS
-        assert not self.dq_over_dp or self.hdim <= BWD_TILE_M
+        self.plan_tmem()
         # P^T of compute warpgroup w: its 64 query columns as 32 words of 16-bit pairs at 64 w.
         self.cols_per_group = BWD_TILE_M // COMPUTE_GROUPS
         self.p_words = self.cols_per_group * self.dtype.width // 32
@@ -186,6 +178,17 @@ class FlashAttentionBackwardSm100:
         # The MMA warp zeroes K's and V's rows past the keys (zero_kv_tail) where the tensor can
         # hold such rows: varlen keys or seqused_k.
         self.zero_tail = tail_possible(cfg)
+
+    def plan_tmem(self):
+        """Tensor-memory plan (columns; module docstring)."""
+        self.tmem_s, self.tmem_dp = 0, TILE_N
+        self.tmem_dk = 2 * TILE_N
+        self.tmem_dv = self.tmem_dk + self.hdim
+        after_dv = self.tmem_dv + self.hdim_v
+        self.dq_over_dp = after_dv + self.hdim > TMEM_COLUMNS
+        self.tmem_dq = self.tmem_dp if self.dq_over_dp else after_dv
+        assert after_dv <= TMEM_COLUMNS and self.tmem_dq + self.hdim <= TMEM_COLUMNS
+        assert not self.dq_over_dp or self.hdim <= BWD_TILE_M
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -508,28 +511,15 @@ class FlashAttentionBackwardSm100:
     def mma(self, tmem_ptr, smem: "SharedTiles", tl: "TmemLayouts", mma_s, mma_dv, mma_dk, mma_dq,
             pipes: "Pipelines", num_steps):
         """Every MMA of the tile, step by step (module docstring)."""
-        tSrK, tSrQ = mma_s.make_fragment_A(smem.k), mma_s.make_fragment_B(smem.q)
-        tdPrV, tdPrdO = mma_s.make_fragment_A(smem.v), mma_s.make_fragment_B(smem.do)
-        tdVrdOt = mma_dv.make_fragment_B(smem.dot)
-        tdKrdSt, tdKrQt = mma_dk.make_fragment_A(smem.dst), mma_dk.make_fragment_B(smem.qt)
-        tdQrdS, tdQrKt = mma_dq.make_fragment_A(smem.ds), mma_dq.make_fragment_B(smem.kt)
-        tStS = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
-        tdPtdP = cute.make_tensor(tmem_ptr + self.tmem_dp, tl.s)
-        tdVtdV = cute.make_tensor(tmem_ptr + self.tmem_dv, tl.dv)
-        tdKtdK = cute.make_tensor(tmem_ptr + self.tmem_dk, tl.dk)
-        tdQtdQ = cute.make_tensor(tmem_ptr + self.tmem_dq, tl.dq)
+        (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdOt, tdKrdSt, tdKrQt, tdQrdS, tdQrKt, tStS, tdPtdP, tdVtdV, tdKtdK,
+         tdQtdQ) = self.mma_operands(tmem_ptr, smem, tl, mma_s, mma_dv, mma_dk, mma_dq)
         # P^T as the dV MMA's A operand: compute warpgroup w's query columns (k-slices) start at
         # TMEM column 64 w, so its k-slices are read through a base shifted by w * (64 - 32).
         k_slices_per_group = self.cols_per_group // MMA_K
         tdVrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s + w * (self.cols_per_group - self.p_words),
                                                   dtype=self.dtype), tl.p) for w in range(COMPUTE_GROUPS)]
 
-        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if num_steps > 0:
-            pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            pipes.sdp.producer_acquire(sdp_state)
+        qdo_state, sdp_state, dq_state = self.mma_start(pipes, num_steps, self.num_stages)
         for i in cutlass.range(num_steps, unroll=1):
             pipes.qdo.consumer_wait(qdo_state)
             stage = qdo_state.index
@@ -547,9 +537,30 @@ class FlashAttentionBackwardSm100:
             qdo_state = advanced(qdo_state)
             if cutlass.const_expr(not self.dq_over_dp):
                 pipes.dq.producer_acquire(dq_state)
-            mma_dq = gemm(mma_dq, tdQtdQ, tdQrdS[None, None, None, 0], tdQrKt[None, None, None, 0], False)
-            pipes.dq.producer_commit(dq_state)
-            dq_state = advanced(dq_state)
+            mma_dq, dq_state = self.issue_dq(mma_dq, tdQtdQ, tdQrdS, tdQrKt, pipes, dq_state)
+        self.mma_finish(pipes, num_steps)
+
+    @cute.jit
+    def mma_start(self, pipes: "Pipelines", num_steps, qdo_stages: cutlass.Constexpr[int]):
+        """The MMA warp's pipeline states (Q/dO consumer; S/dP and dQ producers), after K and V
+        landed and the first S/dP stage was acquired (when the tile has steps)."""
+        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, qdo_stages)
+        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if num_steps > 0:
+            pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            pipes.sdp.producer_acquire(sdp_state)
+        return qdo_state, sdp_state, dq_state
+
+    def issue_dq(self, mma_dq, tdQtdQ, tdQrdS, tdQrKt, pipes: "Pipelines", dq_state):
+        """dQ_i = dS K (fresh accumulator), committed as "dQ full"; (MMA, next dq state)."""
+        mma_dq = gemm(mma_dq, tdQtdQ, tdQrdS[None, None, None, 0], tdQrKt[None, None, None, 0], False)
+        pipes.dq.producer_commit(dq_state)
+        return mma_dq, advanced(dq_state)
+
+    @cute.jit
+    def mma_finish(self, pipes: "Pipelines", num_steps):
+        """After the last step: commit "dK/dV final" (when the tile had steps)."""
         if num_steps > 0:
             pipes.dkv.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
 
@@ -578,6 +589,30 @@ class FlashAttentionBackwardSm100:
                     zero_rows(rows, first_row, cute.arch.lane_idx(), WARP)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_warp()
+
+    def mma_operands(self, tmem_ptr, smem: "SharedTiles", tl: "TmemLayouts", mma_s, mma_dv, mma_dk, mma_dq) -> tuple:
+        """The MMA warp's shared-memory fragments (K, Q; V, dO; dO^T; dS^T, Q^T; dS, K^T) and TMEM
+        accumulators (S^T, dP^T, dV, dK, dQ at the plan's columns)."""
+        return (mma_s.make_fragment_A(smem.k), mma_s.make_fragment_B(smem.q),
+                mma_s.make_fragment_A(smem.v), mma_s.make_fragment_B(smem.do),
+                mma_dv.make_fragment_B(smem.dot),
+                mma_dk.make_fragment_A(smem.dst), mma_dk.make_fragment_B(smem.qt),
+                mma_dq.make_fragment_A(smem.ds), mma_dq.make_fragment_B(smem.kt),
+                cute.make_tensor(tmem_ptr + self.tmem_s, tl.s), cute.make_tensor(tmem_ptr + self.tmem_dp, tl.s),
+                cute.make_tensor(tmem_ptr + self.tmem_dv, tl.dv), cute.make_tensor(tmem_ptr + self.tmem_dk, tl.dk),
+                cute.make_tensor(tmem_ptr + self.tmem_dq, tl.dq))
+
+    def packed_chunks(self, tmem_ptr, s_layout, words: int, chunk_words: int, thread, load: bool = False):
+        """(copy, TMEM per chunk, register shape) of 16-bit values packed in pairs, ``words`` columns
+        of S^T's layout from ``tmem_ptr`` (P^T over S^T, dS^T over dP^T) by ``chunk_words``: a
+        tcgen05.st (the chunks as destinations), or with ``load`` a tcgen05.ld (as sources)."""
+        t = cute.make_tensor(tmem_ptr, cute.composition(s_layout, cute.make_layout((TILE_N, words))))
+        t = cute.flat_divide(t, (TILE_N, chunk_words))[None, None, 0, None]  # (TILE_N, words, chunks)
+        op = tcgen05.Ld32x32bOp if load else tcgen05.St32x32bOp
+        copy = tcgen05.make_tmem_copy(cute.make_copy_atom(op(tcgen05.Repetition(chunk_words)), Float32),
+                                      t[None, None, 0]).get_slice(thread)
+        regs = copy.partition_S(cute.make_identity_tensor((TILE_N, chunk_words))).shape
+        return copy, copy.partition_S(t) if load else copy.partition_D(t), regs
 
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
@@ -621,11 +656,15 @@ class FlashAttentionBackwardSm100:
                 for c in cutlass.range_constexpr(chunks):
                     self.chunk_step(c, full, group, copies, rows, scales, work, m_block, thread)
             cute.arch.fence_view_async_tmem_store()  # P^T is in TMEM before the dV MMA reads it
-            cute.arch.fence_view_async_shared()  # dS^T is visible to the MMAs (async proxy)
-            pipes.sdp.consumer_release(sdp_state)
-            pipes.rows.consumer_release(rows_state)
-            sdp_state = advanced(sdp_state)
-            rows_state = advanced(rows_state)
+            sdp_state, rows_state = self.end_step(pipes, sdp_state, rows_state)
+
+    def end_step(self, pipes: "Pipelines", sdp_state, rows_state):
+        """A compute warpgroup's step end: dS^T in shared memory made visible to the MMAs (async
+        proxy), then "dS^T written" and LSE/D released; the next states."""
+        cute.arch.fence_view_async_shared()
+        pipes.sdp.consumer_release(sdp_state)
+        pipes.rows.consumer_release(rows_state)
+        return advanced(sdp_state), advanced(rows_state)
 
     @cute.jit
     def chunk_step(self, c, full, group, copies: "ChunkCopies", rows, scales: BackwardScales, work: TileWork, m_block,

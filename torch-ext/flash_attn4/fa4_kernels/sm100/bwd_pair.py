@@ -105,18 +105,24 @@ from ..softmax import BackwardScales
 from ..tile_work import QueryBlocks, TileWork
 from .bwd import (COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, ChunkCopies, FlashAttentionBackwardSm100, Pipelines,
                   Warp, flat, gemm_a_by_groups, mma_tma_partition)
+from .bwd_serial import FlashAttentionBackwardSm100Serial
 from .dq_accum import VECTOR, chunk_tiles
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
 from .tiles import (BWD_DQ_CHUNK, BWD_PAIR_DQ_ROWS, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
-                    backward_pair_shared_memory_bytes)
+                    backward_pair_shared_memory_bytes, backward_serial)
 
 CTAS = 2
 PAIR_N = CTAS * TILE_N  # keys of one MMA (M of S^T, dP^T, dK, dV; K of dQ)
 
 
 def backward_kernel(cfg: BackwardConfig):
-    """The registry's sm100 backward (arch.py): the pair kernel for cluster_m = 2, else 1-CTA."""
-    return FlashAttentionBackwardSm100Pair(cfg) if cfg.cluster_m == 2 else FlashAttentionBackwardSm100(cfg)
+    """The registry's sm100 backward (arch.py): the pair kernel for cluster_m = 2, the serial 1-CTA
+    kernel at its head dims (bwd_serial.py), else the 1-CTA kernel."""
+    if cfg.cluster_m == 2:
+        return FlashAttentionBackwardSm100Pair(cfg)
+    if backward_serial(cfg.head_dim, cfg.head_dim_v):
+        return FlashAttentionBackwardSm100Serial(cfg)
+    return FlashAttentionBackwardSm100(cfg)
 
 
 class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
@@ -482,12 +488,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         tdKrdS = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_dp + w * shift, dtype=self.dtype), tl.dst)
                   for w in range(COMPUTE_GROUPS)]
 
-        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if num_steps > 0:
-            pipes.kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            pipes.sdp.producer_acquire(sdp_state)
+        qdo_state, sdp_state, dq_state = self.mma_start(pipes, num_steps, 1)
         for i in cutlass.range(num_steps, unroll=1):
             # In a cluster launch shared-memory addresses are runtime values: hoisted out of the
             # loop, the 80 descriptors spilled at 128 registers; per step they are rebuilt.
@@ -514,11 +515,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                                       k_slices_per_group)
             pipes.qdo.consumer_release(qdo_state)
             qdo_state = advanced(qdo_state)
-            mma_dq = gemm(mma_dq, tdQtdQ, tdQrdS[None, None, None, 0], tdQrKt[None, None, None, 0], False)
-            pipes.dq.producer_commit(dq_state)
-            dq_state = advanced(dq_state)
-        if num_steps > 0:
-            pipes.dkv.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+            mma_dq, dq_state = self.issue_dq(mma_dq, tdQtdQ, tdQrdS, tdQrKt, pipes, dq_state)
+        self.mma_finish(pipes, num_steps)
 
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
@@ -533,8 +531,10 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         chunks = self.cols_per_group // BWD_DQ_CHUNK
         chunk_words = BWD_DQ_CHUNK * self.dtype.width // 32
         tSt = cute.make_tensor(tmem_ptr + self.tmem_s, tl.s)
-        store_p, tPt, p_regs = self.packed_chunks(tmem_ptr + self.tmem_s + first_col, tSt.layout, chunk_words, thread)
-        _, tdSt, _ = self.packed_chunks(tmem_ptr + self.tmem_dp + first_col, tSt.layout, chunk_words, thread)
+        store_p, tPt, p_regs = self.packed_chunks(tmem_ptr + self.tmem_s + first_col, tSt.layout, self.p_words,
+                                                  chunk_words, thread)
+        _, tdSt, _ = self.packed_chunks(tmem_ptr + self.tmem_dp + first_col, tSt.layout, self.p_words, chunk_words,
+                                        thread)
         # dS of this key row for query half ``group``: the dQ operand's k-step of this CTA's key.
         key = rank * TILE_N + thread
         ds_row = smem.ds[((None, key % MMA_K), 0, key // MMA_K, 0)]  # (64 queries,)
@@ -565,17 +565,6 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             pipes.rows.consumer_release(rows_state)
             sdp_state = advanced(sdp_state)
             rows_state = advanced(rows_state)
-
-    def packed_chunks(self, tmem_ptr, s_layout, chunk_words: int, thread):
-        """(store, destination per chunk, register shape) of 16-bit values packed in pairs over
-        this warpgroup's S^T-shaped columns from ``tmem_ptr`` (P^T over S^T, dS^T over dP^T)."""
-        t = cute.make_tensor(tmem_ptr, cute.composition(s_layout, cute.make_layout((TILE_N, self.p_words))))
-        t = cute.flat_divide(t, (TILE_N, chunk_words))[None, None, 0, None]  # (TILE_N, words, chunks)
-        store = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(chunk_words)), Float32),
-            t[None, None, 0]).get_slice(thread)
-        regs = store.partition_S(cute.make_identity_tensor((TILE_N, chunk_words))).shape
-        return store, store.partition_D(t), regs
 
     @cute.jit
     def pair_chunk(self, c, group, copies: ChunkCopies, tdSt, rows, scales: BackwardScales, work: TileWork, m_block,

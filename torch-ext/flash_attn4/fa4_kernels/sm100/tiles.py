@@ -228,13 +228,18 @@ def _pad16(d: int) -> int:
 # Q and dO per stage, dS^T, two float32 dQ staging buffers of BWD_DQ_CHUNK columns, LSE and rowsum
 # per stage, and at most BWD_SMEM_RESERVED of barriers. d = 64 takes two Q/dO stages (163 KiB),
 # d = 96 two (211 KiB), d = 128 one (194 KiB): two would need 256 KiB, which is why upstream runs
-# d = 128 on two CTAs.
+# d = 128 on two CTAs. 192 / 128 (the serial kernel) one (226 KiB); d = dv = 192 would need 258 KiB
+# for one stage.
 BWD_TILE_M = 128
 BWD_DQ_CHUNK = 32  # dQ columns per TMEM load / shared-memory stage / TMA reduce-add
 BWD_DQ_BUFFERS = 2
 BWD_MAX_STAGES = 2
 BWD_SMEM_RESERVED = 1024
 BWD_HEAD_DIMS = (64, 96, 128)
+# (head_dim, head_dim_v) the serial 1-CTA kernel runs (sm100/bwd_serial.py): dK and dV stay in TMEM
+# beside S^T, P^T and dP^T only when dP^T lands after S^T has been read (576 columns otherwise), and
+# one Q/dO stage fits (226 KiB). No softcap there (its dS^T factor needs S^T, which dP^T overwrites).
+BWD_SERIAL_HEAD_DIMS = ((192, 128),)
 
 
 def backward_shared_memory_bytes(head_dim: int, num_stages: int, element_bytes: int = 2,
@@ -271,7 +276,13 @@ BWD_UNIMPLEMENTED: dict[str, str] = {}
 def backward_supported() -> str:
     """What the sm100 backward runs, for messages."""
     return (f"1-CTA kernel: bf16/fp16, head_dim and head_dim_v each in {BWD_HEAD_DIMS}, causal or local windows, "
-            f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True")
+            f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True; "
+            f"(head_dim, head_dim_v) in {BWD_SERIAL_HEAD_DIMS} the same without softcap")
+
+
+def backward_serial(head_dim: int, head_dim_v: int) -> bool:
+    """Whether (padded) head dims run the serial 1-CTA kernel (sm100/bwd_serial.py)."""
+    return (head_dim, head_dim_v) in BWD_SERIAL_HEAD_DIMS
 
 
 # CTA pairs for the backward (BackwardConfig.cluster_m = 2, sm100/bwd_pair.py): a cluster of two
@@ -340,10 +351,14 @@ def check_backward(cfg) -> None:
         if getattr(cfg, name):
             raise NotImplementedError(f"{arch} backward: {name}=True ({what}) is not implemented yet on "
                                       f"{arch}; it runs: {backward_supported()}")
-    if cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS:
+    serial = backward_serial(cfg.head_dim, cfg.head_dim_v)
+    if not serial and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
                                   f"it runs: {backward_supported()}")
+    if serial and cfg.has_softcap:
+        raise NotImplementedError(f"{arch} backward: has_softcap=True at head dims {cfg.head_dim}/{cfg.head_dim_v} "
+                                  f"is not implemented yet on {arch}; it runs: {backward_supported()}")
     if cfg.tile_m != BWD_TILE_M or cfg.tile_n != TILE_N:
         raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")
     if cfg.cluster_m == 2:
@@ -359,19 +374,21 @@ def check_backward(cfg) -> None:
 
 
 def check_postprocess(cfg) -> None:
-    if cfg.tile_m != BWD_TILE_M or cfg.head_dim not in BWD_HEAD_DIMS:
+    head_dims = BWD_HEAD_DIMS + tuple(d for d, _ in BWD_SERIAL_HEAD_DIMS)
+    if cfg.tile_m != BWD_TILE_M or cfg.head_dim not in head_dims:
         raise NotImplementedError(f"{cfg.arch.value} backward postprocess: tile_m {BWD_TILE_M} and head dims "
-                                  f"{BWD_HEAD_DIMS} only, got tile_m {cfg.tile_m}, head dim {cfg.head_dim}")
+                                  f"{head_dims} only, got tile_m {cfg.tile_m}, head dim {cfg.head_dim}")
 
 
 # Problem classes CI compiles for sm_100a's backward: each head dim, causal or not, the
 # deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
 # handful: the target's compile time).
 # The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
-# 1-CTA kernels those pairs fall back to.
+# 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain and causal.
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
                        dict(cluster_m=1), dict(causal=True, cluster_m=1),
                        dict(local=True, has_softcap=True, cluster_m=1),
-                       dict(causal=True, deterministic=True, cluster_m=1))
+                       dict(causal=True, deterministic=True, cluster_m=1),
+                       dict(d=192, dv=128), dict(d=192, dv=128, causal=True))
