@@ -332,8 +332,10 @@ def _check_backward_pair(cfg) -> None:
     if (cfg.head_dim, cfg.head_dim_v) not in BWD_PAIR_HEAD_DIMS:
         raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) is not implemented at head dims "
                                   f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims {BWD_PAIR_HEAD_DIMS}")
-    if cfg.varlen:
-        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen=True is not "
+    if cfg.varlen or cfg.has_seqused_k:
+        # (seqused_k: the pair kernel does not zero K's and V's rows past the keys, bwd.zero_kv_tail.
+        # The torch layer takes seqused_k in the backward only with varlen, so no dispatch reaches it.)
+        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen or seqused_k is not "
                                   f"implemented; pairs run batched problems")
     if cfg.num_stages != 1:
         raise ValueError(f"{arch} backward: the pair kernel has one Q/dO stage, got {cfg.num_stages}")
