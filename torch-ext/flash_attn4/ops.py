@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import sys
 from typing import Callable, Optional
@@ -1147,35 +1148,15 @@ def _kvcache_forward(
     return out, lse.view(hq, batch, sq).transpose(0, 1).contiguous()  # (hq, total_q) -> (b, hq, sq)
 
 
-def fwd_kvcache(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    rotary_cos: Optional[torch.Tensor],
-    rotary_sin: Optional[torch.Tensor],
-    cache_seqlens: Optional[torch.Tensor],
-    cache_batch_idx: Optional[torch.Tensor],
-    cache_leftpad: Optional[torch.Tensor],
-    page_table: Optional[torch.Tensor],
-    learnable_sink: Optional[torch.Tensor],
-    softmax_scale: float,
-    softcap: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    num_splits: int,
-    return_lse: bool,
-    rotary_interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op: _kvcache_forward, with an empty float32 LSE when not ``return_lse`` (an op returns tensors)."""
-    out, lse = _kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                cache_leftpad, page_table, learnable_sink, softmax_scale, softcap, causal, window_left,
-                                window_right, num_splits, return_lse, rotary_interleaved)
+def fwd_kvcache(*args):
+    """The op: _kvcache_forward, with an empty float32 LSE when not ``return_lse`` (an op returns
+    tensors). Its schema is _kvcache_forward's arguments (the signature below), two tensors out."""
+    out, lse = _kvcache_forward(*args)
     return out, out.new_empty((0,), dtype=torch.float32) if lse is None else lse
 
 
+fwd_kvcache.__signature__ = inspect.signature(_kvcache_forward).replace(
+    return_annotation="tuple[torch.Tensor, torch.Tensor]")
 fwd_kvcache = _define_op(fwd_kvcache, mutates_args=("k_cache", "v_cache"))
 
 
