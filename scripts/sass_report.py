@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     p.add_argument("kind", choices=("fwd", "bwd", "bwd_pre", "bwd_post", "set", "dumps"),
                    help="'set': the arch's CI kernel set (fa4_kernels.compile); 'dumps': existing KEEP folders")
     p.add_argument("specs", nargs="*", help="d=128,causal=true,... (see the module docstring), or folders")
-    p.add_argument("--arch", default="sm_90a", help="sm_90a or sm_100a")
+    p.add_argument("--arch", default="sm_90a", help="sm_90a, sm_100a or sm_103a")
     p.add_argument("--flavour", default="auto", choices=("auto", "cu12", "cu13", "both"),
                    help="the DSL's embedded ptxas: cu12 (12.9), cu13 (13.4), auto (the DSL's pick), both")
     p.add_argument("--direct", action="store_true", help="build the config from the spec, not dispatch")

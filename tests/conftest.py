@@ -4,7 +4,7 @@
   repository root (for ``fa4_kernels``, ``scripts``, ``benchmarks``) go first on ``sys.path``.
 - Tests marked ``gpu`` need an sm90 (Hopper) or sm100-family (Blackwell) CUDA GPU; elsewhere they are
   skipped with the reason. They run the kernels of whatever family the GPU is (dispatch picks them),
-  so the same suite tests sm90 on an H100/H200 and sm100 on a B200. Those also marked ``backward``
+  so the same suite tests sm90 on an H100/H200 and sm100 on a B200 or B300. Those also marked ``backward``
   are skipped, with the reason, on a family without a backward kernel, and where the backward raises
   a NotImplementedError that tests/unsupported.py lists for the GPU's arch (pytest_runtest_call).
 - ``hub_build``: the Hub tree as ``make build`` writes it, built once per session into a temp folder.
@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     """A ``backward`` GPU test whose backward raises a NotImplementedError that tests/unsupported.py
-    lists for this GPU's arch (a head dim or an option its backward lacks: sm_100a's today) is
+    lists for this GPU's arch (a head dim or an option its backward lacks: sm_100a's and sm_103a's today) is
     skipped with that message; any other NotImplementedError stays a failure. The list itself is
     kept equal to the code by tests/cpu/test_unsupported.py."""
     outcome = yield

@@ -10,9 +10,8 @@ list and the code disagree in either direction, so the list cannot drift.
 Refused today (anything else must run):
 
 - every arch: head_dim or head_dim_v below 16 (valid FlashAttention input, served by no kernel);
-- sm_103a: the backward pass (its kernels are forward only; tests marked ``backward`` are skipped
-  there by tests/conftest.py for the same reason);
-- sm_100a backward (fa4_kernels/sm100/tiles.py check_backward): head dims outside 64, 96 and 128 (each of
+- sm_100a and sm_103a backward (the same kernels and rules: fa4_kernels/sm100/tiles.py check_backward,
+  whose messages name the arch): head dims outside 64, 96 and 128 (each of
   head_dim and head_dim_v) after the backward's padding to a multiple of 16 (at least 32), except the pair
   (192, 128) of the serial kernel (local windows, softcap, varlen and seqused_k run; its BWD_UNIMPLEMENTED flags,
   none today, would be listed here); softcap at (192, 128);
@@ -31,11 +30,19 @@ SMALLEST_HEAD_DIM = 16
 
 # Each reason is a regex of the message the library raises (matched with re.search).
 HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
-NO_BACKWARD = r"backward kernels are not implemented yet"
 SM100_BWD_HEAD_DIMS = (64, 96, 128)
-SM100_BWD_HEAD_DIM = r"sm_100a backward: head dims \d+/\d+ are not implemented"
 SM100_BWD_SERIAL_HEAD_DIMS = ((192, 128),)  # the serial kernel's (head_dim, head_dim_v), without softcap
-SM100_BWD_SERIAL_SOFTCAP = r"sm_100a backward: has_softcap=True at head dims \d+/\d+ is not implemented"
+
+
+def sm100_bwd_head_dim(arch: Arch) -> str:
+    """The sm100 backward's head-dim refusal on ``arch`` (sm_100a or sm_103a: the message names it)."""
+    return rf"{arch.value} backward: head dims \d+/\d+ are not implemented"
+
+
+def sm100_bwd_serial_softcap(arch: Arch) -> str:
+    """The serial kernel's softcap refusal on ``arch``."""
+    return rf"{arch.value} backward: has_softcap=True at head dims \d+/\d+ is not implemented"
+
 
 # raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)
 NO_INFERENCE_ONLY_BACKWARD = r"no backward (with (page_table|seqused_q)|through a paged KV cache)"
@@ -62,14 +69,14 @@ def backward_refusals(arch: Arch, *, head_dim: int = 128, head_dim_v: int = 128,
                       deterministic: bool = False, seqused_q: bool = False, paged: bool = False) -> list[str]:
     """The reasons a backward pass is refused on ``arch`` (after a forward that ran). ``varlen``:
     cu_seqlens given; ``window``: a local window (not the causal mask)."""
-    reasons = [NO_BACKWARD] if arch is Arch.SM103 else []
-    if arch is Arch.SM100:
+    reasons = []
+    if arch in BLACKWELL:
         d, dv = backward_kernel_head_dim(head_dim), backward_kernel_head_dim(head_dim_v)
         if (d, dv) in SM100_BWD_SERIAL_HEAD_DIMS:
             if softcap:
-                reasons.append(SM100_BWD_SERIAL_SOFTCAP)
+                reasons.append(sm100_bwd_serial_softcap(arch))
         elif d not in SM100_BWD_HEAD_DIMS or dv not in SM100_BWD_HEAD_DIMS:
-            reasons.append(SM100_BWD_HEAD_DIM)
+            reasons.append(sm100_bwd_head_dim(arch))
     del window, softcap, varlen, seqused_k, deterministic  # every arch with a backward runs these
     return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])
 
@@ -79,9 +86,10 @@ def listed_backward_refusal(arch: Arch, message: str) -> Optional[str]:
     NotImplementedError's message matches, or None (then the refusal is not listed: a failure).
     For the GPU tests of the backward (tests/conftest.py), which run every feature and skip the
     ones the list says this arch refuses."""
-    if arch is not Arch.SM100:
+    if arch not in BLACKWELL:
         return None
-    return next((r for r in (SM100_BWD_HEAD_DIM, SM100_BWD_SERIAL_SOFTCAP) if re.search(r, message)), None)
+    return next((r for r in (sm100_bwd_head_dim(arch), sm100_bwd_serial_softcap(arch)) if re.search(r, message)),
+                None)
 
 
 def refusal_pattern(reasons: list[str]) -> Optional[str]:

@@ -28,10 +28,11 @@ def test_hopper_is_sm90(fake_device):
 @pytest.mark.parametrize("cap,name,arch", [((10, 0), "NVIDIA B200", Arch.SM100), ((10, 3), "NVIDIA B300", Arch.SM103)])
 def test_blackwell_forward_compiles_for_the_exact_target(fake_device, cap, name, arch):
     """sm_100a code does not run on sm_103 (the "a" targets are not forward compatible): each
-    Blackwell capability gets its own compile target, both with the sm100 kernels."""
+    Blackwell capability gets its own compile target, both with the sm100 kernels, forward and backward."""
     fake_device(name, cap)
-    assert dispatch.arch_for_device("cuda:0") is arch
+    assert dispatch.arch_for_device("cuda:0") is arch and dispatch.arch_for_device("cuda:0", "backward") is arch
     assert arch_mod.kernels_for(arch).forward == arch_mod.kernels_for(Arch.SM100).forward
+    assert arch_mod.kernels_for(arch, "backward").backward == arch_mod.kernels_for(Arch.SM100, "backward").backward
 
 
 @pytest.mark.parametrize("cap,name", [((8, 0), "NVIDIA A100-SXM4-80GB"), ((12, 0), "NVIDIA GeForce RTX 5090"),
@@ -54,18 +55,18 @@ def test_supported_devices_follows_the_registry():
     assert arch_mod.supported_devices({Arch.SM90: ("forward", "backward"), Arch.SM100: ()}) == "sm_90 (H100/H200)"
     assert arch_mod.supported_devices({Arch.SM90: ("forward", "backward"), Arch.SM100: ("forward",)}) == (
         "sm_90 (H100/H200) or sm_100 (B200/GB200) (forward only)")
-    assert arch_mod.supported_devices() == (
-        "sm_90 (H100/H200) or sm_100 (B200/GB200) or sm_103 (B300/GB300) (forward only)")
+    assert arch_mod.supported_devices() == "sm_90 (H100/H200) or sm_100 (B200/GB200) or sm_103 (B300/GB300)"
 
 
-def test_backward_dispatch_hopper_and_b200_yes_b300_clear_error():
-    """The sm_100a backward reaches users (through its first-use self-check); sm_103 has no
-    backward kernel (the sm100 one is not compiled for sm_103a)."""
+def test_backward_dispatch_hopper_b200_and_b300():
+    """The sm_100a and sm_103a backward reach users (through their first-use self-check): a B300
+    gets the sm100 backward compiled for sm_103a, not sm_100a's (which does not run there)."""
     assert dispatch.arch_for_capability((9, 0), "NVIDIA H100", kernel="backward") is Arch.SM90
     assert dispatch.arch_for_capability((10, 0), "NVIDIA B200", kernel="backward") is Arch.SM100
-    with pytest.raises(NotImplementedError, match="Blackwell Ultra backward kernels are not implemented yet") as info:
-        dispatch.arch_for_capability((10, 3), "NVIDIA B300", kernel="backward")
-    assert "NVIDIA B300" in str(info.value) and "sm_103 (B300/GB300) (forward only)" in str(info.value)
+    assert dispatch.arch_for_capability((10, 3), "NVIDIA B300", kernel="backward") is Arch.SM103
+    cfg = dispatch.backward_config(Arch.SM103, "bfloat16", 128, 128, causal=True, local=False, has_softcap=False,
+                                   varlen=False, has_seqused_k=False, deterministic=False)
+    assert cfg.arch is Arch.SM103 and cfg.postprocess().arch is Arch.SM103
 
 
 # exp_eighths_under_dp (how much of P^T is computed under dP^T's GEMM, in eighths) as measured per

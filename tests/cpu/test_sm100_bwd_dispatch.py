@@ -10,8 +10,10 @@ the torch reference of the postprocessing must read it back right); the postproc
 preprocessing configurations are sm_100a's; the first-use self-check runs before the user's launch
 and a wrong kernel is refused; options the sm100 kernel lacks raise NotImplementedError naming the
 option and sm_100a before anything is compiled; and the configurations the torch layer asks for
-compile for sm_100a. What this does not show: that the kernel is right on a B200 (no Blackwell GPU
-here; tests/gpu/test_bwd.py runs there, and the self-check guards every user).
+compile for sm_100a. A B300 (sm_103a) takes the same path with the same kernels compiled for it:
+the tests on the ``blackwell`` fixture run for both targets. What this does not show: that the kernel
+is right on a B200 or B300 (no Blackwell GPU here; tests/gpu/test_bwd.py runs there, and the
+self-check guards every user).
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def b200(fake_bwd, monkeypatch):
     return fake_bwd
 
 
+@pytest.fixture(params=[Arch.SM100, Arch.SM103], ids=lambda arch: arch.value)
+def blackwell(b200, request):
+    """b200, or the same on a B300 (sm_103a: the sm100 backward compiled for it)."""
+    b200.update(arch=request.param)
+    return b200
+
+
 def grads_of(call, tensors, dout):
     out = call(*tensors)
     out.backward(dout)
@@ -61,10 +70,11 @@ def reference_grads(q, k, v, dout, **kwargs):
 @pytest.mark.parametrize("d,causal,hq,hk", [(64, True, 4, 2), (128, False, 4, 1), (120, True, 2, 2), (56, False, 6, 2),
                                             (96, True, 4, 2), (88, False, 2, 1)])
 @pytest.mark.parametrize("postprocess_kernel", [True, False])
-def test_b200_backward_runs_the_sm100_configs_after_its_self_check(b200, monkeypatch, d, causal, hq, hk,
+def test_b200_backward_runs_the_sm100_configs_after_its_self_check(blackwell, monkeypatch, d, causal, hq, hk,
                                                                    postprocess_kernel):
     """A user's forward and backward: the self-check launch, then the user's; the configurations
-    are sm_100a's with its tiles; the gradients (the stand-in's float32 math, through sm100's dQ
+    are the device's target's (sm_100a or sm_103a) with sm100's tiles; the gradients (the stand-in's
+    float32 math, through sm100's dQ
     accumulator order and the torch layer's reading of it) match autograd of the reference."""
     monkeypatch.setattr(ops, "POSTPROCESS_KERNEL", postprocess_kernel)
     q, k, v = rand_qkv(b=2, sq=150, sk=140, hq=hq, hk=hk, d=d)
@@ -76,19 +86,19 @@ def test_b200_backward_runs_the_sm100_configs_after_its_self_check(b200, monkeyp
         assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, err)
 
     kernel_d = max(32, -(-d // 16) * 16)
-    mains = [c for c in b200["configs"] if isinstance(c, BackwardConfig)]
+    mains = [c for c in blackwell["configs"] if isinstance(c, BackwardConfig)]
     assert len(mains) == 1
     cfg = mains[0]
-    assert (cfg.arch, cfg.head_dim, cfg.head_dim_v, cfg.causal) == (Arch.SM100, kernel_d, kernel_d, causal)
+    assert (cfg.arch, cfg.head_dim, cfg.head_dim_v, cfg.causal) == (blackwell["arch"], kernel_d, kernel_d, causal)
     assert (cfg.tile_m, cfg.tile_n, cfg.num_stages) == (sm100_tiles.BWD_TILE_M, sm100_tiles.TILE_N,
                                                         sm100_tiles.backward_stages(kernel_d))
     assert not (cfg.varlen or cfg.local or cfg.has_softcap or cfg.deterministic or cfg.has_seqused_k)
-    pre = [c for c in b200["configs"] if isinstance(c, PreprocessConfig)]
-    post = [c for c in b200["configs"] if isinstance(c, PostprocessConfig)]
-    assert [c.arch for c in pre] == [Arch.SM100] and pre[0].head_dim_v == kernel_d
+    pre = [c for c in blackwell["configs"] if isinstance(c, PreprocessConfig)]
+    post = [c for c in blackwell["configs"] if isinstance(c, PostprocessConfig)]
+    assert [c.arch for c in pre] == [blackwell["arch"]] and pre[0].head_dim_v == kernel_d
     assert post == ([cfg.postprocess()] if postprocess_kernel else [])
     # the check's launch first, then the user's
-    assert b200["bwd_calls"][1:] == [(2, 150, hq, kernel_d)] and len(b200["bwd_calls"]) == 2
+    assert blackwell["bwd_calls"][1:] == [(2, 150, hq, kernel_d)] and len(blackwell["bwd_calls"]) == 2
     assert selfcheck.verdict(cfg, "cpu") == "passed"
 
 
@@ -135,14 +145,14 @@ def test_dq_accum_is_allocated_in_sm100s_layout():
     assert not torch.equal(ops._dq_accum_index(sm90, q, None), ops._dq_accum_index(cfg, q, None))
 
 
-def test_wrong_sm100_backward_is_refused_by_its_self_check(b200):
-    b200["bwd_mutate"] = dk_scaled
+def test_wrong_sm100_backward_is_refused_by_its_self_check(blackwell):
+    blackwell["bwd_mutate"] = dk_scaled
     q, k, v = tensors = leaves(*rand_qkv(hq=4, hk=2, d=64))
     out = ops_call(q, k, v, causal=True)
-    with pytest.raises(selfcheck.SelfCheckError, match=r"BackwardConfig\(arch=sm_100a") as info:
+    with pytest.raises(selfcheck.SelfCheckError, match=rf"BackwardConfig\(arch={blackwell['arch'].value}") as info:
         out.backward(torch.randn_like(out))
     assert "have not been run by the flash-attn4 developers" in str(info.value)
-    assert all(t.grad is None for t in tensors) and len(b200["bwd_calls"]) == 1  # the check's launch only
+    assert all(t.grad is None for t in tensors) and len(blackwell["bwd_calls"]) == 1  # the check's launch only
 
 
 def test_wrong_serial_backward_raises_without_a_fallback(b200):
@@ -171,9 +181,10 @@ UNSUPPORTED = {
 
 
 @pytest.mark.parametrize("name", list(UNSUPPORTED))
-def test_options_the_sm100_backward_lacks_raise_before_any_compile(b200, name):
-    """NotImplementedError naming the option and sm_100a from dispatch (the BackwardConfig's check),
-    before any backward kernel (main, pre- or postprocessing) is compiled or launched."""
+def test_options_the_sm100_backward_lacks_raise_before_any_compile(blackwell, name):
+    """NotImplementedError naming the option and the target (sm_100a or sm_103a) from dispatch (the
+    BackwardConfig's check), before any backward kernel (main, pre- or postprocessing) is compiled
+    or launched."""
     opts, match = UNSUPPORTED[name]
     opts = dict(opts)
     d, dv, varlen = opts.pop("d", 128), opts.pop("dv", None), opts.pop("varlen", False)
@@ -189,11 +200,12 @@ def test_options_the_sm100_backward_lacks_raise_before_any_compile(b200, name):
         q, k, v = leaves(torch.randn(2, 37, 4, d, dtype=BF16), torch.randn(2, 51, 2, d, dtype=BF16),
                          torch.randn(2, 51, 2, dv, dtype=BF16))
         out = ops_call(q, k, v, **opts)
-    b200["configs"].clear()
-    with pytest.raises(NotImplementedError, match=rf"sm_100a backward: {match}") as info:
+    blackwell["configs"].clear()
+    arch = blackwell["arch"].value
+    with pytest.raises(NotImplementedError, match=rf"{arch} backward: {match}") as info:
         out.backward(torch.randn_like(out))
-    assert "sm_100a" in str(info.value) and "it runs:" in str(info.value)
-    assert b200["configs"] == [] and b200["bwd_calls"] == []
+    assert f"not implemented yet on {arch}" in str(info.value) and "it runs:" in str(info.value)
+    assert blackwell["configs"] == [] and blackwell["bwd_calls"] == []
     assert q.grad is None
 
 
@@ -261,18 +273,18 @@ def test_b200_backward_with_windows_softcap_and_varlen_runs_sm100_configs(b200, 
     assert selfcheck.verdict(cfg, "cpu") == "passed"
 
 
-def test_b200_backward_configs_compile_for_sm_100a(b200):
-    """The configurations a B200 user's backward asks for (recorded from the torch layer, not
-    written here) compile for sm_100a: main kernel, pre- and postprocessing."""
+def test_b200_and_b300_backward_configs_compile_for_their_target(blackwell):
+    """The configurations a B200 (B300) user's backward asks for (recorded from the torch layer, not
+    written here) compile for sm_100a (sm_103a): main kernel, pre- and postprocessing."""
     from flash_attn4.fa4_kernels import compile as compile_mod
 
     q, k, v = leaves(*rand_qkv(hq=4, hk=2, d=64))
     out = ops_call(q, k, v, causal=True)
     out.backward(torch.randn_like(out))
-    configs = list(dict.fromkeys(b200["configs"]))
+    configs = list(dict.fromkeys(blackwell["configs"]))
     kinds = {type(c) for c in configs}
     assert kinds == {BackwardConfig, PreprocessConfig, PostprocessConfig}
-    assert all(c.arch is Arch.SM100 for c in configs)
+    assert all(c.arch is blackwell["arch"] for c in configs)
     compilers = {BackwardConfig: compile_mod.compile_backward,
                  PreprocessConfig: compile_mod.compile_backward_preprocess,
                  PostprocessConfig: compile_mod.compile_backward_postprocess}

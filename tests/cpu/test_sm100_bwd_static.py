@@ -2,6 +2,9 @@
 PTX and cubin say about it, and the plan it is built from. No GPU runs it here; the torch layer sends
 user calls to it through the first-use self-check (tests/cpu/test_sm100_bwd_dispatch.py).
 
+sm_103a (B300/GB300) runs the same kernels under the same rules (sm100/tiles_sm103.py), compiled for
+it: the ``sm103_*`` cases of each kernel (1-CTA, pair, serial) check the same facts on its cubins.
+
 Every expected number is derived from the kernel's plan (tile sizes, the MMA's K, the TMEM plan, the
 register budgets, the dQ chunking), never copied from a compile. ptxas: the cu13 flavour (13.4).
 """
@@ -41,19 +44,23 @@ CONFIGS = {
     "d64_softcap": dict(d=64, has_softcap=True),
     "d64_varlen_local_softcap_deterministic": dict(d=64, varlen=True, local=True, has_softcap=True,
                                                    deterministic=True),
+    # sm_103a: the 1-CTA kernel's two shapes (two Q/dO stages at d = 64; one at d = 128, where the
+    # varlen class is its own, pairs running the batched one)
+    "sm103_d64_causal": dict(d=64, causal=True, arch=Arch.SM103),
+    "sm103_d128_varlen_seqused_k": dict(d=128, varlen=True, has_seqused_k=True, arch=Arch.SM103),
 }
 # ptxas 12.9 (the cu12 flavour): one config per feature beside the plain causal ones.
 CU12_CONFIGS = (dict(d=64, causal=True), dict(d=96, causal=True), dict(d=128, causal=True),
                 dict(d=128, varlen=True, has_seqused_k=True),
                 dict(d=128, local=True, has_softcap=True), dict(d=64, has_softcap=True), dict(d=128, dv=64, causal=True),
-                dict(d=96, dv=128))
+                dict(d=96, dv=128), CONFIGS["sm103_d64_causal"], CONFIGS["sm103_d128_varlen_seqused_k"])
 
 
 def config(d=128, causal=False, dtype="bfloat16", deterministic=False, local=False, has_softcap=False,
-           varlen=False, has_seqused_k=False, dv=None):
+           varlen=False, has_seqused_k=False, dv=None, arch=Arch.SM100):
     """The 1-CTA kernel dispatch runs for the class, or, where it runs CTA pairs (d = 128 batched,
     no mask), the 1-CTA kernel a pair falls back to (the pair kernel's tests: pair_config)."""
-    cfg = dispatch.backward_config(Arch.SM100, dtype, d, d if dv is None else dv, causal=causal, local=local,
+    cfg = dispatch.backward_config(arch, dtype, d, d if dv is None else dv, causal=causal, local=local,
                                    has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
                                    deterministic=deterministic)
     return dispatch.self_check_fallback(cfg) or cfg
@@ -80,7 +87,8 @@ def compiled(request):
 
 
 def test_no_spills(compiled):
-    name, _, stats = compiled
+    name, cfg, stats = compiled
+    assert stats["target"] == cfg.arch.value, (name, stats["target"])  # sm_100a code does not run on sm_103
     assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
         f"{name}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
 
@@ -270,22 +278,26 @@ def test_varlen_local_and_softcap_configs_are_accepted(flags):
     assert cfg.postprocess().varlen == flags.get("varlen", False)
 
 
+@pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103])
 @pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (128, 192), (192, 64), (128, 80)])
-def test_other_head_dims_raise(d, dv):
-    with pytest.raises(NotImplementedError, match="sm_100a backward: head dims"):
-        BackwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,
+def test_other_head_dims_raise(d, dv, arch):
+    with pytest.raises(NotImplementedError, match=f"{arch.value} backward: head dims"):
+        BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,
                        num_stages=1)
 
 
-def test_users_reach_the_backward_through_the_self_check():
-    """The torch layer's table (IMPLEMENTED) has the sm_100a backward; the arch is not run by us, so
-    every configuration is self-checked on first use; sm_103a stays forward-only."""
+@pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103])
+def test_users_reach_the_backward_through_the_self_check(arch):
+    """The torch layer's table (IMPLEMENTED) has the sm_100a and sm_103a backward, the same kernels
+    and postprocessing; neither arch is run by us, so every configuration is self-checked on first use."""
     from flash_attn4 import selfcheck
 
-    entry = KERNELS[Arch.SM100]
+    entry = KERNELS[arch]
     assert entry.backward_user_ready and not entry.run_by_us
-    assert "backward" in IMPLEMENTED[Arch.SM100] and Arch.SM100 in selfcheck.UNVERIFIED_ARCHS
-    assert "backward" not in IMPLEMENTED[Arch.SM103]
+    assert "backward" in IMPLEMENTED[arch] and arch in selfcheck.UNVERIFIED_ARCHS
+    sm100 = KERNELS[Arch.SM100]
+    assert (entry.package, entry.backward, entry.bwd_postprocess, entry.dq_accum_layout) == \
+        (sm100.package, sm100.backward, sm100.bwd_postprocess, sm100.dq_accum_layout)
 
 
 def test_kernel_set_has_the_backward_and_its_postprocessing():
@@ -315,6 +327,33 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
     assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
         (64, False), (96, False), (128, False), (128, True), (192, False)}
     assert any(isinstance(c, PreprocessConfig) for c in configs)
+
+
+def test_sm103_kernel_set_has_one_of_each_backward_kernel():
+    """sm_103a's rules are sm_100a's (re-exported, not copied); its CI set is one configuration of
+    each kernel as dispatch picks it (the d = 128 pair, the 1-CTA kernel on varlen, the serial
+    192 / 128), their postprocessing and the preprocessing."""
+    from flash_attn4.fa4_kernels.compile import backward_kernel_set
+    from flash_attn4.fa4_kernels.config import PostprocessConfig, PreprocessConfig
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_serial, tiles_sm103
+
+    for name in ("backward_tiles", "backward_grid", "check_backward", "check_postprocess", "BACKWARD_CLUSTER_M"):
+        assert getattr(tiles_sm103, name) is getattr(sm100_tiles, name), name
+    configs = backward_kernel_set(Arch.SM103)
+    mains = [c for c in configs if isinstance(c, BackwardConfig)]
+    assert all(c.arch is Arch.SM103 for c in configs)
+    for c in mains:
+        flags = dict(causal=c.causal, local=c.local, has_softcap=c.has_softcap, varlen=c.varlen,
+                     has_seqused_k=c.has_seqused_k, deterministic=c.deterministic)
+        assert c == dispatch.backward_config(Arch.SM103, c.dtype, c.head_dim, c.head_dim_v, **flags), c
+    kinds = sorted(((type(kernel_plan(c)[1]), c.cluster_m, c.varlen) for c in mains), key=str)
+    one_cta, pair = bwd_pair.FlashAttentionBackwardSm100, bwd_pair.FlashAttentionBackwardSm100Pair
+    batched = (pair, 2) if sm100_tiles.BWD_TWO_CTA else (one_cta, 1)
+    assert kinds == sorted([(*batched, False), (one_cta, 1, True), (bwd_serial.FlashAttentionBackwardSm100Serial, 1,
+                                                                     False)], key=str), kinds
+    assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
+        (128, False), (128, True), (192, False)}
+    assert sum(isinstance(c, PreprocessConfig) for c in configs) == 1
 
 
 def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
@@ -348,6 +387,7 @@ def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work():
         cfg = config(**spec)
         stats = lib.kernel_stats(cfg, "cu12")
         assert stats["ptxas"] is None or "release 12." in stats["ptxas"], stats["ptxas"]
+        assert stats["target"] == cfg.arch.value, spec
         assert ".cu12." in stats["dsl_ir_module"]
         assert stats["utcmma"] == expected_mma(cfg)
         assert stats["ldl"] == stats["stl"] == 0, (spec, stats["ldl"], stats["stl"])
@@ -362,7 +402,8 @@ def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work():
 PAIR_CASES = {"d128": (dict(), dict(cu12=3536, cu13=3192)),
               "d128_causal": (dict(causal=True), dict(cu12=3632, cu13=3336)),
               "d128_local_softcap": (dict(local=True, has_softcap=True), None),
-              "d128_causal_deterministic": (dict(causal=True, deterministic=True), None)}
+              "d128_causal_deterministic": (dict(causal=True, deterministic=True), None),
+              "sm103_d128_causal": (dict(causal=True, arch=Arch.SM103), None)}
 PAIR_INSTRUCTION_GOAL = 1.00
 PAIR_INSTRUCTION_LIMIT = 1.05
 # Above the goal (not the limit): none since the dQ reduce-adds are issued by a rolled loop.
@@ -398,6 +439,7 @@ pair_compiled = flavoured_fixture(PAIR_CASES, pair_config)
 
 def test_pair_compiles_without_spills_under_both_ptxas(pair_compiled):
     flavour, cfg, stats = pair_compiled
+    assert stats["target"] == cfg.arch.value, flavour
     assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
         f"{cfg}, {flavour}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
     assert lib.static_problems(stats) == [], flavour
@@ -549,7 +591,8 @@ def test_pair_deterministic_dq_order_one_turn_wait_and_one_release_per_query_blo
 SERIAL_CASES = {"d192_dv128": (dict(d=192, dv=128), dict(cu12=3328, cu13=3008)),
                 "d192_dv128_causal": (dict(d=192, dv=128, causal=True), dict(cu12=3400, cu13=3136)),
                 "d192_dv128_varlen_local_deterministic": (dict(d=192, dv=128, varlen=True, local=True,
-                                                               deterministic=True), None)}
+                                                               deterministic=True), None),
+                "sm103_d192_dv128": (dict(d=192, dv=128, arch=Arch.SM103), None)}
 
 
 serial_compiled = flavoured_fixture(SERIAL_CASES, config)
@@ -567,6 +610,7 @@ def test_serial_is_what_dispatch_runs_at_192_128():
 
 def test_serial_compiles_without_spills_under_both_ptxas(serial_compiled):
     flavour, cfg, stats = serial_compiled
+    assert stats["target"] == cfg.arch.value, flavour
     assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
         f"{cfg}, {flavour}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
     assert lib.static_problems(stats) == [], flavour

@@ -1,6 +1,7 @@
-"""The sm100 backward kernel on a B200 (capability 10.0), called directly, without the torch layer's
-dispatch and first-use self-check (the public functions reach it through both: tests/gpu/test_bwd.py
-runs on a B200 too): a failure here points at the kernel, not at the layer around it.
+"""The sm100 backward kernel on a B200 or B300 (capability 10.0 or 10.3: compiled for sm_100a or
+sm_103a), called directly, without the torch layer's dispatch and first-use self-check (the public
+functions reach it through both: tests/gpu/test_bwd.py runs on a Blackwell GPU too): a failure here
+points at the kernel, not at the layer around it.
 
 The call sequence is ops.bwd's: LSE in log2 units and rowsum(dO * O) (ops._backward_rows' torch path),
 the main kernel into a zeroed float32 dQ accumulator of the sm100 layout (fa4_kernels/sm100/dq_accum.py),
@@ -23,9 +24,13 @@ from tests.reference import attention_ref
 pytestmark = [pytest.mark.gpu]
 
 
+ARCHS = {(10, 0): "sm_100a", (10, 3): "sm_103a"}
+
+
 def _need_sm100():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (10, 0):
-        pytest.skip("needs an sm_100 GPU (B200/GB200): the kernel is compiled for sm_100a")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() not in ARCHS:
+        pytest.skip("needs an sm_100 or sm_103 GPU (B200/GB200, B300/GB300): the kernel is compiled for sm_100a "
+                    "and sm_103a")
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +50,10 @@ def run_sm100_backward(q, k, v, out, lse, dout, causal: bool, softmax_scale: flo
     d, dv = q.shape[-1], v.shape[-1]
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
     local = window != (-1, -1)  # the torch layer's rule: causal + window is local with right 0
-    cfg = BackwardConfig(arch=Arch.SM100, dtype=name, head_dim=d, head_dim_v=dv, causal=causal and not local,
+    arch = Arch(ARCHS[torch.cuda.get_device_capability()])
+    cfg = BackwardConfig(arch=arch, dtype=name, head_dim=d, head_dim_v=dv, causal=causal and not local,
                          local=local, has_softcap=softcap > 0,
-                         **backward_tiles(Arch.SM100, d, dv, causal and not local, local, softcap > 0))
+                         **backward_tiles(arch, d, dv, causal and not local, local, softcap > 0))
     lse_log2, dpsum = ops._backward_rows(dout, out, lse, None, use_kernel=False)
     layout = accum_layout(cfg)
     batch, sq, hq, _ = q.shape

@@ -1,5 +1,5 @@
 """flash-attn4: FlashAttention-4 attention kernels (CuTe DSL) as a torch layer: forward and backward on
-Hopper (sm_90), forward on Blackwell (sm_100, sm_103; compiled and self-checked, not run by us).
+Hopper (sm_90) and Blackwell (sm_100, sm_103; compiled and self-checked, not run by us).
 
 Public API: :func:`flash_attn_func`, :func:`flash_attn_varlen_func` and :func:`flash_attn_with_kvcache`
 (FlashAttention-compatible), and :func:`flash_attn_combine` (merging partial attention over disjoint

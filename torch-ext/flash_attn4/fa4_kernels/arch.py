@@ -86,7 +86,7 @@ class ArchKernels:
     # block in order, its row * head_dim + col in the block's dQ).
     dq_accum_layout: Optional[str] = None
     # The rules module within the package: one package's kernels can serve several targets whose
-    # rules differ (sm_103a: sm_100a's kernels, its own softmax schedule).
+    # rules differ (sm_103a: sm_100a's kernels, its own forward softmax schedule).
     rules_module: str = "tiles"
     # Whether the developers have run this target's kernels through the GPU test suite. Targets not
     # run (no such GPU here) check each kernel configuration against PyTorch on first use
@@ -95,7 +95,7 @@ class ArchKernels:
     # Whether the torch layer may send user calls to the backward (``kernels``, IMPLEMENTED, which
     # dispatch reads). False: the backward kernels exist for the CI compile and the static checks
     # only (``compiled_kernels``), for a target whose backward cannot be checked on first use yet.
-    # sm_100a's backward reaches users through its first-use self-check (run_by_us=False).
+    # sm_100a's and sm_103a's backward reach users through their first-use self-check (run_by_us=False).
     backward_user_ready: bool = True
 
     @property
@@ -125,8 +125,9 @@ KERNELS: dict[Arch, ArchKernels] = {
     Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", backward="bwd_pair:backward_kernel",
                             bwd_postprocess="bwd_postprocess:BackwardPostprocessSm100",
                             dq_accum_layout="dq_accum:accum_layout", run_by_us=False),
-    Arch.SM103: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", rules_module="tiles_sm103",
-                            run_by_us=False),
+    Arch.SM103: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", backward="bwd_pair:backward_kernel",
+                            bwd_postprocess="bwd_postprocess:BackwardPostprocessSm100",
+                            dq_accum_layout="dq_accum:accum_layout", rules_module="tiles_sm103", run_by_us=False),
 }
 
 # Targets whose kernels have never run on a GPU of ours: the first-use self-check runs on these.

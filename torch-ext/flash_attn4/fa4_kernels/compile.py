@@ -267,7 +267,7 @@ def _describe(cfg) -> str:
     if isinstance(cfg, BackwardConfig):
         return (f"bwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} "
                 f"causal={cfg.causal} local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} "
-                f"deterministic={cfg.deterministic}")
+                f"deterministic={cfg.deterministic}" + (f" cluster_m={cfg.cluster_m}" if cfg.cluster_m > 1 else ""))
     return (f"fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} "
             f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink} "
             f"pack_gqa={cfg.pack_gqa}" + (" split_kv" if cfg.split_kv else "")
@@ -276,7 +276,7 @@ def _describe(cfg) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="sm_90a", help="compile target (sm_90a, sm_100a)")
+    parser.add_argument("--arch", default="sm_90a", help="compile target (sm_90a, sm_100a, sm_103a)")
     parser.add_argument("--only", type=int, default=None, help="compile only the first N configurations")
     parser.add_argument("--list", action="store_true", help="print the kernel set without compiling it")
     args = parser.parse_args(argv)
