@@ -22,8 +22,15 @@ PACKAGE = REPO_ROOT / "torch-ext" / "flash_attn4"
 ARCH_PACKAGES = {"sm90", "sm100"}
 
 
-def _without_kernels() -> list[Arch]:
-    return [arch for arch in Arch if arch not in KERNELS]
+@pytest.fixture
+def without_kernels(monkeypatch) -> list[Arch]:
+    """The targets without kernels, to check how they are refused. Every target has kernels now, so
+    one (sm_103a) is taken out of the registry for the test; a loop over none would check nothing."""
+    missing = [arch for arch in Arch if arch not in KERNELS]
+    if not missing:
+        monkeypatch.delitem(KERNELS, Arch.SM103)
+        missing = [Arch.SM103]
+    return missing
 
 
 def test_implemented_is_derived_from_the_registry():
@@ -34,8 +41,8 @@ def test_implemented_is_derived_from_the_registry():
 
 
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
-def test_registry_refuses_an_arch_without_kernels_naming_it_and_what_exists(kernel):
-    for arch in _without_kernels():
+def test_registry_refuses_an_arch_without_kernels_naming_it_and_what_exists(kernel, without_kernels):
+    for arch in without_kernels:
         with pytest.raises(NotImplementedError) as info:
             arch_mod.kernels_for(arch, kernel)
         msg = str(info.value)
@@ -43,8 +50,8 @@ def test_registry_refuses_an_arch_without_kernels_naming_it_and_what_exists(kern
         assert "sm_90a: forward, backward" in msg  # what exists
 
 
-def test_shared_tile_lookup_refuses_an_arch_without_rules():
-    for arch in _without_kernels():
+def test_shared_tile_lookup_refuses_an_arch_without_rules(without_kernels):
+    for arch in without_kernels:
         with pytest.raises(NotImplementedError, match=arch.value):
             tiles.forward_tiles(arch, 128, 128, False, False)
         with pytest.raises(NotImplementedError, match=arch.value):
@@ -72,7 +79,7 @@ def test_a_rules_module_without_a_rule_is_named(monkeypatch):
         tiles.backward_tiles(Arch.SM100, 128, 128, False, False, False)
 
 
-def test_tile_rules_are_the_arch_not_the_shared_config():
+def test_tile_rules_are_the_arch_not_the_shared_config(without_kernels):
     """The Hopper tile rules run for sm90 configs only: the shared configs take any tiles for an
     arch whose rules do not forbid them (compile then refuses an arch without kernels)."""
     with pytest.raises(ValueError, match="sm90 backward tiles"):
@@ -81,7 +88,7 @@ def test_tile_rules_are_the_arch_not_the_shared_config():
         PostprocessConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, tile_m=96)
     with pytest.raises(ValueError, match="pack_gqa must divide 64"):
         ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, pack_gqa=3)
-    for arch in _without_kernels():
+    for arch in without_kernels:
         assert BackwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, tile_m=96).tile_m == 96
         assert PostprocessConfig(arch=arch, dtype="bfloat16", head_dim=128, tile_m=96).tile_m == 96
         assert ForwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128, pack_gqa=3).pack_gqa == 3
@@ -89,9 +96,9 @@ def test_tile_rules_are_the_arch_not_the_shared_config():
         ForwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=128, head_dim_v=128, pack_gqa=0)
 
 
-def test_compile_refuses_an_arch_without_kernels():
+def test_compile_refuses_an_arch_without_kernels(without_kernels):
     compile_mod = pytest.importorskip("flash_attn4.fa4_kernels.compile")
-    for arch in _without_kernels():
+    for arch in without_kernels:
         assert compile_mod.kernel_set(arch) == [] and compile_mod.backward_kernel_set(arch) == []
         with pytest.raises(NotImplementedError, match=arch.value):
             compile_mod.compile_forward(ForwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128))
@@ -99,9 +106,9 @@ def test_compile_refuses_an_arch_without_kernels():
             compile_mod.compile_backward(BackwardConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128))
 
 
-def test_compile_main_is_an_error_for_an_arch_without_kernels(capsys):
+def test_compile_main_is_an_error_for_an_arch_without_kernels(capsys, without_kernels):
     compile_mod = pytest.importorskip("flash_attn4.fa4_kernels.compile")
-    for arch in _without_kernels():
+    for arch in without_kernels:
         assert compile_mod.main(["--arch", arch.value]) != 0
         err = capsys.readouterr().err
         assert f"no kernels for {arch.value}" in err and "sm_90a" in err
@@ -122,9 +129,6 @@ def test_compile_module_runs_from_any_directory(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         lines = done.stdout.splitlines()
         assert len(lines) > 20 and lines[0].startswith("fwd bfloat16 d=128/128"), done.stdout
-    for arch in _without_kernels():
-        done = _run_compile_module("flash_attn4.fa4_kernels.compile", tmp_path, "--arch", arch.value)
-        assert done.returncode == 2 and f"no kernels for {arch.value}" in done.stderr, (done.returncode, done.stderr)
     makefile = (REPO_ROOT / "Makefile").read_text()
     assert "-m flash_attn4.fa4_kernels.compile" in makefile
 
