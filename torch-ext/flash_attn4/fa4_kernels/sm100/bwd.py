@@ -201,54 +201,14 @@ class FlashAttentionBackwardSm100:
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_k: Int32, stream: cuda.CUstream):
         d, dv = self.hdim, self.hdim_v
-        # Sequence first: (seq, d, head[, batch]), (seq_pad, head[, batch]), dq_accum (rows, 128, head[,
-        # batch]); varlen packs the sequences along seq (no batch mode).
-        per_token = (mQ, mK, mV, mdO, mdK, mdV)
-        if cutlass.const_expr(self.cfg.varlen):
-            mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
-                                         for t in per_token]
-            mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0])) for t in (mLSE, mdPsum)]
-            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
-            num_batch = mCuSeqlensQ.shape[0] - 1
-        else:
-            mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                                         for t in per_token]
-            mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
-                            for t in (mLSE, mdPsum)]
-            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
-            num_batch = mQ.shape[3]
+        mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, num_batch = self.sequence_first(
+            mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, mCuSeqlensQ)
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
-        major = cute.nvgpu.OperandMajorMode
-        one = tcgen05.CtaGroup.ONE
-        # S^T = K Q^T and dP^T = V dO^T: (keys, queries, d or dv), both operands head-dim-contiguous.
-        mma_s = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.K, Float32, one, (TILE_N, BWD_TILE_M))
-        # dV += P^T dO: A = P^T (keys, queries) from TMEM, B = dO^T (d, queries) d-contiguous.
-        mma_dv = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, one, (TILE_N, dv),
-                                                    tcgen05.OperandSource.TMEM)
-        # dK += dS^T Q: A = dS^T (keys, queries) queries-contiguous, B = Q^T (d, queries).
-        mma_dk = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, one, (TILE_N, d))
-        # dQ = dS K: A = dS (queries, keys) from dS^T's buffer, B = K^T (d, keys), both MN-major.
-        mma_dq = sm100_utils.make_trivial_tiled_mma(self.dtype, major.MN, major.MN, Float32, one, (BWD_TILE_M, d))
-        tiler_s = (TILE_N, BWD_TILE_M, d)
-        tiler_dp = (TILE_N, BWD_TILE_M, dv)
-        tiler_dk = (TILE_N, d, BWD_TILE_M)
-        tiler_dv = (TILE_N, dv, BWD_TILE_M)
-        tiler_dq = (BWD_TILE_M, d, TILE_N)
-
-        layouts = SmemLayouts(
-            k=sm100_utils.make_smem_layout_a(mma_s, tiler_s, self.dtype, 1),
-            v=sm100_utils.make_smem_layout_a(mma_s, tiler_dp, self.dtype, 1),
-            q=sm100_utils.make_smem_layout_b(mma_s, tiler_s, self.dtype, self.num_stages),
-            do=sm100_utils.make_smem_layout_b(mma_s, tiler_dp, self.dtype, self.num_stages),
-            qt=sm100_utils.make_smem_layout_b(mma_dk, tiler_dk, self.dtype, self.num_stages),
-            dot=sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, self.dtype, self.num_stages),
-            kt=sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, self.dtype, 1),
-            dst=sm100_utils.make_smem_layout_a(mma_dk, tiler_dk, self.dtype, 1),
-            ds=sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, self.dtype, 1),
-            p=sm100_utils.make_smem_layout_a(mma_dv, tiler_dv, self.dtype, 1),
-        )
+        mma_s, mma_dv, mma_dk, mma_dq = self.tiled_mmas(tcgen05.CtaGroup.ONE, TILE_N, tcgen05.OperandSource.SMEM)
+        tilers = self.tilers(TILE_N)
+        layouts = self.smem_layouts(mma_s, mma_dv, mma_dk, mma_dq, tilers)
         # Q, dO, K and dS^T are each read by two MMAs in different orientations from one buffer:
         # both views must put every element at the same offset (checked here, at trace time).
         check_same_elements(layouts.q, layouts.qt, BWD_TILE_M, d, "Q")
@@ -263,19 +223,16 @@ class FlashAttentionBackwardSm100:
         dq_rows = self.dq.rows_per_chunk
         sdQ_layout = cute.make_layout((dq_rows, ROW, BWD_DQ_BUFFERS), stride=(ROW, 1, dq_rows * ROW))
 
-        tma_load = cpasync.CopyBulkTensorTileG2SOp(one)
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
         tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tiler_s, mma_s)
+            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tilers.s, mma_s)
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tiler_dp, mma_s)
+            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tilers.dp, mma_s)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tiler_s, mma_s)
+            tma_load, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tilers.s, mma_s)
         tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tiler_dp, mma_s)
-        tma_row = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_row, mLSE, cute.make_layout(BWD_TILE_M), (BWD_TILE_M,))
-        tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_row, mdPsum, cute.make_layout(BWD_TILE_M),
-                                                                (BWD_TILE_M,))
+            tma_load, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tilers.dp, mma_s)
+        tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum = row_tma_atoms(mLSE, mdPsum)
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(sdQ_layout, mode=[0, 1]), (dq_rows, ROW))
         one_stage = [cute.size_in_bytes(self.dtype, cute.select(getattr(layouts, t), mode=[0, 1, 2]))
@@ -302,18 +259,10 @@ class FlashAttentionBackwardSm100:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.dst)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
-        planned = backward_shared_memory_bytes(d, self.num_stages, self.dtype.width // 8, dv)
-        if cutlass.const_expr(SharedStorage.size_in_bytes() > planned or planned > SMEM_BYTES):
-            raise ValueError(f"sm100 backward: {SharedStorage.size_in_bytes()} bytes of shared memory (plan "
-                             f"{planned}, limit {SMEM_BYTES}) at head dim {d}, {self.num_stages} stages")
-        self.shared_storage = SharedStorage
-
+        self.set_shared_storage(SharedStorage, backward_shared_memory_bytes(d, self.num_stages, self.dtype.width // 8,
+                                                                             dv), f"{self.num_stages} stages")
         scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(self.cfg.has_softcap))
-        num_n_blocks = (max_seqlen_k + TILE_N - 1) // TILE_N
-        qdo_bytes_per_head = mQ.shape[0] * 2 * d * (self.dtype.width // 8) * qhead_per_kvhead
-        scheduler = TileScheduler.create(num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
-                                         longest_first=False, longest_block_last=False,
-                                         l2_budget_bytes=L2_BUDGET_BYTES)
+        scheduler = self.scheduler(max_seqlen_k, TILE_N, mQ, qhead_per_kvhead, num_heads_kv, num_batch)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ, mdK, mdV,
@@ -321,6 +270,77 @@ class FlashAttentionBackwardSm100:
             qhead_per_kvhead, layouts, rows_layout, sdQ_layout,
             mma_s, mma_dv, mma_dk, mma_dq, scheduler,
         ).launch(grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---- host-side pieces the 1-CTA, pair and serial kernels share ----------------------------------
+    def sequence_first(self, mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, mCuSeqlensQ) -> tuple:
+        """The kernel's views, sequence first: (seq, d, head[, batch]), (seq_pad, head[, batch]),
+        dq_accum (rows, 128, head[, batch]); varlen packs the sequences along seq (no batch mode).
+        Returns the nine views and the number of sequences."""
+        per_token = (mQ, mK, mV, mdO, mdK, mdV)
+        if cutlass.const_expr(self.cfg.varlen):
+            per_token = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in per_token]
+            rows = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0])) for t in (mLSE, mdPsum)]
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 2, 0]))
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            per_token = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in per_token]
+            rows = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mdPsum)]
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
+            num_batch = per_token[0].shape[3]
+        return (*per_token, *rows, mdQacc, num_batch)
+
+    def tiled_mmas(self, cta_group, keys: int, dk_a_source) -> tuple:
+        """(S^T / dP^T, dV, dK, dQ) MMAs over ``keys`` keys (TILE_N per CTA, or a pair's M = 256);
+        ``dk_a_source``: where dK's A operand dS^T comes from (shared memory, or a pair's TMEM)."""
+        major = cute.nvgpu.OperandMajorMode
+        d, dv = self.hdim, self.hdim_v
+        # S^T = K Q^T and dP^T = V dO^T: (keys, queries, d or dv), both operands head-dim-contiguous.
+        mma_s = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.K, Float32, cta_group,
+                                                   (keys, BWD_TILE_M))
+        # dV += P^T dO: A = P^T (keys, queries) from TMEM, B = dO^T (d, queries) d-contiguous.
+        mma_dv = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, cta_group, (keys, dv),
+                                                    tcgen05.OperandSource.TMEM)
+        # dK += dS^T Q: A = dS^T (keys, queries) queries-contiguous, B = Q^T (d, queries).
+        mma_dk = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, cta_group, (keys, d),
+                                                    dk_a_source)
+        # dQ = dS K: A = dS (queries, keys) from dS^T's buffer, B = K^T (d, keys), both MN-major.
+        mma_dq = sm100_utils.make_trivial_tiled_mma(self.dtype, major.MN, major.MN, Float32, cta_group,
+                                                    (BWD_TILE_M, d))
+        return mma_s, mma_dv, mma_dk, mma_dq
+
+    def tilers(self, keys: int) -> "Tilers":
+        d, dv = self.hdim, self.hdim_v
+        return Tilers(s=(keys, BWD_TILE_M, d), dp=(keys, BWD_TILE_M, dv), dk=(keys, d, BWD_TILE_M),
+                      dv=(keys, dv, BWD_TILE_M), dq=(BWD_TILE_M, d, keys))
+
+    def smem_layouts(self, mma_s, mma_dv, mma_dk, mma_dq, tilers: "Tilers") -> "SmemLayouts":
+        """Each operand's shared-memory layout as its MMA reads it; Q, dO and their transposes with
+        the kernel's stages, the rest once."""
+        a, b, stages = sm100_utils.make_smem_layout_a, sm100_utils.make_smem_layout_b, self.num_stages
+        return SmemLayouts(
+            k=a(mma_s, tilers.s, self.dtype, 1), v=a(mma_s, tilers.dp, self.dtype, 1),
+            q=b(mma_s, tilers.s, self.dtype, stages), do=b(mma_s, tilers.dp, self.dtype, stages),
+            qt=b(mma_dk, tilers.dk, self.dtype, stages), dot=b(mma_dv, tilers.dv, self.dtype, stages),
+            kt=b(mma_dq, tilers.dq, self.dtype, 1), dst=a(mma_dk, tilers.dk, self.dtype, 1),
+            ds=a(mma_dq, tilers.dq, self.dtype, 1), p=a(mma_dv, tilers.dv, self.dtype, 1))
+
+    def set_shared_storage(self, storage, planned: int, what: str) -> None:
+        """Keep the kernel's SharedStorage after checking it against the tiles module's plan (which
+        dispatch sized the kernel by) and the per-CTA limit, at trace time."""
+        if cutlass.const_expr(storage.size_in_bytes() > planned or planned > SMEM_BYTES):
+            raise ValueError(f"sm100 backward ({type(self).__name__}): {storage.size_in_bytes()} bytes of shared "
+                             f"memory (plan {planned}, limit {SMEM_BYTES}) at head dims {self.hdim}/{self.hdim_v}, "
+                             f"{what}")
+        self.shared_storage = storage
+
+    def scheduler(self, max_seqlen_k, keys: int, mQ, qhead_per_kvhead, num_heads_kv, num_batch,
+                  cluster_m: int = 1) -> TileScheduler:
+        """The KV-stationary grid: one CTA (or cluster) per ``keys`` keys of a (KV head, batch),
+        grouped by the bytes of Q and dO a KV head's CTAs share in L2."""
+        qdo_bytes_per_head = mQ.shape[0] * 2 * self.hdim * (self.dtype.width // 8) * qhead_per_kvhead
+        return TileScheduler.create((max_seqlen_k + keys - 1) // keys, num_heads_kv, num_batch, qdo_bytes_per_head,
+                                    longest_first=False, longest_block_last=False,
+                                    l2_budget_bytes=L2_BUDGET_BYTES, cluster_m=cluster_m)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -909,9 +929,28 @@ def check_same_elements(a: cute.ComposedLayout, b: cute.ComposedLayout, mn: int,
 
 
 @dataclass(frozen=True)
+class Tilers:
+    """MMA tilers (M, N, K) of S^T / dP^T (s, dp), dK, dV and dQ."""
+
+    s: tuple
+    dp: tuple
+    dk: tuple
+    dv: tuple
+    dq: tuple
+
+
+def row_tma_atoms(mLSE: cute.Tensor, mdPsum: cute.Tensor) -> tuple:
+    """(atom, tensor) of the LSE and of dPsum: one BWD_TILE_M-float TMA box per query block."""
+    tma_row = cpasync.CopyBulkTensorTileG2SOp()
+    return (*cpasync.make_tiled_tma_atom(tma_row, mLSE, cute.make_layout(BWD_TILE_M), (BWD_TILE_M,)),
+            *cpasync.make_tiled_tma_atom(tma_row, mdPsum, cute.make_layout(BWD_TILE_M), (BWD_TILE_M,)))
+
+
+@dataclass(frozen=True)
 class SmemLayouts:
     """Shared-memory layouts: each operand as its MMA reads it (qt, dot, kt, ds view the buffers of
-    q, do, k, dst; p only shapes P^T's TMEM fragment)."""
+    q, do, k, dst; p only shapes P^T's TMEM fragment). The pair kernel loads Q^T, dO^T and K^T into
+    buffers of their own, and its dst only shapes dS^T's TMEM fragment (bwd_pair.py)."""
 
     k: cute.ComposedLayout
     v: cute.ComposedLayout

@@ -104,12 +104,12 @@ from ..seqlen import SeqlenInfo
 from ..softmax import BackwardScales
 from ..tile_work import QueryBlocks, TileWork
 from .bwd import (COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, ChunkCopies, FlashAttentionBackwardSm100, Pipelines,
-                  Warp, flat, gemm_a_by_groups, mma_tma_partition)
+                  SmemLayouts, Warp, flat, gemm_a_by_groups, mma_tma_partition, row_tma_atoms)
 from .bwd_serial import FlashAttentionBackwardSm100Serial
 from .dq_accum import VECTOR, chunk_tiles
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
-from .tiles import (BWD_DQ_CHUNK, BWD_PAIR_DQ_ROWS, BWD_TILE_M, L2_BUDGET_BYTES, SMEM_BYTES, TILE_N,
-                    backward_pair_shared_memory_bytes, backward_serial)
+from .tiles import (BWD_DQ_CHUNK, BWD_PAIR_DQ_ROWS, BWD_TILE_M, TILE_N, backward_pair_shared_memory_bytes,
+                    backward_serial)
 
 CTAS = 2
 PAIR_N = CTAS * TILE_N  # keys of one MMA (M of S^T, dP^T, dK, dV; K of dQ)
@@ -151,40 +151,18 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_k: Int32, stream: cuda.CUstream):
         d, dv = self.hdim, self.hdim_v
-        # Sequence first, batched: (seq, d, head, batch); the transposed views (d, seq, head, batch).
-        mQ, mK, mV, mdO, mdK, mdV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE, mdPsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mdPsum)]
-        mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
+        # Sequence first, batched (pairs run no varlen); the transposed views (d, seq, head, batch).
+        mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, num_batch = self.sequence_first(
+            mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, mCuSeqlensQ)
         mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2, 3])) for t in (mQ, mdO, mK)]
-        num_batch = mQ.shape[3]
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
-        major = cute.nvgpu.OperandMajorMode
+        # M = 256 keys across the pair; dK's A operand dS^T comes from TMEM (module docstring).
         two = tcgen05.CtaGroup.TWO
-        mma_s = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.K, Float32, two, (PAIR_N, BWD_TILE_M))
-        mma_dv = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, two, (PAIR_N, dv),
-                                                    tcgen05.OperandSource.TMEM)
-        mma_dk = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, two, (PAIR_N, d),
-                                                    tcgen05.OperandSource.TMEM)
-        mma_dq = sm100_utils.make_trivial_tiled_mma(self.dtype, major.MN, major.MN, Float32, two, (BWD_TILE_M, d))
-        tiler_s, tiler_dp = (PAIR_N, BWD_TILE_M, d), (PAIR_N, BWD_TILE_M, dv)
-        tiler_dk, tiler_dv = (PAIR_N, d, BWD_TILE_M), (PAIR_N, dv, BWD_TILE_M)
-        tiler_dq = (BWD_TILE_M, d, PAIR_N)
-        layouts = PairSmemLayouts(
-            k=sm100_utils.make_smem_layout_a(mma_s, tiler_s, self.dtype, 1),
-            v=sm100_utils.make_smem_layout_a(mma_s, tiler_dp, self.dtype, 1),
-            q=sm100_utils.make_smem_layout_b(mma_s, tiler_s, self.dtype, 1),
-            do=sm100_utils.make_smem_layout_b(mma_s, tiler_dp, self.dtype, 1),
-            qt=sm100_utils.make_smem_layout_b(mma_dk, tiler_dk, self.dtype, 1),
-            dot=sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, self.dtype, 1),
-            kt=sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, self.dtype, 1),
-            ds=sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, self.dtype, 1),
-            p=sm100_utils.make_smem_layout_a(mma_dv, tiler_dv, self.dtype, 1),
-            dst=sm100_utils.make_smem_layout_a(mma_dk, tiler_dk, self.dtype, 1),
-        )
-        rows_layout = cute.make_layout((BWD_TILE_M, 1))
+        mma_s, mma_dv, mma_dk, mma_dq = self.tiled_mmas(two, PAIR_N, tcgen05.OperandSource.TMEM)
+        tilers = self.tilers(PAIR_N)
+        layouts = self.smem_layouts(mma_s, mma_dv, mma_dk, mma_dq, tilers)
         # dQ staging: per head-dim half of the dQ warpgroup, one chunk of its 64 rows in dq_accum's
         # order (runs of 64 rows x VECTOR floats).
         sdQ_layout = cute.make_layout((BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK, CTAS))
@@ -192,24 +170,21 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         cluster = cute.tiled_divide(cute.make_layout((CTAS, 1, 1)), (mma_s.thr_id,))
         tma_load = cpasync.CopyBulkTensorTileG2SOp(two)
         tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tiler_s, mma_s, cluster.shape)
+            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tiler_dp, mma_s, cluster.shape)
+            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
         op_b = sm100_utils.cluster_shape_to_tma_atom_B((CTAS, 1, 1), mma_s.thr_id)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tiler_s, mma_s, cluster.shape)
+            op_b, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
         tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tiler_dp, mma_s, cluster.shape)
+            op_b, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
         tma_atom_Qt, tma_Qt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQt, cute.select(layouts.qt, mode=[0, 1, 2]), tiler_dk, mma_dk, cluster.shape)
+            op_b, mQt, cute.select(layouts.qt, mode=[0, 1, 2]), tilers.dk, mma_dk, cluster.shape)
         tma_atom_dOt, tma_dOt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdOt, cute.select(layouts.dot, mode=[0, 1, 2]), tiler_dv, mma_dv, cluster.shape)
+            op_b, mdOt, cute.select(layouts.dot, mode=[0, 1, 2]), tilers.dv, mma_dv, cluster.shape)
         tma_atom_Kt, tma_Kt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mKt, cute.select(layouts.kt, mode=[0, 1, 2]), tiler_dq, mma_dq, cluster.shape)
-        tma_row = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_row, mLSE, cute.make_layout(BWD_TILE_M), (BWD_TILE_M,))
-        tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(tma_row, mdPsum, cute.make_layout(BWD_TILE_M),
-                                                                (BWD_TILE_M,))
+            op_b, mKt, cute.select(layouts.kt, mode=[0, 1, 2]), tilers.dq, mma_dq, cluster.shape)
+        tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum = row_tma_atoms(mLSE, mdPsum)
 
         def stage_bytes(*names):
             return CTAS * sum(cute.size_in_bytes(self.dtype, cute.select(getattr(layouts, n), mode=[0, 1, 2]))
@@ -242,18 +217,11 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.ds)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
-        planned = backward_pair_shared_memory_bytes(d, dv, self.dtype.width // 8)
-        if cutlass.const_expr(SharedStorage.size_in_bytes() > planned or planned > SMEM_BYTES):
-            raise ValueError(f"sm100 backward pair: {SharedStorage.size_in_bytes()} bytes of shared memory (plan "
-                             f"{planned}, limit {SMEM_BYTES})")
-        self.shared_storage = SharedStorage
-
+        self.set_shared_storage(SharedStorage, backward_pair_shared_memory_bytes(d, dv, self.dtype.width // 8),
+                                "CTA pair")
         scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(self.cfg.has_softcap))
-        num_pairs = (max_seqlen_k + PAIR_N - 1) // PAIR_N
-        qdo_bytes_per_head = mQ.shape[0] * 2 * d * (self.dtype.width // 8) * qhead_per_kvhead
-        scheduler = TileScheduler.create(num_pairs, num_heads_kv, num_batch, qdo_bytes_per_head,
-                                         longest_first=False, longest_block_last=False,
-                                         l2_budget_bytes=L2_BUDGET_BYTES, cluster_m=CTAS)
+        scheduler = self.scheduler(max_seqlen_k, PAIR_N, mQ, qhead_per_kvhead, num_heads_kv, num_batch,
+                                   cluster_m=CTAS)
         loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
                           tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
                           tma_atom_dPsum, tma_dPsum)
@@ -269,7 +237,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
     @cute.kernel
     def kernel(self, loads: "PairLoads", mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mSemaphore: Optional[cute.Tensor], scales: BackwardScales,
-               qhead_per_kvhead: Int32, window_left: Int32, window_right: Int32, layouts: "PairSmemLayouts",
+               qhead_per_kvhead: Int32, window_left: Int32, window_right: Int32, layouts: "SmemLayouts",
                sdQ_layout: cute.Layout,
                mma_s: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
                scheduler: TileScheduler, cluster: cute.Layout):
@@ -354,7 +322,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         blocks = QueryBlocks(head_kv * qhead_per_kvhead, m_block_min, per_head)
         return TileWork(seqlen, mask, blocks, per_head * qhead_per_kvhead, n_block, head_kv, batch)
 
-    def pair_shared_tiles(self, storage, layouts: "PairSmemLayouts", sdQ_layout) -> "PairSharedTiles":
+    def pair_shared_tiles(self, storage, layouts: "SmemLayouts", sdQ_layout) -> "PairSharedTiles":
         def tile(buffer, layout):
             return buffer.get_tensor(layout.outer, swizzle=layout.inner)
 
@@ -693,20 +661,6 @@ class PairLoads:
     LSE: cute.Tensor
     atom_dPsum: cute.CopyAtom
     dPsum: cute.Tensor
-
-
-@dataclass(frozen=True)
-class PairSmemLayouts:
-    k: cute.ComposedLayout
-    v: cute.ComposedLayout
-    q: cute.ComposedLayout
-    do: cute.ComposedLayout
-    qt: cute.ComposedLayout
-    dot: cute.ComposedLayout
-    kt: cute.ComposedLayout
-    ds: cute.ComposedLayout
-    p: cute.ComposedLayout  # shapes P^T's TMEM fragment only
-    dst: cute.ComposedLayout  # shapes dS^T's TMEM fragment only
 
 
 @dataclass(frozen=True)
