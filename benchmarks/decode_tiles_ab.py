@@ -82,10 +82,9 @@ def main() -> None:
     print(f"{gpu}, torch {torch.__version__}; bf16, num_splits = 0; % HBM: K+V bytes of {peak} TB/s; "
           f"variants {variants}")
     names = [*variants, "cudnn"]
-    lines = ["| problem | " + " | ".join(f"{n} us" for n in names) + " | base % HBM | " +
-             " | ".join(f"{n} / base" for n in variants if n != "base") + " | base / cuDNN |"]
-    lines.append("|---|" + "---:|" * (len(names) + len(variants) + 1))
-    print(lines[0] + "\n" + lines[1])
+    print("| problem | " + " | ".join(f"{n} us" for n in names) + " | base % HBM | " +
+          " | ".join(f"{n} / base" for n in variants if n != "base") + " | base / cuDNN |")
+    print("|---|" + "---:|" * (len(names) + len(variants) + 1))
     for prob in problems:
         x = bench_decode.make_inputs(prob, torch.bfloat16, 0)
         q, k, v = x["q"], x["k"], x["v"]
@@ -109,8 +108,7 @@ def main() -> None:
         hbm = 100 * prob.kv_bytes() / (us["base"] * 1e-6) / (peak * 1e12)
         row = [prob.name, *(f"{us[n]:.1f}" for n in names), f"{hbm:.0f}%",
                *(f"{us[n] / us['base']:.3f}" for n in variants if n != "base"), f"{us['base'] / us['cudnn']:.3f}"]
-        lines.append("| " + " | ".join(row) + " |")
-        print(lines[-1], flush=True)
+        print("| " + " | ".join(row) + " |", flush=True)
         del x, q, k, v, fns, outs
         torch.cuda.empty_cache()
 
