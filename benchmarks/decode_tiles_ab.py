@@ -109,7 +109,7 @@ def main() -> None:
         row = [prob.name, *(f"{us[n]:.1f}" for n in names), f"{hbm:.0f}%",
                *(f"{us[n] / us['base']:.3f}" for n in variants if n != "base"), f"{us['base'] / us['cudnn']:.3f}"]
         print("| " + " | ".join(row) + " |", flush=True)
-        del x, q, k, v, fns, outs
+        del x, fns, outs  # (q, k, v: replaced by the next problem's)
         torch.cuda.empty_cache()
 
 
