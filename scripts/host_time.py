@@ -84,7 +84,7 @@ def install_noop_kernels():
     os.environ["FLASH_ATTN4_DISABLE_DISK_CACHE"] = "1"
     os.environ["FLASH_ATTN4_DISABLE_AOT"] = "1"
     import flash_attn4 as fa
-    from flash_attn4 import compile_cache, device_info, validate
+    from flash_attn4 import compile_cache, device_info, ops, validate
 
     validate.DEVICE_TYPES = ("cuda", "cpu")
     real_index = device_info.device_index
@@ -96,8 +96,9 @@ def install_noop_kernels():
         return None
 
     for name in ("_compile_forward", "_compile_combine", "_compile_backward", "_compile_backward_preprocess",
-                 "_compile_backward_postprocess"):
+                 "_compile_backward_postprocess", "_compile_append"):
         setattr(compile_cache, name, lambda cfg, **_: noop)
+    ops.APPEND_KERNEL_DEVICES = ("cuda", "cpu")  # the KV-cache append as on a GPU: one (no-op) kernel call
     compile_cache.clear()
     return fa
 

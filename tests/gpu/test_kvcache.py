@@ -311,3 +311,59 @@ def test_unpackable_ratios(seed, ratio, sq, num_splits):
     """Head ratios that do not divide 64 (Qwen2.5's 7 and 5): packed with dummy heads for short
     queries (ops._forward_padded_heads), unpacked past dispatch.PAD_PACK_MAX_QUERIES."""
     run_kvcache([1000, 37], sq=sq, s_new=1, ratio=ratio, causal=True, num_splits=num_splits)
+
+
+# ---- the append kernel (fa4_kernels/kv_append.py) against torch's index_put_ ----
+
+
+@pytest.mark.parametrize("layout", ["rows", "batch_idx", "paged", "strided"])
+@pytest.mark.parametrize("s_new", [1, 5])
+def test_append_kernel_equals_index_put(seed, monkeypatch, layout, s_new):
+    """ops._append_kv through the kernel writes the same caches, bit for bit, as its torch fallback
+    (index_put_, APPEND_KERNEL_DEVICES emptied), and returns cache_seqlens + s_new. "strided": a cache
+    whose head-dim stride is not 1 (a transposed view) takes the fallback in both runs. The paged table
+    is shuffled; cache_batch_idx permutes the rows; the lengths put some tokens across a page boundary."""
+    b, hk, d, dv, page = 3, 2, 128, 64, 16
+    seqlens = i32([0, 15, 37])
+    k, v = rand(b, s_new, hk, d), rand(b, s_new, hk, dv)
+    rows, table = None, None
+    if layout == "paged":
+        from tests.reference import random_pages
+        table, num_pages = random_pages((seqlens + s_new).tolist(), page)
+        table = table.to(DEVICE)
+        caches = rand(num_pages, page, hk, d), rand(num_pages, page, hk, dv)
+    elif layout == "strided":
+        caches = tuple(rand(b, dim, 64, hk).permute(0, 2, 3, 1) for dim in (d, dv))  # (b, 64, hk, dim), dim-stride 64
+    else:
+        caches = rand(b, 64, hk, d), rand(b, 64, hk, dv)
+        rows = i32([2, 0, 1]) if layout == "batch_idx" else None
+
+    def run():
+        kc, vc = (c.clone() for c in caches)
+        used = ops._append_kv(kc, vc, k, v, seqlens, rows, table)
+        torch.cuda.synchronize()
+        return kc, vc, used
+
+    kernel_k, kernel_v, kernel_used = run()
+    monkeypatch.setattr(ops, "APPEND_KERNEL_DEVICES", ())
+    torch_k, torch_v, torch_used = run()
+    assert same_bits(kernel_k, torch_k) and same_bits(kernel_v, torch_v)
+    assert torch.equal(kernel_used, seqlens + s_new) and torch.equal(torch_used, seqlens + s_new)
+    assert not same_bits(kernel_k, caches[0])  # something was written
+
+
+def test_append_kernel_skips_positions_past_the_capacity(seed):
+    """Without the opt-in value check (or under graph capture) a length past a sequence's capacity, a
+    row out of range or a page past the table must not write anywhere: the kernel drops those tokens
+    and writes the in-range ones."""
+    b, s_cache, hk, d = 3, 32, 2, 64
+    k, v = rand(b, 2, hk, d), rand(b, 2, hk, d)
+    kc, vc = rand(b, s_cache, hk, d), rand(b, s_cache, hk, d)
+    before_k, before_v = kc.clone(), vc.clone()
+    seqlens = i32([31, 40, 3])  # entry 0: token 1 past the end; entry 1: both past; entry 2: inside
+    rows = i32([0, 1, 7])  # entry 2's row does not exist: nothing of it is written
+    ops._append_kv(kc, vc, k, v, seqlens, rows, None)
+    torch.cuda.synchronize()
+    expect_k, expect_v = before_k.clone(), before_v.clone()
+    expect_k[0, 31], expect_v[0, 31] = k[0, 0], v[0, 0]
+    assert same_bits(kc, expect_k) and same_bits(vc, expect_v)

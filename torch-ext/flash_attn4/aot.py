@@ -89,7 +89,8 @@ MODEL_PROFILES = (
 # sequence (heads padded to a packable group, dispatch.padded_pack); "kvcache" = flash_attn_with_kvcache
 # over a contiguous cache, unsplit and split-KV plus the combine kernel: batched + seqused_k (entry b on
 # cache row b from position 0: decoding's common case) and varlen + seqused_k (cache_batch_idx or
-# cache_leftpad: left-padded batches, the transformers adapter's left padding).
+# cache_leftpad: left-padded batches, the transformers adapter's left padding), and the append kernel
+# (contiguous and paged caches).
 CALL_PATTERNS = ("dense", "varlen", "decode", "kvcache")
 
 
@@ -130,6 +131,9 @@ def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTE
                     out.append(fwd(varlen, True, has_seqused_k=True, split_kv=True))
             if has_split_kv(arch):
                 out.append(dispatch.combine_config(arch, dtype, p.dv))
+            # The append of new tokens into a contiguous or a paged cache (cache_batch_idx: compiled on use).
+            out += [dispatch.append_config(arch, dtype, p.head_dim, p.dv, paged=paged, has_rows=False)
+                    for paged in (False, True)]
     return out
 
 
@@ -169,7 +173,8 @@ def model_configs(arch: Arch, p: ModelProfile, dtypes=DTYPES, training: bool = T
 def kind_of(cfg) -> str:
     """The compile-cache kind of a configuration (compile_cache.get_*_kernel)."""
     return {"ForwardConfig": "fwd", "BackwardConfig": "bwd", "PreprocessConfig": "bwd_pre",
-            "PostprocessConfig": "bwd_post", "CombineConfig": "combine"}[type(cfg).__name__]
+            "PostprocessConfig": "bwd_post", "CombineConfig": "combine",
+            "AppendConfig": "append"}[type(cfg).__name__]
 
 
 def shipped_configs(arch: Arch, profiles=MODEL_PROFILES, dtypes=SHIPPED_DTYPES) -> list:

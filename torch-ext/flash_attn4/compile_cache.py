@@ -237,6 +237,7 @@ _compile_backward = _kernel_compiler("compile_backward")
 _compile_backward_preprocess = _kernel_compiler("compile_backward_preprocess")
 _compile_backward_postprocess = _kernel_compiler("compile_backward_postprocess")
 _compile_combine = _kernel_compiler("compile_combine")
+_compile_append = _kernel_compiler("compile_append")
 
 
 def _timed_compile(kind: str, cfg, compile_fn: Callable, jit_engine: bool = True):
@@ -377,6 +378,11 @@ def get_backward_postprocess_kernel(cfg):
 def get_combine_kernel(cfg):
     """The compiled split-KV combine kernel for a CombineConfig (call convention: combine.py)."""
     return get_kernel("combine", cfg, _compile_combine)
+
+
+def get_append_kernel(cfg):
+    """The compiled KV-cache append kernel for an AppendConfig (call convention: kv_append.py)."""
+    return get_kernel("append", cfg, _compile_append)
 
 
 def get_backward_kernel(cfg):

@@ -15,7 +15,7 @@ import torch
 
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
-from .fa4_kernels.config import BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
+from .fa4_kernels.config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
 from .fa4_kernels.tiles import backward_grid, backward_tiles, forward_grid, forward_schedule, forward_tiles
 
 
@@ -120,6 +120,14 @@ def combine_config(arch: Arch, dtype: str, head_dim_v: int, has_sink: bool = Fal
     """The split-KV combine kernel for an output dtype and head dim (``has_sink``: it adds a learnable
     sink to the denominator)."""
     return CombineConfig(arch=arch, dtype=dtype, head_dim_v=head_dim_v, has_sink=has_sink)
+
+
+@functools.lru_cache(maxsize=64)
+def append_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, paged: bool, has_rows: bool) -> AppendConfig:
+    """The KV-cache append kernel for a cache dtype and head dims (``paged``: through a page table;
+    ``has_rows``: cache_batch_idx picks the rows)."""
+    return AppendConfig(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, paged=paged,
+                        has_rows=has_rows)
 
 
 # ---- GQA packing for head ratios the kernels cannot pack ----

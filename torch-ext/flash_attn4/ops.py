@@ -909,53 +909,43 @@ def _packed_cache(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(b_cache * s_cache, *cache.shape[2:])
 
 
-def _paged_kvcache_metadata(q: torch.Tensor, page_table: torch.Tensor, page_size: int, s_new: int,
-                            cache_seqlens: Optional[torch.Tensor]):
-    """(cu_seqlens_q, seqused_k) of a paged KV-cache call, on the device without a sync: batch entry
-    b's keys are its first cache_seqlens[b] + s_new tokens (the whole table row without
-    cache_seqlens), wherever its pages are."""
-    batch, sq, device = q.shape[0], q.shape[1], q.device
-    seqused_k = (_offsets(batch, 0, device, base=page_table.shape[1] * page_size) if cache_seqlens is None
-                 else cache_seqlens + s_new if s_new else cache_seqlens)
-    return _offsets(batch + 1, sq, device), seqused_k
-
-
-def _append_to_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     page_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
-    """Token t of batch entry b goes to position p = cache_seqlens[b] + t: page page_table[b, p //
-    page_size], row p % page_size; in place, as device-side index tensors (no sync)."""
-    batch, s_new, page_size = k.shape[0], k.shape[1], k_cache.shape[1]
-    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)
-    page = page_table.long().gather(1, pos // page_size)
-    k_cache.index_put_((page, pos % page_size), k)
-    v_cache.index_put_((page, pos % page_size), v)
+def _keys_used(page_table: Optional[torch.Tensor], page_size: int, s_new: int,
+               cache_seqlens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """seqused_k of a KV-cache call when no append computed it: cache_seqlens + s_new, or without
+    cache_seqlens the whole capacity (a paged sequence's table row; None for a contiguous cache,
+    whose batched forward then reads every key). On the device, no sync."""
+    if cache_seqlens is not None:
+        return cache_seqlens + s_new if s_new else cache_seqlens
+    if page_table is None:
+        return None
+    return _offsets(page_table.shape[0], 0, page_table.device, base=page_table.shape[1] * page_size)
 
 
 def _kvcache_metadata(q: torch.Tensor, b_cache: int, s_cache: int, s_new: int,
                       cache_seqlens: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
-                      cache_leftpad: Optional[torch.Tensor]):
+                      cache_leftpad: Optional[torch.Tensor], ends: Optional[torch.Tensor] = None):
     """The varlen kernel's metadata for a KV-cache call, computed on the device without a sync:
-    (rows, cu_seqlens_q, cu_seqlens_k, seqused_k). Batch entry b's keys are cache row rows[b]
-    (cache_batch_idx, else b) from position leftpad[b] (0 without cache_leftpad) to
-    cache_seqlens[b] + s_new (s_cache without cache_seqlens), so in the packed cache
-    cu_seqlens_k[b] = rows[b] * s_cache + leftpad[b] and seqused_k[b] = cache_seqlens[b] + s_new -
-    leftpad[b]. cu_seqlens_k[batch] is the packed total: with seqused_k the kernel reads only
+    (cu_seqlens_q, cu_seqlens_k, seqused_k). Batch entry b's keys are cache row rows[b]
+    (cache_batch_idx, else b) from position leftpad[b] (0 without cache_leftpad) to ends[b] =
+    cache_seqlens[b] + s_new (s_cache without cache_seqlens; ``ends`` when the append computed it),
+    so in the packed cache cu_seqlens_k[b] = rows[b] * s_cache + leftpad[b] and seqused_k[b] =
+    ends[b] - leftpad[b]. cu_seqlens_k[batch] is the packed total: with seqused_k the kernel reads only
     cu_seqlens_k[b] (seqlen.SeqlenInfo), so the entries need not increase (cache_batch_idx may permute).
     Only for calls with cache_batch_idx or cache_leftpad: without both fwd_kvcache runs the batched
     kernel, which needs none of this."""
     batch, sq, device = q.shape[0], q.shape[1], q.device
     cu_seqlens_q = _offsets(batch + 1, sq, device)
     # Constants from _offsets where they can be: each tensor op here is a launch per call and layer.
-    rows = _offsets(batch, 1, device) if cache_batch_idx is None else cache_batch_idx
-    ends = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
-            else cache_seqlens + s_new if s_new else cache_seqlens)
-    starts = _offsets(batch, s_cache, device) if cache_batch_idx is None else rows * s_cache
+    if ends is None:
+        ends = (_offsets(batch, 0, device, base=s_cache) if cache_seqlens is None
+                else cache_seqlens + s_new if s_new else cache_seqlens)
+    starts = _offsets(batch, s_cache, device) if cache_batch_idx is None else cache_batch_idx * s_cache
     seqused_k = ends
     if cache_leftpad is not None:
         starts = starts + cache_leftpad
         seqused_k = ends - cache_leftpad
     cu_seqlens_k = torch.cat([starts, _offsets(1, 0, device, base=b_cache * s_cache)])
-    return rows, cu_seqlens_q, cu_seqlens_k, seqused_k.to(torch.int32)
+    return cu_seqlens_q, cu_seqlens_k, seqused_k.to(torch.int32)
 
 
 _OFFSETS: dict = {}
@@ -1004,47 +994,49 @@ def _keepable_now(device: torch.device) -> bool:
         return False
 
 
-def _append_to_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     rows: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
-    """k_cache[rows[b], cache_seqlens[b] + t] = k[b, t] (and v), in place, as device-side index
-    tensors (no sync: CUDA-graph capturable with cache_seqlens changing between replays). ``rows``
-    None: row b. Any layout of the caches; duplicate rows: one of the writers wins (as in
-    FlashAttention)."""
-    batch, s_new, s_cache = k.shape[0], k.shape[1], k_cache.shape[1]
-    if rows is None and batch == 1:
-        # One sequence (single-stream decoding): index_copy_ along the caches' positions, any strides,
-        # no views; one conversion (with s_new > 1 an add) for the index.
-        index = cache_seqlens.long() if s_new == 1 else cache_seqlens + torch.arange(s_new, device=k.device)
-        k_cache.index_copy_(1, index, k)
-        v_cache.index_copy_(1, index, v)
-        return
-    k_rows, v_rows = _rows_view(k_cache), _rows_view(v_cache)
-    if k_rows is not None and v_rows is not None:
-        # One index_copy_ per cache into its (b_cache * s_cache) rows: a few kernels in all, where
-        # index_put_ on (row, position) pairs launches several per cache (decoding pays each launch
-        # on the host at every step). Token (b, t) goes to row rows[b] * s_cache + cache_seqlens[b] + t.
-        if rows is None or rows is _offsets(batch, 1, k.device):  # int64 starts: the sum is the index, one op
-            index = cache_seqlens + _offsets(batch, s_cache, k.device, dtype=torch.int64)
-        else:
-            index = (cache_seqlens + rows * s_cache).long()
-        if s_new > 1:
-            index = (index[:, None] + torch.arange(s_new, device=k.device)).flatten()
-        k_rows.index_copy_(0, index, k.flatten(0, 1))
-        v_rows.index_copy_(0, index, v.flatten(0, 1))
-        return
-    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)
-    row = (torch.arange(batch, device=k.device) if rows is None else rows.long())[:, None].expand(batch, s_new)
-    k_cache.index_put_((row, pos), k)
-    v_cache.index_put_((row, pos), v)
+# Device types the append kernel runs on (scripts/host_time.py --noop adds "cpu", with no-op kernels).
+APPEND_KERNEL_DEVICES = ("cuda",)
 
 
-def _rows_view(cache: torch.Tensor) -> Optional[torch.Tensor]:
-    """(b_cache, s_cache, h, d) as a (b_cache * s_cache, h, d) view of the same storage, or None when
-    the strides do not allow one (decided from the strides: a failed view's exception costs more)."""
-    b_cache, s_cache = cache.shape[0], cache.shape[1]
-    if b_cache == 1 or s_cache == 1 or cache.stride(0) == s_cache * cache.stride(1):
-        return cache.flatten(0, 1)  # a view under that condition
-    return None
+def _append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache_seqlens: torch.Tensor, rows: Optional[torch.Tensor],
+               page_table: Optional[torch.Tensor]) -> torch.Tensor:
+    """Token t of entry b written into the caches at position cache_seqlens[b] + t, in place: cache row
+    rows[b] (b when ``rows`` is None), or with a ``page_table`` the page it names for that position.
+    Returns seqused_k = cache_seqlens + s_new, the forward's key counts. One launch of the append
+    kernel (fa4_kernels/kv_append.py, which writes seqused_k too) where the layouts allow it (unit
+    head-dim strides, 16-byte aligned rows, contiguous metadata), else torch's index_put_ (any
+    strides). No sync either way: CUDA-graph capturable with cache_seqlens changing between replays.
+    Duplicate rows: one of the writers wins (as in FlashAttention)."""
+    if k.device.type in APPEND_KERNEL_DEVICES and _append_kernel_takes(k, v, k_cache, v_cache, cache_seqlens, rows,
+                                                                        page_table):
+        seqused_k = torch.empty_like(cache_seqlens)
+        cfg = dispatch.append_config(dispatch.arch_for_device(k.device), dispatch.dtype_name(k.dtype), k.shape[-1],
+                                     v.shape[-1], page_table is not None, rows is not None)
+        with _device_guard(k.device):
+            compile_cache.get_append_kernel(cfg)(k, v, k_cache, v_cache, cache_seqlens, rows, page_table, seqused_k)
+        return seqused_k
+    pos = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)
+    if page_table is not None:
+        page_size = k_cache.shape[1]
+        index = (page_table.long().gather(1, pos // page_size), pos % page_size)
+    else:
+        row = torch.arange(k.shape[0], device=k.device) if rows is None else rows.long()
+        index = (row[:, None].expand_as(pos), pos)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+    return cache_seqlens + k.shape[1]
+
+
+def _append_kernel_takes(k, v, k_cache, v_cache, *metadata) -> bool:
+    """Whether the append kernel's call convention holds: 16-byte aligned rows with a unit head-dim
+    stride and the other strides in whole 16 bytes (any contiguous tensor: head dims are multiples of
+    8), the int32 metadata (validate checked the dtypes) contiguous; None: absent."""
+    for t in (k, v, k_cache, v_cache):
+        if t.data_ptr() % 16 or not t.is_contiguous() and (t.stride(-1) != 1
+                                                            or any(stride % 8 for stride in t.stride()[:-1])):
+            return False
+    return all(t is None or t.is_contiguous() for t in metadata)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
@@ -1099,35 +1091,32 @@ def _kvcache_forward(
     s_cache = k_cache.shape[1] * (page_table.shape[1] if paged else 1)  # a sequence's capacity
     s_new = 0 if k is None else k.shape[1]
     positional = causal or window_left >= 0 or window_right >= 0  # q's rotary positions advance per token
-    if (settings.check_cu_seqlens()
-            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if settings.check_cu_seqlens() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # Before the append writes anything (one sync; opt-in).
         validate.check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new, k_cache.shape[0],
                                       s_cache, sq if positional else 1,
                                       None if rotary_cos is None else rotary_cos.shape[0])
-    # Decoding's common case (entry b on cache row b from position 0): the batched forward over the cache
-    # itself with seqused_k = cache_seqlens + s_new, no packed-varlen metadata (_kvcache_metadata) to build.
-    batched = not paged and cache_batch_idx is None and cache_leftpad is None
-    if batched:
-        rows = None
-        seqused_k = None if cache_seqlens is None else cache_seqlens + s_new if s_new else cache_seqlens
-    elif paged:
-        cu_seqlens_q, seqused_k = _paged_kvcache_metadata(q, page_table, k_cache.shape[1], s_new, cache_seqlens)
-        if settings.check_cu_seqlens() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            validate.check_page_table_values(page_table, seqused_k, k_cache.shape[0], k_cache.shape[1])
-    else:
-        rows, cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
-            q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad)
+        if paged:
+            validate.check_page_table_values(page_table, _keys_used(page_table, k_cache.shape[1], s_new, cache_seqlens),
+                                             k_cache.shape[0], k_cache.shape[1])
     if rotary_cos is not None:
         steps = torch.arange(max(sq, s_new), device=q.device)
         start = cache_seqlens.long()[:, None]
         k = _rotary(k, rotary_cos, rotary_sin, start + steps[:s_new], rotary_interleaved)
         q_pos = start + steps[:sq] if positional else start.expand(batch, sq)
         q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+    appended = None  # cache_seqlens + s_new, as the append returns it
     if k is not None and k.numel():
-        if paged:
-            _append_to_pages(k_cache, v_cache, k, v, page_table, cache_seqlens)
-        else:
-            _append_to_cache(k_cache, v_cache, k, v, rows, cache_seqlens)
+        appended = _append_kv(k_cache, v_cache, k, v, cache_seqlens, None if paged else cache_batch_idx, page_table)
+    # Decoding's common case (entry b on cache row b from position 0): the batched forward over the cache
+    # itself with seqused_k = cache_seqlens + s_new, no packed-varlen metadata (_kvcache_metadata) to build.
+    batched = not paged and cache_batch_idx is None and cache_leftpad is None
+    if batched or paged:
+        seqused_k = appended if appended is not None else _keys_used(page_table, k_cache.shape[1], s_new, cache_seqlens)
+        cu_seqlens_q = _offsets(batch + 1, sq, q.device) if paged else None  # the paged varlen forward's
+    else:
+        cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
+            q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad, appended)
     if batched:
         out, lse = _forward(q, k_cache, v_cache, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                             window_left, window_right, sq, s_cache, num_splits, check_values=False,

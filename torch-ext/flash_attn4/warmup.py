@@ -23,7 +23,8 @@ from .fa4_kernels.arch import Arch
 
 _GETTERS = {"fwd": compile_cache.get_forward_kernel, "bwd": compile_cache.get_backward_kernel,
             "bwd_pre": compile_cache.get_backward_preprocess_kernel,
-            "bwd_post": compile_cache.get_backward_postprocess_kernel, "combine": compile_cache.get_combine_kernel}
+            "bwd_post": compile_cache.get_backward_postprocess_kernel, "combine": compile_cache.get_combine_kernel,
+            "append": compile_cache.get_append_kernel}
 
 
 def profile_from_config(config) -> aot.ModelProfile:

@@ -19,7 +19,7 @@ import time
 import warnings
 
 from .arch import KERNELS, Arch, describe_implemented, kernels_for
-from .config import BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
+from .config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
 from .tiles import backward_grid, backward_tiles, forward_grid, forward_schedule, forward_tiles
 
 
@@ -204,6 +204,33 @@ def combine_kernel_set(arch: Arch) -> list[CombineConfig]:
             CombineConfig(arch=arch, dtype="bfloat16", head_dim_v=64, has_sink=True)]
 
 
+def compile_append(cfg: AppendConfig, *, jit_engine: bool = True):
+    """Compile the KV-cache append kernel (no GPU needed; call convention in kv_append.py).
+    Architecture-independent code, compiled for ``cfg.arch``."""
+    import cutlass
+
+    from .kv_append import KVAppend
+
+    dtype, i32 = _cutlass_dtype(cfg.dtype), cutlass.Int32
+    k, v = (_fake_tokens(dtype, 3, dim) for dim in (cfg.head_dim, cfg.head_dim_v))  # (b, s_new, hk, dim)
+    # (b_cache, s_cache, hk, dim), or paged (num_pages, page_size, hk, dim)
+    k_cache, v_cache = (_fake_tokens(dtype, 3, dim) for dim in (cfg.head_dim, cfg.head_dim_v))
+    rows = _fake_vector(i32) if cfg.has_rows else None
+    page_table = _fake_page_table() if cfg.paged else None
+    return _compile(KVAppend(cfg), k, v, k_cache, v_cache, _fake_vector(i32), rows, page_table, _fake_vector(i32),
+                    arch=cfg.arch, jit_engine=jit_engine)
+
+
+def append_kernel_set(arch: Arch) -> list[AppendConfig]:
+    """The KV-cache append kernels CI compiles for an arch with a forward: contiguous rows with and
+    without cache_batch_idx, and paged."""
+    if arch not in KERNELS:
+        return []
+    return [AppendConfig(arch=arch, dtype="bfloat16", head_dim=128, head_dim_v=128),
+            AppendConfig(arch=arch, dtype="float16", head_dim=192, head_dim_v=128, has_rows=True),
+            AppendConfig(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, paged=True)]
+
+
 def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | PostprocessConfig]:
     """Backward configurations CI compiles: the arch's BACKWARD_KERNEL_SET (tiles.py) with the tiles
     and grid dispatch picks (an entry's ``cluster_m`` overrides the grid rule's), the postprocessing of each of their dQ tilings and the preprocessing; empty for
@@ -254,12 +281,15 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
 
 _COMPILERS = {ForwardConfig: compile_forward, BackwardConfig: compile_backward,
               PreprocessConfig: compile_backward_preprocess, PostprocessConfig: compile_backward_postprocess,
-              CombineConfig: compile_combine}
+              CombineConfig: compile_combine, AppendConfig: compile_append}
 
 
 def _describe(cfg) -> str:
     if isinstance(cfg, PreprocessConfig):
         return f"bwd preprocess {cfg.dtype} dv={cfg.head_dim_v}"
+    if isinstance(cfg, AppendConfig):
+        return (f"kv append {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v}" + (" paged" if cfg.paged else "")
+                + (" rows" if cfg.has_rows else ""))
     if isinstance(cfg, CombineConfig):
         return f"combine {cfg.dtype} dv={cfg.head_dim_v}" + (" sink" if cfg.has_sink else "")
     if isinstance(cfg, PostprocessConfig):
@@ -285,7 +315,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configs = kernel_set(arch) + backward_kernel_set(arch) + combine_kernel_set(arch)
+    configs = kernel_set(arch) + backward_kernel_set(arch) + combine_kernel_set(arch) + append_kernel_set(arch)
     if not configs:
         print(f"error: flash-attn4 has no kernels for {arch.value}; implemented: {describe_implemented()}",
               file=sys.stderr)

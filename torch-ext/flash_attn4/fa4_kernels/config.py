@@ -345,6 +345,29 @@ class CombineConfig(_Config):
 
 
 @dataclass(frozen=True)
+class AppendConfig(_Config):
+    """The KV-cache append kernel (fa4_kernels/kv_append.py, call convention there), for every
+    architecture: it depends on the caches' dtype and head dims, on whether the cache is paged
+    (``paged``: a page table maps positions to pages) and whether cache_batch_idx picks each entry's
+    cache row (``has_rows``; contiguous-rows caches only)."""
+
+    arch: Arch
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    paged: bool = False
+    has_rows: bool = False
+
+    def __post_init__(self):
+        self._check_dtype()
+        for name in ("head_dim", "head_dim_v"):
+            if getattr(self, name) not in HEAD_DIMS:
+                raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
+        if self.paged and self.has_rows:
+            raise ValueError("a paged cache has no cache rows to pick (has_rows needs paged=False)")
+
+
+@dataclass(frozen=True)
 class PostprocessConfig(_Config):
     """The backward's postprocessing kernel (the arch's bwd_postprocess in the registry, arch.py;
     call convention in its module): dQ from the main kernel's float32 accumulator, whose order
