@@ -17,7 +17,8 @@ import pytest
 
 from flash_attn4 import aot, compile_cache, dispatch, native, settings, warmup
 from flash_attn4.fa4_kernels.arch import IMPLEMENTED, Arch
-from flash_attn4.fa4_kernels.config import BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig
+from flash_attn4.fa4_kernels.config import (AppendConfig, BackwardConfig, CombineConfig, ForwardConfig,
+                                           PostprocessConfig)
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_ARCHS = (Arch.SM90, Arch.SM100)
@@ -64,6 +65,8 @@ def _redispatch(cfg, shipped_bwd):
         return next((b.postprocess() for b in shipped_bwd if b.postprocess() == cfg), None)
     if isinstance(cfg, CombineConfig):
         return dispatch.combine_config(cfg.arch, cfg.dtype, cfg.head_dim_v, cfg.has_sink)
+    if isinstance(cfg, AppendConfig):
+        return dispatch.append_config(cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, cfg.paged, cfg.has_rows)
     return dispatch.preprocess_config(cfg.arch, cfg.dtype, cfg.head_dim_v)
 
 

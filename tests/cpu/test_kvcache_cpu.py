@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_with_kvcache, validate
+from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_with_kvcache, ops, validate
 from flash_attn4._ops import add_op_namespace_prefix
 from flash_attn4.fa4_kernels.arch import Arch
 from tests.reference import attention_ref, partial_attention_ref, random_pages, unpage
@@ -560,3 +560,74 @@ def test_graph_trees_api_the_constant_cache_reads_exists():
 
     assert "create_if_none_exists" in inspect.signature(trees.get_manager).parameters
     assert all(isinstance(getattr(trees.CUDAGraphTreeManager, name), property) for name in ("in_warmup", "in_recording"))
+
+
+# ---- the append kernel's route (fa4_kernels/kv_append.py; its numerics: tests/gpu/test_kvcache.py) ----
+
+
+def append_stand_in(cfg, calls):
+    """The append kernel's call convention: token t of entry b at position cache_seqlens[b] + t of row
+    rows[b] (b without rows) or of the page page_table names; out-of-range positions, rows or pages
+    dropped; seqused_k written."""
+
+    def run(k, v, k_cache, v_cache, cache_seqlens, rows, page_table, seqused_k):
+        calls.append(cfg)
+        assert (rows is not None) == cfg.has_rows and (page_table is not None) == cfg.paged
+        assert (cfg.head_dim, cfg.head_dim_v) == (k.shape[-1], v.shape[-1])
+        for b in range(k.shape[0]):
+            for t in range(k.shape[1]):
+                pos = int(cache_seqlens[b]) + t
+                if cfg.paged:
+                    page_size = k_cache.shape[1]
+                    if pos >= page_table.shape[1] * page_size:
+                        continue
+                    row, slot = int(page_table[b, pos // page_size]), pos % page_size
+                else:
+                    row, slot = (int(rows[b]) if cfg.has_rows else b), pos
+                if 0 <= row < k_cache.shape[0] and slot < k_cache.shape[1]:
+                    k_cache[row, slot], v_cache[row, slot] = k[b, t], v[b, t]
+        seqused_k.copy_(cache_seqlens + k.shape[1])
+
+    return run
+
+
+@pytest.fixture
+def append_kernel(kernels, monkeypatch):
+    """The KV-cache calls append through the (stand-in) append kernel, as on a GPU; returns its calls."""
+    calls = []
+    monkeypatch.setattr(ops, "APPEND_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(compile_cache, "_compile_append", lambda cfg, **_: append_stand_in(cfg, calls))
+    compile_cache.clear()
+    return calls
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2]], ids=str)  # the cases that append
+def test_append_kernel_route_matches_the_reference(kernels, append_kernel, case):
+    """The same cases as above through the append kernel: one launch per call with the config the
+    caches ask for, the caches and the attention as the reference's (seqused_k comes from the kernel)."""
+    test_append_and_attention_match_the_reference(kernels, *case)
+    assert len(append_kernel) == 1
+    assert append_kernel[0].has_rows == case[7] and not append_kernel[0].paged  # case[7]: batch_idx
+
+
+def test_append_kernel_only_for_layouts_it_takes(kernels, append_kernel):
+    """Contiguous (or any 16-byte-strided, unit head-dim stride) 16-byte aligned caches go to the kernel;
+    a head-dim stride other than 1 or a misaligned cache keep torch's index_put_ (and stay correct)."""
+    q, kc, vc, k, v = problem(b=2, s_cache=64, s_new=1)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    transposed = vc.transpose(1, 3).contiguous().transpose(1, 3)  # same values, head-dim stride != 1
+    misaligned = torch.empty(kc.numel() + 1, dtype=kc.dtype)[1:].view(kc.shape).copy_(kc)
+    for k_cache, v_cache, kernel in ((kc.clone(), vc.clone(), True), (kc.clone(), transposed, False),
+                                     (misaligned, vc.clone(), False)):
+        append_kernel.clear()
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+        for i, n in enumerate(lens.tolist()):
+            ref_k[i, n], ref_v[i, n] = k[i, 0], v[i, 0]
+        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+        assert len(append_kernel) == int(kernel)
+
+
+def test_append_config_refuses_rows_on_pages():
+    with pytest.raises(ValueError, match="paged cache has no cache rows"):
+        dispatch.append_config(Arch.SM90, "bfloat16", 128, 128, paged=True, has_rows=True)

@@ -10,7 +10,8 @@ import torch
 from flash_attn4 import dispatch, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import ForwardConfig
-from tests.cpu.test_kvcache_cpu import as_i32, assert_close, kernels, problem, reference  # noqa: F401 (fixture)
+from tests.cpu.test_kvcache_cpu import (append_kernel, as_i32, assert_close, kernels, problem,  # noqa: F401
+                                       reference)  # (fixtures)
 from tests.reference import attention_ref, random_pages, unpage
 
 BF16 = torch.bfloat16
@@ -213,3 +214,10 @@ def test_opcheck_of_the_paged_forward(kernels):
     k, v = torch.randn(num_pages, 16, 2, 64, dtype=BF16), torch.randn(num_pages, 16, 2, 64, dtype=BF16)
     cu_q, used = as_i32([0, 2, 2, 6]), as_i32([40, 0, 17])
     torch.library.opcheck(ops.fwd, (q, k, v, cu_q, None, used, None, 0.125, 0.0, True, -1, 0, 4, -1, False, 1, table))
+
+
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_paged_append_through_the_append_kernel(kernels, append_kernel, page_size):
+    """The paged case through the (stand-in) append kernel: one launch, the pages as the reference's."""
+    test_paged_append_and_attention_match_the_dense_reference(kernels, page_size, 1, 1, True, 3, 8, 2)
+    assert len(append_kernel) == 1 and append_kernel[0].paged
