@@ -1,6 +1,7 @@
-"""The sm90 backward's schedule switches for A/B runs (BackwardConfig.separate_do_barrier, dq_bulk_reduce,
-tma_store_dkv; off by default): what the configuration accepts, what the sm100 backward refuses, and
-what each compiles to for sm_90a (no GPU). tests/gpu/test_bwd.py checks their gradients."""
+"""The sm90 backward's schedule switches (BackwardConfig.separate_do_barrier, dq_bulk_reduce, tma_store_dkv;
+off in the config, tma_store_dkv switched on by dispatch where the layout allows it): what the
+configuration accepts, what the sm100 backward refuses, and what each compiles to for sm_90a (no GPU).
+tests/gpu/test_bwd.py checks their gradients."""
 
 from __future__ import annotations
 
@@ -89,12 +90,12 @@ def test_dq_bulk_reduce_adds_dq_without_a_tensor_map(spec):
 
 @pytest.mark.parametrize("spec", ["d=64", "d=128,causal=true"])
 def test_tma_store_dkv_writes_dk_dv_through_shared_memory(spec):
-    """dK and dV into K's and V's tiles by stmatrix and out by TMA stores: no 32-bit global stores from
-    the accumulators left. At d = 128 (80-query blocks) this serialised every WGMMA (34 arrives) when
+    """dK and dV into K's and V's tiles by stmatrix and out by TMA stores (dispatch's default for
+    batched inputs): no 32-bit global stores from the accumulators left. At d = 128 (80-query blocks) this serialised every WGMMA (34 arrives) when
     it was first tried (docs/perf.md, 2026-12-03); since dQ is staged in register order it does not."""
     report = _sass_report()
-    base = _opcodes(report, spec)
-    ops = _opcodes(report, spec + ",tma_store_dkv=true")
+    base = _opcodes(report, spec + ",tma_store_dkv=false")
+    ops = _opcodes(report, spec)  # dispatch's choice for batched inputs (tiles.backward_schedule)
     assert base["STG.E"] > 0 and ops["STG.E"] == 0
     assert any(op.startswith("UTMASTG") for op in ops) and ops["STSM.16.M88.4"] > base["STSM.16.M88.4"]
     _no_spills_nor_serialised_wgmmas(ops, base)

@@ -16,7 +16,8 @@ import torch
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
 from .fa4_kernels.config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
-from .fa4_kernels.tiles import backward_grid, backward_tiles, forward_grid, forward_schedule, forward_tiles
+from .fa4_kernels.tiles import (backward_grid, backward_schedule, backward_tiles, forward_grid, forward_schedule,
+                                forward_tiles)
 
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -106,6 +107,7 @@ def backward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, c
                           local=local, has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
                           deterministic=deterministic,
                           **{**backward_tiles(arch, head_dim, head_dim_v, causal, local, has_softcap),
+                             **backward_schedule(arch, head_dim, head_dim_v, varlen),
                              **backward_grid(arch, head_dim, head_dim_v, causal, local, varlen, deterministic)})
 
 

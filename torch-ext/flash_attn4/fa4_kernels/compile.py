@@ -20,7 +20,7 @@ import warnings
 
 from .arch import KERNELS, Arch, describe_implemented, kernels_for
 from .config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
-from .tiles import backward_grid, backward_tiles, forward_grid, forward_schedule, forward_tiles
+from .tiles import backward_grid, backward_schedule, backward_tiles, forward_grid, forward_schedule, forward_tiles
 
 
 def _cutlass_dtype(name: str):
@@ -241,7 +241,7 @@ def backward_kernel_set(arch: Arch) -> list[BackwardConfig | PreprocessConfig | 
 
     def cfg(d=128, dv=128, **flags):
         mask = {f: flags.get(f, False) for f in ("causal", "local", "has_softcap")}
-        fields = backward_tiles(arch, d, dv, **mask)
+        fields = {**backward_tiles(arch, d, dv, **mask), **backward_schedule(arch, d, dv, flags.get("varlen", False))}
         # The grid rule's CTA pairs, unless the entry names cluster_m (1: the single-CTA kernel a
         # pair falls back to, with its own stages).
         if flags.pop("cluster_m", None) is None:

@@ -67,3 +67,10 @@ def backward_grid(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loca
     none (one CTA per KV tile) for an arch without the rule."""
     rule = getattr(kernels_for(arch, "backward", compiled=True).rules(), "backward_grid", None)
     return {} if rule is None else rule(head_dim, head_dim_v, causal, local, varlen, deterministic)
+
+
+def backward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool) -> dict:
+    """BackwardConfig overrides that depend on the layout of a problem class (batched or varlen),
+    from the arch's optional ``backward_schedule`` rule; none for an arch without it."""
+    rule = getattr(kernels_for(arch, "backward", compiled=True).rules(), "backward_schedule", None)
+    return {} if rule is None else rule(head_dim, head_dim_v, varlen)

@@ -33,12 +33,13 @@ each of these (docs/perf.md, backward). Tried, measured and removed: issuing dV 
 effect), storing dS^T before issuing dV (no effect), the next block's S^T/dP^T before this block's
 dQ (14-35% slower).
 
-Schedule switches (BackwardConfig, off by default, for A/B runs against the above):
+Schedule switches (BackwardConfig): tma_store_dkv (dK/dV through K's and V's tiles and a TMA store
+each), on wherever the layout allows it (batched, unsplit: tiles.backward_schedule; 7-12% slower at
+d=128 when ptxas serialised the WGMMAs around it, which it no longer does since dQ is staged in
+register order; now 0.98x the time, geometric mean: docs/perf.md). Off by default, for A/B runs:
 separate_do_barrier (Q with LSE and dO with rowsum behind their own mbarriers, so that S^T starts
 before dO lands), dq_bulk_reduce (each dQ part added by one 1-D bulk reduce instead of a 2-D TMA
-tensor reduce), tma_store_dkv (dK/dV through K's and V's tiles and a TMA store each; 7-12% slower at
-d=128 when ptxas serialised the WGMMAs around it, which it no longer does since dQ is staged in
-register order: docs/perf.md).
+tensor reduce).
 
 Head dims above 128, and d != dv (``split_head_dim``): 64 keys per CTA would need more accumulator
 registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer warpgroups work on

@@ -21,8 +21,8 @@ warpgroups, two Q/dO stages up to d = 192 and one above (shared memory: 210 KiB 
 
 ForwardConfig fields only the sm90 forward reads: pingpong, tma_store_o, rescale_o_before_pv,
 whole_k_gemms (and tile_m in 64-row warpgroup units). BackwardConfig fields only the sm90 backward
-reads: split_head_dim, exp_eighths_under_dp, and the schedule switches separate_do_barrier,
-dq_bulk_reduce and tma_store_dkv (off; for A/B runs, docs/perf.md).
+reads: split_head_dim, exp_eighths_under_dp, and the schedule switches tma_store_dkv (on where
+backward_schedule says), separate_do_barrier and dq_bulk_reduce (off; for A/B runs, docs/perf.md).
 """
 
 from __future__ import annotations
@@ -89,6 +89,17 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
         return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
                     exp_eighths_under_dp=exp_eighths_under_dp)
     return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
+
+
+def backward_schedule(head_dim: int, head_dim_v: int, varlen: bool) -> dict:
+    """BackwardConfig overrides that depend on the layout of a problem class (what backward_tiles,
+    which sees only head dims and masks, cannot decide)."""
+    # dK and dV through K's and V's tiles and one TMA store each, where the unsplit layout and batched
+    # inputs allow it (a TMA box would write past a packed sequence): H100, two runs of
+    # bench.py --mode bwd (d 64 / 128, 4k-16k, causal or not): 0.93 -> 1.00 of the plain stores'
+    # time at d = 128 causal 4k, 0.94-1.05 elsewhere, 0.98 geometric mean (docs/perf.md, 2026-12-06).
+    unsplit = head_dim == head_dim_v and head_dim <= 128
+    return dict(tma_store_dkv=unsplit and not varlen)
 
 
 # The problem classes CI compiles (fa4_kernels.compile.kernel_set), with the tiles and schedule
