@@ -24,6 +24,10 @@ anything (fa4_kernels/kv_tail.py): the consumers zero V's rows there after V's f
 them for WGMMA and meet at one named barrier before any P @ V (zero_v_tail; only kernels with
 varlen, seqused_k or pages build it).
 
+GQA packing (``pack_gqa``): the query heads of a KV head are rows of its tiles, token by token; a
+ratio that 64 does not divide runs in padded groups (``pack_gqa_heads``, fa4_kernels/layouts.py
+QueryPacking) whose dummy rows Q's TMA load fills with zeros and the epilogue never stores.
+
 KV blocks are visited from the last to the first: blocks that cross the right mask edge (sequence
 end, causal diagonal) come first, then full blocks in a loop with no mask code, then (local) blocks
 that cross the left window edge.
@@ -717,8 +721,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,
                  mask: AttentionMask, m_block, head, batch):
-        """Normalise O, write the rows that lie inside the sequence (unless store_o_by_tma did), and
-        their LSE."""
+        """Normalise O, write the rows that lie inside the sequence and hold a real query head (unless
+        store_o_by_tma did), and their LSE."""
         tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v_tile))))
         o_rows = acc_rows_view(acc_O)
         rows_left = mask.rows(seqlen) - m_block * self.tile_m
@@ -747,7 +751,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def store_o_by_tma(self, tidx, tiled_mma_o, tma_atom_O, sO, acc_O, out_scale, mO, m_block, head, batch):
         """tma_store_o: this warpgroup's 64 normalised rows of O into its shared-memory slab with
-        stmatrix, then one TMA store, which clips the rows past the sequence (batched inputs). The
+        stmatrix, then one TMA store, which clips the rows past the sequence (batched inputs) and a
+        padded group's dummy heads (QueryPacking.tma_view). The
         issuing warp waits until the TMA has read the slab, so the CTA outlives it."""
         wg = warpgroup_index(tidx)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
