@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
