@@ -145,9 +145,10 @@ def auto_num_splits(p: Problem, num_sms: int = H200_SMS) -> int | None:
         fa = _bench._import_ours()
         dispatch = __import__(fa.__name__ + ".dispatch", fromlist=["forward_config"])
         arch = __import__(fa.__name__ + ".fa4_kernels.arch", fromlist=["Arch"]).Arch.SM90
+        ratio = p.h // p.h_kv  # a ratio 64 does not divide runs in padded groups when the queries are short
         cfg = dispatch.forward_config(arch, "bfloat16", p.d, p.d_v, causal=p.causal, local=False, has_softcap=False,
-                                      varlen=False, has_seqused_k=False, has_sink=False,
-                                      qhead_per_kvhead=p.h // p.h_kv)
+                                      varlen=False, has_seqused_k=False, has_sink=False, qhead_per_kvhead=ratio,
+                                      pack_group=dispatch.padded_pack(arch, p.d, p.d_v, False, ratio, p.s_q))
         return int(dispatch.num_splits_heuristic(batch=p.b, num_heads=p.h, num_heads_kv=p.h_kv, seqlen_q=p.s_q,
                                                  seqlen_k=p.s_cache, tile_m=cfg.tile_m, tile_n=cfg.tile_n,
                                                  pack_gqa=cfg.pack_gqa, num_sms=num_sms))

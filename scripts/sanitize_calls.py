@@ -10,7 +10,8 @@ Shapes are small (the sanitizers slow kernels down by orders of magnitude) and o
 of the tiles), and cover forward + backward of: 128-query blocks at d=64 (causal, GQA 4/2), d=128
 with sk > sq (MQA-like 2/1) and with deterministic dQ, the split-head-dim layout (d=256, and 192/128
 with softcap), local windows (batched GQA and varlen), varlen with an empty sequence; then
-forward-only calls: split-KV with its combine kernel, and a KV-cache append + decode step. The API errors memcheck reports by
+forward-only calls: split-KV with its combine kernel, a KV-cache append + decode step, and a
+head ratio (7) packed in padded groups. The API errors memcheck reports by
 default are the driver probing entry points (cuGetProcAddress), not errors of ours: hence
 --report-api-errors no. Prints one line per call; a sanitizer finding makes compute-sanitizer exit
 non-zero. Last run on the H200 (2026-12-04, at 8776f91): memcheck 0 errors, racecheck 0 hazards.
@@ -85,6 +86,13 @@ def forward_only() -> None:
                                 v=leaf(2, 3, 2, 128).detach(), cache_seqlens=seqlens, causal=True)
         torch.cuda.synchronize()
         print("ok: kvcache append 3 tokens + decode, d=128, GQA 8/2", flush=True)
+        # Ratio 7 packed in groups of 8 (sm90: ForwardConfig.pack_gqa_heads): the last KV head's dummy
+        # rows must not read past q (its own allocation, caching off) nor write past out.
+        q7, k7, v7 = leaf(2, 3, 14, 128).detach(), leaf(2, 500, 2, 128).detach(), leaf(2, 500, 2, 128).detach()
+        for num_splits in (1, 3):
+            flash_attn_func(q7, k7, v7, causal=True, num_splits=num_splits)
+            torch.cuda.synchronize()
+            print(f"ok: GQA 14/2 (ratio 7) decode-sized sq=3, {num_splits} split(s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -48,12 +48,14 @@ def _newest_flavour_driver() -> int:
 def _redispatch(cfg, shipped_bwd):
     """What dispatch builds for the problem class ``cfg`` describes (None for kinds checked elsewhere)."""
     if isinstance(cfg, ForwardConfig):
-        for ratio in {cfg.pack_gqa, 1}:  # pack_gqa > 1 is the head ratio it packs; 1 also for unpackable ones
+        # The head ratio it packs (pack_gqa_heads in padded groups of pack_gqa); 1 also for unpackable ones.
+        group = cfg.pack_gqa if cfg.pack_gqa_heads else 0
+        for ratio in {cfg.query_heads_per_group, 1}:
             again = dispatch.forward_config(cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, causal=cfg.causal,
                                             local=cfg.local, has_softcap=cfg.has_softcap, varlen=cfg.varlen,
                                             has_seqused_k=cfg.has_seqused_k, has_sink=cfg.has_sink,
                                             qhead_per_kvhead=ratio, page_size=cfg.page_size, split_kv=cfg.split_kv,
-                                            has_seqused_q=cfg.has_seqused_q)
+                                            has_seqused_q=cfg.has_seqused_q, pack_group=group if ratio > 1 else 0)
             if again == cfg:
                 return again
         return None

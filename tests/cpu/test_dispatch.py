@@ -157,7 +157,8 @@ def test_kernel_set_of_the_compiler_is_what_dispatch_builds():
     assert any(cfg.tma_store_o for cfg in configs) and any(cfg.rescale_o_before_pv for cfg in configs)
     for cfg in configs:
         flags = dict(causal=cfg.causal, local=cfg.local, has_softcap=cfg.has_softcap, varlen=cfg.varlen,
-                     has_seqused_k=cfg.has_seqused_k, has_sink=cfg.has_sink, qhead_per_kvhead=cfg.pack_gqa,
+                     has_seqused_k=cfg.has_seqused_k, has_sink=cfg.has_sink,
+                     qhead_per_kvhead=cfg.query_heads_per_group, pack_group=cfg.pack_gqa if cfg.pack_gqa_heads else 0,
                      page_size=cfg.page_size, split_kv=cfg.split_kv, has_seqused_q=cfg.has_seqused_q)
         assert dispatch.forward_config(cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, **flags) == cfg
 

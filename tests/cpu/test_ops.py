@@ -42,6 +42,8 @@ def torch_kernel(cfg, calls):
         assert (seqused_k is not None) == cfg.has_seqused_k
         assert (sink is not None) == cfg.has_sink
         assert sink is None or sink.dtype == torch.float32
+        # A packing kernel takes the real heads (a padded group's dummy heads are only tile rows).
+        assert cfg.pack_gqa == 1 or q.shape[-2] // k.shape[-2] == cfg.query_heads_per_group
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32
         if cfg.varlen:
@@ -192,7 +194,7 @@ def test_pack_gqa_must_match_the_head_ratio(cpu_kernel, monkeypatch):
     flash_attn_func(q, k, v)
     assert cpu_kernel[-1].pack_gqa == 4
     q, k, v = rand_qkv(2, 5, 9, 4, 2, 64)
-    with pytest.raises(ValueError, match="pack_gqa=4 but the inputs have 2 query heads per KV head"):
+    with pytest.raises(ValueError, match="packs 4 query heads per KV head .* but the inputs have 2"):
         flash_attn_func(q, k, v)
 
 
@@ -992,11 +994,14 @@ def test_inference_calls_skip_the_dispatcher_and_training_calls_do_not(cpu_kerne
     assert len(through_op) == 2 and fake_out.shape == out_plain.shape
 
 
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100], ids=lambda a: a.value)
 @pytest.mark.parametrize("hq,hk,varlen", [(14, 2, False), (10, 2, True), (6, 2, False), (24, 2, True)])
-def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, hq, hk, varlen):
+def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, monkeypatch, arch, hq, hk, varlen):
     """Head ratios that do not divide 64 (7, 5, 3, 12) with short queries: one packed kernel of the
     next ratio that packs (8, 8, 4, 16), and the result is the unpadded attention (out, lse and a
-    learnable sink per real head)."""
+    learnable sink per real head). sm90 packs the padded groups in the kernel (pack_gqa_heads: the
+    real q goes in, nothing is padded or copied); sm100 gets q padded with zero heads (ops.py)."""
+    monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": arch)
     ratio = hq // hk
     sink = torch.randn(hq)
     if varlen:
@@ -1008,8 +1013,11 @@ def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, hq, hk, varle
         q, k, v = rand_qkv(2, 3, 70, hq, hk, 64)
         out, lse = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_lse=True)
         ref_out, ref_lse = attention_ref(q, k, v, causal=True, learnable_sink=sink)
-    (cfg,) = cpu_kernel
-    assert cfg.pack_gqa == dispatch.padded_pack(cfg.arch, 64, 64, varlen, ratio, 9) > ratio
+    cfg = cpu_kernel[-1]  # (on sm100 after its first-use self-check's runs of the same kernel)
+    assert all(c == cfg for c in cpu_kernel)
+    group = dispatch.padded_pack(cfg.arch, 64, 64, varlen, ratio, 9)
+    assert cfg.pack_gqa == group > ratio
+    assert cfg.pack_gqa_heads == (ratio if arch is Arch.SM90 else 0)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.is_contiguous()
     assert (out.float() - ref_out.float()).abs().max() < 2e-2
     assert torch.allclose(lse, ref_lse, atol=1e-3)
@@ -1019,6 +1027,36 @@ def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, hq, hk, varle
     else:
         out_only = flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
     assert torch.equal(out_only, out)
+
+
+@pytest.mark.parametrize("hq,hk", [(28, 4), (40, 8), (12, 4), (6, 2), (10, 2)])
+def test_kernel_packs_padded_groups_without_host_copies(cpu_kernel, monkeypatch, hq, hk):
+    """sm90 decode with a ratio that does not divide 64 (7, 5, 3, 3, 5): the kernel gets the caller's
+    q and writes the out and lse that are returned (no padded q, no unpadding copy), on the
+    launch-plan path and off it; long queries run unpacked (PAD_PACK_MAX_QUERIES)."""
+    ratio = hq // hk
+    launched = []
+    real_launch = ops._launch_forward
+
+    def launch(kernel, q, k, v, out, lse, *rest, **kw):
+        launched.append((q, out, lse))
+        return real_launch(kernel, q, k, v, out, lse, *rest, **kw)
+
+    monkeypatch.setattr(ops, "_launch_forward", launch)
+    for plan_cache in (True, False):
+        monkeypatch.setattr(ops, "PLAN_CACHE", plan_cache)
+        launched.clear()
+        cpu_kernel.clear()
+        q, k, v = rand_qkv(2, 4, 300, hq, hk, 64)
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+        assert [(t[0] is q, t[1] is out, t[2] is lse) for t in launched] == [(True, True, True)]
+        (cfg,) = cpu_kernel
+        assert cfg.pack_gqa == dispatch.padded_pack(cfg.arch, 64, 64, False, ratio, 4) > ratio == cfg.pack_gqa_heads
+        assert (out.float() - ref_out.float()).abs().max() < 2e-2 and torch.allclose(lse, ref_lse, atol=1e-3)
+    cpu_kernel.clear()
+    flash_attn_func(*rand_qkv(1, dispatch.PAD_PACK_MAX_QUERIES + 1, 80, hq, hk, 64))
+    assert [(c.pack_gqa, c.pack_gqa_heads) for c in cpu_kernel] == [(1, 0)]
 
 
 @pytest.mark.parametrize("shape,hk,ratio,group", [((2, 3, 14, 64), 2, 7, 8), ((9, 10, 40), 2, 5, 8),

@@ -85,7 +85,7 @@ class FakeKernel:
         assert (used is not None) == cfg.has_seqused_k and (sink is not None) == cfg.has_sink
         assert sink is None or sink.dtype == torch.float32
         assert out.is_contiguous() and lse.dtype == torch.float32 and q.dtype == torch.bfloat16
-        assert q.shape[-2] // k.shape[-2] == cfg.pack_gqa or cfg.pack_gqa == 1
+        assert q.shape[-2] // k.shape[-2] == cfg.query_heads_per_group or cfg.pack_gqa == 1
         args = (q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right)
         if self.mutate is None:
             reference_into(cfg, *args, used_q=used_q)

@@ -288,6 +288,22 @@ def close_to_reference(out, lse, q, k, v, **kw):
     assert (out.float() - ref_out.float()).abs().max() < 2e-2  # bf16 output
 
 
+@pytest.mark.parametrize("num_splits", [3, 0])
+@pytest.mark.parametrize("hq,hk", [(28, 4), (12, 4)])
+def test_split_path_packs_padded_groups_in_the_kernel(cpu_kernels, num_splits, hq, hk):
+    """Decode with a ratio that does not divide 64 through split-KV: the split kernel packs padded
+    groups itself (pack_gqa_heads = the real ratio) on the caller's q, its partials per real head
+    feed the combine, and a sink reaches the combine (ratio 7 and 3)."""
+    q, k, v = q_kv(b=2, sq=1, sk=3000, hq=hq, hk=hk, d=64)
+    sink = torch.randn(hq)
+    out, lse = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, num_splits=num_splits, return_lse=True)
+    (fwd,) = [c for c in cpu_kernels if isinstance(c, ForwardConfig)]
+    assert fwd.split_kv and fwd.pack_gqa_heads == hq // hk and fwd.pack_gqa == dispatch.padded_pack(
+        Arch.SM90, 64, 64, False, hq // hk, 1)
+    assert [c.has_sink for c in cpu_kernels if isinstance(c, CombineConfig)] == [True]
+    close_to_reference(out, lse, q, k, v, causal=True, learnable_sink=sink)
+
+
 @pytest.mark.parametrize("num_splits", [2, 3, 7, 40])
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_attn_func_split_path(cpu_kernels, num_splits, causal):

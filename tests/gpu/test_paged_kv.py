@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
 
 from tests.gpu.test_fwd import poison_outputs, seed  # noqa: E402,F401
 
-RATIOS = {1: (4, 4), 4: (8, 2), 7: (14, 2), 8: (16, 2)}  # GQA ratio -> (hq, hk); 7 runs unpacked
+RATIOS = {1: (4, 4), 4: (8, 2), 7: (14, 2), 8: (16, 2)}  # GQA ratio -> (hq, hk); 7 runs in groups of 8 for short queries
 
 
 def paged_copy(dense: torch.Tensor, table: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:

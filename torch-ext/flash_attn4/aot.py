@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import dispatch, settings
 from .fa4_kernels.arch import IMPLEMENTED, Arch
-from .fa4_kernels.tiles import has_split_kv
+from .fa4_kernels.tiles import has_padded_pack, has_split_kv
 
 MANIFEST = "manifest.json"
 DTYPES = ("bfloat16", "float16")
@@ -86,7 +86,7 @@ MODEL_PROFILES = (
 
 # How calls reach the kernels (ops.py): "dense" = flash_attn_func on an unpadded batch; "varlen" =
 # padded or packed batches (the transformers adapter unpads to cu_seqlens); "decode" = one query per
-# sequence (heads padded to a packable group, dispatch.padded_pack); "kvcache" = flash_attn_with_kvcache
+# sequence (a ratio that does not pack run in padded groups, dispatch.padded_pack); "kvcache" = flash_attn_with_kvcache
 # over a contiguous cache, unsplit and split-KV plus the combine kernel: batched + seqused_k (entry b on
 # cache row b from position 0: decoding's common case) and varlen + seqused_k (cache_batch_idx or
 # cache_leftpad: left-padded batches, the transformers adapter's left padding), and the append kernel
@@ -103,10 +103,16 @@ def _mask_kinds(p: ModelProfile) -> list[dict]:
     return kinds
 
 
-def _group(arch: Arch, p: ModelProfile, varlen: bool, short: bool) -> int:
-    """The head ratio the kernel runs with: padded to a packable group for short queries."""
-    padded = dispatch.padded_pack(arch, p.head_dim, p.dv, varlen, p.ratio, 1 if short else 1 << 20)
-    return padded or p.ratio
+def _ratio(arch: Arch, p: ModelProfile, varlen: bool, short: bool) -> dict:
+    """forward_config's head-ratio arguments for the model's calls: for short queries a ratio the
+    kernel cannot pack runs in padded groups (dispatch.padded_pack), which the kernel packs itself
+    where the arch can (pack_group), else the torch layer pads q to the group's ratio (ops.py)."""
+    group = dispatch.padded_pack(arch, p.head_dim, p.dv, varlen, p.ratio, 1 if short else 1 << 20)
+    if not group:
+        return dict(qhead_per_kvhead=p.ratio)
+    if has_padded_pack(arch):
+        return dict(qhead_per_kvhead=p.ratio, pack_group=group)
+    return dict(qhead_per_kvhead=group)
 
 
 def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTERNS) -> list:
@@ -116,7 +122,7 @@ def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTE
 
         def fwd(varlen, short, **extra):
             return dispatch.forward_config(arch, dtype, p.head_dim, p.dv, varlen=varlen,
-                                           qhead_per_kvhead=_group(arch, p, varlen, short), **base, **extra)
+                                           **_ratio(arch, p, varlen, short), **base, **extra)
 
         if "dense" in patterns:
             out.append(fwd(False, False, has_seqused_k=False))

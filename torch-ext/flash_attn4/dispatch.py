@@ -69,16 +69,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
                    has_softcap: bool, varlen: bool, has_seqused_k: bool, has_sink: bool,
                    qhead_per_kvhead: int = 1, page_size: int = 0, split_kv: bool = False,
-                   has_seqused_q: bool = False) -> ForwardConfig:
+                   has_seqused_q: bool = False, pack_group: int = 0) -> ForwardConfig:
     """The ForwardConfig for a problem class (a model's head ratio included: it decides GQA
     packing; ``page_size``: of a paged KV cache, 0 for contiguous keys; ``split_kv``: the kernel that
-    writes float32 partials for num_splits > 1). Cached: the same arguments give the same object."""
+    writes float32 partials for num_splits > 1; ``pack_group``: the ratio packed in padded groups of
+    that many rows, padded_pack's choice for short queries). Cached: the same arguments give the
+    same object."""
     return ForwardConfig(
         arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink, split_kv=split_kv,
         page_size=page_size, has_seqused_q=has_seqused_q,
         # Used query lengths end like packed sequences: the schedule's epilogue treats them alike.
-        **forward_schedule(arch, head_dim, head_dim_v, varlen or has_seqused_q, qhead_per_kvhead, split_kv=split_kv),
+        **forward_schedule(arch, head_dim, head_dim_v, varlen or has_seqused_q, qhead_per_kvhead, split_kv=split_kv,
+                           pack_group=pack_group),
         **choose_tiles(arch, head_dim, head_dim_v, causal, local),
         **forward_grid(arch, head_dim, head_dim_v, causal, local, varlen or has_seqused_q, split_kv,
                        has_seqused_k=has_seqused_k, has_sink=has_sink),
@@ -138,7 +141,9 @@ def append_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, paged:
 # ratios that divide 64) runs packed anyway, with dummy query heads padding each KV head's group to
 # the next ratio that packs: decoding and speculative steps then read each K/V tile once per KV head
 # instead of once per query head, for (padded - ratio) / padded rows of wasted tensor work. Longer
-# query sequences fill tiles unpacked.
+# query sequences fill tiles unpacked. Where the arch's forward packs padded groups itself
+# (fa4_kernels.tiles.has_padded_pack: ForwardConfig.pack_gqa_heads) the dummy heads exist only as
+# tile rows; elsewhere the torch layer pads q with zero heads and drops the dummy outputs (ops.py).
 PAD_PACK_MAX_QUERIES = 64
 
 
@@ -200,11 +205,11 @@ def num_splits_heuristic(*, batch: int, num_heads: int, num_heads_kv: int, seqle
     n_blocks = _ceil_div(max(keys, 0), tile_n)
     if n_blocks <= SHORT_KV_BLOCKS or num_sms <= 0:
         return 1
-    tile_heads = num_heads // pack_gqa if pack_gqa > 1 else num_heads
+    # Packed tiles walk KV heads (a padded group has fewer query heads than pack_gqa rows).
+    tile_heads = num_heads_kv if pack_gqa > 1 else num_heads
     tiles = batch * tile_heads * _ceil_div(seqlen_q * max(pack_gqa, 1), tile_m)
     if tiles == 0 or tiles >= FULL_SHARE * num_sms:
         return 1
-    del num_heads_kv  # the packed tiles' heads: num_heads // pack_gqa (one per KV head when packed)
     return _fullest_split(tiles, min(max_splits, num_sms, n_blocks), num_sms)
 
 

@@ -43,7 +43,7 @@ import torch
 from . import compile_cache, device_info, dispatch, selfcheck, settings, validate
 from ._ops import add_op_namespace_prefix
 from .fa4_kernels.arch import Arch, kernels_for
-from .fa4_kernels.tiles import has_split_kv
+from .fa4_kernels.tiles import has_padded_pack, has_split_kv
 
 # The ops are defined with torch.library's low-level API rather than torch.library.custom_op: that
 # wraps every implementation in torch._disable_dynamo, which imports torch._dynamo (about a second of
@@ -134,16 +134,17 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 
 def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
                 varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, page_size: int = 0,
-                has_seqused_q: bool = False, split_kv: bool = False):
+                has_seqused_q: bool = False, split_kv: bool = False, pack_group: int = 0):
     """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
     on its first use where selfcheck asks for it."""
     cfg = _config_for(q, v, causal=causal, local=local, has_softcap=has_softcap, varlen=varlen,
                       has_seqused_k=has_seqused_k, has_sink=has_sink, qhead_per_kvhead=qhead_per_kvhead,
-                      page_size=page_size, has_seqused_q=has_seqused_q, split_kv=split_kv)
-    if cfg.pack_gqa not in (1, qhead_per_kvhead):
-        # The kernel folds exactly pack_gqa query heads into each KV head's rows.
-        raise ValueError(f"ForwardConfig.pack_gqa={cfg.pack_gqa} but the inputs have {qhead_per_kvhead} query "
-                         f"heads per KV head")
+                      page_size=page_size, has_seqused_q=has_seqused_q, split_kv=split_kv, pack_group=pack_group)
+    if cfg.query_heads_per_group not in (1, qhead_per_kvhead):
+        # The kernel folds exactly that many query heads into each KV head's rows.
+        raise ValueError(f"ForwardConfig packs {cfg.query_heads_per_group} query heads per KV head (pack_gqa="
+                         f"{cfg.pack_gqa}, pack_gqa_heads={cfg.pack_gqa_heads}) but the inputs have "
+                         f"{qhead_per_kvhead}")
     return _checked_kernel(cfg, q.device, compile_cache.get_forward_kernel, _launch_forward)[1]
 
 
@@ -245,8 +246,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
             return _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                              softcap, window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
     varlen = cu_seqlens_q is not None
-    group = _padded_group(q, k, v, varlen, max_seqlen_q)
-    if group:
+    group, on_host = _padded_group(q, k, v, varlen, max_seqlen_q)
+    if on_host:
         return _forward_padded_heads(group, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                                      softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
                                      max_seqlen_k, num_splits, check_values, page_table, seqused_q, need_lse)
@@ -262,10 +263,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
         _fill_empty_keys(out, lse, learnable_sink, varlen)
         return out, lse
 
-    flags = dict(causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
-                 varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
-                 qhead_per_kvhead=q.shape[-2] // k.shape[-2], page_size=0 if page_table is None else k.shape[1],
-                 has_seqused_q=seqused_q is not None)
+    flags = _forward_flags(q, k, seqused_k, learnable_sink, softcap, causal, window_left, window_right, varlen,
+                           page_table, seqused_q, group)
     if num_splits != 1:
         if page_table is not None and max_seqlen_k < 0:  # the longest sequence the table can hold
             max_seqlen_k = page_table.shape[1] * k.shape[1]
@@ -325,15 +324,14 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
                 max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q) -> Optional[_Plan]:
     """_forward's decisions for this call as a _Plan (None: not one the plan covers)."""
     varlen = cu_seqlens_q is not None
-    if _padded_group(q, k, v, varlen, max_seqlen_q) or any(validate.needs_copy(t) for t in (q, k, v)):
+    group, on_host = _padded_group(q, k, v, varlen, max_seqlen_q)
+    if on_host or any(validate.needs_copy(t) for t in (q, k, v)):
         return None
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     if math.prod(out_shape) == 0 or k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
         return None
-    flags = dict(causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
-                 varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
-                 qhead_per_kvhead=q.shape[-2] // k.shape[-2], page_size=0 if page_table is None else k.shape[1],
-                 has_seqused_q=seqused_q is not None)
+    flags = _forward_flags(q, k, seqused_k, learnable_sink, softcap, causal, window_left, window_right, varlen,
+                           page_table, seqused_q, group)
     if num_splits != 1:
         if page_table is not None and max_seqlen_k < 0:  # as _forward: the longest sequence the table holds
             max_seqlen_k = page_table.shape[1] * k.shape[1]
@@ -375,13 +373,26 @@ def _run_plan(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learn
     return out, lse
 
 
-def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, max_seqlen_q: int) -> int:
-    """dispatch.padded_pack for this call (0: run the heads as they are)."""
+def _forward_flags(q, k, seqused_k, learnable_sink, softcap, causal, window_left, window_right, varlen, page_table,
+                   seqused_q, pack_group: int) -> dict:
+    """The problem class of a forward call: dispatch.forward_config's arguments besides arch, dtype
+    and head dims."""
+    return dict(causal=causal, local=_is_local(causal, window_left, window_right), has_softcap=softcap > 0.0,
+                varlen=varlen, has_seqused_k=seqused_k is not None, has_sink=learnable_sink is not None,
+                qhead_per_kvhead=q.shape[-2] // k.shape[-2], page_size=0 if page_table is None else k.shape[1],
+                has_seqused_q=seqused_q is not None, pack_group=pack_group)
+
+
+def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool,
+                  max_seqlen_q: int) -> tuple[int, bool]:
+    """(dispatch.padded_pack for this call, 0: run the heads as they are; whether the torch layer
+    pads the heads, where the arch's kernel does not pack padded groups itself)."""
     hq, hk = q.shape[-2], k.shape[-2]
     if hq == hk:
-        return 0
+        return 0, False
     arch = dispatch.arch_for_device(q.device)
-    return dispatch.padded_pack(arch, q.shape[-1], v.shape[-1], varlen, hq // hk, max_seqlen_q)
+    group = dispatch.padded_pack(arch, q.shape[-1], v.shape[-1], varlen, hq // hk, max_seqlen_q)
+    return group, bool(group) and not has_padded_pack(arch)
 
 
 _ZEROS: dict = {}
@@ -406,7 +417,8 @@ def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, sequs
                           softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
                           check_values, page_table, seqused_q, need_lse=True):
     """_forward with each KV head's query heads padded by zero heads to ``group`` (a ratio the kernel
-    packs: dispatch.padded_pack), then the dummy heads' outputs dropped. The padded q and the
+    packs: dispatch.padded_pack), then the dummy heads' outputs dropped: for an arch whose kernel does
+    not pack padded groups itself (fa4_kernels.tiles.has_padded_pack; sm100 today). The padded q and the
     outputs' copies are small next to the K/V the packing stops re-reading, but each is a launch that
     a decode step pays: one for the padded q, one copy of out, and one of the LSE only when ``need_lse`` (else the
     padded LSE is returned as it is, for a caller that drops it)."""

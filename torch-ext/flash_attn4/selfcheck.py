@@ -29,7 +29,8 @@ off meanwhile. :func:`clear` forgets everything.
 What the check runs (:func:`build_forward_problem`): the configuration's dtype and head dims; for a
 persistent kernel (``persistent_ctas``) a batch large enough for more tiles than CTAs, so that some
 CTAs run a second tile on the pipeline states their first left behind (:func:`batch_size`); GQA
-with pack_gqa query heads per KV head (3 where the kernel does not pack: any ratio runs there);
+with the query heads per KV head the kernel packs (pack_gqa, or pack_gqa_heads in padded groups; 3
+where the kernel does not pack: any ratio runs there);
 ragged lengths that leave partial tiles (about 300 queries, 333 keys); varlen with four sequences
 (one with no queries, one not a multiple of 128 long, one whose queries see no keys, one with more
 queries than keys); seqused_k below the stored length and 0 for one sequence; causal or a local
@@ -221,7 +222,7 @@ def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> For
     """A problem on the CPU that takes ``cfg``'s paths (the module docstring lists them); random
     inputs from ``seed`` (default: SEED) drawn from a private generator, so the caller's RNG state is
     left alone."""
-    return _build_problem(cfg, cfg.pack_gqa if cfg.pack_gqa > 1 else UNPACKED_HEAD_RATIO, cfg.has_sink,
+    return _build_problem(cfg, cfg.query_heads_per_group if cfg.pack_gqa > 1 else UNPACKED_HEAD_RATIO, cfg.has_sink,
                           torch.Generator().manual_seed(SEED if seed is None else seed))
 
 

@@ -265,7 +265,7 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
     if entry is None:
         return []
 
-    def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, dtype="bfloat16", **flags):
+    def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, pack_group=0, dtype="bfloat16", **flags):
         varlen, split_kv = flags.get("varlen", False) or flags.get("has_seqused_q", False), flags.get("split_kv", False)
         grid = forward_grid(arch, d, dv, causal, local, varlen, split_kv,
                             has_seqused_k=flags.get("has_seqused_k", False), has_sink=flags.get("has_sink", False))
@@ -273,7 +273,8 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
             grid["cluster_m"] = flags.pop("cluster_m")
         return ForwardConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=dv,
                              causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local),
-                             **forward_schedule(arch, d, dv, varlen, qhead_per_kvhead, split_kv=split_kv), **grid)
+                             **forward_schedule(arch, d, dv, varlen, qhead_per_kvhead, split_kv=split_kv,
+                                                pack_group=pack_group), **grid)
 
     # Once each (with pairs switched off (sm100/tiles.TWO_CTA), a cluster_m=1 entry repeats its class's).
     return list(dict.fromkeys(cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET))
@@ -300,7 +301,8 @@ def _describe(cfg) -> str:
                 f"deterministic={cfg.deterministic}" + (f" cluster_m={cfg.cluster_m}" if cfg.cluster_m > 1 else ""))
     return (f"fwd {cfg.dtype} d={cfg.head_dim}/{cfg.head_dim_v} tile={cfg.tile_m}x{cfg.tile_n} causal={cfg.causal} "
             f"local={cfg.local} varlen={cfg.varlen} softcap={cfg.has_softcap} sink={cfg.has_sink} "
-            f"pack_gqa={cfg.pack_gqa}" + (" split_kv" if cfg.split_kv else "")
+            f"pack_gqa={cfg.pack_gqa}" + (f" pack_gqa_heads={cfg.pack_gqa_heads}" if cfg.pack_gqa_heads else "")
+            + (" split_kv" if cfg.split_kv else "")
             + (f" cluster_m={cfg.cluster_m}" if cfg.cluster_m > 1 else ""))
 
 

@@ -103,7 +103,7 @@ class ForwardConfig(_KernelConfig):
     hq must be a multiple of hk (GQA/MQA: query head h reads KV head h // (hq // hk)).
 
     Which fields an arch reads: every forward reads the problem class (dtype through has_sink,
-    pack_gqa), its tiles (tile_m, tile_n, num_stages: what they mean in warps and stages is the
+    pack_gqa; pack_gqa_heads where its rules allow it), its tiles (tile_m, tile_n, num_stages: what they mean in warps and stages is the
     arch's), rescale_threshold, exp2_emulated_eighths and persistent_ctas. pingpong, tma_store_o,
     rescale_o_before_pv and whole_k_gemms are sm90 schedule switches (sm90/tiles.py); another arch
     leaves them at their defaults. The arch's check_forward (registry in arch.py) rejects what its
@@ -150,6 +150,14 @@ class ForwardConfig(_KernelConfig):
     # block once for the whole group; a varlen sequence's rows start at g x its first token.
     # 1: off, one head per tile. Which g an arch packs is its rule (sm90: g divides 64).
     pack_gqa: int = 1
+    # GQA packing of a ratio r the arch cannot pack (Qwen2.5's 7): 0, every one of a group's pack_gqa
+    # rows is a query head (r = pack_gqa). 0 < r < pack_gqa: r real query heads per KV head, packed as
+    # groups of pack_gqa rows (row = token * pack_gqa + head in group, the masks' and tiles' rule
+    # unchanged) whose rows with head in group >= r are dummies: loaded as zeros (a TMA dimension of
+    # extent r with a box of pack_gqa), never stored, so that q, out and LSE are the caller's real
+    # tensors. Query head h reads KV head h // r. Only for an arch whose rules say so
+    # (``FORWARD_PADDED_PACK`` in its tiles.py).
+    pack_gqa_heads: int = 0
     # The GEMMs outside the steady-state loop's hot path issued as one cute.gemm over their k slices
     # (the DSL's k loop) instead of one call per slice, for a smaller IR (sm90/wgmma.py): Q K^T of
     # the prologue's block and of the causal diagonal's, and the last block's P @ V, a few per
@@ -184,11 +192,28 @@ class ForwardConfig(_KernelConfig):
             self._check_paged()
         if self.pack_gqa < 1:
             raise ValueError(f"pack_gqa must be >= 1 (1: off), got {self.pack_gqa}")
+        if self.pack_gqa_heads:
+            self._check_padded_pack()
         if not 0 <= self.exp2_emulated_eighths <= 8:
             raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {self.exp2_emulated_eighths}")
         if self.persistent_ctas < 0:
             raise ValueError(f"persistent_ctas must be >= 0 (0: one CTA per tile), got {self.persistent_ctas}")
         self._check_arch("check_forward")
+
+    @property
+    def query_heads_per_group(self) -> int:
+        """The real query heads of a KV head the kernel packs (1: no packing)."""
+        return self.pack_gqa_heads or self.pack_gqa
+
+    def _check_padded_pack(self) -> None:
+        if not 1 <= self.pack_gqa_heads < self.pack_gqa:
+            raise ValueError(f"pack_gqa_heads must be 0 (every packed row a query head) or in [1, pack_gqa): "
+                             f"r real heads padded to groups of pack_gqa={self.pack_gqa} rows, got "
+                             f"{self.pack_gqa_heads}")
+        entry = KERNELS.get(self.arch)
+        if entry is None or not getattr(entry.rules(), "FORWARD_PADDED_PACK", False):
+            raise NotImplementedError(f"pack_gqa_heads={self.pack_gqa_heads}: the {self.arch} forward does not pack "
+                                      f"padded GQA groups (pad the query heads on the host instead)")
 
     def _check_paged(self) -> None:
         if self.page_size < 0 or self.page_size % 16:

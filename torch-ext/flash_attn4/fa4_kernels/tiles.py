@@ -27,16 +27,25 @@ def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loca
 
 
 def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1,
-                     split_kv: bool = False) -> dict:
+                     split_kv: bool = False, pack_group: int = 0) -> dict:
     """ForwardConfig overrides for the epilogue, the O rescale, the GEMM calls and GQA packing of a
     problem class (whatever of those the arch's forward has); ``split_kv``: of its split-KV variant,
-    NotImplementedError for an arch without one (``FORWARD_SPLIT_KV`` in its rules)."""
+    NotImplementedError for an arch without one (``FORWARD_SPLIT_KV`` in its rules). ``pack_group``
+    > 0: the ratio packed in padded groups of that many rows (ForwardConfig.pack_gqa_heads),
+    NotImplementedError for an arch without them (``FORWARD_PADDED_PACK``)."""
     rule = _rule(arch, "forward_schedule", "forward")
     if not split_kv:
-        return rule(head_dim, head_dim_v, varlen, qhead_per_kvhead)
-    if not has_split_kv(arch):
+        fields = rule(head_dim, head_dim_v, varlen, qhead_per_kvhead)
+    elif not has_split_kv(arch):
         raise NotImplementedError(f"flash-attn4: the {arch} forward has no split-KV kernel yet (num_splits > 1)")
-    return rule(head_dim, head_dim_v, varlen, qhead_per_kvhead, split_kv=True)
+    else:
+        fields = rule(head_dim, head_dim_v, varlen, qhead_per_kvhead, split_kv=True)
+    if pack_group:
+        if not has_padded_pack(arch):
+            raise NotImplementedError(f"flash-attn4: the {arch} forward does not pack padded GQA groups "
+                                      f"(pack_group={pack_group})")
+        fields.update(pack_gqa=pack_group, pack_gqa_heads=qhead_per_kvhead)
+    return fields
 
 
 def forward_grid(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool,
@@ -47,6 +56,12 @@ def forward_grid(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local
     has_seqused_k and has_sink, which some grids refuse."""
     rule = getattr(kernels_for(arch, "forward").rules(), "forward_grid", None)
     return {} if rule is None else rule(head_dim, head_dim_v, causal, local, varlen, split_kv, **flags)
+
+
+def has_padded_pack(arch: Arch) -> bool:
+    """Whether the arch's forward packs a head ratio in padded groups in the kernel
+    (ForwardConfig.pack_gqa_heads; its rules say ``FORWARD_PADDED_PACK``)."""
+    return bool(getattr(kernels_for(arch, "forward").rules(), "FORWARD_PADDED_PACK", False))
 
 
 def has_split_kv(arch: Arch) -> bool:

@@ -24,6 +24,10 @@ anything (fa4_kernels/kv_tail.py): the consumers zero V's rows there after V's f
 them for WGMMA and meet at one named barrier before any P @ V (zero_v_tail; only kernels with
 varlen, seqused_k or pages build it).
 
+GQA packing (``pack_gqa``): the query heads of a KV head are rows of its tiles, token by token; a
+ratio that 64 does not divide runs in padded groups (``pack_gqa_heads``, fa4_kernels/layouts.py
+QueryPacking) whose dummy rows Q's TMA load fills with zeros and the epilogue never stores.
+
 KV blocks are visited from the last to the first: blocks that cross the right mask edge (sequence
 end, causal diagonal) come first, then full blocks in a loop with no mask code, then (local) blocks
 that cross the left window edge.
@@ -57,7 +61,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..kv_tail import first_row_past_keys, tail_possible, zero_rows
-from ..layouts import last_mode_slice, pack_query_heads, tma_partition_tile, transpose_view
+from ..layouts import QueryPacking, last_mode_slice, tma_partition_tile, transpose_view
 from ..mask import AttentionMask
 from ..paged_kv import PagedKV, kernel_view, rows_per_copy
 from ..pipelines import advanced
@@ -104,6 +108,7 @@ class FlashAttentionForwardSm90:
         if cfg.tile_n % 16 != 0:
             raise ValueError(f"sm90 forward: tile_n must be a multiple of 16, got {cfg.tile_n}")
         self.cfg = cfg
+        self.packing = QueryPacking.of(cfg)
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         # What O is stored as: the input dtype, or float32 split-KV partials.
         self.o_dtype = Float32 if cfg.split_kv else self.dtype
@@ -172,14 +177,18 @@ class FlashAttentionForwardSm90:
             num_batch = mQ.shape[3]
         num_heads = mQ.shape[2]
         qhead_per_kvhead = num_heads // mK.shape[2]
-        rows_per_query = cfg.pack_gqa
-        if cutlass.const_expr(rows_per_query > 1):
+        packing = self.packing
+        if cutlass.const_expr(packing.group > 1):
             # Each KV head's query heads become rows: (token, head) -> row token * g + head, and the
-            # grid walks KV heads.
-            mQ, mO = [pack_query_heads(t, rows_per_query, head_mode=2) for t in (mQ, mO)]
-            mLSE = pack_query_heads(mLSE, rows_per_query, head_mode=1)
+            # grid walks KV heads. Q and O also get the views their TMA descriptors are made from,
+            # which clip a padded group's dummy heads (QueryPacking.tma_view).
+            mQ, mO_tma = [packing.tma_view(t, 2, qhead_per_kvhead) for t in (mQ, mO)]
+            mO = packing.view(mO, head_mode=2)
+            mLSE = packing.view(mLSE, head_mode=1)
             num_heads, qhead_per_kvhead = mK.shape[2], 1
-            max_seqlen_q = max_seqlen_q * rows_per_query
+            max_seqlen_q = max_seqlen_q * packing.group
+        else:
+            mO_tma = mO
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -197,7 +206,8 @@ class FlashAttentionForwardSm90:
         sV_layout = smem_layout(self.dtype, self.tile_n, self.hdim_v_tile, self.num_stages)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.hdim_tile))
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout,
+                                                        packing.tma_tiler(self.tile_m, self.hdim_tile))
         # A K/V tile is one TMA box, or with a paged cache several, each within one page.
         kv_rows, sK_box, sV_box = self.tile_n, cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
         if cutlass.const_expr(cfg.page_size > 0):
@@ -212,7 +222,8 @@ class FlashAttentionForwardSm90:
         tma_atom_O, tma_O, tiled_mma_o = None, mO, None
         if cutlass.const_expr(cfg.tma_store_o):
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (WGMMA_M, self.hdim_v_tile))
+                cpasync.CopyBulkTensorTileS2GOp(), mO_tma, cute.select(sO_layout, mode=[0, 1]),
+                packing.tma_tiler(WGMMA_M, self.hdim_v_tile))
             tiled_mma_o = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
                 Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(WGMMA_M, self.hdim_v_tile),
@@ -402,8 +413,8 @@ class FlashAttentionForwardSm90:
         """Q of the tile, then K_j and V_j from the last visible KV block to the first. Returns the
         pipeline states after them."""
         seqlen, head, batch = tile.seqlen, tile.head, tile.batch
-        gQ = cute.local_tile(head_rows(mQ, tile.mask.rows_before(seqlen), head, batch, self.cfg.varlen),
-                             (self.tile_m, self.hdim_tile), (tile.m_block, 0))
+        gQ = self.packing.tma_tile(head_rows(mQ, self.packing.tma_rows_before(tile.mask, seqlen), head, batch,
+                                             self.cfg.varlen), self.tile_m, self.hdim_tile, tile.m_block)
         tQsQ, tQgQ = tma_partition_tile(tma_atom_Q, smem.q, gQ)
         # Q is loaded even when no KV block is visible, so that consumers never special-case it.
         pipes.q.producer_acquire(q_state)
@@ -672,13 +683,17 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def sink_logits(self, mSink: cute.Tensor, tScS: cute.Tensor, m_block: Int32, head: Int32):
         """The learnable sink logit of each of the thread's rows: the tile's head, or with GQA
-        packing, each row's own query head (head here is the KV head)."""
-        g = self.cfg.pack_gqa
+        packing, each row's own query head (head here is the KV head). A padded group's dummy rows
+        take its last real head's (any finite value would do: they are never stored)."""
+        g, heads = self.packing.group, self.packing.heads
         if cutlass.const_expr(g == 1):
             return Float32(mSink[head])
         sinks = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
         for r in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
-            sinks[r] = Float32(mSink[head * g + (m_block * self.tile_m + tScS[r, 0][0]) % g])
+            in_group = (m_block * self.tile_m + tScS[r, 0][0]) % g
+            if cutlass.const_expr(self.packing.padded):
+                in_group = cutlass.min(in_group, heads - 1)
+            sinks[r] = Float32(mSink[head * heads + in_group])
         return sinks
 
     # ---- ping-pong between the consumer warpgroups ----------------------------------------------
@@ -706,8 +721,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def epilogue(self, tidx, thr_mma_pv, acc_O, out_scale, lse, mO, mLSE, seqlen: SeqlenInfo,
                  mask: AttentionMask, m_block, head, batch):
-        """Normalise O, write the rows that lie inside the sequence (unless store_o_by_tma did), and
-        their LSE."""
+        """Normalise O, write the rows that lie inside the sequence and hold a real query head (unless
+        store_o_by_tma did), and their LSE."""
         tOcO = acc_rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v_tile))))
         o_rows = acc_rows_view(acc_O)
         rows_left = mask.rows(seqlen) - m_block * self.tile_m
@@ -719,7 +734,10 @@ class FlashAttentionForwardSm90:
             tOgO = acc_rows_view(thr_mma_pv.partition_C(gO))
         for r in cutlass.range_constexpr(cute.size(o_rows, mode=[0])):
             row = tOcO[r, 0][0]
-            if row < rows_left:
+            inside = row < rows_left
+            if cutlass.const_expr(self.packing.padded):
+                inside = inside & self.packing.real_row(row)  # a dummy row aliases a real head
+            if inside:
                 if cutlass.const_expr(not self.cfg.tma_store_o):
                     scale = out_scale[r]
                     for c in cutlass.range_constexpr(cute.size(o_rows, mode=[1])):
@@ -733,7 +751,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def store_o_by_tma(self, tidx, tiled_mma_o, tma_atom_O, sO, acc_O, out_scale, mO, m_block, head, batch):
         """tma_store_o: this warpgroup's 64 normalised rows of O into its shared-memory slab with
-        stmatrix, then one TMA store, which clips the rows past the sequence (batched inputs). The
+        stmatrix, then one TMA store, which clips the rows past the sequence (batched inputs) and a
+        padded group's dummy heads (QueryPacking.tma_view). The
         issuing warp waits until the TMA has read the slab, so the CTA outlives it."""
         wg = warpgroup_index(tidx)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
@@ -757,8 +776,8 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA
         cute.arch.barrier(barrier_id=Barrier.EPILOGUE_FIRST + wg, number_of_threads=WARPGROUP_THREADS)
         if cute.arch.make_warp_uniform((tidx % WARPGROUP_THREADS) // cute.arch.WARP_SIZE) == 0:
-            gO = cute.local_tile(head_rows(mO, Int32(0), head, batch, False), (WGMMA_M, self.hdim_v_tile),
-                                 (m_block * self.num_consumer_wg + wg, 0))
+            gO = self.packing.tma_tile(head_rows(mO, Int32(0), head, batch, False), WGMMA_M, self.hdim_v_tile,
+                                       m_block * self.num_consumer_wg + wg)
             t_smem, t_gmem = tma_partition_tile(tma_atom_O, slab, gO)
             cute.copy(tma_atom_O, t_smem, t_gmem)
             cute.arch.cp_async_bulk_commit_group()

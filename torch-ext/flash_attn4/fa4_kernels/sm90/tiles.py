@@ -119,9 +119,15 @@ FORWARD_KERNEL_SET = (
     dict(d=256, dv=256, varlen=True, has_seqused_k=True, page_size=64),
     # Padded batches (seqused_q), batched and varlen.
     dict(has_seqused_q=True, causal=True), dict(varlen=True, has_seqused_q=True, has_seqused_k=True, qhead_per_kvhead=4),
+    # Decoding with a head ratio packed in padded groups (7 of 8 rows; Qwen2.5): batched with the
+    # TMA store of O, and the split-KV partials of a paged cache.
+    dict(qhead_per_kvhead=7, pack_group=8, has_seqused_k=True),
+    dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=7, pack_group=8),
 )
 # This arch's forward has the split-KV variant (ForwardConfig.split_kv).
 FORWARD_SPLIT_KV = True
+# Its forward packs a head ratio that does not divide 64 in padded groups (ForwardConfig.pack_gqa_heads).
+FORWARD_PADDED_PACK = True
 # Backward: the common head dims and every feature switch once (compile.backward_kernel_set adds the
 # postprocessing of each dQ tiling and the preprocessing).
 BACKWARD_KERNEL_SET = (
