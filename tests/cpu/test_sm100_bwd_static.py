@@ -316,7 +316,8 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (128, True, True, False, False, False, False, pair), (128, True, True, False, False, False, False, 1),
         (128, True, False, False, False, True, True, 1),
         (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1),
-        (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1)}
+        (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1),
+        (192, True, False, False, True, False, False, 1)}
     assert {c.head_dim_v for c in mains if c.head_dim == 192} == {128}
     # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
     for c in mains:
@@ -592,6 +593,9 @@ SERIAL_CASES = {"d192_dv128": (dict(d=192, dv=128), dict(cu12=3328, cu13=3008)),
                 "d192_dv128_causal": (dict(d=192, dv=128, causal=True), dict(cu12=3400, cu13=3136)),
                 "d192_dv128_varlen_local_deterministic": (dict(d=192, dv=128, varlen=True, local=True,
                                                                deterministic=True), None),
+                # softcap (upstream: the same compile with softcap=5.0 passed; its kernel spills there)
+                "d192_dv128_causal_softcap": (dict(d=192, dv=128, causal=True, has_softcap=True),
+                                              dict(cu12=4856, cu13=4600)),
                 "sm103_d192_dv128": (dict(d=192, dv=128, arch=Arch.SM103), None)}
 
 
@@ -651,7 +655,15 @@ def test_serial_tmem_traffic_and_exponentials_as_planned(serial_compiled):
     assert stats["ldtm"] == phase1_copies + 2 * compute_chunks + dkv_chunks + cfg.head_dim // chunk, flavour
     assert stats["sttm"] == phase1_copies, flavour
     assert stats["mufu_ex2"] == phase1_copies * chunk, flavour
-    assert stats["fmul2"] == stats["fadd2"] == compute_chunks * chunk // 2, flavour
+    # softcap: a tanh per exponential (phase 1); phase 2 recovers t per element (MUFU.LG2) and per
+    # pair adds the LSE (FADD2), scales (FMUL2), squares (FFMA2) and multiplies P by 1 - t^2 (FMUL2)
+    softcap = cfg.has_softcap
+    opcodes = stats["opcodes"]
+    assert opcodes.get("MUFU.TANH", 0) == (stats["mufu_ex2"] if softcap else 0), flavour
+    assert opcodes.get("MUFU.LG2", 0) == (compute_chunks * chunk if softcap else 0), flavour
+    pairs = compute_chunks * chunk // 2
+    assert (stats["fmul2"], stats["fadd2"], stats["ffma2"]) == ((3 * pairs, 2 * pairs, pairs) if softcap
+                                                                else (pairs, pairs, 0)), flavour
     assert reduce_adds(stats) == cfg.head_dim // chunk
 
 
