@@ -80,10 +80,19 @@ Head dims this kernel does not reach (NotImplementedError in tiles.check_backwar
         64-row query blocks: S^T and dP^T 64 columns each beside dK and dV (512), 178 KiB of shared
         memory, but dQ (M = 64, 192 columns) only in two 96-column halves over S^T / dP^T, each read
         out before the next (and the M = 64 accumulator's lane layout to be settled for the dQ warps).
-    d = dv = 256: the same pair layout needs 128 + 128 + 64 + 64 + 128 = 512 columns (fits) but
-        258 KiB of shared memory per CTA (Q, dO, Q^T, dO^T, K, V, K^T halves of 32 KiB each); dS
-        aliased into Q's buffer (serial) and one dQ staging buffer bring it to 234 KiB, still over.
-        Upstream runs a dedicated 2-CTA kernel there.
+    d = dv = 256: the same pair layout needs 128 + 128 + 64 + 64 + 128 = 512 columns (fits, no TMEM
+        aliasing), and fits shared memory once Q^T / dO^T are not buffers of their own: upstream
+        (flash_bwd_sm100, 2-CTA, 64-row KV tile, "serial" schedule) loads each step's Q and dO
+        query halves for S^T / dP^T, then the head-dim halves Q^T / dO^T into the same buffers for
+        dK / dV. In the folded (M = 128 pair) accumulator layout P^T and dS^T cannot be TMEM A
+        operands, so they go to shared memory (16 KiB each), and the peer's dS is a contiguous
+        block of dS^T (no exchange buffer). Per CTA: K, V, K^T half, Q, dO 32 KiB each, P^T and
+        dS^T 16 KiB each, dQ staging 8-16 KiB, LSE/D 1 KiB: about 210-218 KiB. What it needs here,
+        beside bwd_pair.py: compute threads over folded rows (lane l: key l % 64, query half
+        l // 64), P^T / dS^T stores into shared memory, a second TMA phase per step on the Q/dO
+        buffers (and its barrier in the protocol replay), the folded dK / dV epilogue, 64-key
+        blocks in the block ranges and the tile model. Upstream's kernel compiles here with
+        162 / 116 LDL / STL (ptxas 13.4; docs/perf.md).
 """
 
 from __future__ import annotations
