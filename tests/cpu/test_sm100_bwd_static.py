@@ -368,14 +368,16 @@ def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
 
 def test_verifier_reports_only_the_reviewed_baseline():
     """CUTE_DSL_COMPILER_OPT=warnings: nothing beyond tests/cpu/verifier_baseline.json's reviewed
-    entries for the sm100 backward. The varlen, local/softcap, d = 96 and serial (192 / 128) kernels use
-    the same pipelines as the reviewed ones, so they must report exactly the same (no entry of their own)."""
+    entries for the sm100 backward. The varlen, local/softcap, d = 96 and serial (192 / 128, softcap
+    too) kernels use the same pipelines as the reviewed ones, so they must report exactly the same (no
+    entry of their own)."""
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
     for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True)),
                        ("sm100 bwd d128 causal", dict(d=128, causal=True, varlen=True, has_seqused_k=True)),
                        ("sm100 bwd d128 causal", dict(d=128, local=True, has_softcap=True)),
                        ("sm100 bwd d64", dict(d=96, causal=True)),
-                       ("sm100 bwd d128 causal", dict(d=192, dv=128))):
+                       ("sm100 bwd d128 causal", dict(d=192, dv=128)),
+                       ("sm100 bwd d128 causal", dict(d=192, dv=128, causal=True, has_softcap=True))):
         got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(config(**spec), FLAVOUR))
         assert got == sorted(baseline[name]), (name, got)
 
