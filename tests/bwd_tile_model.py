@@ -17,9 +17,10 @@ What the model reproduces, and how exactly:
   exp2(fma(score, scale_log2, -LSE_log2)) on MUFU.EX2 (flushing below 2^-126); dS = P * (dP - D),
   with softcap P * fma(-t, t, 1) * (dP - D), without the softmax scale. P is rounded to the input
   dtype before dV += P^T dO_i, dS before dK += dS^T Q_i and dQ_i = dS K (dP is not rounded: the
-  accumulator feeds dS directly; the serial sm100 kernel at 192 / 128 computes dS from the rounded P,
-  ``ds_from_rounded_p``). dK and dV accumulate in float32 over every query head and block
-  of the group, then dK * softmax_scale and dV are rounded to the input dtype once.
+  accumulator feeds dS directly; the serial sm100 kernel at 192 / 128 computes dS from the rounded
+  P, ``ds_from_rounded_p``, and under softcap takes t from it too: softcap_tanh). dK and dV
+  accumulate in float32 over every query head and block of the group, then dK * softmax_scale and
+  dV are rounded to the input dtype once.
 * dQ: each KV block's float32 dQ_i part is added into a float32 accumulator per query block; the
   arrival order is arbitrary (a permutation drawn from ``seed``) or, deterministic, in increasing KV
   block order (the semaphore of sm90/bwd.py's add_dq); the postprocessing rounds dq_accum *
@@ -225,8 +226,9 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
         stats.p_max = max(stats.p_max, float(prob.max(initial=0.0)))
         grad_p = f32(_round_to(prob, p.dtype)) if p.ds_from_rounded_p else prob
         if softcap:
-            assert not p.ds_from_rounded_p, "the serial kernel has no softcap (tiles.check_backward)"
-            grad_p = f32(prob.astype(F64) * fma_f32(-s, s, F32(1.0)).astype(F64))
+            # The serial kernel no longer has S^T in phase 2: t comes back from the rounded P.
+            t = softcap_tanh(grad_p, L2[h, r0:r1, None], scale_log2) if p.ds_from_rounded_p else s
+            grad_p = f32(grad_p.astype(F64) * fma_f32(-t, t, F32(1.0)).astype(F64))
         with np.errstate(invalid="ignore"):
             ds = f32(grad_p.astype(F64) * add_f32(dp, -D[h, r0:r1, None]).astype(F64))
         p16 = _round_to(prob, p.dtype)
@@ -270,6 +272,17 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
         dq_accum[r0:r1, h] = acc
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(p.dtype)  # noqa: E731
     return dq_accum, to(dk_out), to(dv_out), stats
+
+
+def softcap_tanh(p16: np.ndarray, L2: np.ndarray, scale_log2) -> np.ndarray:
+    """bwd_serial.softcap_tanh: t = max((log2(P) + LSE_log2) * (1 / scale_log2), -1) in float32 from
+    the 16-bit P (as float32): MUFU.LG2 flushes denormal inputs (log2 -> -inf), and max returns its
+    non-NaN operand (P = 0 on a row without keys: -inf + inf)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where(np.abs(p16) < F32(2.0 ** -126), F32(-np.inf), f32(np.log2(p16.astype(F64))))
+        inv = f32(F64(1.0) / F64(scale_log2))
+        t = f32(add_f32(x, L2).astype(F64) * F64(inv))
+    return np.fmax(t, F32(-1.0))
 
 
 def pair_query_block_range(pair: int, sq: int, sk: int, tile_m: int, tile_n: int, causal: bool,

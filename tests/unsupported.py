@@ -14,7 +14,7 @@ Refused today (anything else must run):
   whose messages name the arch): head dims outside 64, 96 and 128 (each of
   head_dim and head_dim_v) after the backward's padding to a multiple of 16 (at least 32), except the pair
   (192, 128) of the serial kernel (local windows, softcap, varlen and seqused_k run; its BWD_UNIMPLEMENTED flags,
-  none today, would be listed here); softcap at (192, 128);
+  none today, would be listed here);
 - every arch: the backward of a forward with ``seqused_q`` or a paged KV cache (inference-only inputs).
 """
 
@@ -31,17 +31,12 @@ SMALLEST_HEAD_DIM = 16
 # Each reason is a regex of the message the library raises (matched with re.search).
 HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
 SM100_BWD_HEAD_DIMS = (64, 96, 128)
-SM100_BWD_SERIAL_HEAD_DIMS = ((192, 128),)  # the serial kernel's (head_dim, head_dim_v), without softcap
+SM100_BWD_SERIAL_HEAD_DIMS = ((192, 128),)  # the serial kernel's (head_dim, head_dim_v)
 
 
 def sm100_bwd_head_dim(arch: Arch) -> str:
     """The sm100 backward's head-dim refusal on ``arch`` (sm_100a or sm_103a: the message names it)."""
     return rf"{arch.value} backward: head dims \d+/\d+ are not implemented"
-
-
-def sm100_bwd_serial_softcap(arch: Arch) -> str:
-    """The serial kernel's softcap refusal on ``arch``."""
-    return rf"{arch.value} backward: has_softcap=True at head dims \d+/\d+ is not implemented"
 
 
 # raised by the forward itself when its inputs require grad (validate.check_no_grad, interface.py)
@@ -72,10 +67,8 @@ def backward_refusals(arch: Arch, *, head_dim: int = 128, head_dim_v: int = 128,
     reasons = []
     if arch in BLACKWELL:
         d, dv = backward_kernel_head_dim(head_dim), backward_kernel_head_dim(head_dim_v)
-        if (d, dv) in SM100_BWD_SERIAL_HEAD_DIMS:
-            if softcap:
-                reasons.append(sm100_bwd_serial_softcap(arch))
-        elif d not in SM100_BWD_HEAD_DIMS or dv not in SM100_BWD_HEAD_DIMS:
+        serial = (d, dv) in SM100_BWD_SERIAL_HEAD_DIMS
+        if not serial and (d not in SM100_BWD_HEAD_DIMS or dv not in SM100_BWD_HEAD_DIMS):
             reasons.append(sm100_bwd_head_dim(arch))
     del window, softcap, varlen, seqused_k, deterministic  # every arch with a backward runs these
     return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])
@@ -88,8 +81,8 @@ def listed_backward_refusal(arch: Arch, message: str) -> Optional[str]:
     ones the list says this arch refuses."""
     if arch not in BLACKWELL:
         return None
-    return next((r for r in (sm100_bwd_head_dim(arch), sm100_bwd_serial_softcap(arch)) if re.search(r, message)),
-                None)
+    pattern = sm100_bwd_head_dim(arch)
+    return pattern if re.search(pattern, message) else None
 
 
 def refusal_pattern(reasons: list[str]) -> Optional[str]:

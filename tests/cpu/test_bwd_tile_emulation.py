@@ -344,6 +344,9 @@ SM100_CASES = {
     "d192-dv128-causal": dict(sq=260, sk=300, causal=True, d=192, dv=128),
     "d192-dv128-local-gqa-deterministic": dict(sq=200, sk=333, g=2, window=(90, 20), d=192, dv=128,
                                                deterministic=True),
+    # and its softcap: t recovered from the 16-bit P (bwd_serial.softcap_tanh)
+    "d192-dv128-causal-softcap": dict(sq=260, sk=300, causal=True, softcap=2.0, d=192, dv=128),
+    "d192-dv128-local-softcap-gqa": dict(sq=200, sk=333, g=2, window=(90, 20), softcap=5.0, d=192, dv=128),
 }
 
 
@@ -489,3 +492,61 @@ def test_sm100_serial_model_takes_ds_from_the_rounded_p():
     got = [bm.backward(q, k, v, out, dout, lse, pr, **kw) for pr in (params, replace(params, ds_from_rounded_p=False))]
     assert not torch.equal(got[0].dk, got[1].dk) and not torch.equal(got[0].dq, got[1].dq)
     assert torch.equal(got[0].dv, got[1].dv)  # dV uses the rounded P either way
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cap", [1.0, 2.0, 30.0])
+def test_serial_softcap_tanh_from_the_rounded_p_is_within_its_bound(dtype, cap):
+    """bwd_serial.softcap_tanh (as modelled): t recovered from P rounded to 16 bits and the LSE is
+    off by exactly ln(P16 / P) / cap (plus the float32 steps behind P and t), so P16 (1 - t^2) is
+    within 2 P16 of that of P16 (1 - tanh^2); t is exactly -1 (factor 0) where P is 0, including a
+    row whose LSE is +inf. Scores spread over the saturated range (|t| near 1), rows of different
+    LSE, P down to the 16-bit subnormals."""
+    gen = np.random.default_rng(int(cap * 10) + (dtype is torch.float16))
+    rows, cols = 64, 256
+    scale_log2 = tm.f32(tm.F32(cap) * tm.F64(tm.F32(tm.LOG2_E)))
+    t = tm.f32(np.tanh(gen.normal(0.0, 2.0, (rows, cols))))
+    x = t.astype(np.float64) * float(scale_log2)
+    L2 = tm.f32(np.log2(np.exp2(x).sum(1, keepdims=True)) + gen.uniform(0.0, 3.0, (rows, 1)))
+    arg = tm.fma_f32(t, scale_log2, -L2)
+    prob = tm.exp2_mufu(arg)
+    prob[:, :8] = 0.0  # masked
+    L2[-1] = np.inf  # a row without keys: P = 0 throughout
+    prob[-1] = 0.0
+    p16 = tm.f32(tm._round_to(prob, dtype))
+    got = bm.softcap_tanh(p16, L2, scale_log2)
+    assert np.isfinite(got).all() and (got >= -1.0).all()
+    assert (got[p16 == 0] == -1.0).all()
+    live = p16 > 0
+    # float32: the fma and exp2 behind P (relative to its argument), the add and multiply behind t
+    slack = (np.abs(arg[live]) + 1.0) * 2.0 ** -21 / float(scale_log2) + 2.0 ** -22
+    bound_t = np.abs(np.log(p16[live].astype(np.float64) / prob[live])) / cap + slack
+    err_t = np.abs(got[live].astype(np.float64) - t[live])
+    assert (err_t <= bound_t).all(), (err_t - bound_t).max()
+    factor = lambda tt: p16[live].astype(np.float64) * (1.0 - tt.astype(np.float64) ** 2)  # noqa: E731
+    # |(1 - a^2) - (1 - b^2)| = |a - b| |a + b|, |a + b| <= 2 + bound_t (t may overshoot 1 by it)
+    assert (np.abs(factor(got[live]) - factor(t[live])) <= (2.0 + bound_t) * p16[live] * bound_t).all()
+    assert err_t.max() > 0  # the rounding shows: the bound is not checked against nothing
+
+
+@pytest.mark.parametrize("cap,q_scale", [(1.0, 3.0), (2.0, 3.0), (5.0, 3.0), (50.0, 1.0)])
+def test_serial_softcap_error_against_the_float32_reference(cap, q_scale):
+    """The serial kernel's softcap dS (t from the 16-bit P) against the float32 reference: within the
+    GPU suite's rule (check_rule), also where saturating scores (q_scale 3) at caps 1 and 2 put most
+    entries where 1 - t^2 is small and t's error, 1 / (P cap) of P's rounding, is large against it
+    (the measured errors: docs/perf.md). Not bit-identical to the same tiles with t from S^T (the
+    1-CTA kernel's algorithm): the recovered t is what the model runs."""
+    gen = torch.Generator().manual_seed(int(cap * 100))
+    sq, sk, d, dv = 200, 260, 192, 128
+    q, k = _rand(gen, sq, 1, d, scale=q_scale), _rand(gen, sk, d, scale=q_scale)
+    v, dout = _rand(gen, sk, dv), _rand(gen, sq, 1, dv)
+    kw = dict(softmax_scale=d ** -0.5, causal=True, softcap=cap)
+    cfg, fwd_cfg = configs(d=d, dv=dv, causal=True, softcap=cap, arch=Arch.SM100)
+    out, lse = forward_outputs(q, k, v, fwd_cfg, **kw)
+    serial = bm.BwdTileParams.from_backward_config(cfg)
+    assert serial.ds_from_rounded_p
+    got = bm.backward(q, k, v, out, dout, lse, serial, **kw)
+    exact_t = bm.backward(q, k, v, out, dout, lse, replace(serial, ds_from_rounded_p=False), **kw)
+    check_rule(got, q, k, v, dout, None, **kw)
+    for name in ("dk", "dq"):
+        assert not torch.equal(getattr(got, name), getattr(exact_t, name)), name

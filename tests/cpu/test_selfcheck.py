@@ -869,10 +869,10 @@ def fake_bwd(fake_gpu, monkeypatch):
     return fake_gpu
 
 
-def bwd_config(d=64, dv=None, **flags):
+def bwd_config(d=64, dv=None, arch=Arch.SM90, **flags):
     base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
     base.update(flags)
-    return dispatch.backward_config(Arch.SM90, "bfloat16", d, d if dv is None else dv, **base)
+    return dispatch.backward_config(arch, "bfloat16", d, d if dv is None else dv, **base)
 
 
 def bwd_problem_shape(cfg):
@@ -1204,12 +1204,15 @@ def tile_model_backward_kernel(cfg):
 
 @pytest.mark.parametrize("d,dv,flags", [
     (64, 64, dict()), (128, 128, dict(causal=True)), (128, 128, dict(local=True, has_softcap=True)),
-    (128, 128, dict(varlen=True, has_seqused_k=True, causal=True, deterministic=True)), (96, 96, dict(varlen=True))])
+    (128, 128, dict(varlen=True, has_seqused_k=True, causal=True, deterministic=True)), (96, 96, dict(varlen=True)),
+    # sm100's serial kernel: dS from the 16-bit P, under softcap t recovered from it (bwd_serial.py)
+    (192, 128, dict(causal=True, arch=Arch.SM100)), (192, 128, dict(local=True, has_softcap=True, arch=Arch.SM100))])
 def test_the_kernels_arithmetic_passes_the_backward_check(seed, fake_bwd, monkeypatch, d, dv, flags):
     """The check's tolerance admits what the kernel computes: the tile model as the main kernel
     (P and dS rounded to bf16, float32 accumulation, MUFU / tanh.approx errors) passes with room."""
     monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: tile_model_backward_kernel(cfg))
     cfg = bwd_config(d, dv, **flags)
+    assert bm.BwdTileParams.from_backward_config(cfg).ds_from_rounded_p == (cfg.arch is Arch.SM100)
     report = selfcheck.check_backward(cfg, compile_cache.get_backward_kernel(cfg), ops.BACKWARD_LAUNCH,
                                       torch.device("cpu"))
     print(report.summary())

@@ -316,7 +316,8 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (128, True, True, False, False, False, False, pair), (128, True, True, False, False, False, False, 1),
         (128, True, False, False, False, True, True, 1),
         (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1),
-        (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1)}
+        (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1),
+        (192, True, False, False, True, False, False, 1)}
     assert {c.head_dim_v for c in mains if c.head_dim == 192} == {128}
     # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
     for c in mains:
@@ -367,14 +368,16 @@ def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
 
 def test_verifier_reports_only_the_reviewed_baseline():
     """CUTE_DSL_COMPILER_OPT=warnings: nothing beyond tests/cpu/verifier_baseline.json's reviewed
-    entries for the sm100 backward. The varlen, local/softcap, d = 96 and serial (192 / 128) kernels use
-    the same pipelines as the reviewed ones, so they must report exactly the same (no entry of their own)."""
+    entries for the sm100 backward. The varlen, local/softcap, d = 96 and serial (192 / 128, softcap
+    too) kernels use the same pipelines as the reviewed ones, so they must report exactly the same (no
+    entry of their own)."""
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
     for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True)),
                        ("sm100 bwd d128 causal", dict(d=128, causal=True, varlen=True, has_seqused_k=True)),
                        ("sm100 bwd d128 causal", dict(d=128, local=True, has_softcap=True)),
                        ("sm100 bwd d64", dict(d=96, causal=True)),
-                       ("sm100 bwd d128 causal", dict(d=192, dv=128))):
+                       ("sm100 bwd d128 causal", dict(d=192, dv=128)),
+                       ("sm100 bwd d128 causal", dict(d=192, dv=128, causal=True, has_softcap=True))):
         got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(config(**spec), FLAVOUR))
         assert got == sorted(baseline[name]), (name, got)
 
@@ -592,6 +595,9 @@ SERIAL_CASES = {"d192_dv128": (dict(d=192, dv=128), dict(cu12=3328, cu13=3008)),
                 "d192_dv128_causal": (dict(d=192, dv=128, causal=True), dict(cu12=3400, cu13=3136)),
                 "d192_dv128_varlen_local_deterministic": (dict(d=192, dv=128, varlen=True, local=True,
                                                                deterministic=True), None),
+                # softcap (upstream: the same compile with softcap=5.0 passed; its kernel spills there)
+                "d192_dv128_causal_softcap": (dict(d=192, dv=128, causal=True, has_softcap=True),
+                                              dict(cu12=4856, cu13=4600)),
                 "sm103_d192_dv128": (dict(d=192, dv=128, arch=Arch.SM103), None)}
 
 
@@ -651,7 +657,15 @@ def test_serial_tmem_traffic_and_exponentials_as_planned(serial_compiled):
     assert stats["ldtm"] == phase1_copies + 2 * compute_chunks + dkv_chunks + cfg.head_dim // chunk, flavour
     assert stats["sttm"] == phase1_copies, flavour
     assert stats["mufu_ex2"] == phase1_copies * chunk, flavour
-    assert stats["fmul2"] == stats["fadd2"] == compute_chunks * chunk // 2, flavour
+    # softcap: a tanh per exponential (phase 1); phase 2 recovers t per element (MUFU.LG2) and per
+    # pair adds the LSE (FADD2), scales (FMUL2), squares (FFMA2) and multiplies P by 1 - t^2 (FMUL2)
+    softcap = cfg.has_softcap
+    opcodes = stats["opcodes"]
+    assert opcodes.get("MUFU.TANH", 0) == (stats["mufu_ex2"] if softcap else 0), flavour
+    assert opcodes.get("MUFU.LG2", 0) == (compute_chunks * chunk if softcap else 0), flavour
+    pairs = compute_chunks * chunk // 2
+    assert (stats["fmul2"], stats["fadd2"], stats["ffma2"]) == ((3 * pairs, 2 * pairs, pairs) if softcap
+                                                                else (pairs, pairs, 0)), flavour
     assert reduce_adds(stats) == cfg.head_dim // chunk
 
 

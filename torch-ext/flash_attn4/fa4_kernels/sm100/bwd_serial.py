@@ -51,8 +51,16 @@ Shared memory (tiles.backward_shared_memory_bytes(192, 1, head_dim_v=128)): K 48
 Q/dO stage 48 + 32 KiB, dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE/D 1 KiB, barriers <= 1 KiB: 226 KiB
 of the 227 KiB a block may use. Two Q/dO stages would need 307 KiB.
 
-What it does not do: softcap (phase 2 would need 1 - tanh^2 of S^T, which dP^T has overwritten;
-refused in tiles.check_backward); CTA pairs at these head dims (tiles._check_backward_pair).
+Softcap: dS^T's factor 1 - t^2 (t = tanh(S * scale / cap)) needs S^T, which dP^T has overwritten by
+phase 2. Phase 2 recovers t from the 16-bit P^T it reads anyway and the row's LSE: P = exp2(t * cap *
+log2(e) - LSE), so t = (log2(P) + LSE) / (cap log2(e)) (softcap_tanh: one MUFU.LG2 per element, and
+per column pair one FADD2, FMUL2, FFMA2, FMUL2 more). dt / dP = 1 / (P cap): P's rounding e moves
+P (1 - t^2) by at most 2 e / cap, i.e. at cap >= 2 by no more than the rounding of P that dS^T
+carries anyway; against small 1 - t^2 (saturated scores at caps 1-2) that is large relatively, and
+dK, dQ then stand at up to 1.6 x the bf16 reference's error in the CPU model (within the suite's 2 x;
+tests/cpu/test_bwd_tile_emulation.py, docs/perf.md). P = 0 gives t = -1 and a factor 0.
+
+What it does not do: CTA pairs at these head dims (tiles._check_backward_pair).
 
 Versus upstream (flash-attn-4's flash_bwd_sm100, read, not copied): upstream runs d = 192 / dv = 128
 only on CTA pairs (2-CTA M = 256 MMAs, cluster of two, dS halves exchanged through distributed
@@ -72,10 +80,19 @@ Head dims this kernel does not reach (NotImplementedError in tiles.check_backwar
         64-row query blocks: S^T and dP^T 64 columns each beside dK and dV (512), 178 KiB of shared
         memory, but dQ (M = 64, 192 columns) only in two 96-column halves over S^T / dP^T, each read
         out before the next (and the M = 64 accumulator's lane layout to be settled for the dQ warps).
-    d = dv = 256: the same pair layout needs 128 + 128 + 64 + 64 + 128 = 512 columns (fits) but
-        258 KiB of shared memory per CTA (Q, dO, Q^T, dO^T, K, V, K^T halves of 32 KiB each); dS
-        aliased into Q's buffer (serial) and one dQ staging buffer bring it to 234 KiB, still over.
-        Upstream runs a dedicated 2-CTA kernel there.
+    d = dv = 256: the same pair layout needs 128 + 128 + 64 + 64 + 128 = 512 columns (fits, no TMEM
+        aliasing), and fits shared memory once Q^T / dO^T are not buffers of their own: upstream
+        (flash_bwd_sm100, 2-CTA, 64-row KV tile, "serial" schedule) loads each step's Q and dO
+        query halves for S^T / dP^T, then the head-dim halves Q^T / dO^T into the same buffers for
+        dK / dV. In the folded (M = 128 pair) accumulator layout P^T and dS^T cannot be TMEM A
+        operands, so they go to shared memory (16 KiB each), and the peer's dS is a contiguous
+        block of dS^T (no exchange buffer). Per CTA: K, V, K^T half, Q, dO 32 KiB each, P^T and
+        dS^T 16 KiB each, dQ staging 8-16 KiB, LSE/D 1 KiB: about 210-218 KiB. What it needs here,
+        beside bwd_pair.py: compute threads over folded rows (lane l: key l % 64, query half
+        l // 64), P^T / dS^T stores into shared memory, a second TMA phase per step on the Q/dO
+        buffers (and its barrier in the protocol replay), the folded dK / dV epilogue, 64-key
+        blocks in the block ranges and the tile model. Upstream's kernel compiles here with
+        162 / 116 LDL / STL (ptxas 13.4; docs/perf.md).
 """
 
 from __future__ import annotations
@@ -122,7 +139,7 @@ def serial_p_slices(words_per_chunk: int) -> list[int]:
 class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
     def __init__(self, cfg: BackwardConfig):
         assert (cfg.head_dim, cfg.head_dim_v) in BWD_SERIAL_HEAD_DIMS and cfg.num_stages == 1
-        assert cfg.cluster_m == 1 and not cfg.has_softcap
+        assert cfg.cluster_m == 1
         self.chunk_words = BWD_DQ_CHUNK * CUTLASS_DTYPES[cfg.dtype].width // 32  # P^T words per chunk
         super().__init__(cfg)
 
@@ -186,6 +203,9 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
                                                 load=True)
         ds_row = smem.dst[((thread, None), 0, None, 0)]  # dS^T: this key row, (MMA_K, k-slices)
 
+        # Softcap: phase 2 recovers tanh from P^T (serial_ds_chunk), dividing by scales.log2 once here.
+        inv_log2 = Float32(1.0) / scales.log2 if cutlass.const_expr(self.cfg.has_softcap) else None
+
         sdp_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for step in cutlass.range(work.num_steps, unroll=1):
@@ -208,7 +228,8 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
             sdp_state = advanced(sdp_state)
             pipes.sdp.consumer_wait(sdp_state)  # "dP full"
             for c in cutlass.range_constexpr(CHUNKS):
-                self.serial_ds_chunk(c, group, load_p, tP_load, p_regs, load_dp, tdP, s_regs, ds_row, sdPsum)
+                self.serial_ds_chunk(c, group, load_p, tP_load, p_regs, load_dp, tdP, s_regs, ds_row, sdPsum, sLSE,
+                                     inv_log2)
             sdp_state, rows_state = self.end_step(pipes, sdp_state, rows_state)
 
     @cute.jit
@@ -226,9 +247,9 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
         cute.copy(store_p, p16, tP[None, None, None, serial_p_word(group, c, cw) // cw])
 
     @cute.jit
-    def serial_ds_chunk(self, c, group, load_p, tP, p_regs, load_dp, tdP, s_regs, ds_row, sdPsum):
+    def serial_ds_chunk(self, c, group, load_p, tP, p_regs, load_dp, tdP, s_regs, ds_row, sdPsum, sLSE, inv_log2):
         """Phase 2, chunk c: dS^T = P^T (dP^T - D) from the 16-bit P^T and dP^T in TMEM, to shared
-        memory as 16-bit."""
+        memory as 16-bit; under softcap times 1 - t^2, with t recovered from P^T (softcap_tanh)."""
         first_col, cw = serial_chunk_column(group, c), self.chunk_words
         p16 = cute.make_rmem_tensor(p_regs, Float32)
         cute.copy(load_p, tP[None, None, None, serial_p_word(group, c, cw) // cw], p16)
@@ -238,8 +259,32 @@ class FlashAttentionBackwardSm100Serial(FlashAttentionBackwardSm100):
         p, dp = flat(cute.recast_tensor(p16, self.dtype)), flat(dp)
         ds = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
         for e in cutlass.range_constexpr(0, BWD_DQ_CHUNK, 2):  # packed f32x2: half the FADD/FMUL issues
-            centred = cute.arch.sub_packed_f32x2((dp[e], dp[e + 1]), (sdPsum[first_col + e], sdPsum[first_col + e + 1]))
-            ds0, ds1 = cute.arch.mul_packed_f32x2((p[e].to(Float32), p[e + 1].to(Float32)), centred)
+            d0, d1 = sdPsum[first_col + e], sdPsum[first_col + e + 1]
+            w = (p[e].to(Float32), p[e + 1].to(Float32))
+            if cutlass.const_expr(self.cfg.has_softcap):
+                # P (1 - t^2) (dP - D) as P (t^2 - 1) (D - dP): the same products, one FMA for t^2 - 1.
+                t0, t1 = softcap_tanh(w, (sLSE[first_col + e], sLSE[first_col + e + 1]), inv_log2)
+                w = cute.arch.mul_packed_f32x2(w, cute.arch.fma_packed_f32x2((t0, t1), (t0, t1),
+                                                                             (Float32(-1.0), Float32(-1.0))))
+                centred = cute.arch.sub_packed_f32x2((d0, d1), (dp[e], dp[e + 1]))
+            else:
+                centred = cute.arch.sub_packed_f32x2((dp[e], dp[e + 1]), (d0, d1))
+            ds0, ds1 = cute.arch.mul_packed_f32x2(w, centred)
             ds[e], ds[e + 1] = ds0.to(self.dtype), ds1.to(self.dtype)
         for s in cutlass.range_constexpr(BWD_DQ_CHUNK // MMA_K):
             cute.autovec_copy(cute.local_tile(ds, (MMA_K,), (s,)), ds_row[None, first_col // MMA_K + s])
+
+
+@cute.jit
+def softcap_tanh(p, lse, inv_log2):
+    """t = tanh(S * scale / cap) of two queries, recovered from their 16-bit P = exp2(t * log2 - LSE)
+    (log2 = cap * log2(e), LSE in log2 units): t = (log2(P) + LSE) / log2. dt / dP = 1 / (P cap), so
+    P's rounding error e moves P (1 - t^2) by at most 2 |t| e / cap <= 2 e / cap: at cap >= 2 no more
+    than the rounding of P itself, which dS^T carries anyway. Clamped below at -1 only: P = 0
+    (masked, underflowed, or a row without keys, whose LSE is +inf: log2(0) + inf is NaN) gives -inf
+    or NaN, and max.f32 returns its non-NaN operand, so t = -1 and 1 - t^2 = 0 there, as P = 0 needs
+    (P * inf would be NaN). Above 1, t overshoots by at most the same 1 / (P cap) e: within the bound."""
+    x0 = cute.math.log2(p[0], fastmath=True)
+    x1 = cute.math.log2(p[1], fastmath=True)
+    t0, t1 = cute.arch.mul_packed_f32x2(cute.arch.add_packed_f32x2((x0, x1), lse), (inv_log2, inv_log2))
+    return cute.arch.fmax(t0, Float32(-1.0)), cute.arch.fmax(t1, Float32(-1.0))

@@ -238,7 +238,8 @@ BWD_SMEM_RESERVED = 1024
 BWD_HEAD_DIMS = (64, 96, 128)
 # (head_dim, head_dim_v) the serial 1-CTA kernel runs (sm100/bwd_serial.py): dK and dV stay in TMEM
 # beside S^T, P^T and dP^T only when dP^T lands after S^T has been read (576 columns otherwise), and
-# one Q/dO stage fits (226 KiB). No softcap there (its dS^T factor needs S^T, which dP^T overwrites).
+# one Q/dO stage fits (226 KiB). Softcap's dS^T factor 1 - tanh^2 comes from the 16-bit P^T there
+# (S^T is overwritten by dP^T by then): bwd_serial.softcap_tanh.
 BWD_SERIAL_HEAD_DIMS = ((192, 128),)
 
 
@@ -277,7 +278,7 @@ def backward_supported() -> str:
     """What the sm100 backward runs, for messages."""
     return (f"1-CTA kernel: bf16/fp16, head_dim and head_dim_v each in {BWD_HEAD_DIMS}, causal or local windows, "
             f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True; "
-            f"(head_dim, head_dim_v) in {BWD_SERIAL_HEAD_DIMS} the same without softcap")
+            f"(head_dim, head_dim_v) in {BWD_SERIAL_HEAD_DIMS} the same")
 
 
 def backward_serial(head_dim: int, head_dim_v: int) -> bool:
@@ -358,9 +359,6 @@ def check_backward(cfg) -> None:
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
                                   f"it runs: {backward_supported()}")
-    if serial and cfg.has_softcap:
-        raise NotImplementedError(f"{arch} backward: has_softcap=True at head dims {cfg.head_dim}/{cfg.head_dim_v} "
-                                  f"is not implemented yet on {arch}; it runs: {backward_supported()}")
     if cfg.tile_m != BWD_TILE_M or cfg.tile_n != TILE_N:
         raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")
     if cfg.cluster_m == 2:
@@ -386,11 +384,13 @@ def check_postprocess(cfg) -> None:
 # deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
 # handful: the target's compile time).
 # The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
-# 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain and causal.
+# 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain, causal, and causal with
+# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh).
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
                        dict(cluster_m=1), dict(causal=True, cluster_m=1),
                        dict(local=True, has_softcap=True, cluster_m=1),
                        dict(causal=True, deterministic=True, cluster_m=1),
-                       dict(d=192, dv=128), dict(d=192, dv=128, causal=True))
+                       dict(d=192, dv=128), dict(d=192, dv=128, causal=True),
+                       dict(d=192, dv=128, causal=True, has_softcap=True))
