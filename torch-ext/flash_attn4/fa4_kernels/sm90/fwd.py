@@ -76,6 +76,9 @@ REGISTERS = {2: (24, 240), 3: (32, 160)}
 MAX_CONSUMER_WARPGROUPS = max(REGISTERS)
 # The producer warpgroup's warp that issues the TMA loads (and prefetches their descriptors).
 LOAD_WARP = 0
+# Paged KV: K/V tiles of at most this many page boxes read their page-table entries before waiting
+# for a free stage (produce_kv_paged).
+PREFETCHED_PAGE_BOXES = 4
 
 
 class Barrier(enum.IntEnum):
@@ -441,29 +444,45 @@ class FlashAttentionForwardSm90:
     def produce_kv_paged(self, tma_atom_K, mK, tma_atom_V, mV, mPageTable, smem: "SharedTiles",
                          pipes: "Pipelines", tile: "OutputTile", kv_state):
         """K_j and V_j of a paged cache: PagedKV.copies boxes per tile, each from the page the page
-        table names (zeros past the sequence's end). V_j's boxes come from K_j's pages."""
+        table names (zeros past the sequence's end). Up to PREFETCHED_PAGE_BOXES boxes the table is
+        read before K_j's wait for a free stage, so that the reads' latency overlaps it, and V_j's
+        boxes reuse K_j's pages; more boxes (small pages) would not stay in the producer's registers
+        across the waits (ptxas 13.4 spilled 3-4 at page 16), so those are read box by box after
+        each wait, for K_j and again for V_j."""
         pages = PagedKV(self.cfg.page_size, self.tile_n, mPageTable, tile.batch)
         tKsK, tKgK = tma_partition_tile(tma_atom_K, pages.stage_boxes(smem.k),
                                         pages.head_boxes(mK, tile.head_kv, self.hdim_tile))  # (TMA, box, stage)
         tVsV, tVgV = tma_partition_tile(tma_atom_V, pages.stage_boxes(smem.v),
                                         pages.head_boxes(mV, tile.head_kv, self.hdim_v_tile))  # (TMA, in page, page)
         num_pages = mK.shape[3]
+        early = pages.copies <= PREFETCHED_PAGE_BOXES
         for i in cutlass.range(tile.n_block_max - tile.n_block_min, unroll=1):
             n_block = tile.n_block_max - 1 - i
-            # The page-table reads go first, so that their latency overlaps the wait for a free stage.
-            sources = []
-            for box in cutlass.range_constexpr(pages.copies):
-                sources.append(pages.box_source(n_block, box, tile.seqlen.seqlen_k, num_pages))
+            sources = None
+            if cutlass.const_expr(early):
+                sources = []
+                for box in cutlass.range_constexpr(pages.copies):
+                    sources.append(pages.box_source(n_block, box, tile.seqlen.seqlen_k, num_pages))
             pipes.k.producer_acquire(kv_state)
-            for box in cutlass.range_constexpr(pages.copies):
-                cute.copy(tma_atom_K, tKgK[None, sources[box][0], sources[box][1]], tKsK[None, box, kv_state.index],
-                          tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))
+            self.copy_page_boxes(tma_atom_K, tKgK, tKsK[None, None, kv_state.index], pages, sources, n_block,
+                                 tile.seqlen.seqlen_k, num_pages, pipes.k.producer_get_barrier(kv_state))
             pipes.v.producer_acquire(kv_state)
-            for box in cutlass.range_constexpr(pages.copies):
-                cute.copy(tma_atom_V, tVgV[None, sources[box][0], sources[box][1]], tVsV[None, box, kv_state.index],
-                          tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))
+            self.copy_page_boxes(tma_atom_V, tVgV, tVsV[None, None, kv_state.index], pages, sources, n_block,
+                                 tile.seqlen.seqlen_k, num_pages, pipes.v.producer_get_barrier(kv_state))
             kv_state = advanced(kv_state)
         return kv_state
+
+    @cute.jit
+    def copy_page_boxes(self, atom, gmem: cute.Tensor, smem: cute.Tensor, pages: PagedKV, sources: Optional[list],
+                        n_block: Int32, seqlen_k: Int32, num_pages: Int32, barrier):
+        """The TMA copies of one K or V tile's boxes into its stage (``smem``: (TMA, box)), from
+        ``sources`` (box within page, page) read beforehand, or (None) reading the table box by box."""
+        for box in cutlass.range_constexpr(pages.copies):
+            if cutlass.const_expr(sources is not None):
+                within, page = sources[box]
+            else:
+                within, page = pages.box_source(n_block, box, seqlen_k, num_pages)
+            cute.copy(atom, gmem[None, within, page], smem[None, box], tma_bar_ptr=barrier)
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit
