@@ -167,8 +167,11 @@ class FlashAttentionForwardSm90:
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + [m - 1 for m in split_mode]))
             num_batch = mCuSeqlensQ.shape[0] - 1
         else:
-            mQ, mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                          for t in (mQ, mK, mV)]
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+            if cutlass.const_expr(cfg.page_size > 0):
+                mK, mV = kernel_view(mK), kernel_view(mV)  # (page_size, d, hk, page)
+            else:
+                mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mK, mV)]
             mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0] + split_mode))
             mLSE = cute.make_tensor(mLSE.iterator,
                                     cute.select(mLSE.layout, mode=[2, 1, 0] + [m - 1 for m in split_mode]))
@@ -257,8 +260,11 @@ class FlashAttentionForwardSm90:
         score_prescale, scale_log2 = score_scales(softmax_scale, softcap, cfg.has_softcap)
 
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
-        # Longest-first order for masked problems, in L2 groups sized by a head's K and V.
-        kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
+        # Longest-first order for masked problems, in L2 groups sized by a head's K and V (a paged
+        # sequence's: as many keys as its row of the table holds).
+        kv_rows_per_head = (mK.shape[0] if cutlass.const_expr(cfg.page_size == 0)
+                            else mPageTable.shape[1] * cfg.page_size)
+        kv_bytes_per_head = kv_rows_per_head * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         # Split-KV folds the split into the head mode (KVSplits); its tiles keep the launch order.
         scheduler = TileScheduler.create(num_m_blocks, num_heads if splits is None else splits.fold(num_heads),
                                          num_batch, kv_bytes_per_head,
