@@ -125,6 +125,9 @@ def test_paged_append_and_attention_match_the_dense_reference(kernels, page_size
     assert_close(out, lse, ro, rl)
     cfg, args = kernels[0]
     assert cfg.page_size == page_size and args["page_table"] is not None
+    # The batched kernel on q as it is (no packed cu_seqlens_q), its lengths in seqused_k.
+    assert not cfg.varlen and args["cu_q"] is None and args["max_seqlen_q"] == sq
+    assert torch.equal(args["seqused_k"], lens + s_new)
     if num_splits:
         assert cfg.split_kv == (num_splits > 1)
 
@@ -181,11 +184,31 @@ def test_page_size_is_part_of_the_kernel_and_checked():
     assert paged.key() != dense.key() and paged.page_size == 16 and dense.page_size == 0
     with pytest.raises(ValueError, match="multiple of 16"):
         dense.replace(page_size=24)
-    with pytest.raises(ValueError, match="varlen"):
-        ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, page_size=16)
+    # The key lengths come from seqused_k, batched or varlen queries alike.
+    for varlen in (False, True):
+        with pytest.raises(ValueError, match="page_size > 0 needs has_seqused_k=True"):
+            ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, page_size=16, varlen=varlen)
     # The sm100 family reads pages too, with its own tiles (two 128-row query tiles, 128-key blocks).
     sm100 = dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, page_size=16, **flags)
     assert sm100.page_size == 16 and sm100.tile_n == 128
+
+
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_batched_queries_over_a_paged_cache_get_the_batched_kernel(arch, causal):
+    """flash_attn_with_kvcache's paged call: q (b, s_q, h, d) as it is, the lengths in seqused_k. Its
+    config is the batched one (sm90: O stored by TMA) but for the page size, and runs one CTA per
+    tile (sm100 would run the dense non-causal class persistent)."""
+    flags = dict(causal=causal, local=False, has_softcap=False, varlen=False, has_seqused_k=True, has_sink=False,
+                 qhead_per_kvhead=4)
+    dense = dispatch.forward_config(arch, "bfloat16", 128, 128, **flags)
+    paged = dispatch.forward_config(arch, "bfloat16", 128, 128, page_size=64, **flags)
+    assert not paged.varlen and paged.page_size == 64 and paged.persistent_ctas == 0
+    assert paged.replace(page_size=0, persistent_ctas=dense.persistent_ctas) == dense
+    if arch is Arch.SM90:
+        assert paged.tma_store_o and paged.pack_gqa == 4
+    split = dispatch.forward_config(arch, "bfloat16", 128, 128, page_size=16, split_kv=True, **flags)
+    assert split.split_kv and not split.varlen and not split.tma_store_o
 
 
 @pytest.mark.parametrize("tile_n", [80, 96, 128, 176])

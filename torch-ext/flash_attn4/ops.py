@@ -450,20 +450,22 @@ def _metadata_inputs(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink
     the opt-in value checks."""
     if cu_seqlens_q is None and seqused_k is None and seqused_q is None and learnable_sink is None:
         return None, cu_seqlens_k, None, None, page_table, None  # flash_attn_func's call: nothing to do
+    checked = ((cu_seqlens_q is not None or page_table is not None) and check_values and settings.check_cu_seqlens()
+               and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
     if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
-        checked = (check_values and settings.check_cu_seqlens()
-                   and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
         if page_table is not None:
-            page_table = page_table.contiguous()
             if checked:
                 validate.check_varlen_values(cu_seqlens_q, cu_seqlens_q, q.shape[0], q.shape[0], max_seqlen_q)
-                validate.check_page_table_values(page_table, seqused_k, k.shape[0], k.shape[1])
         else:
             cu_seqlens_k = cu_seqlens_k.contiguous()
             if checked:
                 validate.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                              seqused_k)
+    if page_table is not None:  # batched or varlen queries alike
+        page_table = page_table.contiguous()
+        if checked:
+            validate.check_page_table_values(page_table, seqused_k, k.shape[0], k.shape[1])
     if seqused_k is not None:
         seqused_k = seqused_k.contiguous()
     if seqused_q is not None:
@@ -524,8 +526,11 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
                                   **dict(flags, has_sink=False))
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
-    # Varlen without max_seqlen_k: every key sequence is at most the packed total (no device sync).
-    seqlen_k = (max_seqlen_k if max_seqlen_k >= 0 else k.shape[0]) if varlen else k.shape[1]
+    if flags["page_size"]:  # k holds pages: the bound is the caller's, or the table's capacity (_forward)
+        seqlen_k = max_seqlen_k
+    else:
+        # Varlen without max_seqlen_k: every key sequence is at most the packed total (no device sync).
+        seqlen_k = (max_seqlen_k if max_seqlen_k >= 0 else k.shape[0]) if varlen else k.shape[1]
     return dispatch.num_splits_heuristic(
         batch=batch, num_heads=q.shape[-2], num_heads_kv=k.shape[-2], seqlen_q=max_seqlen_q, seqlen_k=seqlen_k,
         tile_m=cfg.tile_m, tile_n=cfg.tile_n, pack_gqa=cfg.pack_gqa,
@@ -909,17 +914,6 @@ def _packed_cache(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(b_cache * s_cache, *cache.shape[2:])
 
 
-def _paged_kvcache_metadata(q: torch.Tensor, page_table: torch.Tensor, page_size: int, s_new: int,
-                            cache_seqlens: Optional[torch.Tensor]):
-    """(cu_seqlens_q, seqused_k) of a paged KV-cache call, on the device without a sync: batch entry
-    b's keys are its first cache_seqlens[b] + s_new tokens (the whole table row without
-    cache_seqlens), wherever its pages are."""
-    batch, sq, device = q.shape[0], q.shape[1], q.device
-    seqused_k = (_offsets(batch, 0, device, base=page_table.shape[1] * page_size) if cache_seqlens is None
-                 else cache_seqlens + s_new if s_new else cache_seqlens)
-    return _offsets(batch + 1, sq, device), seqused_k
-
-
 def _append_to_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      page_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
     """Token t of batch entry b goes to position p = cache_seqlens[b] + t: page page_table[b, p //
@@ -1092,7 +1086,8 @@ def _kvcache_forward(
     only with k) the new keys are rotated at positions cache_seqlens + t before the append, q at
     cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). With a
     ``page_table`` the caches are paged (validate.check_page_table): the append goes to the pages and
-    the forward reads them through the table. Returns out (b, sq, hq, dv) and lse (b, hq, sq) float32
+    the batched forward reads them through the table (ForwardConfig.page_size; seqused_k the whole
+    row of the table without cache_seqlens). Returns out (b, sq, hq, dv) and lse (b, hq, sq) float32
     when ``return_lse``, else None (no transpose copy; the op returns an empty tensor there)."""
     batch, sq, hq, d = q.shape
     paged = page_table is not None
@@ -1104,16 +1099,18 @@ def _kvcache_forward(
         validate.check_kvcache_values(cache_seqlens, cache_batch_idx, cache_leftpad, s_new, k_cache.shape[0],
                                       s_cache, sq if positional else 1,
                                       None if rotary_cos is None else rotary_cos.shape[0])
-    # Decoding's common case (entry b on cache row b from position 0): the batched forward over the cache
+    # Decoding's common case (entry b on cache row b from position 0, or on its row of the page table:
+    # validate refuses cache_batch_idx and cache_leftpad there): the batched forward over the cache
     # itself with seqused_k = cache_seqlens + s_new, no packed-varlen metadata (_kvcache_metadata) to build.
-    batched = not paged and cache_batch_idx is None and cache_leftpad is None
+    batched = cache_batch_idx is None and cache_leftpad is None
     if batched:
         rows = None
         seqused_k = None if cache_seqlens is None else cache_seqlens + s_new if s_new else cache_seqlens
-    elif paged:
-        cu_seqlens_q, seqused_k = _paged_kvcache_metadata(q, page_table, k_cache.shape[1], s_new, cache_seqlens)
-        if settings.check_cu_seqlens() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            validate.check_page_table_values(page_table, seqused_k, k_cache.shape[0], k_cache.shape[1])
+        if paged:
+            if seqused_k is None:  # the kernel reads a paged cache's lengths: the whole row of the table
+                seqused_k = _offsets(batch, 0, q.device, base=s_cache)
+            if settings.check_cu_seqlens() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                validate.check_page_table_values(page_table, seqused_k, k_cache.shape[0], k_cache.shape[1])
     else:
         rows, cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
             q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad)
@@ -1131,17 +1128,12 @@ def _kvcache_forward(
     if batched:
         out, lse = _forward(q, k_cache, v_cache, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                             window_left, window_right, sq, s_cache, num_splits, check_values=False,
-                            need_lse=return_lse)
+                            page_table=page_table, need_lse=return_lse)
         return out, lse if return_lse else None
-    if paged:
-        out, lse = _forward(q.reshape(batch * sq, hq, d), k_cache, v_cache, cu_seqlens_q, None, seqused_k,
-                            learnable_sink, softmax_scale, softcap, causal, window_left, window_right, sq, s_cache,
-                            num_splits, check_values=False, page_table=page_table, need_lse=return_lse)
-    else:
-        out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
-                            cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                            window_left, window_right, sq, s_cache, num_splits, check_values=False,
-                            need_lse=return_lse)
+    out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
+                        cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                        window_left, window_right, sq, s_cache, num_splits, check_values=False,
+                        need_lse=return_lse)
     out = out.view(batch, sq, hq, v_cache.shape[-1])
     if not return_lse:
         return out, None
