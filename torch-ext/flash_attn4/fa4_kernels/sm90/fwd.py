@@ -77,8 +77,10 @@ MAX_CONSUMER_WARPGROUPS = max(REGISTERS)
 # The producer warpgroup's warp that issues the TMA loads (and prefetches their descriptors).
 LOAD_WARP = 0
 # Paged KV: K/V tiles of at most this many page boxes read their page-table entries before waiting
-# for a free stage (produce_kv_paged).
-PREFETCHED_PAGE_BOXES = 4
+# for a free stage (produce_kv_paged). 5 keeps the d = 256 tiles (80 keys: five 16-row boxes) there:
+# read box by box, their producer spilled more (ptxas 13.4: 47 instead of 23 stores at page 16, 130
+# instead of 23 at page 64; it spills either way, docs/perf.md).
+PREFETCHED_PAGE_BOXES = 5
 
 
 class Barrier(enum.IntEnum):
@@ -453,8 +455,8 @@ class FlashAttentionForwardSm90:
         table names (zeros past the sequence's end). Up to PREFETCHED_PAGE_BOXES boxes the table is
         read before K_j's wait for a free stage, so that the reads' latency overlaps it, and V_j's
         boxes reuse K_j's pages; more boxes (small pages) would not stay in the producer's registers
-        across the waits (ptxas 13.4 spilled 3-4 at page 16), so those are read box by box after
-        each wait, for K_j and again for V_j."""
+        across the waits (d = 128 at page 16: ptxas 13.4 spilled 3-4), so those are read box by box
+        after each wait, for K_j and again for V_j."""
         pages = PagedKV(self.cfg.page_size, self.tile_n, mPageTable, tile.batch)
         tKsK, tKgK = tma_partition_tile(tma_atom_K, pages.stage_boxes(smem.k),
                                         pages.head_boxes(mK, tile.head_kv, self.hdim_tile))  # (TMA, box, stage)
