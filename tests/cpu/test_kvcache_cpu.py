@@ -40,7 +40,7 @@ def split_stand_in(cfg, calls):
         if page_table is not None:
             k, v, cu_k = unpage(k, v, page_table, seqused_k, batched=not cfg.varlen)
         calls.append((cfg, dict(k=k, v=v, cu_q=_clone(cu_q), cu_k=_clone(cu_k), seqused_k=_clone(seqused_k),
-                                max_seqlen_q=max_seqlen_q, page_table=page_table)))
+                                max_seqlen_q=max_seqlen_q, page_table=page_table, splits=out_p.shape[0])))
         assert cfg.split_kv and sink is None
         assert (cu_q is not None) == cfg.varlen and (seqused_k is not None) == cfg.has_seqused_k
         window = (left, right) if cfg.local else (-1, -1)

@@ -450,7 +450,8 @@ def test_paged_problem_holds_the_reference_keys(seed, varlen):
     k, v, cu = unpage(p.k_pages, p.v_pages, p.page_table, p.seqused_k)
     assert p.seqused_k.tolist() == [used for _, _, used in p.lengths] and max(p.seqused_k) > 16
     for b, (_, _, used) in enumerate(p.lengths):
-        stored_k, stored_v = (p.k[int(p.cu_seqlens_k[b]):], p.v[int(p.cu_seqlens_k[b]):]) if varlen else (p.k[b], p.v[b])
+        start = int(p.cu_seqlens_k[b]) if varlen else 0
+        stored_k, stored_v = (p.k[start:], p.v[start:]) if varlen else (p.k[b], p.v[b])
         assert torch.equal(k[int(cu[b]):int(cu[b + 1])], stored_k[:used])
         assert torch.equal(v[int(cu[b]):int(cu[b + 1])], stored_v[:used])
     assert len(set(p.page_table[0, :-(-p.lengths[0][1] // 16)].tolist())) == -(-p.lengths[0][1] // 16)

@@ -78,14 +78,14 @@ PERSISTENT_CTAS = 148
 def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool, *,
                  has_seqused_k: bool = False, has_sink: bool = False, paged: bool = False) -> dict:
     """ForwardConfig overrides for the launch grid of a problem class (``varlen``: cu_seqlens_q or
-    seqused_q; ``paged``: a paged KV cache, whose kernel runs one CTA per tile): persistent CTAs
+    seqused_q; ``paged``: a paged KV cache, whose kernel runs one CTA per tile, never a pair): persistent CTAs
     where upstream uses them and our kernel compiles spill-free with them (see PERSISTENT), and CTA
     pairs (cluster_m = 2) where pair_applies says."""
     fits = _pad16(head_dim) <= 128 or query_tiles(head_dim, head_dim_v) == 1
     persistent = PERSISTENT and fits and not (causal or local or varlen or split_kv or paged)
     grid = dict(persistent_ctas=PERSISTENT_CTAS if persistent else 0)
-    if pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv, has_seqused_k=has_seqused_k,
-                    has_sink=has_sink):
+    if not paged and pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv,
+                                  has_seqused_k=has_seqused_k, has_sink=has_sink):
         grid["cluster_m"] = 2
     return grid
 
