@@ -32,7 +32,11 @@ calls, with the GPU synchronised; reported: the median over the tokens after the
 --model-rounds interleaved runs after a warm-up run each; how many greedy tokens equal SDPA's; and
 the num_splits values the adapter passed to our functions (recorded in the warm-up run only).
 
-Paged KV (issue item 3) is not in our kernels yet: a paged variant of this mode is future work.
+Dense and paged KV caches (issue items 2, 3 and 8): ours-varlen runs the dense cache through
+flash_attn_varlen_func (packed keys, seqused_k); ours-kvcache through flash_attn_with_kvcache
+(cache_seqlens: the batched kernel with seqused_k); ours-paged256 and ours-paged16 copy the cache
+into shuffled pages of 256 and 16 tokens and call flash_attn_with_kvcache with the page table
+(the batched kernel reading pages): the same call as ours-kvcache but for the loads.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ GOAL_FRACTION = 0.8  # issue 21: >= 80% of HBM peak where the cache is >= 256 Mi
 GOAL_MIN_CACHE_BYTES = 256 * 2**20
 ELEMENT_BYTES = 2  # bf16
 
-DECODE_IMPLS = ("ours", "ours-nosplit", "ours-varlen", "ours-paged256", "ours-paged16", "cudnn", "sdpa-flash",
-                "fa4-upstream")
+DECODE_IMPLS = ("ours", "ours-nosplit", "ours-varlen", "ours-kvcache", "ours-paged256", "ours-paged16", "cudnn",
+                "sdpa-flash", "fa4-upstream")
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,13 +336,18 @@ def _varlen_inputs(p: Problem, x: dict):
     import torch
 
     cu_q = torch.arange(p.b + 1, dtype=torch.int32, device=DEVICE) * p.s_q
-    used = torch.full((p.b,), p.s_cache, dtype=torch.int32, device=DEVICE)
-    return x["q"].reshape(p.b * p.s_q, p.h, p.d), cu_q, used
+    return x["q"].reshape(p.b * p.s_q, p.h, p.d), cu_q, _full_cache_lengths(p)
+
+
+def _full_cache_lengths(p: Problem):
+    """Every sequence's key count, int32 (b,): the whole cache (seqused_k, cache_seqlens)."""
+    import torch
+
+    return torch.full((p.b,), p.s_cache, dtype=torch.int32, device=DEVICE)
 
 
 def _ours_varlen(p: Problem, x: dict, notes: dict):
-    """The dense cache through the varlen kernel (packed keys, seqused_k): the paged rows' baseline,
-    the same kernel but for the loads."""
+    """The dense cache through the varlen kernel (packed keys, seqused_k)."""
     fa = _bench._import_ours()
     q, cu_q, used = _varlen_inputs(p, x)
     k, v = (t.reshape(p.b * p.s_cache, p.h_kv, -1) for t in (x["k"], x["v"]))
@@ -353,13 +362,23 @@ def torch_arange_i32(n: int):
     return torch.arange(n, dtype=torch.int32, device=DEVICE)
 
 
+def _ours_kvcache(p: Problem, x: dict, notes: dict):
+    """The dense cache through flash_attn_with_kvcache (every entry filled to s_cache, no append): the
+    paged rows' baseline, the same kernel but for the loads."""
+    fa = _bench._import_ours()
+    used = _full_cache_lengths(p)
+    return lambda: fa.flash_attn_with_kvcache(x["q"], x["k"], x["v"], cache_seqlens=used, causal=p.causal,
+                                              num_splits=0)
+
+
 def _ours_paged(page_size: int):
-    """The cache copied into shuffled pages of ``page_size`` tokens, read through a page table."""
+    """The cache copied into shuffled pages of ``page_size`` tokens, read through a page table by
+    flash_attn_with_kvcache (the API paged decoding calls)."""
     def prepare(p: Problem, x: dict, notes: dict):
         import torch
 
         fa = _bench._import_ours()
-        q, cu_q, used = _varlen_inputs(p, x)
+        used = _full_cache_lengths(p)
         per_seq = -(-p.s_cache // page_size)
         order = torch.randperm(p.b * per_seq, device=DEVICE)
         table = order.view(p.b, per_seq).to(torch.int32)
@@ -373,9 +392,8 @@ def _ours_paged(page_size: int):
 
         k, v = paged(x["k"]), paged(x["v"])
         notes["note"] = f"pages of {page_size} in shuffled order"
-        return lambda: fa.flash_attn_varlen_func(
-            q, k, v, cu_q, None, max_seqlen_q=p.s_q, max_seqlen_k=p.s_cache, seqused_k=used, page_table=table,
-            causal=p.causal, num_splits=0).view(x["q"].shape[:3] + (-1,))
+        return lambda: fa.flash_attn_with_kvcache(x["q"], k, v, cache_seqlens=used, page_table=table,
+                                                  causal=p.causal, num_splits=0)
     return prepare
 
 
@@ -438,6 +456,7 @@ def decode_impls() -> dict:
         "ours": (_bench._ours_available, _ours(0)),
         "ours-nosplit": (_bench._ours_available, _ours(1)),
         "ours-varlen": (_bench._ours_available, _ours_varlen),
+        "ours-kvcache": (_bench._ours_available, _ours_kvcache),
         "ours-paged256": (_bench._ours_available, _ours_paged(256)),
         "ours-paged16": (_bench._ours_available, _ours_paged(16)),
         "cudnn": (_bench._sdpa_available("CUDNN_ATTENTION"), _sdpa("CUDNN_ATTENTION")),

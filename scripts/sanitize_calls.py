@@ -74,7 +74,8 @@ def main() -> int:
 
 
 def forward_only() -> None:
-    """Split-KV (partial outputs + the combine kernel) and a KV-cache append + decode, no backward."""
+    """Split-KV (partial outputs + the combine kernel) and a KV-cache append + decode (contiguous and
+    paged), no backward."""
     with torch.no_grad():
         q, k, v = leaf(2, 3, 8, 128), leaf(2, 1000, 2, 128), leaf(2, 1000, 2, 128)
         flash_attn_func(q, k, v, causal=True, num_splits=3)
@@ -86,6 +87,15 @@ def forward_only() -> None:
                                 v=leaf(2, 3, 2, 128).detach(), cache_seqlens=seqlens, causal=True)
         torch.cuda.synchronize()
         print("ok: kvcache append 3 tokens + decode, d=128, GQA 8/2", flush=True)
+        # The same over shuffled pages of 16 (eight page boxes per K/V tile), unsplit and split.
+        table = torch.randperm(40, device="cuda").to(torch.int32).view(2, 20)
+        k_pages, v_pages = leaf(40, 16, 2, 128).detach(), leaf(40, 16, 2, 128).detach()
+        for num_splits in (1, 3):
+            flash_attn_with_kvcache(q.detach(), k_pages, v_pages, k=leaf(2, 3, 2, 128).detach(),
+                                    v=leaf(2, 3, 2, 128).detach(), cache_seqlens=seqlens, page_table=table,
+                                    causal=True, num_splits=num_splits)
+            torch.cuda.synchronize()
+        print("ok: paged kvcache (pages of 16) append 3 tokens + decode, d=128, GQA 8/2, 1 and 3 splits", flush=True)
         # Ratio 7 packed in groups of 8 (sm90: ForwardConfig.pack_gqa_heads): the last KV head's dummy
         # rows must not read past q (its own allocation, caching off) nor write past out.
         q7, k7, v7 = leaf(2, 3, 14, 128).detach(), leaf(2, 500, 2, 128).detach(), leaf(2, 500, 2, 128).detach()

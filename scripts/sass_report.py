@@ -115,17 +115,20 @@ def build_config(kind: str, arch: str, spec: str, direct: bool = False):
     flags = {k: fields.pop(k, False) for k in MASK_FLAGS}
     if kind == "fwd":
         sink, qhead_per_kvhead = fields.pop("has_sink", False), fields.pop("qhead_per_kvhead", 1)
+        # Problem-class fields dispatch takes itself: its schedule and grid depend on them (split-KV
+        # partials leave without tma_store_o, a paged cache runs one CTA per tile).
+        problem = {k: fields.pop(k) for k in ("page_size", "split_kv", "has_seqused_q") if k in fields}
 
         def forward_directly():
             if qhead_per_kvhead != 1 and "pack_gqa" not in fields:
                 print(f"# {kind} {spec}: qhead_per_kvhead={qhead_per_kvhead} ignored by a direct config; "
                       "name pack_gqa=<n> to pack", file=sys.stderr)
             return config_mod.ForwardConfig(arch=arch_value, dtype=dtype, head_dim=d, head_dim_v=dv, has_sink=sink,
-                                            **flags, **fields)
+                                            **flags, **problem, **fields)
 
         return _with_fallback(
             lambda dispatch: dispatch.forward_config(arch_value, dtype, d, dv, qhead_per_kvhead=qhead_per_kvhead,
-                                                     has_sink=sink, **flags).replace(**fields),
+                                                     has_sink=sink, **flags, **problem).replace(**fields),
             forward_directly, kind, spec, direct)
     deterministic = fields.pop("deterministic", False)
     cfg, how = _with_fallback(

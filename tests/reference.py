@@ -184,9 +184,19 @@ def partial_attention_ref(q, k, v, keys, *, softmax_scale=None, causal=False, wi
     return torch.einsum("hqk,khd->qhd", probs, vf), lse
 
 
-def unpage(k_cache, v_cache, page_table, seqlens):
+def unpage(k_cache, v_cache, page_table, seqlens, batched: bool = False):
     """A paged cache's keys and values as a packed varlen batch (k, v, cu_seqlens_k): sequence b's
-    first seqlens[b] tokens, token t from row t % page_size of page page_table[b, t // page_size]."""
+    first seqlens[b] tokens, token t from row t % page_size of page page_table[b, t // page_size].
+    ``batched``: as a padded batch (k, v, None) instead, (b, max(seqlens), h, d), NaN past each
+    entry's seqlens[b] keys (a reader must stop at them, as a kernel given seqused_k does)."""
+    if batched:
+        k, v, cu = unpage(k_cache, v_cache, page_table, seqlens)
+        longest = max([int(n) for n in seqlens] + [0])
+        kb, vb = (t.new_full((len(cu) - 1, longest, *t.shape[1:]), float("nan")) for t in (k, v))
+        for b in range(len(cu) - 1):
+            n = int(cu[b + 1] - cu[b])
+            kb[b, :n], vb[b, :n] = k[int(cu[b]):int(cu[b + 1])], v[int(cu[b]):int(cu[b + 1])]
+        return kb, vb, None
     page_size = k_cache.shape[1]
     ks, vs, lens = [], [], []
     for b in range(page_table.shape[0]):

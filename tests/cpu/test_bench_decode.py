@@ -160,7 +160,7 @@ def test_command_line_delegation_and_dry_run(capsys):
     assert bench.main(["--mode", "decode", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert all(p.name in out for p in bd.PROBLEMS)
-    assert ", ".join(bd.DECODE_IMPLS) in out and {"ours-paged16", "ours-paged256", "ours-varlen"} <= set(bd.DECODE_IMPLS)
+    assert ", ".join(bd.DECODE_IMPLS) in out and {"ours-paged16", "ours-paged256", "ours-varlen", "ours-kvcache"} <= set(bd.DECODE_IMPLS)
     assert bench.main(["--mode", "decode-model", "--dry-run"]) == 0
     args = bd.parse_args(["--mode", "decode", "--only", "ours,cudnn", "--hbm-tbps", "3.35"])
     assert args.only == ("ours", "cudnn") and args.hbm_tbps == 3.35 and args.rounds == 5
@@ -224,7 +224,7 @@ def _cpu_impls(ref_fn):
             "cudnn": (lambda: None, bd._sdpa("MATH")), "sdpa-flash": (lambda: None, broken),
             "fa4-upstream": (lambda: "flash_attn.cute not importable", None),
             **{name: (lambda: "a GPU-only layout (not a CPU stand-in)", None)
-               for name in ("ours-varlen", "ours-paged256", "ours-paged16")}}
+               for name in ("ours-varlen", "ours-kvcache", "ours-paged256", "ours-paged16")}}
 
 
 def test_run_decode_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
@@ -265,7 +265,7 @@ def test_run_decode_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
         assert (p.name, "fa4-upstream") not in rows
     assert data["meta"]["skipped"] == {"fa4-upstream": "flash_attn.cute not importable",
                                        **{name: "a GPU-only layout (not a CPU stand-in)"
-                                          for name in ("ours-varlen", "ours-paged256", "ours-paged16")}}
+                                          for name in ("ours-varlen", "ours-kvcache", "ours-paged256", "ours-paged16")}}
     assert data["meta"]["bytes"] == bd.BYTES_FORMULA
     assert out.with_suffix(".md").read_text().count("| ours |") == len(problems)
     printed = capsys.readouterr().out

@@ -38,9 +38,9 @@ def split_stand_in(cfg, calls):
             max_seqlen_q):
         assert seqused_q is None
         if page_table is not None:
-            k, v, cu_k = unpage(k, v, page_table, seqused_k)
+            k, v, cu_k = unpage(k, v, page_table, seqused_k, batched=not cfg.varlen)
         calls.append((cfg, dict(k=k, v=v, cu_q=_clone(cu_q), cu_k=_clone(cu_k), seqused_k=_clone(seqused_k),
-                                max_seqlen_q=max_seqlen_q, page_table=page_table)))
+                                max_seqlen_q=max_seqlen_q, page_table=page_table, splits=out_p.shape[0])))
         assert cfg.split_kv and sink is None
         assert (cu_q is not None) == cfg.varlen and (seqused_k is not None) == cfg.has_seqused_k
         window = (left, right) if cfg.local else (-1, -1)
@@ -72,7 +72,7 @@ def unsplit_stand_in(cfg, calls):
     inner = torch_kernel(cfg, [])
 
     def run(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, *rest):
-        packed = (k, v, cu_k) if page_table is None else unpage(k, v, page_table, seqused_k)
+        packed = (k, v, cu_k) if page_table is None else unpage(k, v, page_table, seqused_k, batched=not cfg.varlen)
         calls.append((cfg, dict(k=packed[0], v=packed[1], cu_q=_clone(cu_q), cu_k=_clone(packed[2]),
                                 seqused_k=_clone(seqused_k), max_seqlen_q=rest[-1], page_table=page_table)))
         inner(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, *rest)

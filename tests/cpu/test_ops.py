@@ -33,9 +33,9 @@ def torch_kernel(cfg, calls):
         calls.append(cfg)
         assert (seqused_q is not None) == cfg.has_seqused_q
         assert (page_table is not None) == (cfg.page_size > 0)
-        if page_table is not None:  # the keys as a packed batch, as the kernel reads them through the table
+        if page_table is not None:  # the keys as a packed or padded batch, as the kernel reads them through the table
             assert cu_k is None and k.shape[1] == v.shape[1] == cfg.page_size and page_table.dtype == torch.int32
-            k, v, cu_k = unpage(k, v, page_table, seqused_k)
+            k, v, cu_k = unpage(k, v, page_table, seqused_k, batched=not cfg.varlen)
         assert isinstance(softmax_scale, float) and isinstance(softcap, float)
         assert all(isinstance(x, int) for x in (window_left, window_right, max_seqlen_q))
         assert (cu_q is not None) == (cu_k is not None) == cfg.varlen

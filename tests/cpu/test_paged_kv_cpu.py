@@ -126,8 +126,34 @@ def test_paged_append_and_attention_match_the_dense_reference(kernels, page_size
     assert_close(out, lse, ro, rl)
     cfg, args = kernels[0]
     assert cfg.page_size == page_size and args["page_table"] is not None
+    # The batched kernel on q as it is (no packed cu_seqlens_q), its lengths in seqused_k.
+    assert not cfg.varlen and args["cu_q"] is None and args["max_seqlen_q"] == sq
+    assert torch.equal(args["seqused_k"], lens + s_new)
     if num_splits:
         assert cfg.split_kv == (num_splits > 1)
+
+
+def test_automatic_splits_of_a_paged_cache_are_sized_by_the_table(kernels):
+    """num_splits=0 over pages: the heuristic's count for a table row's capacity (max_pages x
+    page_size), as the dense cache's is for s_cache - not for k's extent (one page, too short to
+    split) nor for the fill, so that a captured graph stays valid as the cache fills."""
+    page_size, hq, hk = 64, 8, 2
+    q, kc, vc, k, v = problem(b=1, sq=1, s_cache=4096, hq=hq, hk=hk, s_new=1, seed=7)
+    table, num_pages = random_pages([4096], page_size)
+    kp, vp = to_pages(kc, table, num_pages, page_size), to_pages(vc, table, num_pages, page_size)
+    cfg = dispatch.forward_config(Arch.SM90, "bfloat16", 64, 64, causal=False, local=False, has_softcap=False,
+                                  varlen=False, has_seqused_k=True, has_sink=False, qhead_per_kvhead=hq // hk,
+                                  page_size=page_size, split_kv=True)
+    heuristic = dict(batch=1, num_heads=hq, num_heads_kv=hk, seqlen_q=1, tile_m=cfg.tile_m, tile_n=cfg.tile_n,
+                     pack_gqa=cfg.pack_gqa, num_sms=132)
+    expected = dispatch.num_splits_heuristic(seqlen_k=table.shape[1] * page_size, **heuristic)
+    assert expected > 1 and dispatch.num_splits_heuristic(seqlen_k=page_size, **heuristic) == 1
+    for n in (0, 4094):
+        out, lse = flash_attn_with_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=as_i32([n]),
+                                           page_table=table, return_softmax_lse=True)
+        _, _, ro, rl = reference(q, kc, vc, k, v, as_i32([n]))
+        assert_close(out, lse, ro, rl)
+    assert [(c.split_kv, c.page_size, a["splits"]) for c, a in kernels] == [(True, page_size, expected)] * 2
 
 
 def test_block_table_is_page_table(kernels):
@@ -182,11 +208,31 @@ def test_page_size_is_part_of_the_kernel_and_checked():
     assert paged.key() != dense.key() and paged.page_size == 16 and dense.page_size == 0
     with pytest.raises(ValueError, match="multiple of 16"):
         dense.replace(page_size=24)
-    with pytest.raises(ValueError, match="varlen"):
-        ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, page_size=16)
+    # The key lengths come from seqused_k, batched or varlen queries alike.
+    for varlen in (False, True):
+        with pytest.raises(ValueError, match="page_size > 0 needs has_seqused_k=True"):
+            ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, page_size=16, varlen=varlen)
     # The sm100 family reads pages too, with its own tiles (two 128-row query tiles, 128-key blocks).
     sm100 = dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, page_size=16, **flags)
     assert sm100.page_size == 16 and sm100.tile_n == 128
+
+
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_batched_queries_over_a_paged_cache_get_the_batched_kernel(arch, causal):
+    """flash_attn_with_kvcache's paged call: q (b, s_q, h, d) as it is, the lengths in seqused_k. Its
+    config is the batched one (sm90: O stored by TMA) but for the page size, and runs one CTA per
+    tile (sm100 would run the dense non-causal class persistent)."""
+    flags = dict(causal=causal, local=False, has_softcap=False, varlen=False, has_seqused_k=True, has_sink=False,
+                 qhead_per_kvhead=4)
+    dense = dispatch.forward_config(arch, "bfloat16", 128, 128, **flags)
+    paged = dispatch.forward_config(arch, "bfloat16", 128, 128, page_size=64, **flags)
+    assert not paged.varlen and paged.page_size == 64 and paged.persistent_ctas == 0
+    assert paged.replace(page_size=0, persistent_ctas=dense.persistent_ctas) == dense
+    if arch is Arch.SM90:
+        assert paged.tma_store_o and paged.pack_gqa == 4
+    split = dispatch.forward_config(arch, "bfloat16", 128, 128, page_size=16, split_kv=True, **flags)
+    assert split.split_kv and not split.varlen and not split.tma_store_o
 
 
 @pytest.mark.parametrize("tile_n", [80, 96, 128, 176])
@@ -214,6 +260,47 @@ def test_opcheck_of_the_paged_forward(kernels):
     k, v = torch.randn(num_pages, 16, 2, 64, dtype=BF16), torch.randn(num_pages, 16, 2, 64, dtype=BF16)
     cu_q, used = as_i32([0, 2, 2, 6]), as_i32([40, 0, 17])
     torch.library.opcheck(ops.fwd, (q, k, v, cu_q, None, used, None, 0.125, 0.0, True, -1, 0, 4, -1, False, 1, table))
+    # batched queries over the same pages (flash_attn_with_kvcache's call)
+    q = torch.randn(3, 2, 8, 64, dtype=BF16)
+    torch.library.opcheck(ops.fwd, (q, k, v, None, None, used, None, 0.125, 0.0, True, -1, 0, 2, -1, False, 1, table))
+
+
+# ---- compile-only: the kernels a paged flash_attn_with_kvcache call runs ----
+
+# (arch, head dim, flags, page size): small pages (8 boxes per K/V tile, read after each wait on sm90),
+# whole-tile pages through split-KV, and the d = 256 tile (80 keys, O staged in Q's buffer) at page 64.
+BATCHED_PAGED = [
+    (Arch.SM90, 128, dict(causal=True, qhead_per_kvhead=4), 16),
+    (Arch.SM90, 128, dict(causal=True, qhead_per_kvhead=8, split_kv=True), 256),
+    (Arch.SM90, 64, dict(qhead_per_kvhead=4), 64),
+    (Arch.SM100, 128, dict(causal=True, qhead_per_kvhead=4), 16),
+    (Arch.SM100, 128, dict(qhead_per_kvhead=4, split_kv=True), 256),
+]
+
+
+@pytest.mark.parametrize("arch,d,flags,page_size", BATCHED_PAGED,
+                         ids=[f"{a.value}-d{d}-page{p}" + "".join(f"-{k}" for k in f) for a, d, f, p in BATCHED_PAGED])
+def test_batched_paged_kernels_compile_without_local_memory(arch, d, flags, page_size):
+    """What a paged flash_attn_with_kvcache call dispatches to compiles for its arch (cu13 ptxas)
+    with no spills and none of sass_stats_lib's static problems, one CTA per tile, and on sm90 (not
+    split) O leaving by a TMA store."""
+    from scripts import sass_stats_lib as lib
+
+    if lib.find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    flags = dict(flags)
+    ratio = flags.pop("qhead_per_kvhead")
+    cfg = dispatch.forward_config(arch, "bfloat16", d, d, **{**dict(causal=False, local=False, has_softcap=False,
+                                                                    has_sink=False), **flags},
+                                  varlen=False, has_seqused_k=True, qhead_per_kvhead=ratio, page_size=page_size)
+    assert not cfg.varlen and cfg.persistent_ctas == 0
+    stats = lib.kernel_stats(cfg, "cu13")
+    assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, (stats["ldl"], stats["stl"])
+    assert lib.static_problems(stats) == []
+    assert not stats["ptx"]["grid_stride"]
+    tma_stores = sum(n for op, n in stats["opcodes"].items() if op.startswith("UTMASTG"))
+    assert cfg.tma_store_o == (arch is Arch.SM90 and not cfg.split_kv)
+    assert (tma_stores > 0) == cfg.tma_store_o
 
 
 @pytest.mark.parametrize("page_size", [16, 48])

@@ -71,9 +71,9 @@ class FakeKernel:
         cfg = self.cfg
         assert (used_q is not None) == cfg.has_seqused_q and (page_table is not None) == (cfg.page_size > 0)
         self.calls.append(tuple(q.shape))
-        if page_table is not None:  # the pages' keys as the packed varlen batch they hold
+        if page_table is not None:  # the pages' keys as the packed (or padded) batch they hold
             assert cu_k is None and k.shape[1] == cfg.page_size
-            k, v, cu_k = unpage(k, v, page_table, used)
+            k, v, cu_k = unpage(k, v, page_table, used, batched=not cfg.varlen)
         if cfg.split_kv:
             assert out.dtype == torch.float32 and out.shape[0] == lse.shape[0] == selfcheck.SPLITS
             lse[1:] = float("-inf")
@@ -187,7 +187,9 @@ def test_varlen_with_every_feature_passes(fake_gpu):
     (128, 128, 4, dict(split_kv=True)), (64, 64, 1, dict(split_kv=True, varlen=True, has_seqused_k=True, causal=True)),
     (256, 256, 2, dict(split_kv=True, has_seqused_q=True, has_softcap=True)),
     (128, 128, 4, dict(varlen=True, has_seqused_k=True, page_size=16, causal=True)),
-    (64, 64, 1, dict(varlen=True, has_seqused_k=True, page_size=256, split_kv=True, has_seqused_q=True))])
+    (64, 64, 1, dict(varlen=True, has_seqused_k=True, page_size=256, split_kv=True, has_seqused_q=True)),
+    (128, 128, 4, dict(has_seqused_k=True, page_size=64, causal=True)),
+    (64, 64, 2, dict(has_seqused_k=True, page_size=16, split_kv=True))])
 def test_correct_kernel_passes_every_configuration(seed, d, dv, ratio, flags):
     """check_forward directly: the correct stand-in passes for every feature combination, so the
     check's reference and tolerances agree with tests/reference.py."""
@@ -440,14 +442,18 @@ def test_paged_kernel_that_ignores_the_page_table_fails(seed):
     assert "paged:" in report.problem and "shuffled" in report.problem
 
 
-def test_paged_problem_holds_the_reference_keys(seed):
-    """The check's pages, read through its table, are exactly the packed keys the reference uses."""
-    p = selfcheck.build_forward_problem(config(varlen=True, has_seqused_k=True, page_size=16))
+@pytest.mark.parametrize("varlen", [True, False])
+def test_paged_problem_holds_the_reference_keys(seed, varlen):
+    """The check's pages, read through its table, are exactly the keys the reference uses (packed
+    varlen sequences, or batch entries)."""
+    p = selfcheck.build_forward_problem(config(varlen=varlen, has_seqused_k=True, page_size=16))
     k, v, cu = unpage(p.k_pages, p.v_pages, p.page_table, p.seqused_k)
+    assert p.seqused_k.tolist() == [used for _, _, used in p.lengths] and max(p.seqused_k) > 16
     for b, (_, _, used) in enumerate(p.lengths):
-        start = int(p.cu_seqlens_k[b])
-        assert torch.equal(k[int(cu[b]):int(cu[b + 1])], p.k[start:start + used])
-        assert torch.equal(v[int(cu[b]):int(cu[b + 1])], p.v[start:start + used])
+        start = int(p.cu_seqlens_k[b]) if varlen else 0
+        stored_k, stored_v = (p.k[start:], p.v[start:]) if varlen else (p.k[b], p.v[b])
+        assert torch.equal(k[int(cu[b]):int(cu[b + 1])], stored_k[:used])
+        assert torch.equal(v[int(cu[b]):int(cu[b + 1])], stored_v[:used])
     assert len(set(p.page_table[0, :-(-p.lengths[0][1] // 16)].tolist())) == -(-p.lengths[0][1] // 16)
 
 

@@ -155,7 +155,7 @@ def test_persistent_ctas_where_the_rules_say(anchor):
 def test_persistent_switch_off_gives_one_cta_per_tile():
     assert sm100_tiles.forward_grid(128, 128, False, False, False, False)["persistent_ctas"] == \
         sm100_tiles.PERSISTENT_CTAS
-    for flags in (dict(causal=True), dict(local=True), dict(varlen=True), dict(split_kv=True)):
+    for flags in (dict(causal=True), dict(local=True), dict(varlen=True), dict(split_kv=True), dict(paged=True)):
         args = {**dict(causal=False, local=False, varlen=False, split_kv=False), **flags}
         assert sm100_tiles.forward_grid(128, 128, **args) == dict(persistent_ctas=0), flags  # no pairs either
     original = sm100_tiles.PERSISTENT

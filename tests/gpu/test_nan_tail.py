@@ -4,7 +4,7 @@ mask gives them P = 0, but 0 * NaN = NaN: the kernel must zero V's rows there, o
 output is NaN. Each test fills every key row outside the sequences' keys, K and V, with NaN (or +inf)
 and checks the output against tests/reference.py on the used keys alone (test_fwd.check, which also
 fails on any NaN). Covered: flash_attn_varlen_func with seqused_k (packed slots), a paged cache (the rest
-of the last page and the unused pages), a padded batch (batched tensors with seqused_k), each unsplit
+of the last page and the unused pages; also through flash_attn_with_kvcache), a padded batch (batched tensors with seqused_k), each unsplit
 and split (num_splits 1 and 3: only the split holding a sequence's last block reads the tail).
 test_kvcache.test_nan_outside_the_key_range covers flash_attn_with_kvcache (cache_seqlens, leftpad).
 
@@ -19,7 +19,7 @@ import itertools
 import pytest
 import torch
 
-from flash_attn4 import flash_attn_varlen_func
+from flash_attn4 import flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn4.fa4_kernels.sm90 import bwd as sm90_bwd
 from tests.gpu.helpers import DEVICE, rand
 from tests.gpu.test_fwd import check
@@ -65,14 +65,12 @@ def test_varlen_seqused_k_with_nan_past_the_used_keys(seed, d, ratio, causal, nu
           causal=causal)
 
 
-@pytest.mark.parametrize("page_size,num_splits", [(64, 1), (64, 3), (256, 1), (256, 3)])
-def test_paged_cache_with_nan_in_the_rest_of_the_last_page(seed, page_size, num_splits):
-    """A paged cache whose last page of each sequence is NaN past the sequence's keys, as are the unused
-    pages: 64-key pages (a 128-key tile is two page boxes, the one past the end reads no page) and
-    256-key pages (a tile lies inside one page, the rows past the keys are that page's)."""
-    hq, hk, d = 16, 2, 128
-    lens_q, lens_k = [5, 1, 64, 3, 2], [300, 17, 129, 1, 127]
-    cu_q = i32(cumulative(lens_q))
+PAGED_LENS_K = [300, 17, 129, 1, 127]
+
+
+def nan_tailed_pages(lens_k, page_size, hk, d):
+    """(page_table on the GPU, k_pages, v_pages) of sequences of lens_k keys in shuffled pages, NaN in
+    every row no sequence's keys use: the rest of each last page and the unused pages."""
     table, num_pages = random_pages(lens_k, page_size)
     k_pages, v_pages = rand(num_pages, page_size, hk, d), rand(num_pages, page_size, hk, d)
     used = torch.zeros(num_pages, page_size, dtype=torch.bool, device=DEVICE)
@@ -80,13 +78,40 @@ def test_paged_cache_with_nan_in_the_rest_of_the_last_page(seed, page_size, num_
         for i in range(-(-n // page_size)):
             used[int(table[b, i]), :min(page_size, n - i * page_size)] = True
     k_pages[~used], v_pages[~used] = float("nan"), float("nan")
-    table, q = table.to(DEVICE), rand(sum(lens_q), hq, d)
+    return table.to(DEVICE), k_pages, v_pages
+
+
+@pytest.mark.parametrize("page_size,num_splits", [(64, 1), (64, 3), (256, 1), (256, 3)])
+def test_paged_cache_with_nan_in_the_rest_of_the_last_page(seed, page_size, num_splits):
+    """A paged cache whose last page of each sequence is NaN past the sequence's keys, as are the unused
+    pages: 64-key pages (a 128-key tile is two page boxes, the one past the end reads no page) and
+    256-key pages (a tile lies inside one page, the rows past the keys are that page's)."""
+    hq, hk, d = 16, 2, 128
+    lens_q, lens_k = [5, 1, 64, 3, 2], PAGED_LENS_K
+    cu_q = i32(cumulative(lens_q))
+    table, k_pages, v_pages = nan_tailed_pages(lens_k, page_size, hk, d)
+    q = rand(sum(lens_q), hq, d)
     out, lse = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, None,
                                       max_seqlen_q=max(lens_q), seqused_k=i32(lens_k), page_table=table,
                                       causal=True, num_splits=num_splits, return_lse=True)
     k, v, cu_k = unpage(k_pages, v_pages, table, lens_k)
     assert not (k.isnan().any() or v.isnan().any()), "the reference's keys are the used rows only"
     check(out, lse, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+
+
+@pytest.mark.parametrize("page_size,num_splits", [(64, 1), (256, 3)])
+def test_paged_kvcache_with_nan_in_the_rest_of_the_last_page(seed, page_size, num_splits):
+    """The same NaN-tailed pages through flash_attn_with_kvcache: the batched kernel over pages, three
+    queries per sequence (O stored by TMA on sm90)."""
+    hq, hk, d, sq = 16, 2, 128, 3
+    table, k_pages, v_pages = nan_tailed_pages(PAGED_LENS_K, page_size, hk, d)
+    q = rand(len(PAGED_LENS_K), sq, hq, d)
+    out, lse = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=i32(PAGED_LENS_K), page_table=table,
+                                       causal=True, num_splits=num_splits, return_softmax_lse=True)
+    k, v, cu_k = unpage(k_pages, v_pages, table, PAGED_LENS_K)
+    for i in range(len(PAGED_LENS_K)):
+        keys = slice(int(cu_k[i]), int(cu_k[i + 1]))
+        check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k[None, keys], v[None, keys], causal=True)
 
 
 @pytest.mark.parametrize("causal,num_splits", [(True, 1), (True, 3), (False, 1)])

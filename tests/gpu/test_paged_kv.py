@@ -97,6 +97,31 @@ def test_paged_grid(seed, case):
               dv=case["dv"], causal=case["causal"], num_splits=case["num_splits"])
 
 
+# Chunked decoding / speculative steps: many queries per sequence, so that GQA-packed rows fill
+# several 128- or 192-row tiles, whose O leaves by TMA stores (sm90) that must stop at each batch
+# entry's own rows. (page size, head dim, ratio, s_q, s_new, causal, num_splits, keys)
+MANY_QUERIES = [
+    (256, 128, 4, 64, 64, True, 1, [1, 127, 129, 2000]),
+    (16, 128, 8, 64, 0, True, 3, [700, 1, 129]),
+    (256, 128, 8, 64, 0, False, 0, [3000, 5]),
+    (16, 128, 4, 64, 64, False, 64, [300, 1000]),
+    (16, 128, 4, 4, 4, True, 1, [127, 129, 40]),
+    (256, 128, 8, 1, 1, True, 3, [255, 257, 1]),
+    (64, 256, 4, 64, 64, True, 1, [129, 500]),
+    (16, 64, 8, 64, 0, True, 0, [64, 1500, 2]),
+]
+
+
+@pytest.mark.parametrize("page_size,d,ratio,sq,s_new,causal,num_splits,keys", MANY_QUERIES,
+                         ids=[f"page{c[0]}-d{c[1]}-r{c[2]}-sq{c[3]}-new{c[4]}-{'causal' if c[5] else 'full'}-"
+                              f"splits{c[6]}" for c in MANY_QUERIES])
+def test_paged_many_queries(seed, page_size, d, ratio, sq, s_new, causal, num_splits, keys):
+    """The batched kernel over pages (flash_attn_with_kvcache), s_q up to 64: equal to the dense cache
+    bit for bit and to the reference."""
+    run_paged([max(n - s_new, 0) for n in keys], page_size=page_size, sq=sq, s_new=s_new, ratio=ratio, d=d,
+              causal=causal, num_splits=num_splits)
+
+
 @pytest.mark.parametrize("page_size,num_splits", [(16, 0), (256, 0), (64, 5)])
 def test_paged_100k(seed, page_size, num_splits):
     """A 100k-token sequence beside a short one: thousands of pages, split-KV."""
@@ -128,14 +153,16 @@ def test_varlen_func_over_pages_equals_packed_keys(seed):
         check(out, lse, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
 
 
-def test_paged_cuda_graph_replay_with_changing_lengths(seed):
+@pytest.mark.parametrize("sq", [1, 4])
+def test_paged_cuda_graph_replay_with_changing_lengths(seed, sq):
     """Captured once, replayed with new cache_seqlens and a new page table (copied into the captured
-    tensors): each replay equals an eager call bit for bit, and nothing compiles after the warm-up."""
+    tensors): each replay equals an eager call bit for bit, and nothing compiles after the warm-up.
+    ``sq`` queries per sequence against one new token each."""
     b, page_size, max_pages, hq, hk, d = 2, 64, 40, 8, 2, 128
     num_pages = b * max_pages + 7
     base_k, base_v = rand(num_pages, page_size, hk, d), rand(num_pages, page_size, hk, d)
     k_pages, v_pages = base_k.clone(), base_v.clone()
-    q, k, v = rand(b, 1, hq, d), rand(b, 1, hk, d), rand(b, 1, hk, d)
+    q, k, v = rand(b, sq, hq, d), rand(b, 1, hk, d), rand(b, 1, hk, d)
     lens = i32([100, 7])
     table = i32(torch.randperm(num_pages)[:b * max_pages].view(b, max_pages).tolist())
 

@@ -89,9 +89,14 @@ MODEL_PROFILES = (
 # sequence (a ratio that does not pack run in padded groups, dispatch.padded_pack); "kvcache" = flash_attn_with_kvcache
 # over a contiguous cache, unsplit and split-KV plus the combine kernel: batched + seqused_k (entry b on
 # cache row b from position 0: decoding's common case) and varlen + seqused_k (cache_batch_idx or
-# cache_leftpad: left-padded batches, the transformers adapter's left padding), and the append kernel
-# (contiguous and paged caches).
-CALL_PATTERNS = ("dense", "varlen", "decode", "kvcache")
+# cache_leftpad: left-padded batches, the transformers adapter's left padding), with the append kernel;
+# "paged" = the same call over a paged cache (batched + seqused_k + page table), unsplit and split-KV, for
+# each SHIPPED_PAGE_SIZES, with the paged append kernel.
+CALL_PATTERNS = ("dense", "varlen", "decode", "kvcache", "paged")
+# The page size is part of the compile key and the serving engine's choice: the shipped one is
+# transformers' continuous-batching default (256 tokens), whose paged decode step calls
+# flash_attn_with_kvcache with a block table. Other sizes compile on first use.
+SHIPPED_PAGE_SIZES = (256,)
 
 
 def _mask_kinds(p: ModelProfile) -> list[dict]:
@@ -137,9 +142,15 @@ def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTE
                     out.append(fwd(varlen, True, has_seqused_k=True, split_kv=True))
             if has_split_kv(arch):
                 out.append(dispatch.combine_config(arch, dtype, p.dv))
-            # The append of new tokens into a contiguous or a paged cache (cache_batch_idx: compiled on use).
-            out += [dispatch.append_config(arch, dtype, p.head_dim, p.dv, paged=paged, has_rows=False)
-                    for paged in (False, True)]
+            # The append of new tokens into the cache (cache_batch_idx: compiled on first use).
+            out.append(dispatch.append_config(arch, dtype, p.head_dim, p.dv, paged=False, has_rows=False))
+        if "paged" in patterns and p.causal:
+            for page_size in SHIPPED_PAGE_SIZES:
+                out.append(fwd(False, True, has_seqused_k=True, page_size=page_size))
+                if has_split_kv(arch):
+                    out += [fwd(False, True, has_seqused_k=True, page_size=page_size, split_kv=True),
+                            dispatch.combine_config(arch, dtype, p.dv)]
+            out.append(dispatch.append_config(arch, dtype, p.head_dim, p.dv, paged=True, has_rows=False))
     return out
 
 

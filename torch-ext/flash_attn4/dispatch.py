@@ -84,7 +84,7 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
                            pack_group=pack_group),
         **choose_tiles(arch, head_dim, head_dim_v, causal, local),
         **forward_grid(arch, head_dim, head_dim_v, causal, local, varlen or has_seqused_q, split_kv,
-                       has_seqused_k=has_seqused_k, has_sink=has_sink),
+                       has_seqused_k=has_seqused_k, has_sink=has_sink, paged=page_size > 0),
     )
 
 

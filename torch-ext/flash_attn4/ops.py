@@ -462,20 +462,22 @@ def _metadata_inputs(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink
     the opt-in value checks."""
     if cu_seqlens_q is None and seqused_k is None and seqused_q is None and learnable_sink is None:
         return None, cu_seqlens_k, None, None, page_table, None  # flash_attn_func's call: nothing to do
+    checked = ((cu_seqlens_q is not None or page_table is not None) and check_values and settings.check_cu_seqlens()
+               and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
     if cu_seqlens_q is not None:
         cu_seqlens_q = cu_seqlens_q.contiguous()
-        checked = (check_values and settings.check_cu_seqlens()
-                   and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
         if page_table is not None:
-            page_table = page_table.contiguous()
             if checked:
                 validate.check_varlen_values(cu_seqlens_q, cu_seqlens_q, q.shape[0], q.shape[0], max_seqlen_q)
-                validate.check_page_table_values(page_table, seqused_k, k.shape[0], k.shape[1])
         else:
             cu_seqlens_k = cu_seqlens_k.contiguous()
             if checked:
                 validate.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                              seqused_k)
+    if page_table is not None:  # batched or varlen queries alike
+        page_table = page_table.contiguous()
+        if checked:
+            validate.check_page_table_values(page_table, seqused_k, k.shape[0], k.shape[1])
     if seqused_k is not None:
         seqused_k = seqused_k.contiguous()
     if seqused_q is not None:
@@ -536,8 +538,11 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
                                   **dict(flags, has_sink=False))
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
-    # Varlen without max_seqlen_k: every key sequence is at most the packed total (no device sync).
-    seqlen_k = (max_seqlen_k if max_seqlen_k >= 0 else k.shape[0]) if varlen else k.shape[1]
+    if flags["page_size"]:  # k holds pages: the bound is the caller's, or the table's capacity (_forward)
+        seqlen_k = max_seqlen_k
+    else:
+        # Varlen without max_seqlen_k: every key sequence is at most the packed total (no device sync).
+        seqlen_k = (max_seqlen_k if max_seqlen_k >= 0 else k.shape[0]) if varlen else k.shape[1]
     return dispatch.num_splits_heuristic(
         batch=batch, num_heads=q.shape[-2], num_heads_kv=k.shape[-2], seqlen_q=max_seqlen_q, seqlen_k=seqlen_k,
         tile_m=cfg.tile_m, tile_n=cfg.tile_n, pack_gqa=cfg.pack_gqa,
@@ -1096,7 +1101,8 @@ def _kvcache_forward(
     only with k) the new keys are rotated at positions cache_seqlens + t before the append, q at
     cache_seqlens + i when causal or local, else all at cache_seqlens (FlashAttention's rule). With a
     ``page_table`` the caches are paged (validate.check_page_table): the append goes to the pages and
-    the forward reads them through the table. Returns out (b, sq, hq, dv) and lse (b, hq, sq) float32
+    the batched forward reads them through the table (ForwardConfig.page_size; seqused_k the whole
+    row of the table without cache_seqlens). Returns out (b, sq, hq, dv) and lse (b, hq, sq) float32
     when ``return_lse``, else None (no transpose copy; the op returns an empty tensor there)."""
     batch, sq, hq, d = q.shape
     paged = page_table is not None
@@ -1120,29 +1126,21 @@ def _kvcache_forward(
     appended = None  # cache_seqlens + s_new, as the append returns it
     if k is not None and k.numel():
         appended = _append_kv(k_cache, v_cache, k, v, cache_seqlens, None if paged else cache_batch_idx, page_table)
-    # Decoding's common case (entry b on cache row b from position 0): the batched forward over the cache
-    # itself with seqused_k = cache_seqlens + s_new, no packed-varlen metadata (_kvcache_metadata) to build.
-    batched = not paged and cache_batch_idx is None and cache_leftpad is None
-    if batched or paged:
+    # Decoding's common case (entry b on cache row b from position 0, or on its row of the page table:
+    # validate refuses cache_batch_idx and cache_leftpad there): the batched forward over the cache itself
+    # with seqused_k = cache_seqlens + s_new, no packed-varlen metadata (_kvcache_metadata) to build.
+    if cache_batch_idx is None and cache_leftpad is None:
         seqused_k = appended if appended is not None else _keys_used(page_table, k_cache.shape[1], s_new, cache_seqlens)
-        cu_seqlens_q = _offsets(batch + 1, sq, q.device) if paged else None  # the paged varlen forward's
-    else:
-        cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
-            q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad, appended)
-    if batched:
         out, lse = _forward(q, k_cache, v_cache, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                             window_left, window_right, sq, s_cache, num_splits, check_values=False,
-                            need_lse=return_lse)
+                            page_table=page_table, need_lse=return_lse)
         return out, lse if return_lse else None
-    if paged:
-        out, lse = _forward(q.reshape(batch * sq, hq, d), k_cache, v_cache, cu_seqlens_q, None, seqused_k,
-                            learnable_sink, softmax_scale, softcap, causal, window_left, window_right, sq, s_cache,
-                            num_splits, check_values=False, page_table=page_table, need_lse=return_lse)
-    else:
-        out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
-                            cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                            window_left, window_right, sq, s_cache, num_splits, check_values=False,
-                            need_lse=return_lse)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
+        q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad, appended)
+    out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
+                        cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+                        window_left, window_right, sq, s_cache, num_splits, check_values=False,
+                        need_lse=return_lse)
     out = out.view(batch, sq, hq, v_cache.shape[-1])
     if not return_lse:
         return out, None

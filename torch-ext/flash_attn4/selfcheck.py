@@ -269,7 +269,9 @@ def _build_problem(cfg, ratio: int, has_sink: bool, gen: torch.Generator) -> For
         left, right = WINDOW
     else:
         left, right = -1, -1
-    pages = _paged(k, v, lengths, page_size, gen) if page_size else (None, None, None)
+    pages = (None, None, None)
+    if page_size:  # batched keys as packed ones: entry b's sk stored keys after entry b - 1's
+        pages = _paged(*((k, v) if cfg.varlen else (k.flatten(0, 1), v.flatten(0, 1))), lengths, page_size, gen)
     return ForwardProblem(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused_k,
                           learnable_sink=sink, softmax_scale=1.25 / math.sqrt(d),
                           softcap=SOFTCAP if cfg.has_softcap else 0.0, causal=cfg.causal, window_left=left,
@@ -299,7 +301,7 @@ def batch_size(cfg, seqlen_q: int, hq: int, hk: int) -> int:
 
 
 def _paged(k: torch.Tensor, v: torch.Tensor, lengths: tuple, page_size: int, gen: torch.Generator):
-    """(k_pages, v_pages, page_table): the packed varlen keys and values of ``lengths`` copied into
+    """(k_pages, v_pages, page_table): the packed keys and values of ``lengths`` copied into
     pages of ``page_size`` keys, drawn in a shuffled order from a pool with SPARE_PAGES more than
     needed; everything else (page tails, spare pages, unused table entries) holds other data."""
     per_seq = [-(-stored // page_size) for _, stored, _ in lengths]

@@ -7,7 +7,8 @@ cross-compiled for the arch named, or this machine's GPU).
 
 or from Python: ``warmup.warmup(warmup.profile_from_config(config), arch=...)``. The configurations are
 the ones the model's calls dispatch to (aot.model_configs: dense and varlen prefill, decode,
-KV-cache decode with and without split-KV, and the backward when training); kernels already shipped
+KV-cache decode with and without split-KV, over a contiguous cache and over pages of
+aot.SHIPPED_PAGE_SIZES, and the backward when training); kernels already shipped
 precompiled with the package or already on disk are loaded, not compiled again. The disk cache is
 FLASH_ATTN4_CACHE_DIR (settings.py); each process that later runs the model loads them from there.
 """

@@ -268,7 +268,8 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
     def cfg(d=128, dv=128, causal=False, local=False, qhead_per_kvhead=1, pack_group=0, dtype="bfloat16", **flags):
         varlen, split_kv = flags.get("varlen", False) or flags.get("has_seqused_q", False), flags.get("split_kv", False)
         grid = forward_grid(arch, d, dv, causal, local, varlen, split_kv,
-                            has_seqused_k=flags.get("has_seqused_k", False), has_sink=flags.get("has_sink", False))
+                            has_seqused_k=flags.get("has_seqused_k", False), has_sink=flags.get("has_sink", False),
+                            paged=flags.get("page_size", 0) > 0)
         if "cluster_m" in flags:
             grid["cluster_m"] = flags.pop("cluster_m")
         return ForwardConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=dv,

@@ -94,9 +94,11 @@ class ForwardConfig(_KernelConfig):
         sequence b uses its first seqused_q[b] queries (batched: of sq; varlen: of its cu_seqlens_q
         slot), and the output and LSE rows past them are not written; learnable_sink: float32 (hq,)
         or None.
-    paged (``page_size`` > 0, varlen queries): k (num_pages, page_size, hk, d), v (num_pages,
-        page_size, hk, dv), page_table int32 (b, max_pages), cu_seqlens_k None, seqused_k the key
-        lengths (fa4_kernels/paged_kv.py); page_table is None otherwise.
+    paged (``page_size`` > 0): k (num_pages, page_size, hk, d), v (num_pages, page_size, hk, dv),
+        page_table int32 (b, max_pages), cu_seqlens_k None, seqused_k the key lengths (batch entry or
+        sequence b's keys are its first seqused_k[b] tokens, wherever the table puts their pages:
+        fa4_kernels/paged_kv.py); q, out and lse batched or varlen as above. page_table is None
+        otherwise.
     softmax_scale, softcap: float (softcap used only when ``has_softcap``);
     window_left/right: int (used only when ``local``; -1 means unbounded on that side);
     max_seqlen_q: int (grid size; for batched inputs it is sq).
@@ -130,8 +132,8 @@ class ForwardConfig(_KernelConfig):
     # Off by default: it measured slower on Hopper at d=64..256 (docs/perf.md).
     exp2_emulated_eighths: int = 0
     # O leaves through shared memory (stmatrix) and one TMA store per consumer warpgroup instead of
-    # 32-bit global stores from the accumulator layout. Batched inputs only (a TMA box would write
-    # past a packed sequence's end). Where the slabs do not fit beside Q, K and V (d = 192, 256) they
+    # 32-bit global stores from the accumulator layout. Batched queries only, over contiguous or
+    # paged keys (a TMA box would write past a packed sequence's end). Where the slabs do not fit beside Q, K and V (d = 192, 256) they
     # reuse Q's buffer, which persistent CTAs cannot lend. tiles.forward_schedule turns it on for
     # batched inputs with d_v a multiple of 16 (measured faster at every head dim, docs/perf.md).
     tma_store_o: bool = False
@@ -174,7 +176,8 @@ class ForwardConfig(_KernelConfig):
     # an arch whose rules say it has split-KV (``FORWARD_SPLIT_KV`` in its tiles.py).
     split_kv: bool = False
     # Paged KV cache (fa4_kernels/paged_kv.py): 0, K and V are contiguous; N > 0, they are pages of N
-    # keys read through a page table. A compile-time size: it shapes the TMA boxes of a K/V tile.
+    # keys read through a page table, for batched queries (flash_attn_with_kvcache: O leaves by TMA)
+    # or varlen ones. A compile-time size: it shapes the TMA boxes of a K/V tile.
     page_size: int = 0
     # CTAs that share one MMA along M: 1, each CTA issues its own; 2, a cluster of two CTAs (a pair)
     # runs the M = 256 tcgen05 MMAs of cta_group::2, each CTA holding its own query rows and half
@@ -219,9 +222,10 @@ class ForwardConfig(_KernelConfig):
         if self.page_size < 0 or self.page_size % 16:
             # A TMA box of a K/V tile is gcd(tile_n, page_size) rows, whole 16-row MMA steps.
             raise ValueError(f"page_size must be a positive multiple of 16, got {self.page_size}")
-        if not (self.varlen and self.has_seqused_k):
-            raise ValueError("a paged KV cache takes varlen queries (cu_seqlens_q) and its lengths as seqused_k: "
-                             "page_size > 0 needs varlen=True and has_seqused_k=True")
+        if not self.has_seqused_k:
+            # The cache's extent says nothing about a sequence's length: its pages are anywhere.
+            raise ValueError("a paged KV cache takes its key lengths as seqused_k: page_size > 0 needs "
+                             "has_seqused_k=True (queries batched or varlen)")
         if self.persistent_ctas:
             raise ValueError("a paged KV cache runs one CTA per tile: persistent_ctas must be 0")
 

@@ -4,6 +4,8 @@ Batched inputs have one length for every batch entry (the tensor extent). Varlen
 along the token axis and described by ``cu_seqlens`` (prefix sums, length batch + 1); ``seqused_k``
 optionally shortens each key sequence (e.g. a KV cache filled to different depths), ``seqused_q``
 each query sequence (padded batches: the rows past it are neither read into results nor written).
+A paged KV cache (paged_kv.py) always gives its key lengths as ``seqused_k``, batched or varlen
+queries alike: there the key tensor's extent is one page.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def forward_grid(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local
     """ForwardConfig overrides for the launch grid of a problem class (persistent CTAs or one CTA per
     tile; ``varlen``: cu_seqlens_q or seqused_q), from the arch's optional ``forward_grid`` rule;
     none (one CTA per tile, the config's default) for an arch without it. ``flags``: the problem's
-    has_seqused_k and has_sink, which some grids refuse."""
+    has_seqused_k, has_sink and paged (a paged KV cache), which some grids refuse."""
     rule = getattr(kernels_for(arch, "forward").rules(), "forward_grid", None)
     return {} if rule is None else rule(head_dim, head_dim_v, causal, local, varlen, split_kv, **flags)
 

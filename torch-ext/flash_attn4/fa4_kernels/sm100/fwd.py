@@ -77,7 +77,7 @@ the KV blocks, and the CTA stores O normalised over those keys alone, in float32
 into the split's slice of the partial buffers (an empty share: O = 0, LSE = -inf, as a tile whose
 rows see no key); fa4_kernels/combine.py merges them. Padded batches (``has_seqused_q``): a
 sequence's query length is seqused_q[b]; rows past it are loaded with the tile but never stored.
-Paged KV caches (``page_size``, fa4_kernels/paged_kv.py): a K or V tile arrives as
+Paged KV caches (``page_size``, fa4_kernels/paged_kv.py; batched or varlen queries): a K or V tile arrives as
 gcd(128, page_size)-row TMA boxes, each from the page the page table names, into the same ring
 stage (kv_box_layouts: the MMA layouts' rows are 128-byte swizzled lines, so a box of whole rows is
 a contiguous slice of them).
@@ -237,25 +237,27 @@ class FlashAttentionForwardSm100:
         lse_split_mode = [m - 1 for m in split_mode]
         # (seq, dim, head[, batch]) for Q, K, O; V as (dim, seq, head[, batch]): the PV MMA reads
         # V^T (N = head_dim_v, K = keys) with the head dim contiguous. Split-KV partials: (..., split).
-        if cutlass.const_expr(cfg.page_size > 0):
-            # Paged: K and V as (page_size, dim, head, page), both loaded in (keys, dim) boxes.
+        # Paged: K and V as (page_size, dim, head, page) whatever the queries' layout, both loaded in
+        # (keys, dim) boxes.
+        paged = cfg.page_size > 0
+        if cutlass.const_expr(cfg.varlen):
             mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
-            mK, mV = kernel_view(mK), kernel_view(mV)
+            if cutlass.const_expr(not paged):
+                mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+                mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
             mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1] + split_mode))
-            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + lse_split_mode))
-            num_batch = mCuSeqlensQ.shape[0] - 1
-        elif cutlass.const_expr(cfg.varlen):
-            mQ, mK = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK)]
-            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1] + split_mode))
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + lse_split_mode))
             num_batch = mCuSeqlensQ.shape[0] - 1
         else:
-            mQ, mK = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK)]
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+            if cutlass.const_expr(not paged):
+                mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+                mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
             mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0] + split_mode))
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0] + lse_split_mode))
             num_batch = mQ.shape[3]
+        if cutlass.const_expr(paged):
+            mK, mV = kernel_view(mK), kernel_view(mV)
         num_heads = mQ.shape[2]
         qhead_per_kvhead = num_heads // mK.shape[2]
         if cutlass.const_expr(cfg.pack_gqa > 1):
@@ -337,7 +339,9 @@ class FlashAttentionForwardSm100:
         # A pair's tile is both CTAs' query blocks (the scheduler's m_block is the pair's).
         pair_rows = cfg.tile_m * cfg.cluster_m
         num_m_blocks = (max_seqlen_q + pair_rows - 1) // pair_rows
-        kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
+        # (A paged sequence: as many keys as its row of the table holds.)
+        kv_rows_per_head = mK.shape[0] if cutlass.const_expr(not paged) else mPageTable.shape[1] * cfg.page_size
+        kv_bytes_per_head = kv_rows_per_head * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         # Split-KV folds the split into the head mode (KVSplits); its tiles keep the launch order.
         scheduler = TileScheduler.create(num_m_blocks, num_heads if splits is None else splits.fold(num_heads),
                                          num_batch, kv_bytes_per_head,

@@ -76,15 +76,16 @@ PERSISTENT_CTAS = 148
 
 
 def forward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool, split_kv: bool, *,
-                 has_seqused_k: bool = False, has_sink: bool = False) -> dict:
+                 has_seqused_k: bool = False, has_sink: bool = False, paged: bool = False) -> dict:
     """ForwardConfig overrides for the launch grid of a problem class (``varlen``: cu_seqlens_q or
-    seqused_q): persistent CTAs where upstream uses them and our kernel compiles spill-free with
-    them (see PERSISTENT), and CTA pairs (cluster_m = 2) where pair_applies says."""
+    seqused_q; ``paged``: a paged KV cache, whose kernel runs one CTA per tile, never a pair): persistent CTAs
+    where upstream uses them and our kernel compiles spill-free with them (see PERSISTENT), and CTA
+    pairs (cluster_m = 2) where pair_applies says."""
     fits = _pad16(head_dim) <= 128 or query_tiles(head_dim, head_dim_v) == 1
-    persistent = PERSISTENT and fits and not (causal or local or varlen or split_kv)
+    persistent = PERSISTENT and fits and not (causal or local or varlen or split_kv or paged)
     grid = dict(persistent_ctas=PERSISTENT_CTAS if persistent else 0)
-    if pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv, has_seqused_k=has_seqused_k,
-                    has_sink=has_sink):
+    if not paged and pair_applies(head_dim, head_dim_v, causal, local, varlen, split_kv,
+                                  has_seqused_k=has_seqused_k, has_sink=has_sink):
         grid["cluster_m"] = 2
     return grid
 
@@ -207,10 +208,12 @@ FORWARD_KERNEL_SET = (
     dict(split_kv=True, qhead_per_kvhead=4), dict(split_kv=True, causal=True, varlen=True, has_seqused_k=True),
     dict(d=256, dv=256, split_kv=True), dict(d=64, dv=64, split_kv=True, local=True),
     dict(has_seqused_q=True, causal=True), dict(varlen=True, has_seqused_q=True, has_seqused_k=True, qhead_per_kvhead=4),
-    # Paged KV caches: one box per tile (page 256), two (64, d = 128) and eight (16), through split-KV too.
+    # Paged KV caches: one box per tile (page 256), two (64, d = 128) and eight (16), through split-KV
+    # too; batched queries (flash_attn_with_kvcache) once.
     dict(varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=4),
     dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=64, causal=True),
     dict(varlen=True, has_seqused_k=True, page_size=16, qhead_per_kvhead=4),
+    dict(has_seqused_k=True, page_size=256, qhead_per_kvhead=4, causal=True),
     # The single-CTA kernels d = 128 and d = 192 / 128 fall back to where their CTA pair fails the
     # first-use check.
     dict(cluster_m=1), dict(d=192, dv=128, cluster_m=1),

@@ -80,6 +80,11 @@ REGISTERS = {2: (24, 240), 3: (32, 160)}
 MAX_CONSUMER_WARPGROUPS = max(REGISTERS)
 # The producer warpgroup's warp that issues the TMA loads (and prefetches their descriptors).
 LOAD_WARP = 0
+# Paged KV: K/V tiles of at most this many page boxes read their page-table entries before waiting
+# for a free stage (produce_kv_paged). 5 keeps the d = 256 tiles (80 keys: five 16-row boxes) there:
+# read box by box, their producer spilled more (ptxas 13.4: 47 instead of 23 stores at page 16, 130
+# instead of 23 at page 64; it spills either way, docs/perf.md).
+PREFETCHED_PAGE_BOXES = 5
 
 
 class Barrier(enum.IntEnum):
@@ -169,8 +174,11 @@ class FlashAttentionForwardSm90:
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + [m - 1 for m in split_mode]))
             num_batch = mCuSeqlensQ.shape[0] - 1
         else:
-            mQ, mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                          for t in (mQ, mK, mV)]
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+            if cutlass.const_expr(cfg.page_size > 0):
+                mK, mV = kernel_view(mK), kernel_view(mV)  # (page_size, d, hk, page)
+            else:
+                mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mK, mV)]
             mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0] + split_mode))
             mLSE = cute.make_tensor(mLSE.iterator,
                                     cute.select(mLSE.layout, mode=[2, 1, 0] + [m - 1 for m in split_mode]))
@@ -265,8 +273,11 @@ class FlashAttentionForwardSm90:
         score_prescale, scale_log2 = score_scales(softmax_scale, softcap, cfg.has_softcap)
 
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
-        # Longest-first order for masked problems, in L2 groups sized by a head's K and V.
-        kv_bytes_per_head = mK.shape[0] * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
+        # Longest-first order for masked problems, in L2 groups sized by a head's K and V (a paged
+        # sequence's: as many keys as its row of the table holds).
+        kv_rows_per_head = (mK.shape[0] if cutlass.const_expr(cfg.page_size == 0)
+                            else mPageTable.shape[1] * cfg.page_size)
+        kv_bytes_per_head = kv_rows_per_head * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         # Split-KV folds the split into the head mode (KVSplits); its tiles keep the launch order.
         scheduler = TileScheduler.create(num_m_blocks, num_heads if splits is None else splits.fold(num_heads),
                                          num_batch, kv_bytes_per_head,
@@ -452,29 +463,45 @@ class FlashAttentionForwardSm90:
     def produce_kv_paged(self, tma_atom_K, mK, tma_atom_V, mV, mPageTable, smem: "SharedTiles",
                          pipes: "Pipelines", tile: "OutputTile", kv_state):
         """K_j and V_j of a paged cache: PagedKV.copies boxes per tile, each from the page the page
-        table names (zeros past the sequence's end). V_j's boxes come from K_j's pages."""
+        table names (zeros past the sequence's end). Up to PREFETCHED_PAGE_BOXES boxes the table is
+        read before K_j's wait for a free stage, so that the reads' latency overlaps it, and V_j's
+        boxes reuse K_j's pages; more boxes (small pages) would not stay in the producer's registers
+        across the waits (d = 128 at page 16: ptxas 13.4 spilled 3-4), so those are read box by box
+        after each wait, for K_j and again for V_j."""
         pages = PagedKV(self.cfg.page_size, self.tile_n, mPageTable, tile.batch)
         tKsK, tKgK = tma_partition_tile(tma_atom_K, pages.stage_boxes(smem.k),
                                         pages.head_boxes(mK, tile.head_kv, self.hdim_tile))  # (TMA, box, stage)
         tVsV, tVgV = tma_partition_tile(tma_atom_V, pages.stage_boxes(smem.v),
                                         pages.head_boxes(mV, tile.head_kv, self.hdim_v_tile))  # (TMA, in page, page)
         num_pages = mK.shape[3]
+        early = pages.copies <= PREFETCHED_PAGE_BOXES
         for i in cutlass.range(tile.n_block_max - tile.n_block_min, unroll=1):
             n_block = tile.n_block_max - 1 - i
-            # The page-table reads go first, so that their latency overlaps the wait for a free stage.
-            sources = []
-            for box in cutlass.range_constexpr(pages.copies):
-                sources.append(pages.box_source(n_block, box, tile.seqlen.seqlen_k, num_pages))
+            sources = None
+            if cutlass.const_expr(early):
+                sources = []
+                for box in cutlass.range_constexpr(pages.copies):
+                    sources.append(pages.box_source(n_block, box, tile.seqlen.seqlen_k, num_pages))
             pipes.k.producer_acquire(kv_state)
-            for box in cutlass.range_constexpr(pages.copies):
-                cute.copy(tma_atom_K, tKgK[None, sources[box][0], sources[box][1]], tKsK[None, box, kv_state.index],
-                          tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))
+            self.copy_page_boxes(tma_atom_K, tKgK, tKsK[None, None, kv_state.index], pages, sources, n_block,
+                                 tile.seqlen.seqlen_k, num_pages, pipes.k.producer_get_barrier(kv_state))
             pipes.v.producer_acquire(kv_state)
-            for box in cutlass.range_constexpr(pages.copies):
-                cute.copy(tma_atom_V, tVgV[None, sources[box][0], sources[box][1]], tVsV[None, box, kv_state.index],
-                          tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))
+            self.copy_page_boxes(tma_atom_V, tVgV, tVsV[None, None, kv_state.index], pages, sources, n_block,
+                                 tile.seqlen.seqlen_k, num_pages, pipes.v.producer_get_barrier(kv_state))
             kv_state = advanced(kv_state)
         return kv_state
+
+    @cute.jit
+    def copy_page_boxes(self, atom, gmem: cute.Tensor, smem: cute.Tensor, pages: PagedKV, sources: Optional[list],
+                        n_block: Int32, seqlen_k: Int32, num_pages: Int32, barrier):
+        """The TMA copies of one K or V tile's boxes into its stage (``smem``: (TMA, box)), from
+        ``sources`` (box within page, page) read beforehand, or (None) reading the table box by box."""
+        for box in cutlass.range_constexpr(pages.copies):
+            if cutlass.const_expr(sources is not None):
+                within, page = sources[box]
+            else:
+                within, page = pages.box_source(n_block, box, seqlen_k, num_pages)
+            cute.copy(atom, gmem[None, within, page], smem[None, box], tma_bar_ptr=barrier)
 
     # ---- consumer warpgroups --------------------------------------------------------------------
     @cute.jit

@@ -113,10 +113,12 @@ FORWARD_KERNEL_SET = (
     dict(split_kv=True, qhead_per_kvhead=4), dict(split_kv=True, causal=True, varlen=True, has_seqused_k=True),
     dict(d=64, dv=64, split_kv=True, local=True),
     # Paged KV caches: small pages (several TMA boxes per K/V tile) with GQA packing, whole-tile
-    # pages through split-KV, and pages that a d = 256 tile (80 keys) divides into 16-row boxes.
+    # pages through split-KV, and pages that a d = 256 tile (80 keys) divides into 16-row boxes;
+    # batched queries (flash_attn_with_kvcache: O stored by TMA) once.
     dict(varlen=True, has_seqused_k=True, page_size=16, qhead_per_kvhead=4),
     dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=4, causal=True),
     dict(d=256, dv=256, varlen=True, has_seqused_k=True, page_size=64),
+    dict(has_seqused_k=True, page_size=64, qhead_per_kvhead=4, causal=True),
     # Padded batches (seqused_q), batched and varlen.
     dict(has_seqused_q=True, causal=True), dict(varlen=True, has_seqused_q=True, has_seqused_k=True, qhead_per_kvhead=4),
     # Decoding with a head ratio packed in padded groups (7 of 8 rows; Qwen2.5): batched with the
