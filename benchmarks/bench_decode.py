@@ -61,6 +61,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "decode.json"
 DEFAULT_MODEL_OUT = REPO_ROOT / "benchmarks" / "results" / "decode-model.json"
 H200_HBM_TBPS = 4.8
+# HBM peaks by GPU name (TB/s), for --hbm-tbps left unset: the goal is a fraction of the card's own peak.
+HBM_TBPS_BY_NAME = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("B200", 8.0),
+                    ("B300", 8.0))
+
+
+def hbm_tbps_of(gpu_name: str) -> float:
+    """The HBM peak of a GPU by its name (H100 SXM: 3.35 TB/s), the H200's when the name is unknown."""
+    return next((tbps for key, tbps in HBM_TBPS_BY_NAME if key in gpu_name), H200_HBM_TBPS)
 GOAL_FRACTION = 0.8  # issue 21: >= 80% of HBM peak where the cache is >= 256 MiB
 GOAL_MIN_CACHE_BYTES = 256 * 2**20
 ELEMENT_BYTES = 2  # bf16
@@ -520,7 +528,7 @@ def run_problem(p: Problem, impls: dict, args, timer) -> list[dict]:
 
 def run_decode(args, problems=PROBLEMS) -> int:
     if args.dry_run:
-        print(dry_run_table(problems, args.hbm_tbps))
+        print(dry_run_table(problems, args.hbm_tbps or H200_HBM_TBPS))
         print(f"\nimplementations: {', '.join(args.only or DECODE_IMPLS)}; {args.rounds} interleaved rounds; "
               f"writes {args.out} and {args.out.with_suffix('.png')}")
         return 0
@@ -544,6 +552,9 @@ def run_decode(args, problems=PROBLEMS) -> int:
         return 2
     timer, timer_name = _bench.make_timer(args.rep_ms)
     env = _bench.environment()
+    if args.hbm_tbps is None:
+        args.hbm_tbps = hbm_tbps_of(env["gpu"])
+        print(f"bench decode: HBM peak {args.hbm_tbps:g} TB/s for {env['gpu']} (--hbm-tbps to set it)", flush=True)
     print(f"bench decode: {len(problems)} problems x {len(impls)} implementations, {args.rounds} interleaved rounds, "
           f"bf16, {timer_name}; {env['gpu']}, torch {env['torch']}", flush=True)
     rows = []
@@ -760,7 +771,8 @@ def parse_args(argv=None):
     p.add_argument("--only", type=_names, help=f"decode: implementations, from {','.join(DECODE_IMPLS)}")
     p.add_argument("--rounds", type=int, default=5, help="decode: interleaved rounds (default 5)")
     p.add_argument("--rep-ms", type=float, default=50.0, help="decode: timing budget per measurement (ms)")
-    p.add_argument("--hbm-tbps", type=float, default=H200_HBM_TBPS, help="HBM peak in TB/s (default 4.8, H200)")
+    p.add_argument("--hbm-tbps", type=float, default=None,
+                   help="HBM peak in TB/s (default: the GPU's, by name: H200 4.8, H100 3.35; 4.8 when unknown)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help="JSON file (default benchmarks/results/decode.json, decode-model.json for decode-model); "

@@ -317,3 +317,12 @@ def test_auto_num_splits_is_the_dispatch_heuristic():
     assert bd.auto_num_splits(bd.Problem(1, 1, 128, 32, 8, 128)) == 1  # one KV block: nothing to split
     assert bd.auto_num_splits(bd.PROBLEMS[0]) > 1  # b1 64k: 8 (batch x KV head) tiles on 132 SMs
     assert "auto splits" in bd.dry_run_table(bd.PROBLEMS, 4.8)
+
+
+def test_hbm_peak_follows_the_gpu_name():
+    """Without --hbm-tbps the goal is a fraction of the card's own peak (an H100's 3.35 TB/s, not the
+    H200's 4.8); an unknown name keeps the H200's."""
+    assert bd.hbm_tbps_of("NVIDIA H100 80GB HBM3") == 3.35
+    assert bd.hbm_tbps_of("NVIDIA H200") == 4.8
+    assert bd.hbm_tbps_of("some other GPU") == bd.H200_HBM_TBPS
+    assert bd.parse_args(["--mode", "decode"]).hbm_tbps is None
