@@ -45,6 +45,12 @@ class _Config:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 
+    def _check_head_dims(self, *names: str) -> None:
+        """The named head-dim fields are multiples of 8 in [8, 256] (16-byte vectors of 16-bit values)."""
+        for name in names:
+            if getattr(self, name) not in HEAD_DIMS:
+                raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
+
     def _check_arch(self, check: str) -> None:
         """The arch's own rules for this kind of kernel (``check`` in its tiles.py, if it has one):
         tile shapes and switches its kernel supports. An arch without kernels has no rules: compile
@@ -69,9 +75,7 @@ class _KernelConfig(_Config):
 
     def _check_common(self) -> None:
         self._check_dtype()
-        for name in ("head_dim", "head_dim_v"):
-            if getattr(self, name) not in HEAD_DIMS:
-                raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
+        self._check_head_dims("head_dim", "head_dim_v")
         if self.causal and self.local:
             raise ValueError("causal and local are exclusive: express causal as local with window_right=0")
 
@@ -347,8 +351,7 @@ class PreprocessConfig(_Config):
 
     def __post_init__(self):
         self._check_dtype()
-        if self.head_dim_v not in HEAD_DIMS:
-            raise ValueError(f"head_dim_v must be a multiple of 8 in [8, 256], got {self.head_dim_v}")
+        self._check_head_dims("head_dim_v")
 
 
 @dataclass(frozen=True)
@@ -369,8 +372,7 @@ class CombineConfig(_Config):
     def __post_init__(self):
         if self.dtype not in DTYPES + ("float32",):
             raise ValueError(f"dtype must be one of {DTYPES + ('float32',)}, got {self.dtype!r}")
-        if self.head_dim_v not in HEAD_DIMS:
-            raise ValueError(f"head_dim_v must be a multiple of 8 in [8, 256], got {self.head_dim_v}")
+        self._check_head_dims("head_dim_v")
 
 
 @dataclass(frozen=True)
@@ -389,9 +391,7 @@ class AppendConfig(_Config):
 
     def __post_init__(self):
         self._check_dtype()
-        for name in ("head_dim", "head_dim_v"):
-            if getattr(self, name) not in HEAD_DIMS:
-                raise ValueError(f"{name} must be a multiple of 8 in [8, 256], got {getattr(self, name)}")
+        self._check_head_dims("head_dim", "head_dim_v")
         if self.paged and self.has_rows:
             raise ValueError("a paged cache has no cache rows to pick (has_rows needs paged=False)")
 
