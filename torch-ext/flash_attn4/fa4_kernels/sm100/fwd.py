@@ -380,7 +380,6 @@ class FlashAttentionForwardSm100:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, scheduler: TileScheduler, divisors: Optional[tuple],
                splits: Optional[KVSplits], stage_elems: cutlass.Constexpr[int]):
-        cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == Warp.LOAD:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
