@@ -779,8 +779,8 @@ class FlashAttentionForwardSm90:
     def store_o_by_tma(self, tidx, tiled_mma_o, tma_atom_O, sO, acc_O, out_scale, mO, m_block, head, batch):
         """tma_store_o: this warpgroup's 64 normalised rows of O into its shared-memory slab with
         stmatrix, then one TMA store, which clips the rows past the sequence (batched inputs) and a
-        padded group's dummy heads (QueryPacking.tma_view). The
-        issuing warp waits until the TMA has read the slab, so the CTA outlives it."""
+        padded group's dummy heads (QueryPacking.tma_view). The issuing warp waits until the TMA has
+        read the slab, so the CTA outlives it."""
         wg = warpgroup_index(tidx)
         if cutlass.const_expr(self.cfg.persistent_ctas > 0):
             # The slab's previous TMA store has read it (its issuing warp waited for that).
