@@ -16,7 +16,7 @@ from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import BackwardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SWITCHES = ("separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv")
+SWITCHES = ("separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv", "one_step_body")
 SM90_D128 = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128)
 
 
@@ -31,8 +31,8 @@ def test_switches_are_off_by_default_and_part_of_the_compile_key():
 def test_tma_store_dkv_is_refused_where_a_tma_box_cannot_write_dk_dv(layout):
     with pytest.raises(ValueError, match="tma_store_dkv is for batched inputs in the unsplit layout"):
         BackwardConfig(**SM90_D128, tma_store_dkv=True, **layout)
-    # the other two switches take every layout
-    for name in ("separate_do_barrier", "dq_bulk_reduce"):
+    # the other switches take every layout
+    for name in ("separate_do_barrier", "dq_bulk_reduce", "one_step_body"):
         assert getattr(BackwardConfig(**SM90_D128, **layout, **{name: True}), name)
 
 
@@ -121,3 +121,16 @@ def test_bench_variants_of_the_switches_build_for_the_bench_cases(d, causal):
             continue
         cfg = base.replace(**fields)
         assert all(getattr(cfg, name) is True for name in fields) and cfg.tile_m == base.tile_m
+
+
+@pytest.mark.parametrize("spec,exponentials", [("d=128,causal=true", 40), ("d=64", 64)])
+def test_one_step_body_builds_the_step_once(spec, exponentials):
+    """one_step_body: the masked step for every query block, as flash-attn-4's loop (one copy of the
+    step's code: the thread's exponentials once, each with its select), without spills or serialised
+    WGMMAs; the default has a mask-free copy beside it (twice the exponentials in the code)."""
+    report = _sass_report()
+    base = _opcodes(report, spec)
+    ops = _opcodes(report, spec + ",one_step_body=true")
+    assert base["MUFU.EX2"] == 2 * exponentials and ops["MUFU.EX2"] == exponentials
+    assert ops["FSEL"] >= exponentials
+    _no_spills_nor_serialised_wgmmas(ops, base)

@@ -246,11 +246,13 @@ def test_backward_exponentials_after_dp(sm90_schedule, monkeypatch, eighths, d, 
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
 
 
-# The sm90 schedule switches (BackwardConfig, off by default, for A/B runs): each alone and all three,
-# on the layouts that take them (tma_store_dkv: batched, unsplit).
+# The sm90 schedule switches (BackwardConfig; dispatch turns tma_store_dkv on where it can, the others are
+# off, for A/B runs): each alone and all of them, on the layouts that take them (tma_store_dkv: batched,
+# unsplit).
 SCHEDULE_SWITCHES = {"sepdo": {"separate_do_barrier": True}, "bulkdq": {"dq_bulk_reduce": True},
-                     "dkv": {"tma_store_dkv": True},
-                     "all": {"separate_do_barrier": True, "dq_bulk_reduce": True, "tma_store_dkv": True}}
+                     "dkv": {"tma_store_dkv": True}, "onebody": {"one_step_body": True},
+                     "all": {"separate_do_barrier": True, "dq_bulk_reduce": True, "tma_store_dkv": True,
+                             "one_step_body": True}}
 SWITCH_CASES = [
     (128, "gqa", 300, 257, {"causal": True}),  # 80-query blocks, masked and unmasked steps, keys past the end
     (64, "mha", 1000, 1000, {}),  # 128-query blocks, many KV tiles per query block
@@ -273,8 +275,9 @@ def _with_switches(monkeypatch, fields: dict):
     (name, *case) for name in SCHEDULE_SWITCHES for case in SWITCH_CASES if not (name == "dkv" and case[0] > 128)])
 def test_backward_schedule_switches(sm90_schedule, monkeypatch, switches, d, heads, sq, sk, kwargs):
     """BackwardConfig.separate_do_barrier (dO behind its own mbarrier), dq_bulk_reduce (dQ added by a 1-D
-    bulk reduce) and tma_store_dkv (dK/dV through shared memory and TMA stores) must give the
-    reference's gradients; dK/dV start as NaN (the fixture), so a tile left unwritten fails."""
+    bulk reduce), tma_store_dkv (dK/dV through shared memory and TMA stores) and one_step_body (the
+    masked step for every query block) must give the reference's gradients; dK/dV start as NaN (the
+    fixture), so a tile left unwritten fails."""
     fields = dict(SCHEDULE_SWITCHES[switches])
     if d > 128:
         fields.pop("tma_store_dkv", None)

@@ -281,8 +281,8 @@ class BackwardConfig(_KernelConfig):
 
     Which fields an arch reads: the problem class (dtype through deterministic) and tile_m, tile_n,
     num_stages everywhere; longest_first wherever the arch's scheduler orders tiles; split_head_dim,
-    exp_eighths_under_dp, separate_do_barrier, dq_bulk_reduce and tma_store_dkv are sm90 layout and
-    schedule switches (sm90/tiles.py). The arch's check_backward
+    exp_eighths_under_dp, separate_do_barrier, dq_bulk_reduce, tma_store_dkv and one_step_body are sm90
+    layout and schedule switches (sm90/tiles.py). The arch's check_backward
     (registry in arch.py) rejects tiles its kernel cannot build, when the config is constructed.
     """
 
@@ -317,6 +317,10 @@ class BackwardConfig(_KernelConfig):
     # step) and a TMA store each, instead of 32-bit global stores from the accumulators. Batched
     # inputs, unsplit layout.
     tma_store_dkv: bool = False
+    # One step body (True): every query block takes the masked step, as flash-attn-4's loop does
+    # (a select per score on every step), instead of a second, mask-free copy of the step for blocks
+    # inside the mask (False): half the step loop's code, more work per unmasked step. For A/B runs.
+    one_step_body: bool = False
     # CTAs that share one MMA along the keys: 1, each CTA issues its own; 2, a cluster of two CTAs
     # (a pair, tile_n keys each) runs the M = 2 * tile_n tcgen05 MMAs of cta_group::2 issued by the
     # even CTA. Only for an arch whose rules say it has backward pairs (``BACKWARD_CLUSTER_M`` in its

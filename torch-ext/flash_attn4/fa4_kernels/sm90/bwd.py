@@ -636,8 +636,11 @@ class FlashAttentionBackwardSm90:
         # and FMA-pipe gradients can interleave.
         columns = cute.size(acc_rows_view(scores.acc_s), mode=[1])
         under_dp = columns * self.cfg.exp_eighths_under_dp // 8
-        # Most blocks need no element-wise mask: only those on a mask edge or the sequence's end pay.
-        full = work.mask.block_is_full(work.seqlen, m_block, work.n_block)
+        # Most blocks need no element-wise mask: only those on a mask edge or the sequence's end pay
+        # (one_step_body: every block takes the masked step, one copy of the step's code).
+        full = False
+        if cutlass.const_expr(not self.cfg.one_step_body):
+            full = work.mask.block_is_full(work.seqlen, m_block, work.n_block)
         if full:
             self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, False, 0, under_dp)
         else:
