@@ -94,8 +94,9 @@ MODEL_PROFILES = (
 # each SHIPPED_PAGE_SIZES, with the paged append kernel.
 CALL_PATTERNS = ("dense", "varlen", "decode", "kvcache", "paged")
 # The page size is part of the compile key and the serving engine's choice: the shipped one is
-# transformers' continuous-batching default (256 tokens), whose paged decode step calls
-# flash_attn_with_kvcache with a block table. Other sizes compile on first use.
+# transformers' continuous-batching default (256 tokens), whose paged decode step would call
+# flash_attn_with_kvcache with a block table once it routes FA4 names there (docs/DECODING.md: as of
+# 5.22 only FA2/FA3 names take that path). Other sizes (vLLM's 16) compile on first use.
 SHIPPED_PAGE_SIZES = (256,)
 
 
