@@ -110,9 +110,9 @@ class ForwardConfig(_KernelConfig):
 
     Which fields an arch reads: every forward reads the problem class (dtype through has_sink,
     pack_gqa; pack_gqa_heads where its rules allow it), its tiles (tile_m, tile_n, num_stages: what
-    they mean in warps and stages is the arch's), rescale_threshold, exp2_emulated_eighths and persistent_ctas. pingpong, tma_store_o,
-    rescale_o_before_pv and whole_k_gemms are sm90 schedule switches (sm90/tiles.py); another arch
-    leaves them at their defaults. The arch's check_forward (registry in arch.py) rejects what its
+    they mean in warps and stages is the arch's), rescale_threshold, exp2_emulated_eighths and
+    persistent_ctas. pingpong, tma_store_o, rescale_o_before_pv and whole_k_gemms are sm90 schedule
+    switches (sm90/tiles.py); another arch leaves them at their defaults. The arch's check_forward (registry in arch.py) rejects what its
     kernel cannot build, when the config is constructed.
     """
 
@@ -138,8 +138,9 @@ class ForwardConfig(_KernelConfig):
     # O leaves through shared memory (stmatrix) and one TMA store per consumer warpgroup instead of
     # 32-bit global stores from the accumulator layout. Batched queries only, over contiguous or
     # paged keys (a TMA box would write past a packed sequence's end). Where the slabs do not fit
-    # beside Q, K and V (d = 192, 256) they reuse Q's buffer, which persistent CTAs cannot lend. tiles.forward_schedule turns it on for
-    # batched inputs with d_v a multiple of 16 (measured faster at every head dim, docs/perf.md).
+    # beside Q, K and V (d = 192, 256) they reuse Q's buffer, which persistent CTAs cannot lend.
+    # tiles.forward_schedule turns it on for batched inputs with d_v a multiple of 16 (measured
+    # faster at every head dim, docs/perf.md).
     tma_store_o: bool = False
     # 0: one CTA per output tile. N > 0: a persistent grid of at most N CTAs (the SM count), each
     # walking tiles first, first + grid, ... in the scheduler's order, so that the launch, barrier
