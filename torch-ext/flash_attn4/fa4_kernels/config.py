@@ -112,8 +112,8 @@ class ForwardConfig(_KernelConfig):
     pack_gqa; pack_gqa_heads where its rules allow it), its tiles (tile_m, tile_n, num_stages: what
     they mean in warps and stages is the arch's), rescale_threshold, exp2_emulated_eighths and
     persistent_ctas. pingpong, tma_store_o, rescale_o_before_pv and whole_k_gemms are sm90 schedule
-    switches (sm90/tiles.py); another arch leaves them at their defaults. The arch's check_forward (registry in arch.py) rejects what its
-    kernel cannot build, when the config is constructed.
+    switches (sm90/tiles.py); another arch leaves them at their defaults. The arch's check_forward
+    (registry in arch.py) rejects what its kernel cannot build, when the config is constructed.
     """
 
     has_softcap: bool = False
