@@ -247,3 +247,20 @@ def attention_used_into(out, lse, q, k, v, *, seqused_q, cu_seqlens_q=None, cu_s
             out[q0:q0 + nq], lse[:, q0:q0 + nq] = o[0], l[0]
         else:
             out[b, :nq], lse[b, :, :nq] = o[0], l[0]
+
+
+def rotary_ref(x, angle, pos, interleaved):
+    """x (b, s, h, d) rotated by ``angle`` (seqlen_ro, r / 2) at rows pos (b, s), written independently of
+    the library: interleaved as complex multiplication of (x[2i], x[2i + 1]), else GPT-NeoX's
+    x * cos + rotate_half(x) * sin over the first r dims."""
+    half = angle.shape[1]
+    a = angle[pos.long()][:, :, None, :].double()  # (b, s, 1, half)
+    xr, rest = x[..., :2 * half].double(), x[..., 2 * half:]
+    if interleaved:
+        z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], half, 2).contiguous())
+        out = torch.view_as_real(z * torch.polar(torch.ones_like(a), a)).flatten(-2)
+    else:
+        cos, sin = torch.cat([a.cos(), a.cos()], -1), torch.cat([a.sin(), a.sin()], -1)
+        rotate_half = torch.cat([-xr[..., half:], xr[..., :half]], -1)
+        out = xr * cos + rotate_half * sin
+    return torch.cat([out.to(x.dtype), rest], -1)

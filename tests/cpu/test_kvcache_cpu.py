@@ -18,7 +18,7 @@ import torch
 from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_with_kvcache, ops, validate
 from flash_attn4._ops import add_op_namespace_prefix
 from flash_attn4.fa4_kernels.arch import Arch
-from tests.reference import attention_ref, partial_attention_ref, random_pages, unpage
+from tests.reference import attention_ref, partial_attention_ref, random_pages, rotary_ref, unpage
 
 BF16 = torch.bfloat16
 H200_SMS = 132
@@ -470,23 +470,6 @@ def test_torch_compile_fullgraph_appends_and_matches_eager(kernels, backend):
 
 
 # ---- rotary embedding (torch, before the append) ----
-
-def rotary_ref(x, angle, pos, interleaved):
-    """x (b, s, h, d) rotated by ``angle`` (seqlen_ro, r / 2) at rows pos (b, s), written independently of
-    the library: interleaved as complex multiplication of (x[2i], x[2i + 1]), else GPT-NeoX's
-    x * cos + rotate_half(x) * sin over the first r dims."""
-    half = angle.shape[1]
-    a = angle[pos.long()][:, :, None, :].double()  # (b, s, 1, half)
-    xr, rest = x[..., :2 * half].double(), x[..., 2 * half:]
-    if interleaved:
-        z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], half, 2).contiguous())
-        out = torch.view_as_real(z * torch.polar(torch.ones_like(a), a)).flatten(-2)
-    else:
-        cos, sin = torch.cat([a.cos(), a.cos()], -1), torch.cat([a.sin(), a.sin()], -1)
-        rotate_half = torch.cat([-xr[..., half:], xr[..., :half]], -1)
-        out = xr * cos + rotate_half * sin
-    return torch.cat([out.to(x.dtype), rest], -1)
-
 
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (50, 10))])

@@ -181,8 +181,8 @@ def test_int_cache_seqlens_and_out_only(seed):
 def test_rotary(seed, interleaved, causal):
     """rotary_cos/sin (rotary_dim 64 of 128): the cache holds the rotated new keys and the output equals
     attention of the rotated q (positions cache_seqlens + i when causal, else cache_seqlens) - both
-    rotated here by an independent formulation (tests/cpu/test_kvcache_cpu.rotary_ref, float64)."""
-    from tests.cpu.test_kvcache_cpu import rotary_ref
+    rotated here by an independent formulation (tests/reference.rotary_ref, float64)."""
+    from tests.reference import rotary_ref
 
     b, sq, s_new, hq, hk, d, s_cache = 2, 3, 3, 8, 2, 128, 600
     seqlens = [500, 17]
