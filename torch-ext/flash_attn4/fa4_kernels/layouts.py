@@ -84,10 +84,20 @@ class QueryPacking:
         return ((self.group, rows // self.group), cols)
 
     def tma_tile(self, t: cute.Tensor, rows: int, cols: int, block) -> cute.Tensor:
-        """Row block ``block`` of one head of a tma_view, (rows, cols) (padded: ((group, tokens), cols))."""
+        """Row block ``block`` of one head of a tma_view, (rows, cols) (padded: ((group, tokens), cols));
+        ``block`` None: every row block, the tile index last."""
         if not self.padded:
             return cute.local_tile(t, (rows, cols), (block, 0))
         return cute.local_tile(t, self.tma_tiler(rows, cols), ((0, block), 0))
+
+    def tma_window(self, t: cute.Tensor, rows: int, cols: int, first_row) -> cute.Tensor:
+        """The (rows, cols) tile of one head of a tma_view whose first row is ``first_row`` (a
+        multiple of ``group``; padded: ((group, tokens), cols), starting at token first_row // group):
+        a tile not aligned to ``rows``, such as a CTA pair's M = 256 window over one CTA's rows."""
+        if not self.padded:
+            return cute.local_tile(cute.domain_offset((first_row, 0), t), (rows, cols), (0, 0))
+        return cute.local_tile(cute.domain_offset(((0, first_row // self.group), 0), t),
+                               self.tma_tiler(rows, cols), ((0, 0), 0))
 
     def tma_rows_before(self, mask, seqlen):
         """Where a varlen sequence starts in a tma_view's row mode: the mask's row count, or padded a

@@ -108,7 +108,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..kv_tail import first_row_past_keys, tail_possible, zero_rows
-from ..layouts import last_mode_slice, pack_query_heads
+from ..layouts import QueryPacking, last_mode_slice
 from ..mask import AttentionMask
 from ..paged_kv import PagedKV, kernel_view, rows_per_copy
 from ..pipelines import advanced
@@ -181,6 +181,7 @@ def _pad16(d: int) -> int:
 class FlashAttentionForwardSm100:
     def __init__(self, cfg: ForwardConfig):
         self.cfg = cfg
+        self.packing = QueryPacking.of(cfg)
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         # What O is stored as: the input dtype, or float32 split-KV partials.
         self.o_dtype = Float32 if cfg.split_kv else self.dtype
@@ -260,11 +261,17 @@ class FlashAttentionForwardSm100:
             mK, mV = kernel_view(mK), kernel_view(mV)
         num_heads = mQ.shape[2]
         qhead_per_kvhead = num_heads // mK.shape[2]
-        if cutlass.const_expr(cfg.pack_gqa > 1):
-            mQ, mO = [pack_query_heads(t, cfg.pack_gqa, head_mode=2) for t in (mQ, mO)]
-            mLSE = pack_query_heads(mLSE, cfg.pack_gqa, head_mode=1)
+        packing = self.packing
+        if cutlass.const_expr(packing.group > 1):
+            # Each KV head's query heads become rows: (token, head) -> row token * g + head, and the
+            # grid walks KV heads. Q's TMA descriptor is made from the view that clips a padded
+            # group's dummy heads (QueryPacking.tma_view); O and LSE leave through register stores
+            # that skip those rows (they alias the next KV head's heads).
+            mQ = packing.tma_view(mQ, 2, qhead_per_kvhead)
+            mO = packing.view(mO, head_mode=2)
+            mLSE = packing.view(mLSE, head_mode=1)
             num_heads, qhead_per_kvhead = mK.shape[2], 1
-            max_seqlen_q = max_seqlen_q * cfg.pack_gqa
+            max_seqlen_q = max_seqlen_q * packing.group
 
         major = cute.nvgpu.OperandMajorMode
         mma_qk = sm100_utils.make_trivial_tiled_mma(
@@ -293,8 +300,12 @@ class FlashAttentionForwardSm100:
         # A pair's loads are 2-CTA TMA: both CTAs' bytes land on the even CTA's barrier.
         tma_load = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
         cluster = self.cluster_layout_vmnk(mma_qk)
+        # Padded packing: Q's M mode is tiled as (group, tokens), the box of a head-in-group
+        # dimension whose extent is the real heads (QueryPacking.tma_tiler).
+        q_rows_tiler, q_cols_tiler = packing.tma_tiler(self.mma_m, self.hdim_tile)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), tiler_qk, mma_qk, cluster.shape)
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), (q_rows_tiler, TILE_N, q_cols_tiler), mma_qk,
+            cluster.shape)
         if cutlass.const_expr(cfg.page_size > 0):
             rows = rows_per_copy(TILE_N, cfg.page_size)
             sK_box, _ = self.kv_box_layouts(sK_layout, self.hdim_tile, rows, stage_elems, keys_mode=0)
@@ -680,9 +691,9 @@ class FlashAttentionForwardSm100:
         m_block, n_block_max, num_blocks = tile.m_block, tile.n_block_max, self.num_blocks(tile)
         # A pair's CTA loads its half of each K and V tile: the MMA's slice of its rank.
         thr_qk, thr_pv = mma_qk.get_slice(self.pair_rank()), mma_pv.get_slice(self.pair_rank())
-        q_rows = head_rows(mQ, mask.rows_before(seqlen), head, batch, varlen)
+        q_rows = head_rows(mQ, self.packing.tma_rows_before(mask, seqlen), head, batch, varlen)
         if cutlass.const_expr(not self.pair):
-            gQ = cute.local_tile(q_rows, (TILE_M, self.hdim_tile), (None, 0))
+            gQ = self.packing.tma_tile(q_rows, TILE_M, self.hdim_tile, None)
             tQsQ, tQgQ = self.tma_partition(tma_atom_Q, sQ, thr_qk.partition_A(gQ))
         if cutlass.const_expr(paged is None):
             gK = cute.local_tile(head_rows(mK, seqlen.offset_k, head_kv, batch, varlen),
@@ -791,7 +802,7 @@ class FlashAttentionForwardSm100:
         """(smem (TMA, stage), gmem (TMA,)) of query block ``block`` (TILE_M rows) for a CTA of a
         pair: the rows are this CTA's own, so they are taken as the first half (slice 0) of an
         M = 256 window that starts at them (the other half, the peer's, is never loaded from here)."""
-        window = cute.local_tile(cute.domain_offset((block * TILE_M, 0), q_rows), (self.mma_m, self.hdim_tile), (0, 0))
+        window = self.packing.tma_window(q_rows, self.mma_m, self.hdim_tile, block * TILE_M)
         tQsQ, tQgQ = self.tma_partition(atom, sQ, mma_qk.get_slice(0).partition_A(window))
         return tQsQ, tQgQ
 
@@ -1003,7 +1014,10 @@ class FlashAttentionForwardSm100:
         if cutlass.const_expr(self.persistent):
             stats_state = advanced(stats_state, self.q_tiles)
         if in_sequence:
-            if row < mask.rows(seqlen) - m_block * cfg.tile_m:
+            inside = row < mask.rows(seqlen) - m_block * cfg.tile_m
+            if cutlass.const_expr(self.packing.padded):
+                inside = inside & self.packing.real_row(row)  # a dummy row aliases a real head
+            if inside:
                 gLSE = head_rows(mLSE, mask.rows_before(seqlen), head, batch, cfg.varlen)
                 gLSE[m_block * cfg.tile_m + row] = lse[0]
         return s_state, stats_state
@@ -1046,10 +1060,16 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def sink_logit(self, mSink, head, row):
-        g = self.cfg.pack_gqa
+        """The learnable sink logit of tile row ``row``: the tile's head, or with GQA packing the
+        row's own query head (head here is the KV head). A padded group's dummy rows take its last
+        real head's (any finite value would do: they are never stored)."""
+        g, heads = self.packing.group, self.packing.heads
         if cutlass.const_expr(g == 1):
             return Float32(mSink[head])
-        return Float32(mSink[head * g + row % g])
+        in_group = row % g
+        if cutlass.const_expr(self.packing.padded):
+            in_group = cutlass.min(in_group, heads - 1)
+        return Float32(mSink[head * heads + in_group])
 
     # ---- correction warpgroup --------------------------------------------------------------------
     @cute.jit
@@ -1137,6 +1157,8 @@ class FlashAttentionForwardSm100:
         seqlen, mask, m_block, head, batch = tile.seqlen, tile.mask, tile.m_block, tile.head, tile.batch
         row = t * TILE_M + thread
         row_inside = row < mask.rows(seqlen) - m_block * cfg.tile_m
+        if cutlass.const_expr(self.packing.padded):
+            row_inside = row_inside & self.packing.real_row(row)  # a dummy row aliases a real head
         gO = cute.local_tile(head_rows(mO, mask.rows_before(seqlen), head, batch, cfg.varlen),
                              (cfg.tile_m, self.hdim_v_tile), (m_block, 0))
         load, _, chunks = self.o_chunk_copies(tOtO, thread)
