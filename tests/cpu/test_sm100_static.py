@@ -423,3 +423,37 @@ def test_no_pairs_with_learnable_sinks():
     assert cfg.cluster_m == 1
     stats = lib.kernel_stats(cfg, "cu13")
     assert stats["ldl"] == stats["stl"] == 0
+
+
+# Head ratios packed in padded groups (ForwardConfig.pack_gqa_heads: r real heads in groups of G
+# rows) at decode shapes, as dispatch builds them: the kernel set's three and the batched CTA pair.
+PADDED = {
+    "r7-split": dict(qhead_per_kvhead=7, split_kv=True),
+    "r5-varlen-paged256": dict(qhead_per_kvhead=5, varlen=True, has_seqused_k=True, page_size=256),
+    "r3-d64-causal-sink": dict(d=64, qhead_per_kvhead=3, causal=True, has_sink=True),
+    "r7-pair": dict(qhead_per_kvhead=7),
+}
+
+
+def padded_config(arch=Arch.SM100, d=128, qhead_per_kvhead=1, split_kv=False, page_size=0, **flags):
+    flags = {f: flags.get(f, False) for f in ("causal", "local", "has_softcap", "varlen", "has_seqused_k",
+                                              "has_sink")}
+    group = dispatch.padded_pack(arch, d, d, flags["varlen"], qhead_per_kvhead, 1)
+    return dispatch.forward_config(arch, "bfloat16", d, d, qhead_per_kvhead=qhead_per_kvhead, split_kv=split_kv,
+                                   page_size=page_size, pack_group=group, **flags)
+
+
+@pytest.mark.parametrize("name", sorted(PADDED))
+def test_padded_packing_compiles_spill_free_with_the_mmas_of_its_tiles(name):
+    """A padded group's kernel (dummy rows loaded as zeros by the Q descriptor, never stored) keeps
+    the static facts of the kernel it extends: no local memory, the MMA count its tiles imply, one
+    TMEM allocation; the batched class runs on a CTA pair, in its 2-CTA forms throughout."""
+    spec = PADDED[name]
+    cfg = padded_config(**spec)
+    ratio = spec["qhead_per_kvhead"]
+    assert cfg.pack_gqa_heads == ratio < cfg.pack_gqa and 64 % cfg.pack_gqa == 0
+    pair = cfg.cluster_m == 2
+    assert pair == (name == "r7-pair" and sm100_tiles.TWO_CTA), name
+    stats = assert_pair_forms(cfg, name) if pair else lib.kernel_stats(cfg, FLAVOUR)
+    assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, (name, stats["ldl"], stats["stl"])
+    assert stats["utcmma"] == expected_mma(cfg) and lib.static_problems(stats) == [], name

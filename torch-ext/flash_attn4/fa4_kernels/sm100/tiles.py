@@ -217,9 +217,17 @@ FORWARD_KERNEL_SET = (
     # The single-CTA kernels d = 128 and d = 192 / 128 fall back to where their CTA pair fails the
     # first-use check.
     dict(cluster_m=1), dict(d=192, dv=128, cluster_m=1),
+    # Head ratios packed in padded groups (ForwardConfig.pack_gqa_heads): 7 of 8 rows (Qwen2.5)
+    # batched through split-KV, 5 of 8 varlen from a paged cache, 3 of 4 with a causal mask and
+    # sinks at d = 64.
+    dict(split_kv=True, qhead_per_kvhead=7, pack_group=8),
+    dict(varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=5, pack_group=8),
+    dict(d=64, dv=64, causal=True, has_sink=True, qhead_per_kvhead=3, pack_group=4),
 )
 # This arch's forward has the split-KV variant (ForwardConfig.split_kv).
 FORWARD_SPLIT_KV = True
+# Its forward packs a head ratio that does not divide 64 in padded groups (ForwardConfig.pack_gqa_heads).
+FORWARD_PADDED_PACK = True
 
 
 def _pad16(d: int) -> int:
