@@ -1,5 +1,6 @@
 """GQA packing of head ratios that do not divide 64 in padded groups (ForwardConfig.pack_gqa_heads):
-the config's rules, dispatch's choice, the self-check's problem, and sm_90a compiles - no GPU.
+the config's rules, dispatch's choice, the self-check's problem, and sm_90a compiles - no GPU (the
+sm_100a compiles: tests/cpu/test_sm100_static.py).
 tests/gpu/test_gqa_pack.py checks the numbers and that dummy rows write nothing."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import subprocess
 import pytest
 
 from flash_attn4 import dispatch, ops, selfcheck
-from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.arch import KERNELS, Arch
 from flash_attn4.fa4_kernels.config import ForwardConfig
 from flash_attn4.fa4_kernels.tiles import has_padded_pack
 from tests.cpu.test_kernels import _compile_in_subprocess, _nvdisasm
@@ -43,13 +44,28 @@ def test_padded_group_configs_reject_what_cannot_be_packed(group, heads, error, 
         ForwardConfig(arch=Arch.SM90, **BASE, pack_gqa=group, pack_gqa_heads=heads)
 
 
-@pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103])
-def test_an_arch_without_padded_packing_refuses_it_by_name(arch):
-    assert not has_padded_pack(arch) and has_padded_pack(Arch.SM90)
+ARCHS = [Arch.SM90, Arch.SM100, Arch.SM103]
+# Each arch's tiles at d = 128 (sm100 checks them against its own rule).
+ARCH_TILES = {arch: dispatch.choose_tiles(arch, 128, 128, False, False) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_packs_padded_groups(arch):
+    assert has_padded_pack(arch)
+    cfg = ForwardConfig(arch=arch, **BASE, pack_gqa=8, pack_gqa_heads=7, **ARCH_TILES[arch])
+    assert cfg.query_heads_per_group == 7
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_arch_without_padded_packing_refuses_it_by_name(monkeypatch, arch):
+    """An arch whose rules do not say FORWARD_PADDED_PACK (each of ours does: switched off here)
+    refuses the config and dispatch's request by name, so that the torch layer pads on the host."""
+    monkeypatch.setattr(KERNELS[arch].rules(), "FORWARD_PADDED_PACK", False)
+    assert not has_padded_pack(arch)
     with pytest.raises(NotImplementedError, match=f"pack_gqa_heads=7: the {arch} forward does not pack"):
-        ForwardConfig(arch=arch, **BASE, pack_gqa=8, pack_gqa_heads=7)
+        ForwardConfig(arch=arch, **BASE, pack_gqa=8, pack_gqa_heads=7, **ARCH_TILES[arch])
     with pytest.raises(NotImplementedError, match="padded GQA groups"):
-        dispatch.forward_config(arch, "bfloat16", 128, 128, **FLAGS, qhead_per_kvhead=7, pack_group=8)
+        dispatch.forward_config.__wrapped__(arch, "bfloat16", 128, 128, **FLAGS, qhead_per_kvhead=7, pack_group=8)
 
 
 # ---- dispatch ----
@@ -58,24 +74,24 @@ def test_an_arch_without_padded_packing_refuses_it_by_name(arch):
 @pytest.mark.parametrize("hq,hk", [(6, 2), (10, 2), (12, 2), (14, 2), (28, 4), (40, 8), (12, 4)])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_decode_with_a_ratio_that_does_not_divide_64_packs_in_the_kernel(monkeypatch, hq, hk, varlen):
-    """Ratios 3, 5, 6, 7 (and 28/4, 40/8, 12/4 heads) at decode shapes: sm90's kernel packs them in
-    padded groups (no host padding); sm100 pads on the host; long queries run unpacked."""
+    """Ratios 3, 5, 6, 7 (and 28/4, 40/8, 12/4 heads) at decode shapes: the sm90, sm100 and sm103
+    kernels pack them in padded groups (no host padding); long queries run unpacked."""
     import torch
 
     ratio = hq // hk
     q, k, v = torch.empty(2, 1, hq, 128), torch.empty(2, 9, hk, 128), torch.empty(2, 9, hk, 128)
-    for arch, on_host in ((Arch.SM90, False), (Arch.SM100, True)):
+    for arch in ARCHS:
         monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward", a=arch: a)
         for sq in (1, 4, 17, dispatch.PAD_PACK_MAX_QUERIES):
-            group, host = ops._padded_group(q, k, v, varlen, sq)
-            assert group == next(g for g in (4, 8, 16, 32, 64) if g > ratio and 64 % g == 0) and host == on_host
+            group, on_host = ops._padded_group(q, k, v, varlen, sq)
+            assert group == next(g for g in (4, 8, 16, 32, 64) if g > ratio and 64 % g == 0) and not on_host
         assert ops._padded_group(q, k, v, varlen, dispatch.PAD_PACK_MAX_QUERIES + 1) == (0, False)
-    cfg = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, **dict(FLAGS, varlen=varlen),
-                                  qhead_per_kvhead=ratio, pack_group=group)
-    assert (cfg.pack_gqa, cfg.pack_gqa_heads, cfg.query_heads_per_group) == (group, ratio, ratio)
-    unpacked = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, **dict(FLAGS, varlen=varlen),
-                                       qhead_per_kvhead=ratio)
-    assert unpacked.pack_gqa == 1 and cfg.replace(pack_gqa=1, pack_gqa_heads=0) == unpacked
+        cfg = dispatch.forward_config(arch, "bfloat16", 128, 128, **dict(FLAGS, varlen=varlen),
+                                      qhead_per_kvhead=ratio, pack_group=group)
+        assert (cfg.pack_gqa, cfg.pack_gqa_heads, cfg.query_heads_per_group) == (group, ratio, ratio)
+        unpacked = dispatch.forward_config(arch, "bfloat16", 128, 128, **dict(FLAGS, varlen=varlen),
+                                           qhead_per_kvhead=ratio)
+        assert unpacked.pack_gqa == 1 and cfg.replace(pack_gqa=1, pack_gqa_heads=0) == unpacked
 
 
 def test_split_heuristic_counts_padded_tiles_per_kv_head():
@@ -90,11 +106,12 @@ def test_split_heuristic_counts_padded_tiles_per_kv_head():
 # ---- the first-use self-check ----
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("group,heads", [(4, 3), (8, 7)])
 @pytest.mark.parametrize("flags", [dict(), dict(varlen=True, has_seqused_k=True),
                                    dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=16)])
-def test_self_check_problem_has_the_real_ratio(group, heads, flags):
-    cfg = dispatch.forward_config(Arch.SM90, "bfloat16", 64, 64, **{**FLAGS, **flags}, qhead_per_kvhead=heads,
+def test_self_check_problem_has_the_real_ratio(arch, group, heads, flags):
+    cfg = dispatch.forward_config(arch, "bfloat16", 64, 64, **{**FLAGS, **flags}, qhead_per_kvhead=heads,
                                   pack_group=group)
     p = selfcheck.build_forward_problem(cfg)
     hq, hk = p.q.shape[-2], p.k.shape[-2]

@@ -17,7 +17,7 @@ import torch
 
 from flash_attn4 import compile_cache, dispatch, flash_attn_func, flash_attn_varlen_func, ops, validate
 from flash_attn4._ops import add_op_namespace_prefix
-from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.arch import KERNELS, Arch
 from flash_attn4.fa4_kernels.config import BackwardConfig
 from tests.reference import _mask as reference_mask
 from tests.reference import attention_ref, attention_used_into, random_cu_seqlens, unpage
@@ -994,14 +994,18 @@ def test_inference_calls_skip_the_dispatcher_and_training_calls_do_not(cpu_kerne
     assert len(through_op) == 2 and fake_out.shape == out_plain.shape
 
 
-@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100], ids=lambda a: a.value)
+@pytest.mark.parametrize("arch,in_kernel", [(Arch.SM90, True), (Arch.SM100, True), (Arch.SM100, False)],
+                         ids=["sm_90a", "sm_100a", "sm_100a-host-pad"])
 @pytest.mark.parametrize("hq,hk,varlen", [(14, 2, False), (10, 2, True), (6, 2, False), (24, 2, True)])
-def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, monkeypatch, arch, hq, hk, varlen):
+def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, monkeypatch, arch, in_kernel, hq, hk, varlen):
     """Head ratios that do not divide 64 (7, 5, 3, 12) with short queries: one packed kernel of the
     next ratio that packs (8, 8, 4, 16), and the result is the unpadded attention (out, lse and a
-    learnable sink per real head). sm90 packs the padded groups in the kernel (pack_gqa_heads: the
-    real q goes in, nothing is padded or copied); sm100 gets q padded with zero heads (ops.py)."""
+    learnable sink per real head). Both archs pack the padded groups in the kernel (pack_gqa_heads:
+    the real q goes in, nothing is padded or copied); an arch whose rules do not say
+    FORWARD_PADDED_PACK (switched off here) gets q padded with zero heads (ops._forward_padded_heads)."""
     monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": arch)
+    if not in_kernel:
+        monkeypatch.setattr(KERNELS[arch].rules(), "FORWARD_PADDED_PACK", False)
     ratio = hq // hk
     sink = torch.randn(hq)
     if varlen:
@@ -1017,7 +1021,7 @@ def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, monkeypatch, 
     assert all(c == cfg for c in cpu_kernel)
     group = dispatch.padded_pack(cfg.arch, 64, 64, varlen, ratio, 9)
     assert cfg.pack_gqa == group > ratio
-    assert cfg.pack_gqa_heads == (ratio if arch is Arch.SM90 else 0)
+    assert cfg.pack_gqa_heads == (ratio if in_kernel else 0)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.is_contiguous()
     assert (out.float() - ref_out.float()).abs().max() < 2e-2
     assert torch.allclose(lse, ref_lse, atol=1e-3)
@@ -1029,11 +1033,15 @@ def test_unpackable_ratios_run_packed_with_dummy_heads(cpu_kernel, monkeypatch, 
     assert torch.equal(out_only, out)
 
 
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100], ids=lambda a: a.value)
 @pytest.mark.parametrize("hq,hk", [(28, 4), (40, 8), (12, 4), (6, 2), (10, 2)])
-def test_kernel_packs_padded_groups_without_host_copies(cpu_kernel, monkeypatch, hq, hk):
-    """sm90 decode with a ratio that does not divide 64 (7, 5, 3, 3, 5): the kernel gets the caller's
+def test_kernel_packs_padded_groups_without_host_copies(cpu_kernel, monkeypatch, arch, hq, hk):
+    """Decode with a ratio that does not divide 64 (7, 5, 3, 3, 5): the kernel gets the caller's
     q and writes the out and lse that are returned (no padded q, no unpadding copy), on the
-    launch-plan path and off it; long queries run unpacked (PAD_PACK_MAX_QUERIES)."""
+    launch-plan path and off it; long queries run unpacked (PAD_PACK_MAX_QUERIES). sm100's first-use
+    self-check is off here (its launches would count); the test above runs it."""
+    monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": arch)
+    monkeypatch.setenv("FLASH_ATTN4_SELF_CHECK", "0")
     ratio = hq // hk
     launched = []
     real_launch = ops._launch_forward

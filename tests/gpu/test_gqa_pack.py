@@ -1,6 +1,6 @@
 """Head ratios that do not divide 64 (3, 5, 6, 7) with short queries, on a real GPU: the kernel packs
 them in padded groups of the next ratio that divides 64 (4 or 8 rows per token, ForwardConfig
-.pack_gqa_heads on sm90; on sm100 the torch layer pads q instead), against tests/reference.py under
+.pack_gqa_heads, sm90 and sm100 alike), against tests/reference.py under
 FlashAttention's accuracy rule (test_fwd.check, LSE included).
 
 Covered: batched and varlen, causal (bottom-right, s_q < s_k) and not, s_q in {1, 4, 17} (17 x 8 rows

@@ -309,7 +309,7 @@ def test_torch_compile_decode_no_recompile(seed):
 @pytest.mark.parametrize("ratio,sq,num_splits", [(7, 1, 0), (5, 4, 1), (3, 1, 3), (12, 2, 0), (7, 65, 1)])
 def test_unpackable_ratios(seed, ratio, sq, num_splits):
     """Head ratios that do not divide 64 (Qwen2.5's 7 and 5): packed with dummy heads for short
-    queries (ops._forward_padded_heads), unpacked past dispatch.PAD_PACK_MAX_QUERIES."""
+    queries (ForwardConfig.pack_gqa_heads), unpacked past dispatch.PAD_PACK_MAX_QUERIES."""
     run_kvcache([1000, 37], sq=sq, s_new=1, ratio=ratio, causal=True, num_splits=num_splits)
 
 

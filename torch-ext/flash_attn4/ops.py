@@ -418,7 +418,7 @@ def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, sequs
                           check_values, page_table, seqused_q, need_lse=True):
     """_forward with each KV head's query heads padded by zero heads to ``group`` (a ratio the kernel
     packs: dispatch.padded_pack), then the dummy heads' outputs dropped: for an arch whose kernel does
-    not pack padded groups itself (fa4_kernels.tiles.has_padded_pack; sm100 today). The padded q and the
+    not pack padded groups itself (fa4_kernels.tiles.has_padded_pack; each of ours does). The padded q and the
     outputs' copies are small next to the K/V the packing stops re-reading, but each is a launch that
     a decode step pays: one for the padded q, one copy of out, and one of the LSE only when ``need_lse`` (else the
     padded LSE is returned as it is, for a caller that drops it)."""
