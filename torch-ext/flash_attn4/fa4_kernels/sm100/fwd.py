@@ -77,6 +77,10 @@ the KV blocks, and the CTA stores O normalised over those keys alone, in float32
 into the split's slice of the partial buffers (an empty share: O = 0, LSE = -inf, as a tile whose
 rows see no key); fa4_kernels/combine.py merges them. Padded batches (``has_seqused_q``): a
 sequence's query length is seqused_q[b]; rows past it are loaded with the tile but never stored.
+GQA packing (``pack_gqa``, layouts.QueryPacking): a KV head's query heads are rows of its tiles
+(row = token * g + head in group); a ratio r that does not divide 64 runs in padded groups of g rows
+(``pack_gqa_heads`` = r): Q's TMA descriptor clips the head-in-group dimension to r, so the dummy
+rows load as zeros, and the O and LSE stores skip them (they alias the next KV head's heads).
 Paged KV caches (``page_size``, fa4_kernels/paged_kv.py; batched or varlen queries): a K or V tile arrives as
 gcd(128, page_size)-row TMA boxes, each from the page the page table names, into the same ring
 stage (kv_box_layouts: the MMA layouts' rows are 128-byte swizzled lines, so a box of whole rows is
