@@ -381,8 +381,41 @@ def test_pair_fallback_that_fails_too_raises(fake_gpu, pairs_on):
     assert selfcheck.verdict(config(ratio=2), "cpu") == "failed"
 
 
+def dummy_rows_stored(cfg, q, k, v, out, lse, *rest):
+    """A kernel packing padded GQA groups that stores its dummy rows: each KV head's first real
+    query head but the first KV head's gets the previous group's dummy row (garbage, here 0)."""
+    reference_into(cfg, q, k, v, out, lse, *rest)
+    if cfg.pack_gqa_heads:
+        ratio = cfg.pack_gqa_heads
+        out[..., ratio::ratio, :] = 0.0
+        lse[..., ratio::ratio, :] = 0.0
+
+
+def test_padded_groups_failing_their_check_fall_back_to_the_heads_unpacked(fake_gpu, caplog):
+    """Decode with a head ratio packed in padded groups (7 in 8 rows) whose kernel writes its dummy
+    rows fails its check and is replaced by the same heads unpacked on single CTAs, checked in turn:
+    the caller gets the right result and one warning line."""
+    fake_gpu["mutate"] = dummy_rows_stored
+    q, k, v = rand_qkv(b=2, sq=1, sk=51, hq=14, hk=2)
+    padded = dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, causal=True, local=False, has_softcap=False,
+                                     varlen=False, has_seqused_k=False, has_sink=False, qhead_per_kvhead=7,
+                                     pack_group=8)
+    unpacked = config(ratio=7, causal=True)
+    assert (padded.pack_gqa, padded.pack_gqa_heads) == (8, 7) and unpacked.pack_gqa == 1
+    assert dispatch.self_check_fallback(padded) == unpacked.replace(cluster_m=1)
+    with caplog.at_level("WARNING", logger=settings.LOGGER_NAME):
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "pack_gqa_heads=7" in warnings[0], warnings
+    assert selfcheck.verdict(padded, "cpu") == "failed" and selfcheck.verdict(unpacked, "cpu") == "passed"
+    ref, ref_lse = attention_ref(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+
+
 def test_failing_configuration_without_fallback_still_raises():
-    """Only pairs have a fallback: every other configuration's failure raises (the policy above)."""
+    """Only pairs and padded GQA groups have a fallback: every other configuration's failure raises
+    (the policy above)."""
     assert dispatch.self_check_fallback(config().replace(cluster_m=1)) is None
     assert dispatch.self_check_fallback(config(causal=True)) is None
     assert config(causal=True).cluster_m == 1

@@ -93,7 +93,11 @@ def self_check_fallback(cfg) -> Optional[ForwardConfig | BackwardConfig]:
     its first-use self-check on a device, or None (the failure raises: selfcheck.py). CTA pairs
     (cluster_m = 2: the newest, least verified kernels) fall back to single CTAs, the kernel the
     rules pick with the pair switch off (sm100/tiles.TWO_CTA for the forward, BWD_TWO_CTA for the
-    backward, whose 1-CTA kernel takes the stages of its own rule)."""
+    backward, whose 1-CTA kernel takes the stages of its own rule). A forward packing padded GQA
+    groups (pack_gqa_heads, a pair or not) falls back to the same heads unpacked on single CTAs:
+    the kernel dispatch picks for longer queries, on the caller's tensors as they are."""
+    if isinstance(cfg, ForwardConfig) and cfg.pack_gqa_heads:
+        return cfg.replace(cluster_m=1, pack_gqa=1, pack_gqa_heads=0)
     if isinstance(cfg, ForwardConfig) and cfg.cluster_m > 1:
         return cfg.replace(cluster_m=1)
     if isinstance(cfg, BackwardConfig) and cfg.cluster_m > 1:

@@ -61,7 +61,8 @@ back to a PyTorch path silently: a fallback would be orders of magnitude slower 
 noticing, and a kernel that fails its check is a bug we want to hear about. One exception: a
 configuration for which dispatch names a fallback kernel of ours (``dispatch.self_check_fallback``:
 CTA pairs, cluster_m = 2, fall back to single CTAs, which compute the same problem class with the
-kernel the rules pick when pairs are off) is replaced by it on that device for the rest of the
+kernel the rules pick when pairs are off; padded GQA groups, pack_gqa_heads, to the heads unpacked
+on single CTAs) is replaced by it on that device for the rest of the
 process, with a one-line warning naming both and asking for a report (the full failure report goes
 to the log at INFO level); the fallback is checked on its first use like any configuration, and
 raises if it fails too. An exception raised by the launch itself (a missing feature, a CUDA error)
