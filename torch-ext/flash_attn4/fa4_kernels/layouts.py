@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
@@ -105,6 +106,15 @@ class QueryPacking:
         if not self.padded:
             return mask.rows_before(seqlen)
         return (0, seqlen.offset_q)
+
+    def query_head(self, kv_head, row):
+        """The query head of tile row ``row`` (of a tile of KV head ``kv_head`` whose first row
+        starts a group), for what a row reads per head (a learnable sink): a padded group's dummy
+        rows name its last real head (any would do: they are never stored)."""
+        in_group = row % self.group
+        if self.padded:
+            in_group = cutlass.min(in_group, self.heads - 1)
+        return kv_head * self.heads + in_group
 
     def real_row(self, row):
         """Whether tile row ``row`` (of a tile whose first row starts a group) holds a real query head:

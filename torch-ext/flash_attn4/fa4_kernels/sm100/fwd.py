@@ -1065,15 +1065,10 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def sink_logit(self, mSink, head, row):
         """The learnable sink logit of tile row ``row``: the tile's head, or with GQA packing the
-        row's own query head (head here is the KV head). A padded group's dummy rows take its last
-        real head's (any finite value would do: they are never stored)."""
-        g, heads = self.packing.group, self.packing.heads
-        if cutlass.const_expr(g == 1):
+        row's own query head (head here is the KV head; QueryPacking.query_head)."""
+        if cutlass.const_expr(self.packing.group == 1):
             return Float32(mSink[head])
-        in_group = row % g
-        if cutlass.const_expr(self.packing.padded):
-            in_group = cutlass.min(in_group, heads - 1)
-        return Float32(mSink[head * heads + in_group])
+        return Float32(mSink[self.packing.query_head(head, row)])
 
     # ---- correction warpgroup --------------------------------------------------------------------
     @cute.jit

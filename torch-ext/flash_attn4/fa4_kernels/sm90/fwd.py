@@ -710,17 +710,12 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def sink_logits(self, mSink: cute.Tensor, tScS: cute.Tensor, m_block: Int32, head: Int32):
         """The learnable sink logit of each of the thread's rows: the tile's head, or with GQA
-        packing, each row's own query head (head here is the KV head). A padded group's dummy rows
-        take its last real head's (any finite value would do: they are never stored)."""
-        g, heads = self.packing.group, self.packing.heads
-        if cutlass.const_expr(g == 1):
+        packing, each row's own query head (head here is the KV head; QueryPacking.query_head)."""
+        if cutlass.const_expr(self.packing.group == 1):
             return Float32(mSink[head])
         sinks = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
         for r in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
-            in_group = (m_block * self.tile_m + tScS[r, 0][0]) % g
-            if cutlass.const_expr(self.packing.padded):
-                in_group = cutlass.min(in_group, heads - 1)
-            sinks[r] = Float32(mSink[head * heads + in_group])
+            sinks[r] = Float32(mSink[self.packing.query_head(head, m_block * self.tile_m + tScS[r, 0][0])])
         return sinks
 
     # ---- ping-pong between the consumer warpgroups ----------------------------------------------
