@@ -39,7 +39,8 @@ d=128 when ptxas serialised the WGMMAs around it, which it no longer does since 
 register order; now 0.98x the time, geometric mean: docs/perf.md). Off by default, for A/B runs:
 separate_do_barrier (Q with LSE and dO with rowsum behind their own mbarriers, so that S^T starts
 before dO lands), dq_bulk_reduce (each dQ part added by one 1-D bulk reduce instead of a 2-D TMA
-tensor reduce).
+tensor reduce), one_step_body (every query block takes the masked step: one copy of the step's code,
+as flash-attn-4; measured no faster, docs/perf.md).
 
 Head dims above 128, and d != dv (``split_head_dim``): 64 keys per CTA would need more accumulator
 registers than a warpgroup has (dK and dV of 64 keys x d each), so both consumer warpgroups work on

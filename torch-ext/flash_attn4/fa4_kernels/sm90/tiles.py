@@ -22,7 +22,8 @@ warpgroups, two Q/dO stages up to d = 192 and one above (shared memory: 210 KiB 
 ForwardConfig fields only the sm90 forward reads: pingpong, tma_store_o, rescale_o_before_pv,
 whole_k_gemms (and tile_m in 64-row warpgroup units). BackwardConfig fields only the sm90 backward
 reads: split_head_dim, exp_eighths_under_dp, and the schedule switches tma_store_dkv (on where
-backward_schedule says), separate_do_barrier and dq_bulk_reduce (off; for A/B runs, docs/perf.md).
+backward_schedule says), separate_do_barrier, dq_bulk_reduce and one_step_body (off; for A/B runs,
+docs/perf.md).
 """
 
 from __future__ import annotations
