@@ -529,7 +529,7 @@ def test_backward_varlen_mqa_default_max_seqlen():
     check_varlen(q, k, v, cu_q, cu_k, causal=True)  # max_seqlen_q computed by the function
 
 
-def test_backward_varlen_learnable_sink_window():
+def test_backward_varlen_learnable_sink_window(seed):
     hq, hk, d = 8, 2, 64
     lens_q, lens_k = random_lengths(4, 300)
     q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, hq, hk, d)
