@@ -59,9 +59,11 @@ def test_every_arch_packs_padded_groups(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_an_arch_without_padded_packing_refuses_it_by_name(monkeypatch, arch):
     """An arch whose rules do not say FORWARD_PADDED_PACK (each of ours does: switched off here)
-    refuses the config and dispatch's request by name, so that the torch layer pads on the host."""
+    refuses the config and dispatch's request by name, and dispatch never asks it for one: such
+    ratios run unpacked."""
     monkeypatch.setattr(KERNELS[arch].rules(), "FORWARD_PADDED_PACK", False)
     assert not has_padded_pack(arch)
+    assert dispatch.padded_pack.__wrapped__(arch, 128, 128, False, 7, 1) == 0
     with pytest.raises(NotImplementedError, match=f"pack_gqa_heads=7: the {arch} forward does not pack"):
         ForwardConfig(arch=arch, **BASE, pack_gqa=8, pack_gqa_heads=7, **ARCH_TILES[arch])
     with pytest.raises(NotImplementedError, match="padded GQA groups"):
@@ -83,9 +85,9 @@ def test_decode_with_a_ratio_that_does_not_divide_64_packs_in_the_kernel(monkeyp
     for arch in ARCHS:
         monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward", a=arch: a)
         for sq in (1, 4, 17, dispatch.PAD_PACK_MAX_QUERIES):
-            group, on_host = ops._padded_group(q, k, v, varlen, sq)
-            assert group == next(g for g in (4, 8, 16, 32, 64) if g > ratio and 64 % g == 0) and not on_host
-        assert ops._padded_group(q, k, v, varlen, dispatch.PAD_PACK_MAX_QUERIES + 1) == (0, False)
+            group = ops._padded_group(q, k, v, varlen, sq)
+            assert group == next(g for g in (4, 8, 16, 32, 64) if g > ratio and 64 % g == 0)
+        assert ops._padded_group(q, k, v, varlen, dispatch.PAD_PACK_MAX_QUERIES + 1) == 0
         cfg = dispatch.forward_config(arch, "bfloat16", 128, 128, **dict(FLAGS, varlen=varlen),
                                       qhead_per_kvhead=ratio, pack_group=group)
         assert (cfg.pack_gqa, cfg.pack_gqa_heads, cfg.query_heads_per_group) == (group, ratio, ratio)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import dispatch, settings
 from .fa4_kernels.arch import IMPLEMENTED, Arch
-from .fa4_kernels.tiles import has_padded_pack, has_split_kv
+from .fa4_kernels.tiles import has_split_kv
 
 MANIFEST = "manifest.json"
 DTYPES = ("bfloat16", "float16")
@@ -112,13 +112,9 @@ def _mask_kinds(p: ModelProfile) -> list[dict]:
 def _ratio(arch: Arch, p: ModelProfile, varlen: bool, short: bool) -> dict:
     """forward_config's head-ratio arguments for the model's calls: for short queries a ratio the
     kernel cannot pack runs in padded groups (dispatch.padded_pack), which the kernel packs itself
-    where the arch can (pack_group), else the torch layer pads q to the group's ratio (ops.py)."""
+    (pack_group)."""
     group = dispatch.padded_pack(arch, p.head_dim, p.dv, varlen, p.ratio, 1 if short else 1 << 20)
-    if not group:
-        return dict(qhead_per_kvhead=p.ratio)
-    if has_padded_pack(arch):
-        return dict(qhead_per_kvhead=p.ratio, pack_group=group)
-    return dict(qhead_per_kvhead=group)
+    return dict(qhead_per_kvhead=p.ratio, pack_group=group) if group else dict(qhead_per_kvhead=p.ratio)
 
 
 def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTERNS) -> list:

@@ -17,7 +17,7 @@ from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
 from .fa4_kernels.config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
 from .fa4_kernels.tiles import (backward_grid, backward_schedule, backward_tiles, forward_grid, forward_schedule,
-                                forward_tiles)
+                                forward_tiles, has_padded_pack)
 
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -147,7 +147,7 @@ def append_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, paged:
 # instead of once per query head, for (padded - ratio) / padded rows of wasted tensor work. Longer
 # query sequences fill tiles unpacked. Where the arch's forward packs padded groups itself
 # (fa4_kernels.tiles.has_padded_pack: ForwardConfig.pack_gqa_heads) the dummy heads exist only as
-# tile rows; elsewhere the torch layer pads q with zero heads and drops the dummy outputs (ops.py).
+# tile rows, never in memory; an arch without it runs such ratios unpacked.
 PAD_PACK_MAX_QUERIES = 64
 
 
@@ -156,8 +156,9 @@ def padded_pack(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_
                 max_seqlen_q: int) -> int:
     """The padded group size to run a query-head ratio with, or 0 to run it as it is: the smallest
     ratio above ``qhead_per_kvhead`` that the arch's forward packs, when the ratio itself does not
-    pack and the queries are short (at most PAD_PACK_MAX_QUERIES per sequence)."""
-    if qhead_per_kvhead <= 1 or max_seqlen_q > PAD_PACK_MAX_QUERIES:
+    pack and the queries are short (at most PAD_PACK_MAX_QUERIES per sequence), on an arch whose
+    forward packs padded groups (has_padded_pack)."""
+    if qhead_per_kvhead <= 1 or max_seqlen_q > PAD_PACK_MAX_QUERIES or not has_padded_pack(arch):
         return 0
     packs = lambda g: forward_schedule(arch, head_dim, head_dim_v, varlen, g).get("pack_gqa", 1) == g  # noqa: E731
     if packs(qhead_per_kvhead):

@@ -43,7 +43,7 @@ import torch
 from . import compile_cache, device_info, dispatch, selfcheck, settings, validate
 from ._ops import add_op_namespace_prefix
 from .fa4_kernels.arch import Arch, kernels_for
-from .fa4_kernels.tiles import has_padded_pack, has_split_kv
+from .fa4_kernels.tiles import has_split_kv
 
 # The ops are defined with torch.library's low-level API rather than torch.library.custom_op: that
 # wraps every implementation in torch._disable_dynamo, which imports torch._dynamo (about a second of
@@ -216,15 +216,13 @@ def fwd(
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, window_left,
-            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None, seqused_q=None,
-            need_lse=True):
+            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None, seqused_q=None):
     """``fwd`` for the public functions: the op, or its implementation directly where nothing needs
-    the dispatcher (_dispatcher_free). ``need_lse=False``: the caller drops the LSE, so on the direct
-    path it may come back as any float32 tensor (no copy is made for it)."""
+    the dispatcher (_dispatcher_free)."""
     if _dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q):
         return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                         window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table,
-                        seqused_q=seqused_q, need_lse=need_lse)
+                        seqused_q=seqused_q)
     return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits, page_table, seqused_q)
 
@@ -232,9 +230,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, soft
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
              window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
              check_values: bool = True, page_table: Optional[torch.Tensor] = None,
-             seqused_q: Optional[torch.Tensor] = None, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """fwd's implementation, shared with fwd_kvcache. ``need_lse=False``: the LSE is dropped by the
-    caller (see _forward_padded_heads). ``check_values=False`` skips the opt-in varlen
+             seqused_q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fwd's implementation, shared with fwd_kvcache. ``check_values=False`` skips the opt-in varlen
     value check (the KV-cache op checks its own metadata: its cu_seqlens_k are cache row offsets,
     which need not increase). ``page_table``: k and v are a paged cache (ForwardConfig.page_size),
     cu_seqlens_k is None and seqused_k holds the key lengths. ``seqused_q``: sequence b uses its first
@@ -246,11 +243,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
             return _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                              softcap, window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
     varlen = cu_seqlens_q is not None
-    group, on_host = _padded_group(q, k, v, varlen, max_seqlen_q)
-    if on_host:
-        return _forward_padded_heads(group, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                                     softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
-                                     max_seqlen_k, num_splits, check_values, page_table, seqused_q, need_lse)
+    group = _padded_group(q, k, v, varlen, max_seqlen_q)
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -288,8 +281,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
 # and its kernels - cached under a key of everything that derivation read: shapes, strides, dtype,
 # device, pointer alignment (mod 16), which optional tensors are given, mask flags and the sequence
 # bounds the split heuristic reads. A repeated call (decoding: the same shapes at every step and layer)
-# then allocates its outputs and launches. Calls the general path serves differently (padded GQA
-# heads, empty problems, inputs that need a layout copy) get no plan. Off: every call derives anew
+# then allocates its outputs and launches. Calls the general path serves differently (empty
+# problems, inputs that need a layout copy) get no plan. Off: every call derives anew
 # (the tests compare both). compile_cache.clear() forgets the plans with the kernels they hold.
 PLAN_CACHE = True
 MAX_PLANS = 1024
@@ -324,8 +317,8 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
                 max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q) -> Optional[_Plan]:
     """_forward's decisions for this call as a _Plan (None: not one the plan covers)."""
     varlen = cu_seqlens_q is not None
-    group, on_host = _padded_group(q, k, v, varlen, max_seqlen_q)
-    if on_host or any(validate.needs_copy(t) for t in (q, k, v)):
+    group = _padded_group(q, k, v, varlen, max_seqlen_q)
+    if any(validate.needs_copy(t) for t in (q, k, v)):
         return None
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     if math.prod(out_shape) == 0 or k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
@@ -383,66 +376,14 @@ def _forward_flags(q, k, seqused_k, learnable_sink, softcap, causal, window_left
                 has_seqused_q=seqused_q is not None, pack_group=pack_group)
 
 
-def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool,
-                  max_seqlen_q: int) -> tuple[int, bool]:
-    """(dispatch.padded_pack for this call, 0: run the heads as they are; whether the torch layer
-    pads the heads, where the arch's kernel does not pack padded groups itself)."""
+def _padded_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, max_seqlen_q: int) -> int:
+    """dispatch.padded_pack for this call: the padded group the kernel packs the head ratio in, or 0
+    to run the heads as they are."""
     hq, hk = q.shape[-2], k.shape[-2]
     if hq == hk:
-        return 0, False
-    arch = dispatch.arch_for_device(q.device)
-    group = dispatch.padded_pack(arch, q.shape[-1], v.shape[-1], varlen, hq // hk, max_seqlen_q)
-    return group, bool(group) and not has_padded_pack(arch)
-
-
-_ZEROS: dict = {}
-
-
-def _padded_query(q: torch.Tensor, hk: int, ratio: int, group: int) -> torch.Tensor:
-    """q (..., hk * ratio, d) as (..., hk, group, d) with zero heads after each KV head's ``ratio``:
-    in one launch, a cat with a zero scalar expanded (F.pad fills a zero tensor, then copies),
-    the scalar made once per device and dtype. Not made while a CUDA graph is being captured (its
-    fill would only be recorded, and the scalar reused outside the graph unfilled): F.pad then."""
-    *lead, _, d = q.shape
-    grouped = q.reshape(*lead, hk, ratio, d)
-    zero = _ZEROS.get((q.device, q.dtype))
-    if zero is None:
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            return torch.nn.functional.pad(grouped, (0, 0, 0, group - ratio))
-        zero = _ZEROS.setdefault((q.device, q.dtype), torch.zeros((), device=q.device, dtype=q.dtype))
-    return torch.cat((grouped, zero.expand(*lead, hk, group - ratio, d)), dim=-2)
-
-
-def _forward_padded_heads(group: int, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
-                          softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
-                          check_values, page_table, seqused_q, need_lse=True):
-    """_forward with each KV head's query heads padded by zero heads to ``group`` (a ratio the kernel
-    packs: dispatch.padded_pack), then the dummy heads' outputs dropped: for an arch whose kernel does
-    not pack padded groups itself (fa4_kernels.tiles.has_padded_pack; each of ours does). The padded q and the
-    outputs' copies are small next to the K/V the packing stops re-reading, but each is a launch that
-    a decode step pays: one for the padded q, one copy of out, and one of the LSE only when ``need_lse`` (else the
-    padded LSE is returned as it is, for a caller that drops it)."""
-    *lead, hq, d = q.shape
-    hk = k.shape[-2]
-    ratio = hq // hk
-    q_pad = _padded_query(q, hk, ratio, group)
-    sink_pad = None
-    if learnable_sink is not None:
-        sink_pad = learnable_sink.new_zeros(hk, group)
-        sink_pad[:, :ratio] = learnable_sink.view(hk, ratio)
-        sink_pad = sink_pad.view(hk * group)
-    out_pad, lse_pad = _forward(q_pad.view(*lead, hk * group, d), k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                sink_pad, softmax_scale, softcap, causal, window_left, window_right, max_seqlen_q,
-                                max_seqlen_k, num_splits, check_values, page_table, seqused_q)
-    dv = out_pad.shape[-1]  # explicit: with no query token (-1) could be any size
-    out = out_pad.view(*lead, hk, group, dv)[..., :ratio, :].reshape(*lead, hq, dv)
-    if not need_lse:
-        return out, lse_pad
-    head_mode = 0 if cu_seqlens_q is not None else 1  # lse (hq, total_q) or (b, hq, sq)
-    lse_shape = lse_pad.shape[:head_mode] + (hk, group) + lse_pad.shape[head_mode + 1:]
-    lse = lse_pad.view(lse_shape).narrow(head_mode + 1, 0, ratio).reshape(
-        lse_pad.shape[:head_mode] + (hq,) + lse_pad.shape[head_mode + 1:])
-    return out, lse
+        return 0
+    return dispatch.padded_pack(dispatch.arch_for_device(q.device), q.shape[-1], v.shape[-1], varlen, hq // hk,
+                                max_seqlen_q)
 
 
 def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q,
@@ -1133,14 +1074,13 @@ def _kvcache_forward(
         seqused_k = appended if appended is not None else _keys_used(page_table, k_cache.shape[1], s_new, cache_seqlens)
         out, lse = _forward(q, k_cache, v_cache, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                             window_left, window_right, sq, s_cache, num_splits, check_values=False,
-                            page_table=page_table, need_lse=return_lse)
+                            page_table=page_table)
         return out, lse if return_lse else None
     cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
         q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad, appended)
     out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
                         cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                        window_left, window_right, sq, s_cache, num_splits, check_values=False,
-                        need_lse=return_lse)
+                        window_left, window_right, sq, s_cache, num_splits, check_values=False)
     out = out.view(batch, sq, hq, v_cache.shape[-1])
     if not return_lse:
         return out, None

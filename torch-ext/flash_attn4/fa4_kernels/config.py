@@ -221,7 +221,7 @@ class ForwardConfig(_KernelConfig):
         entry = KERNELS.get(self.arch)
         if entry is None or not getattr(entry.rules(), "FORWARD_PADDED_PACK", False):
             raise NotImplementedError(f"pack_gqa_heads={self.pack_gqa_heads}: the {self.arch} forward does not pack "
-                                      f"padded GQA groups (pad the query heads on the host instead)")
+                                      f"padded GQA groups; run the heads unpacked (pack_gqa_heads=0)")
 
     def _check_paged(self) -> None:
         if self.page_size < 0 or self.page_size % 16:
