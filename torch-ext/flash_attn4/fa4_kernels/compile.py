@@ -14,9 +14,11 @@ one compiled kernel serves every problem size.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 
 from .arch import KERNELS, Arch, describe_implemented, kernels_for
 from .config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
@@ -307,11 +309,24 @@ def _describe(cfg) -> str:
             + (f" cluster_m={cfg.cluster_m}" if cfg.cluster_m > 1 else ""))
 
 
+def _compile_one(cfg) -> tuple[float, str]:
+    """(seconds, "ok" or the failure) of compiling one configuration; a worker process's task."""
+    start = time.perf_counter()
+    try:
+        _COMPILERS[type(cfg)](cfg, jit_engine=False)  # compiling is what is checked here
+        status = "ok"
+    except Exception as exc:  # report every failing configuration, then fail
+        status = f"FAILED: {type(exc).__name__}: {exc}"
+    return time.perf_counter() - start, status
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90a", help="compile target (sm_90a, sm_100a, sm_103a)")
     parser.add_argument("--only", type=int, default=None, help="compile only the first N configurations")
     parser.add_argument("--list", action="store_true", help="print the kernel set without compiling it")
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1,
+                        help="compile processes (default: one per CPU; each compile is single-threaded)")
     args = parser.parse_args(argv)
     try:
         arch = Arch.parse(args.arch)
@@ -330,17 +345,19 @@ def main(argv=None) -> int:
         return 0
     failures = 0
     total = time.perf_counter()
-    for cfg in configs:
-        start = time.perf_counter()
-        try:
-            _COMPILERS[type(cfg)](cfg, jit_engine=False)  # compiling is what is checked here
-            status = "ok"
-        except Exception as exc:  # report every failing configuration, then fail
-            failures += 1
-            status = f"FAILED: {type(exc).__name__}: {exc}"
-        print(f"{time.perf_counter() - start:7.2f} s  {_describe(cfg)}  {status}", flush=True)
+    jobs = max(1, min(args.jobs, len(configs)))
+    if jobs == 1:
+        results = map(_compile_one, configs)
+    else:
+        pool = ProcessPoolExecutor(max_workers=jobs)
+        results = pool.map(_compile_one, configs)  # in the set's order, as they finish
+    for cfg, (seconds, status) in zip(configs, results):
+        failures += status != "ok"
+        print(f"{seconds:7.2f} s  {_describe(cfg)}  {status}", flush=True)
+    if jobs > 1:
+        pool.shutdown()
     print(f"{len(configs) - failures}/{len(configs)} kernels compiled for {arch.value} "
-          f"in {time.perf_counter() - total:.1f} s")
+          f"in {time.perf_counter() - total:.1f} s ({jobs} processes)")
     return 1 if failures else 0
 
 
