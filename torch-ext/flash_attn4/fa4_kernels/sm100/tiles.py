@@ -406,3 +406,55 @@ BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d
                        dict(causal=True, deterministic=True, cluster_m=1),
                        dict(d=192, dv=128), dict(d=192, dv=128, causal=True),
                        dict(d=192, dv=128, causal=True, has_softcap=True))
+
+
+# ---- Backward at d = dv = 256 (sm100/bwd_pair256.py) ---------------------------------------------
+# A CTA pair with BWD_PAIR256_KEYS = 64 keys per CTA: the M = 128 tcgen05 MMAs of cta_group::2, whose
+# accumulators hold a CTA's 64 rows x N folded into 128 lanes x N / 2 columns (lane l: row l % 64,
+# column half l // 64). Tensor memory, per CTA (no column is shared by two accumulators, so no MMA
+# waits for a TMEM read-out other than its own accumulator's):
+#     dK 0-127, dV 128-255 (64 keys x 256 each), S^T 256-319, dP^T 320-383 (64 keys x 128 queries),
+#     dQ 384-511 (64 query rows x 256).
+# P^T and dS^T cannot be TMEM A operands in the folded layout (an A operand from TMEM must hold
+# its M rows in lanes 0..M/2-1 with K along columns), so they go to shared memory. Shared memory per
+# CTA: K, V (64 keys x 256) and K^T's head-dim half over the pair's 128 keys, 32 KiB each; one
+# Q/dO buffer pair, 32 KiB each, holding first the query halves Q, dO (64 queries x 256, the B of
+# S^T / dP^T), then the head-dim halves Q^T, dO^T (128 x 128 queries, the B of dK / dV): two TMA
+# phases per step on the same buffers (same bytes); P^T, dS^T (64 keys x 128 queries) 16 KiB each;
+# dS, the dQ MMA's A (this CTA's 64 query rows x the pair's 128 keys, half written by the peer),
+# 16 KiB; dQ staging two 64-row x 32-column float32 chunks, 16 KiB; LSE, D; barriers.
+BWD_PAIR256_HEAD_DIMS = ((256, 256),)
+BWD_PAIR256_KEYS = 64  # keys per CTA
+
+
+def backward_pair256(head_dim: int, head_dim_v: int) -> bool:
+    """Whether (padded) head dims run the d = 256 pair kernel (sm100/bwd_pair256.py)."""
+    return (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR256_HEAD_DIMS
+
+
+def backward_pair256_tmem_columns(head_dim: int = 256, head_dim_v: int = 256) -> dict:
+    """{accumulator: (first column, columns)} of the d = 256 pair kernel: each folded accumulator
+    of 64 rows x N takes N / 2 columns (S^T, dP^T: N = 128 queries; dK, dV, dQ: N = the head dim)."""
+    widths = dict(dk=head_dim // 2, dv=head_dim_v // 2, s=BWD_TILE_M // 2, dp=BWD_TILE_M // 2,
+                  dq=head_dim // 2)
+    plan, col = {}, 0
+    for name in ("dk", "dv", "s", "dp", "dq"):
+        plan[name] = (col, widths[name])
+        col += widths[name]
+    return plan
+
+
+def backward_pair256_shared_memory_bytes(head_dim: int = 256, head_dim_v: int = 256, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of a CTA of the d = 256 pair kernel, each buffer a multiple of its
+    1024-byte alignment (checked against the kernel's SharedStorage at trace time)."""
+    d, dv, keys = _pad16(head_dim), _pad16(head_dim_v), BWD_PAIR256_KEYS
+    kv = keys * (d + dv) * element_bytes  # K, V: this CTA's keys
+    kt = (d // 2) * 2 * keys * element_bytes  # K^T: half the head dim, the pair's keys
+    # Q (64 queries x d) then Q^T (d / 2 x 128 queries) in one buffer; dO likewise.
+    q = max(BWD_TILE_M // 2 * d, d // 2 * BWD_TILE_M) * element_bytes
+    do = max(BWD_TILE_M // 2 * dv, dv // 2 * BWD_TILE_M) * element_bytes
+    pt = dst = keys * BWD_TILE_M * element_bytes  # P^T, dS^T: this CTA's keys x the block's queries
+    ds = BWD_TILE_M // 2 * 2 * keys * element_bytes  # dS: this CTA's query rows x the pair's keys
+    dq = 2 * BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK * 4
+    rows = 2 * BWD_TILE_M * 4
+    return kv + kt + q + do + pt + dst + ds + dq + rows + BWD_SMEM_RESERVED
