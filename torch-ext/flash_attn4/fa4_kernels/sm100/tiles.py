@@ -341,9 +341,11 @@ def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, var
 def _check_backward_pair(cfg) -> None:
     """NotImplementedError for a problem class the backward pair kernel does not run."""
     arch = cfg.arch.value
-    if (cfg.head_dim, cfg.head_dim_v) not in BWD_PAIR_HEAD_DIMS:
+    pair256 = (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS
+    if (cfg.head_dim, cfg.head_dim_v) not in BWD_PAIR_HEAD_DIMS and not pair256:
         raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) is not implemented at head dims "
-                                  f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims {BWD_PAIR_HEAD_DIMS}")
+                                  f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims "
+                                  f"{BWD_PAIR_HEAD_DIMS + BWD_PAIR256_HEAD_DIMS}")
     if cfg.varlen or cfg.has_seqused_k:
         # (seqused_k: the pair kernel does not zero K's and V's rows past the keys, bwd.zero_kv_tail.
         # The torch layer takes seqused_k in the backward only with varlen, so no dispatch reaches it.)
@@ -351,7 +353,8 @@ def _check_backward_pair(cfg) -> None:
                                   f"implemented; pairs run batched problems")
     if cfg.num_stages != 1:
         raise ValueError(f"{arch} backward: the pair kernel has one Q/dO stage, got {cfg.num_stages}")
-    if backward_pair_shared_memory_bytes(cfg.head_dim, cfg.head_dim_v) > SMEM_BYTES:
+    smem = backward_pair256_shared_memory_bytes if pair256 else backward_pair_shared_memory_bytes
+    if smem(cfg.head_dim, cfg.head_dim_v) > SMEM_BYTES:
         raise ValueError(f"{arch} backward: the pair kernel's shared memory exceeds {SMEM_BYTES} bytes at head "
                          f"dims {cfg.head_dim}/{cfg.head_dim_v}")
 
@@ -366,7 +369,9 @@ def check_backward(cfg) -> None:
             raise NotImplementedError(f"{arch} backward: {name}=True ({what}) is not implemented yet on "
                                       f"{arch}; it runs: {backward_supported()}")
     serial = backward_serial(cfg.head_dim, cfg.head_dim_v)
-    if not serial and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
+    # d = dv = 256 runs only on CTA pairs (sm100/bwd_pair256.py), whose plan has its own check.
+    pair256 = cfg.cluster_m == 2 and (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS
+    if not serial and not pair256 and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
                                   f"it runs: {backward_supported()}")
@@ -374,7 +379,7 @@ def check_backward(cfg) -> None:
         raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")
     if cfg.cluster_m == 2:
         _check_backward_pair(cfg)
-    stages = backward_stages(cfg.head_dim, cfg.head_dim_v)
+    stages = 1 if pair256 else backward_stages(cfg.head_dim, cfg.head_dim_v)
     if not 1 <= cfg.num_stages <= stages:
         raise ValueError(f"{arch} backward: {cfg.num_stages} Q/dO stages do not fit in shared memory at head dims "
                          f"{cfg.head_dim}/{cfg.head_dim_v} (at most {stages})")
