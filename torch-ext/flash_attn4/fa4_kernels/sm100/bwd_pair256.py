@@ -155,6 +155,17 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         tilers = self.tilers(PAIR_KEYS)
         layouts = self.smem_layouts(mma_s, mma_dv, mma_dk, mma_dq, tilers)
         sdQ_layout = cute.make_layout((BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK, CTAS))
+        # The compute threads index P^T, dS^T by (key of this CTA, k-slice of queries) and dS by
+        # (query of this CTA's half, k-slice of the pair's keys): each CTA's share of the M = 128 A.
+        for name, layout, rows, slices in (("P^T", layouts.p, KEYS, BWD_TILE_M // MMA_K),
+                                           ("dS^T", layouts.dst, KEYS, BWD_TILE_M // MMA_K),
+                                           ("dS", layouts.ds, BWD_TILE_M // CTAS, PAIR_KEYS // MMA_K)):
+            got = (cute.size(layout.outer, mode=[0, 0]), cute.size(layout.outer, mode=[0, 1]),
+                   cute.size(layout.outer, mode=[1]), cute.size(layout.outer, mode=[2]),
+                   cute.size(layout.outer, mode=[3]))
+            if cutlass.const_expr(got != (rows, MMA_K, 1, slices, 1)):
+                raise ValueError(f"sm100 backward d=256 pair: {name}'s shared-memory layout {layout.outer} is not "
+                                 f"(({rows}, {MMA_K}), 1, {slices}, 1)")
 
         cluster = cute.tiled_divide(cute.make_layout((CTAS, 1, 1)), (mma_s.thr_id,))
         tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.TWO)
