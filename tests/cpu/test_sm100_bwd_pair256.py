@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import pytest
 
+from flash_attn4.fa4_kernels.arch import Arch
+from flash_attn4.fa4_kernels.config import BackwardConfig
+from flash_attn4.fa4_kernels.sm100 import dq_accum as sm100_dq
 from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
+from scripts import sass_stats_lib as lib
 
 TMEM_LIMIT = 512
+MMA_K = 16  # reduction depth of one 16-bit tcgen05 MMA
+CHUNK = sm100_tiles.BWD_DQ_CHUNK
 
 
 def test_pair256_tmem_plan_disjoint_and_within_512_columns():
@@ -44,3 +50,121 @@ def test_pair256_shared_memory_within_the_limit():
     assert got + 2 * 32 * kib > sm100_tiles.SMEM_BYTES
     assert sm100_tiles.backward_pair256(256, 256) and sm100_tiles.backward_pair256(250, 256)
     assert not sm100_tiles.backward_pair256(192, 192) and not sm100_tiles.backward_pair256(256, 128)
+
+
+# ---- The compiled kernel ------------------------------------------------------------------------------
+# Problem classes compiled here (each under ptxas 13.4 and 12.9): plain, causal, a local window with
+# softcap, causal with the deterministic dQ order, fp16.
+CASES = {"d256": dict(), "d256_causal": dict(causal=True), "d256_local_softcap": dict(local=True, has_softcap=True),
+         "d256_causal_deterministic": dict(causal=True, deterministic=True), "d256_fp16": dict(dtype="float16")}
+
+
+def pair256_config(dtype="bfloat16", **flags) -> BackwardConfig:
+    """The d = 256 pair's problem class, built directly (whether or not dispatch routes to it)."""
+    return BackwardConfig(arch=Arch.SM100, dtype=dtype, head_dim=256, head_dim_v=256, tile_m=sm100_tiles.BWD_TILE_M,
+                          tile_n=sm100_tiles.TILE_N, cluster_m=2, num_stages=1, **flags)
+
+
+def kernel_of(cfg):
+    from flash_attn4.fa4_kernels.sm100 import bwd, bwd_pair256
+
+    kernel = bwd_pair256.backward_kernel(cfg)
+    assert isinstance(kernel, bwd_pair256.FlashAttentionBackwardSm100Pair256)
+    return bwd, kernel
+
+
+def expected_mma256(cfg) -> int:
+    """Per query block, each GEMM once, one instruction per k-step: S^T over d, dP^T over dv, dV
+    and dK over the block's queries (M = the pair's 128 keys), dQ over the pair's 128 keys (M = the
+    block's queries)."""
+    pair_keys = 2 * sm100_tiles.BWD_PAIR256_KEYS
+    return (cfg.head_dim + cfg.head_dim_v + 2 * cfg.tile_m + pair_keys) // MMA_K
+
+
+@pytest.fixture(scope="module", params=[(n, f) for n in CASES for f in ("cu13", "cu12")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def compiled(request):
+    name, flavour = request.param
+    cfg = pair256_config(**CASES[name])
+    return flavour, cfg, lib.kernel_stats(cfg, flavour)
+
+
+def test_pair256_compiles_without_spills_under_both_ptxas(compiled):
+    flavour, cfg, stats = compiled
+    assert stats["target"] == cfg.arch.value, flavour
+    assert stats["ldl"] == stats["stl"] == 0 and stats["frame_bytes"] == 0, \
+        f"{cfg}, {flavour}: {stats['ldl']} LDL / {stats['stl']} STL, stack frame {stats['frame_bytes']} B"
+    assert lib.static_problems(stats) == [], flavour
+
+
+def test_pair256_is_cta_group_2_throughout(compiled):
+    """Every MMA and commit is its 2-CTA form (M = 128 over the pair: an MMA of cta_group::1 would
+    compute 64 of the 128 rows), as many MMAs as the tiles imply, every operand load a 2-CTA TMA and
+    only the two per-CTA row loads (LSE, D) not; TMEM allocated, relinquished and freed once with
+    cta_group::2; the budgets are the 1-CTA kernel's, one setmaxnreg each."""
+    from tests.cpu.test_sm100_static import opcode_counts
+
+    flavour, cfg, stats = compiled
+    bwd, plan = kernel_of(cfg)
+    ops = opcode_counts(cfg, flavour)
+    assert ops["mma"] == ops["mma_2cta"] == expected_mma256(cfg) == stats["utcmma"], ops
+    assert ops["commit"] == ops["commit_2cta"] > 0, ops
+    # K, V, K^T once; Q, dO, Q^T, dO^T per step (in boxes of a swizzle atom's width): all 2-CTA.
+    assert ops["tma_2cta"] >= 7 and ops["tma"] - ops["tma_2cta"] == 2, ops
+    assert stats["opcodes"].get("UTMALDG.3D", 0) == 2, stats["opcodes"]
+    ptx = stats["ptx"]
+    assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, TMEM_LIMIT)]
+    assert [d["cta_group"] for d in ptx["tmem_dealloc"]] == [2] and ptx["tmem_relinquish"] == [2]
+    assert stats["two_cta"] and stats["two_cta_ptx"] and stats["cta_group"] == 2
+    assert stats["usetmaxreg"] == stats["setmaxnreg"]
+    budgets = plan.registers
+    assert budgets["dq"] + bwd.COMPUTE_GROUPS * budgets["compute"] + budgets["other"] == 4 * bwd.LAUNCH_REGISTERS
+    expected = sorted(v if v > bwd.LAUNCH_REGISTERS else -v for v in set(budgets.values()) - {bwd.LAUNCH_REGISTERS})
+    assert sorted(int(v) for v in stats["usetmaxreg"]) == expected
+
+
+def test_pair256_tensor_memory_reads_and_exponentials(compiled):
+    """TMEM loads, derived from the plan: per step a compute thread loads its 32 columns of S^T and
+    of dP^T once each (the folded 64 columns split between the two warpgroups), the dQ warpgroup its
+    d / 2 folded columns by 32; at the end each compute warpgroup its half of the lane's d / 2
+    columns of dK and of dV. No TMEM store (P^T, dS^T go to shared memory). One exponential per
+    element of the thread's chunk, in the masked and the unmasked variant."""
+    flavour, cfg, stats = compiled
+    _, plan = kernel_of(cfg)
+    compute = 2  # S^T, dP^T
+    dq = cfg.head_dim // 2 // CHUNK
+    out = 2 * (cfg.head_dim // 2 // 2 // CHUNK)  # dK, dV
+    assert stats["ldtm"] == compute + dq + out and plan.out_loads * 2 == out and plan.dq_loads == dq, stats["ldtm"]
+    assert stats["sttm"] == 0
+    assert stats["mufu_ex2"] == 2 * CHUNK, stats["mufu_ex2"]
+
+
+def test_pair256_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_adds(compiled):
+    """dS: every compute thread stores its 32 16-bit values into the dQ operand of the CTA of its
+    query half through a shared::cluster address (mapa), 16 bytes at a time, after the masked or
+    unmasked variant computed them; one async-proxy fence over the cluster's shared memory, then the release as a
+    cluster-scope arrival on the even CTA's barrier, which the MMA warp follows with a cluster
+    acq_rel fence. dQ: per 32-column load of a dQ thread's head-dim half, each half's staged chunk
+    added in runs of this CTA's 64 rows (1-D bulk reduce-adds; no tensor-map reduce)."""
+    from tests.cpu.test_sm100_bwd_static import reduce_adds
+
+    flavour, cfg, stats = compiled
+    _, plan = kernel_of(cfg)
+    ptx = lib.kernel_artifacts(cfg, flavour)["ptx"].read_text()
+    # One store site: the masked and unmasked variants differ only in the values.
+    assert ptx.count("st.shared::cluster.v4.b32") == CHUNK * 2 // 16
+    assert ptx.count("mapa.shared::cluster") >= 1
+    assert ptx.count("fence.proxy.async.shared::cluster") == 1 and ptx.count("fence.acq_rel.cluster") == 1
+    assert ptx.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == 1
+    assert plan.dq_runs == CHUNK // sm100_dq.VECTOR and plan.dq_loads == cfg.head_dim // 2 // CHUNK
+    assert stats["opcodes"].get("UBLKRED.G.S.ADD.F32.RN", 0) == plan.dq_loads * 2
+    assert reduce_adds(stats) == 0
+
+
+def test_pair256_kernel_plan_is_the_tiles_plan():
+    """The kernel's TMEM columns are tiles.backward_pair256_tmem_columns' (what the plan tests check),
+    and nothing is placed over another accumulator."""
+    _, plan = kernel_of(pair256_config())
+    columns = sm100_tiles.backward_pair256_tmem_columns(256, 256)
+    got = dict(dk=plan.tmem_dk, dv=plan.tmem_dv, s=plan.tmem_s, dp=plan.tmem_dp, dq=plan.tmem_dq)
+    assert got == {name: start for name, (start, _) in columns.items()} and not plan.dq_over_dp
