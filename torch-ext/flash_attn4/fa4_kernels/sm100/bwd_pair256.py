@@ -102,6 +102,27 @@ def backward_kernel(cfg: BackwardConfig):
     return bwd_pair.backward_kernel(cfg)
 
 
+def folded(row, col, cols: int) -> tuple:
+    """(lane, column) of row ``row`` (of this CTA's 64) and column ``col`` (of ``cols``) in the
+    accumulator of an M = 128 cta_group::2 MMA (check_folded proves the MMA's layout is this)."""
+    half = cols // CTAS
+    return row + KEYS * (col // half), col % half
+
+
+def compute_lane(group, thread) -> tuple:
+    """(key of this CTA, query half, first query of the block) that compute thread ``thread`` of
+    warpgroup ``group`` works on: lane ``thread`` of S^T / dP^T, 32 columns from 32 ``group``
+    (plain integer arithmetic: the kernel passes runtime values, tests/cpu Python ints)."""
+    key, half = thread % KEYS, thread // KEYS
+    return key, half, half * (BWD_TILE_M // 2) + group * BWD_DQ_CHUNK
+
+
+def out_chunk_index(group, half, c, dim: int, loads: int):
+    """Which 32-column chunk of a dK / dV row (``dim`` columns) load c of compute warpgroup ``group``
+    holds for a thread of head-dim half ``half`` (store_dkv256)."""
+    return half * (dim // CTAS // BWD_DQ_CHUNK) + group * loads + c
+
+
 class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
     def __init__(self, cfg: BackwardConfig):
         FlashAttentionBackwardSm100.__init__(self, cfg)
@@ -302,18 +323,21 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
     @cute.jit
     def tile_work256(self, scheduler: TileScheduler, mQ, mK, rank, qhead_per_kvhead, window_left,
                      window_right) -> TileWork:
-        """This CTA's 64-key block (2 * pair + rank) and the pair's steps: the query blocks that see
-        a key of the pair's 128 (one 128-key block for the mask's block range, which is the union of
-        the two CTAs' ranges); none for a pair past the keys. The element mask and the
-        deterministic order use 64-key blocks (pair_turn: n_block // 2 is the pair)."""
+        """This CTA's 64-key block (2 * pair + rank) and the pair's steps: the query blocks that see a
+        key of either block, from the even block's first to (with a window) the odd block's last
+        when the odd block holds keys (bwd_pair.pair_tile_work's rule on 64-key blocks; a range
+        reaching past the keys would make the deterministic order wait for pairs that do not
+        exist); none for a pair past the keys."""
         pair, head_kv, batch = scheduler.tile()
         seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], None, None, None)
-        pair_mask = AttentionMask(BWD_TILE_M, PAIR_KEYS, self.cfg.causal, self.cfg.local, window_left, window_right)
-        m_block_min, m_block_max = pair_mask.m_block_range(seqlen, pair)
+        mask = AttentionMask(BWD_TILE_M, KEYS, self.cfg.causal, self.cfg.local, window_left, window_right)
+        m_block_min, m_block_max = mask.m_block_range(seqlen, pair * CTAS)
+        if cutlass.const_expr(self.cfg.local):
+            if (pair * CTAS + 1) * KEYS < seqlen.seqlen_k:
+                _, m_block_max = mask.m_block_range(seqlen, pair * CTAS + 1)
         per_head = cutlass.max(m_block_max - m_block_min, 0)
         if pair * PAIR_KEYS >= seqlen.seqlen_k:
             per_head = Int32(0)
-        mask = AttentionMask(BWD_TILE_M, KEYS, self.cfg.causal, self.cfg.local, window_left, window_right)
         blocks = QueryBlocks(head_kv * qhead_per_kvhead, m_block_min, per_head)
         return TileWork(seqlen, mask, blocks, per_head * qhead_per_kvhead, pair * CTAS + rank, head_kv, batch)
 
@@ -466,8 +490,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         t // 64): its 32 query columns of S^T and dP^T, P^T and dS^T into this CTA's shared memory
         (dV's and dK's A), dS into the dQ operand of CTA t // 64 (this CTA's or the partner's)."""
         thread = cute.arch.thread_idx()[0] % WARPGROUP
-        key, half = thread % KEYS, thread // KEYS
-        first_col = half * (BWD_TILE_M // 2) + group * BWD_DQ_CHUNK  # the thread's first query of the block
+        key, half, first_col = compute_lane(group, thread)
         load_s, tS, regs = self.lane_chunks(tmem_ptr + self.tmem_s, BWD_TILE_M // 2, thread)
         load_dp, tdP, _ = self.lane_chunks(tmem_ptr + self.tmem_dp, BWD_TILE_M // 2, thread)
         # P^T / dS^T rows of this key: (MMA_K queries, k-slices); the thread's are 2 of them.
@@ -538,7 +561,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         the sequence; zeros for a block no query sees). A CTA past the keys stores nothing but waits
         for the pair's last MMA, which reads its shared memory."""
         thread = cute.arch.thread_idx()[0] % WARPGROUP
-        key, half = thread % KEYS, thread // KEYS
+        key, half, _ = compute_lane(group, thread)
         has_steps = work.num_steps > 0
         if work.n_block * KEYS < work.seqlen.seqlen_k:
             row = work.n_block * KEYS + key
@@ -549,7 +572,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
                 load, tX, regs = self.lane_chunks(tmem_ptr + column, dim // CTAS, thread)
                 gRow = head_rows(mOut, work.seqlen.offset_k, work.head_kv, work.batch, False)[row, None]
                 for c in cutlass.range_constexpr(self.out_loads):
-                    chunk = group * self.out_loads + c  # of the lane's d / 2 columns
+                    chunk = group * self.out_loads + c  # of the lane's d / 2 columns in TMEM
                     out = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)
                     if has_steps:
                         r = cute.make_rmem_tensor(regs, Float32)
@@ -561,8 +584,8 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
                     else:
                         out.fill(0.0)
                     if row < work.seqlen.seqlen_k:
-                        cute.autovec_copy(out, cute.local_tile(gRow, (BWD_DQ_CHUNK,),
-                                                               (half * (dim // CTAS // BWD_DQ_CHUNK) + chunk,)))
+                        cute.autovec_copy(out, cute.local_tile(
+                            gRow, (BWD_DQ_CHUNK,), (out_chunk_index(group, half, c, dim, self.out_loads),)))
         elif has_steps:
             pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
 
@@ -578,7 +601,8 @@ def check_folded(layout: cute.Layout, cols: int, name: str) -> None:
     half = cols // CTAS
     for row in (0, 1, KEYS // 2, KEYS - 1):
         for col in (0, 1, half - 1, half, half + 1, cols - 1):
-            expect = (row + KEYS * (col // half)) * LANE + col % half
+            lane, column = folded(row, col, cols)
+            expect = lane * LANE + column
             got = cute.crd2idx(((row, (col % half, col // half)), 0, 0), layout)
             if got != expect:
                 raise ValueError(f"sm100 backward d=256 pair: {name}'s TMEM layout {layout} puts ({row}, {col}) "
