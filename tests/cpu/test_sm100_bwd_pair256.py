@@ -168,3 +168,61 @@ def test_pair256_kernel_plan_is_the_tiles_plan():
     columns = sm100_tiles.backward_pair256_tmem_columns(256, 256)
     got = dict(dk=plan.tmem_dk, dv=plan.tmem_dv, s=plan.tmem_s, dp=plan.tmem_dp, dq=plan.tmem_dq)
     assert got == {name: start for name, (start, _) in columns.items()} and not plan.dq_over_dp
+
+
+# ---- dispatch ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103], ids=lambda a: a.value)
+@pytest.mark.parametrize("flags", [dict(), dict(causal=True), dict(local=True, has_softcap=True),
+                                   dict(causal=True, deterministic=True)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dispatch_runs_d256_on_the_pair_kernel_with_no_fallback(arch, flags, dtype):
+    """Batched d = dv = 256 goes to the d = 256 pair (whatever BWD_TWO_CTA says: there is no 1-CTA
+    kernel at this head dim), and a pair that fails its first-use self-check has no fallback (the
+    failure raises)."""
+    from flash_attn4 import dispatch
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair256
+
+    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
+    original = sm100_tiles.BWD_TWO_CTA
+    try:
+        for on in (True, False):
+            sm100_tiles.BWD_TWO_CTA = on
+            dispatch.backward_config.cache_clear()
+            cfg = dispatch.backward_config(arch, dtype, 256, 256, **{**base, **flags})
+            assert (cfg.cluster_m, cfg.num_stages, cfg.tile_m, cfg.tile_n) == (2, 1, 128, 128)
+            assert isinstance(bwd_pair256.backward_kernel(cfg), bwd_pair256.FlashAttentionBackwardSm100Pair256)
+            assert dispatch.self_check_fallback(cfg) is None
+    finally:
+        sm100_tiles.BWD_TWO_CTA = original
+        dispatch.backward_config.cache_clear()
+
+
+@pytest.mark.parametrize("flags", [dict(varlen=True), dict(varlen=True, has_seqused_k=True, causal=True)])
+def test_d256_varlen_is_refused_naming_it(flags):
+    """Varlen (and seqused_k) at d = 256: no pair, no 1-CTA kernel: NotImplementedError naming the head
+    dims, the target and varlen, when the configuration is chosen."""
+    from flash_attn4 import dispatch
+
+    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
+    with pytest.raises(NotImplementedError, match=r"sm_100a backward: head dims 256/256 are not implemented.*varlen"):
+        dispatch.backward_config(Arch.SM100, "bfloat16", 256, 256, **{**base, **flags})
+    with pytest.raises(NotImplementedError, match="cluster_m=2 .* varlen"):
+        pair256_config(**flags)
+
+
+def test_the_d128_pair_and_other_head_dims_keep_their_kernels():
+    """The registry's entry (bwd_pair256.backward_kernel) hands every other configuration to
+    bwd_pair.backward_kernel: the d = 128 pair, its 1-CTA fallback, the serial 192 / 128 kernel."""
+    from flash_attn4 import dispatch
+    from flash_attn4.fa4_kernels.arch import KERNELS
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_pair256, bwd_serial
+
+    assert KERNELS[Arch.SM100].backward == KERNELS[Arch.SM103].backward == "bwd_pair256:backward_kernel"
+    base = dict(causal=True, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
+    d128 = dispatch.backward_config(Arch.SM100, "bfloat16", 128, 128, **base)
+    single = dispatch.self_check_fallback(d128) or d128
+    serial = dispatch.backward_config(Arch.SM100, "bfloat16", 192, 128, **base)
+    for cfg in (d128, single, serial):
+        assert type(bwd_pair256.backward_kernel(cfg)) is type(bwd_pair.backward_kernel(cfg))
+    assert isinstance(bwd_pair256.backward_kernel(serial), bwd_serial.FlashAttentionBackwardSm100Serial)

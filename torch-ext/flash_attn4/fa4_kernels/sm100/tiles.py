@@ -289,7 +289,8 @@ def backward_supported() -> str:
     """What the sm100 backward runs, for messages."""
     return (f"1-CTA kernel: bf16/fp16, head_dim and head_dim_v each in {BWD_HEAD_DIMS}, causal or local windows, "
             f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True; "
-            f"(head_dim, head_dim_v) in {BWD_SERIAL_HEAD_DIMS} the same")
+            f"(head_dim, head_dim_v) in {BWD_SERIAL_HEAD_DIMS} the same; {BWD_PAIR256_HEAD_DIMS} on CTA pairs, "
+            f"batched only")
 
 
 def backward_serial(head_dim: int, head_dim_v: int) -> bool:
@@ -334,6 +335,9 @@ def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, var
     """BackwardConfig overrides for the launch grid: CTA pairs where BWD_TWO_CTA and the pair
     kernel's rules allow (off: the 1-CTA kernel everywhere)."""
     del causal, local, deterministic  # the pair kernel takes them
+    if backward_pair256(head_dim, head_dim_v) and not varlen:
+        # d = dv = 256 has no 1-CTA kernel: its pair (sm100/bwd_pair256.py) runs whatever BWD_TWO_CTA says.
+        return dict(cluster_m=2, num_stages=1)
     pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS and not varlen
     return dict(cluster_m=2, num_stages=1) if pair else {}
 
@@ -371,6 +375,10 @@ def check_backward(cfg) -> None:
     serial = backward_serial(cfg.head_dim, cfg.head_dim_v)
     # d = dv = 256 runs only on CTA pairs (sm100/bwd_pair256.py), whose plan has its own check.
     pair256 = cfg.cluster_m == 2 and (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS
+    if cfg.cluster_m == 1 and (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS:
+        raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
+                                  f"on single CTAs (they run on CTA pairs, batched: varlen and seqused_k are not "
+                                  f"implemented at these head dims); it runs: {backward_supported()}")
     if not serial and not pair256 and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
@@ -391,7 +399,7 @@ def check_backward(cfg) -> None:
 
 
 def check_postprocess(cfg) -> None:
-    head_dims = BWD_HEAD_DIMS + tuple(d for d, _ in BWD_SERIAL_HEAD_DIMS)
+    head_dims = BWD_HEAD_DIMS + tuple(d for d, _ in BWD_SERIAL_HEAD_DIMS + BWD_PAIR256_HEAD_DIMS)
     if cfg.tile_m != BWD_TILE_M or cfg.head_dim not in head_dims:
         raise NotImplementedError(f"{cfg.arch.value} backward postprocess: tile_m {BWD_TILE_M} and head dims "
                                   f"{head_dims} only, got tile_m {cfg.tile_m}, head dim {cfg.head_dim}")
@@ -402,7 +410,7 @@ def check_postprocess(cfg) -> None:
 # handful: the target's compile time).
 # The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
 # 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain, causal, and causal with
-# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh).
+# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh). The d = 256 pair plain and causal.
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
@@ -410,7 +418,8 @@ BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d
                        dict(local=True, has_softcap=True, cluster_m=1),
                        dict(causal=True, deterministic=True, cluster_m=1),
                        dict(d=192, dv=128), dict(d=192, dv=128, causal=True),
-                       dict(d=192, dv=128, causal=True, has_softcap=True))
+                       dict(d=192, dv=128, causal=True, has_softcap=True),
+                       dict(d=256, dv=256), dict(d=256, dv=256, causal=True))
 
 
 # ---- Backward at d = dv = 256 (sm100/bwd_pair256.py) ---------------------------------------------
