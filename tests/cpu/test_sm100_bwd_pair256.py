@@ -55,13 +55,15 @@ def test_pair256_shared_memory_within_the_limit():
 # ---- The compiled kernel ------------------------------------------------------------------------------
 # Problem classes compiled here (each under ptxas 13.4 and 12.9): plain, causal, a local window with
 # softcap, causal with the deterministic dQ order, fp16.
+# sm_103a (B300) runs the same kernel under the same rules (tiles_sm103), compiled for it: once, causal.
 CASES = {"d256": dict(), "d256_causal": dict(causal=True), "d256_local_softcap": dict(local=True, has_softcap=True),
-         "d256_causal_deterministic": dict(causal=True, deterministic=True), "d256_fp16": dict(dtype="float16")}
+         "d256_causal_deterministic": dict(causal=True, deterministic=True), "d256_fp16": dict(dtype="float16"),
+         "sm103_d256_causal": dict(causal=True, arch=Arch.SM103)}
 
 
-def pair256_config(dtype="bfloat16", **flags) -> BackwardConfig:
+def pair256_config(dtype="bfloat16", arch=Arch.SM100, **flags) -> BackwardConfig:
     """The d = 256 pair's problem class, built directly (whether or not dispatch routes to it)."""
-    return BackwardConfig(arch=Arch.SM100, dtype=dtype, head_dim=256, head_dim_v=256, tile_m=sm100_tiles.BWD_TILE_M,
+    return BackwardConfig(arch=arch, dtype=dtype, head_dim=256, head_dim_v=256, tile_m=sm100_tiles.BWD_TILE_M,
                           tile_n=sm100_tiles.TILE_N, cluster_m=2, num_stages=1, **flags)
 
 
