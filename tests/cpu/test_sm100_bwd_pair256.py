@@ -228,3 +228,17 @@ def test_the_d128_pair_and_other_head_dims_keep_their_kernels():
     for cfg in (d128, single, serial):
         assert type(bwd_pair256.backward_kernel(cfg)) is type(bwd_pair.backward_kernel(cfg))
     assert isinstance(bwd_pair256.backward_kernel(serial), bwd_serial.FlashAttentionBackwardSm100Serial)
+
+
+@pytest.mark.parametrize("name", ["d256", "d256_causal_deterministic", "d256_local_softcap"])
+def test_pair256_verifier_reports_only_the_pair_baseline(name):
+    """CUTE_DSL_COMPILER_OPT=warnings: exactly the reviewed entries of the d = 128 pair
+    (tests/cpu/verifier_baseline.json, "sm100 bwd pair d128"): the d = 256 pair builds its barriers
+    with the same make_pair_pipelines, and its own code (two load phases, shared-memory P^T / dS^T)
+    adds no diagnostic."""
+    import json
+    from pathlib import Path
+
+    baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
+    got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(pair256_config(**CASES[name]), "cu13"))
+    assert got == sorted(baseline["sm100 bwd pair d128"]), (name, got)
