@@ -36,7 +36,19 @@ Shared memory per CTA (tiles.backward_pair256_shared_memory_bytes, 226 KiB): K, 
 K^T's head-dim half over the pair's 128 keys 32 KiB; the Q buffer (Q's query half, 64 x 256, then
 Q^T's head-dim half, 128 x 128) and the dO buffer likewise, 32 KiB each; P^T, dS^T (64 keys x 128
 queries, the A of dV and dK) and dS (64 query rows x 128 keys, the A of dQ, half of it written by
-the partner) 16 KiB each; dQ staging 2 x 8 KiB; LSE and D 1 KiB.
+the partner) 16 KiB each; dQ staging 2 x 8 KiB; LSE and D 1 KiB. Why dS has a buffer of its own
+rather than reusing dS^T's (the dQ operand's rows are queries, contiguous like dS^T's, and a 64 x 64
+block of each is the same bytes): a 2-CTA MMA reads its operands at the same shared-memory offsets in
+both CTAs, and the dQ operand needs this CTA's own block at k-steps 0-3 in the even CTA but 4-7 in
+the odd one, while dK needs both of its blocks in query order: no placement serves both CTAs.
+
+Barriers: bwd_pair.make_pair_pipelines, unchanged (kv, qdo: TMA -> MMA, both CTAs' bytes on the even
+CTA's barrier, released by multicast commits; rows: TMA -> compute, per CTA; sdp: "S/dP full" ->
+"P^T, dS^T, dS written", 512 arrivals of both CTAs' compute threads at cluster scope; dq: "dQ full"
+-> "dQ read out", both dQ warpgroups; dkv: "dK/dV final"), and bwd.Barrier's named barriers.
+tests/cpu/test_sm100_bwd_pair256_protocol.py replays them with this schedule;
+test_sm100_bwd_pair256.py checks the compiled kernel; test_bwd_pair256_emulation.py runs its thread
+and fold indexing on the CPU against autograd.
 
 Per step the even CTA's MMA warp issues, waiting where marked:
     [Q, dO query halves landed: qdo, first phase of the step]
