@@ -12,6 +12,8 @@ from flash_attn4.fa4_kernels.config import BackwardConfig
 from flash_attn4.fa4_kernels.sm100 import dq_accum as sm100_dq
 from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
 from scripts import sass_stats_lib as lib
+from tests.cpu.test_selfcheck import fake_bwd, fake_gpu, seed  # noqa: F401  (fixtures of b200)
+from tests.cpu.test_sm100_bwd_dispatch import b200, blackwell  # noqa: F401  (fixtures: a faked B200 / B300)
 
 TMEM_LIMIT = 512
 MMA_K = 16  # reduction depth of one 16-bit tcgen05 MMA
@@ -242,3 +244,53 @@ def test_pair256_verifier_reports_only_the_pair_baseline(name):
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
     got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(pair256_config(**CASES[name]), "cu13"))
     assert got == sorted(baseline["sm100 bwd pair d128"]), (name, got)
+
+
+# ---- the torch layer's path on a faked B200 / B300 (tests/cpu/test_sm100_bwd_dispatch.py's fixtures) ----
+
+
+@pytest.mark.parametrize("d,causal", [(256, True), (248, False)])
+def test_b200_d256_backward_runs_the_pair_after_its_self_check(blackwell, d, causal):
+    """A user's d = 256 (or 248, padded) forward and backward on a faked B200 / B300: the pair's
+    configuration (cluster_m 2, one Q/dO stage) is the only backward compiled, its self-check launch
+    comes first, and the gradients (the stand-in's float32 math through sm100's dQ accumulator order)
+    match autograd of the reference."""
+    import torch
+
+    from flash_attn4 import selfcheck
+    from tests.cpu.test_selfcheck import BF16, leaves, rand_qkv
+    from tests.cpu.test_sm100_bwd_dispatch import grads_of, ops_call, reference_grads
+
+    q, k, v = rand_qkv(b=2, sq=150, sk=140, hq=4, hk=2, d=d)
+    dout = torch.randn(2, 150, 4, d, dtype=BF16)
+    got = grads_of(lambda *t: ops_call(*t, causal=causal), leaves(q, k, v), dout)
+    want = reference_grads(q, k, v, dout, causal=causal)
+    for name, g, w in zip("qkv", got, want):
+        err = float((g.double() - w).abs().max())
+        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, err)
+    mains = [c for c in blackwell["configs"] if isinstance(c, BackwardConfig)]
+    assert len(mains) == 1
+    cfg = mains[0]
+    assert (cfg.arch, cfg.head_dim, cfg.head_dim_v, cfg.causal, cfg.cluster_m, cfg.num_stages) == \
+        (blackwell["arch"], 256, 256, causal, 2, 1)
+    assert len(blackwell["bwd_calls"]) == 2 and selfcheck.verdict(cfg, "cpu") == "passed"
+
+
+def test_wrong_d256_backward_raises_without_a_fallback(b200):
+    """The d = 256 pair has no other kernel to fall back to: a failed first-use check raises its
+    SelfCheckError, and no gradient is returned."""
+    import torch
+
+    from flash_attn4 import dispatch, selfcheck
+    from tests.cpu.test_selfcheck import dk_scaled, leaves, rand_qkv
+    from tests.cpu.test_sm100_bwd_dispatch import ops_call
+
+    b200["bwd_mutate"] = dk_scaled
+    q, k, v = tensors = leaves(*rand_qkv(hq=4, hk=2, d=256))
+    out = ops_call(q, k, v, causal=True)
+    with pytest.raises(selfcheck.SelfCheckError, match=r"BackwardConfig\(arch=sm_100a") as info:
+        out.backward(torch.randn_like(out))
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert (cfg.head_dim, cfg.head_dim_v, cfg.cluster_m) == (256, 256, 2)
+    assert dispatch.self_check_fallback(cfg) is None and "head_dim=256" in str(info.value)
+    assert all(t.grad is None for t in tensors) and len(b200["bwd_calls"]) == 1  # the check's launch only
