@@ -132,7 +132,8 @@ def test_pair256_tensor_memory_reads_and_exponentials(compiled):
     of dP^T once each (the folded 64 columns split between the two warpgroups), the dQ warpgroup its
     d / 2 folded columns by 32; at the end each compute warpgroup its half of the lane's d / 2
     columns of dK and of dV. No TMEM store (P^T, dS^T go to shared memory). One exponential per
-    element of the thread's chunk, in the masked and the unmasked variant."""
+    element of the thread's chunk, in the masked and the unmasked variant, and dS's subtraction and
+    product packed per column pair."""
     flavour, cfg, stats = compiled
     _, plan = kernel_of(cfg)
     compute = 2  # S^T, dP^T
@@ -141,6 +142,8 @@ def test_pair256_tensor_memory_reads_and_exponentials(compiled):
     assert stats["ldtm"] == compute + dq + out and plan.out_loads * 2 == out and plan.dq_loads == dq, stats["ldtm"]
     assert stats["sttm"] == 0
     assert stats["mufu_ex2"] == 2 * CHUNK, stats["mufu_ex2"]
+    # dS = P (dP - D) as packed f32x2: one FADD2 and one FMUL2 per column pair and variant.
+    assert stats["fadd2"] == stats["fmul2"] == 2 * CHUNK // 2, (stats["fadd2"], stats["fmul2"])
 
 
 def test_pair256_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_adds(compiled):
