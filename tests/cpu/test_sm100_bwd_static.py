@@ -281,6 +281,7 @@ def test_varlen_local_and_softcap_configs_are_accepted(flags):
 @pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103])
 @pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (128, 192), (192, 64), (128, 80)])
 def test_other_head_dims_raise(d, dv, arch):
+    """Head dims no kernel runs on single CTAs (256 / 256 runs only on CTA pairs: tests/cpu/test_sm100_bwd_pair256.py)."""
     with pytest.raises(NotImplementedError, match=f"{arch.value} backward: head dims"):
         BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,
                        num_stages=1)
