@@ -277,3 +277,23 @@ def test_the_model_takes_64_key_blocks_for_the_d256_pair():
                          tile_n=sm100_tiles.TILE_N, cluster_m=2, num_stages=1)
     params = bm.BwdTileParams.from_backward_config(cfg)
     assert (params.tile_m, params.tile_n, params.cluster_m) == (TILE_M, KEYS, 2)
+
+
+def test_pair256_deterministic_dq_is_bitwise_reproducible_and_arrival_order_is_not():
+    """dQ parts added in pair order (pair_turn / pair_done) give the same bits whatever the arrival
+    order would be; the non-deterministic mode's arrival orders differ somewhere (so the check can
+    fail): causal, three pairs per query block at most."""
+    gen = torch.Generator().manual_seed(7)
+    sq, sk, d = 200, 330, 256
+    q, k, v, dout = _rand(gen, sq, 1, d), _rand(gen, sk, d), _rand(gen, sk, d), _rand(gen, sq, 1, d)
+    _, fwd_cfg = configs(d=d, causal=True)
+    kw = dict(softmax_scale=d ** -0.5, causal=True)
+    out, lse = forward_outputs(q, k, v, fwd_cfg, **kw)
+    out64, do64 = (t.detach().to(torch.float64).numpy() for t in (out, dout))
+    D = bm.rowsum_dout_out(do64[:, 0], out64[:, 0])[None]
+    L2 = bm.lse_log2(lse.detach().numpy().astype(F32))
+    runs = {(det, seed): emulate(q, k, v, dout, D, L2, deterministic=det, seed=seed, **kw)[0]
+            for det in (True, False) for seed in (1, 2, 3)}
+    bits = lambda a: a.view(np.int32)  # noqa: E731
+    assert all(np.array_equal(bits(runs[(True, 1)]), bits(runs[(True, s)])) for s in (2, 3))
+    assert any(not np.array_equal(bits(runs[(False, 1)]), bits(runs[(False, s)])) for s in (2, 3))
