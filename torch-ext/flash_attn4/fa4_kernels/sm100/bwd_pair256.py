@@ -139,6 +139,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
     def __init__(self, cfg: BackwardConfig):
         FlashAttentionBackwardSm100.__init__(self, cfg)
         assert cfg.cluster_m == CTAS and self.num_stages == 1 and backward_pair256(self.hdim, self.hdim_v)
+        assert not (cfg.varlen or cfg.has_seqused_k), "the d = 256 pair indexes batched tensors only"
         # dQ: this CTA's 64 rows folded into 128 lanes x d / 2 (read as bwd_pair.pair_reduce_dq does).
         self.dq_cols = self.hdim // CTAS
         self.dq_loads = self.dq_cols // BWD_DQ_CHUNK

@@ -379,6 +379,11 @@ def check_backward(cfg) -> None:
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"on single CTAs (they run on CTA pairs, batched: varlen and seqused_k are not "
                                   f"implemented at these head dims); it runs: {backward_supported()}")
+    if pair256 and (cfg.varlen or cfg.has_seqused_k):
+        # Its own refusal, whatever the d = 128 pair's rule (_check_backward_pair) comes to allow.
+        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen or seqused_k is not "
+                                  f"implemented at head dims {cfg.head_dim}/{cfg.head_dim_v}; the d = 256 pair runs "
+                                  f"batched problems")
     if not serial and not pair256 and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
