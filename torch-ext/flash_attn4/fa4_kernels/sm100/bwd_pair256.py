@@ -54,7 +54,8 @@ Per step the even CTA's MMA warp issues, waiting where marked:
     [Q, dO query halves landed: qdo, first phase of the step]
     S^T = K Q^T, dP^T = V dO^T (16 k-steps each)   -> commit "S/dP full" and "Q/dO free"
     [P^T, dS^T, dS written by both CTAs' compute threads]   [Q^T, dO^T landed: second phase]
-    dV += P^T dO^T, dK += dS^T Q^T (8 k-steps each)  -> commit "Q^T/dO^T free"
+    dV += P^T dO, dK += dS^T Q (8 k-steps each; B read from the Q^T, dO^T halves)
+                                                     -> commit "Q^T/dO^T free"
     [dQ_(i-1) read out]
     dQ_i = dS K (8 k-steps)                          -> commit "dQ full"
 The two phases are two uses of the one-stage qdo ring (same transaction bytes: 2 x 32 KiB per CTA
@@ -164,7 +165,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         d, dv = self.hdim, self.hdim_v
         # S^T = K Q^T, dP^T = V dO^T: (keys, queries, d), both operands head-dim-contiguous.
         mma_s = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.K, f32, two, (PAIR_KEYS, BWD_TILE_M))
-        # dV += P^T dO^T, dK += dS^T Q^T: A (keys, queries) queries-contiguous, B (dim, queries).
+        # dV += P^T dO, dK += dS^T Q: A (keys, queries) queries-contiguous, B = dO^T / Q^T (dim, queries).
         mma_dv = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, f32, two, (PAIR_KEYS, dv))
         mma_dk = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, f32, two, (PAIR_KEYS, d))
         # dQ = dS K: A = dS (queries, keys) queries-contiguous, B = K^T (d, keys).
