@@ -62,11 +62,14 @@ class BwdTileParams:
     @staticmethod
     def from_backward_config(cfg) -> "BwdTileParams":
         from flash_attn4.fa4_kernels.arch import Arch
-        from flash_attn4.fa4_kernels.sm100.tiles import backward_serial
+        from flash_attn4.fa4_kernels.sm100.tiles import BWD_PAIR256_KEYS, backward_pair256, backward_serial
 
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
         serial = cfg.arch is Arch.SM100 and backward_serial(cfg.head_dim, cfg.head_dim_v)
-        return BwdTileParams(tile_m=cfg.tile_m, tile_n=cfg.tile_n, dtype=dtype,
+        # The d = 256 pair (sm100/bwd_pair256.py): tile_n counts the pair's keys, each CTA has 64.
+        pair256 = (cfg.arch is Arch.SM100 and getattr(cfg, "cluster_m", 1) == 2
+                   and backward_pair256(cfg.head_dim, cfg.head_dim_v))
+        return BwdTileParams(tile_m=cfg.tile_m, tile_n=BWD_PAIR256_KEYS if pair256 else cfg.tile_n, dtype=dtype,
                              cluster_m=getattr(cfg, "cluster_m", 1), ds_from_rounded_p=serial)
 
 

@@ -281,6 +281,7 @@ def test_varlen_local_and_softcap_configs_are_accepted(flags):
 @pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103])
 @pytest.mark.parametrize("d, dv", [(80, 80), (192, 192), (256, 256), (128, 192), (192, 64), (128, 80)])
 def test_other_head_dims_raise(d, dv, arch):
+    """Head dims no kernel runs on single CTAs (256 / 256 runs only on CTA pairs: tests/cpu/test_sm100_bwd_pair256.py)."""
     with pytest.raises(NotImplementedError, match=f"{arch.value} backward: head dims"):
         BackwardConfig(arch=arch, dtype="bfloat16", head_dim=d, head_dim_v=dv, tile_m=128, tile_n=128,
                        num_stages=1)
@@ -317,8 +318,10 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (128, True, False, False, False, True, True, 1),
         (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1),
         (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1),
-        (192, True, False, False, True, False, False, 1)}
+        (192, True, False, False, True, False, False, 1),
+        (256, False, False, False, False, False, False, 2), (256, True, False, False, False, False, False, 2)}
     assert {c.head_dim_v for c in mains if c.head_dim == 192} == {128}
+    assert {c.head_dim_v for c in mains if c.head_dim == 256} == {256}
     # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
     for c in mains:
         flags = dict(causal=c.causal, local=c.local, has_softcap=c.has_softcap, varlen=c.varlen,
@@ -326,7 +329,7 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         picked = dispatch.backward_config(Arch.SM100, c.dtype, c.head_dim, c.head_dim_v, **flags)
         assert c in (picked, dispatch.self_check_fallback(picked)), c
     assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
-        (64, False), (96, False), (128, False), (128, True), (192, False)}
+        (64, False), (96, False), (128, False), (128, True), (192, False), (256, False)}
     assert any(isinstance(c, PreprocessConfig) for c in configs)
 
 
@@ -364,6 +367,8 @@ def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
     for d, dv in dims:
         for varlen in (False, True):
             compile_backward_postprocess(config(d=d, dv=dv, varlen=varlen).postprocess(), jit_engine=False)
+    for d, dv in sm100_tiles.BWD_PAIR256_HEAD_DIMS:  # CTA pairs, batched only
+        compile_backward_postprocess(config(d=d, dv=dv).postprocess(), jit_engine=False)
 
 
 def test_verifier_reports_only_the_reviewed_baseline():

@@ -124,10 +124,10 @@ KERNELS: dict[Arch, ArchKernels] = {
     Arch.SM90: ArchKernels("sm90", forward="fwd:FlashAttentionForwardSm90", backward="bwd:FlashAttentionBackwardSm90",
                            bwd_postprocess="bwd_postprocess:BackwardPostprocessSm90",
                            dq_accum_layout="dq_accum:accum_layout"),
-    Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", backward="bwd_pair:backward_kernel",
+    Arch.SM100: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", backward="bwd_pair256:backward_kernel",
                             bwd_postprocess="bwd_postprocess:BackwardPostprocessSm100",
                             dq_accum_layout="dq_accum:accum_layout", run_by_us=False),
-    Arch.SM103: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", backward="bwd_pair:backward_kernel",
+    Arch.SM103: ArchKernels("sm100", forward="fwd:FlashAttentionForwardSm100", backward="bwd_pair256:backward_kernel",
                             bwd_postprocess="bwd_postprocess:BackwardPostprocessSm100",
                             dq_accum_layout="dq_accum:accum_layout", rules_module="tiles_sm103", run_by_us=False),
 }

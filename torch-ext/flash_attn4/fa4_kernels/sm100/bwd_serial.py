@@ -80,7 +80,8 @@ Head dims this kernel does not reach (NotImplementedError in tiles.check_backwar
         64-row query blocks: S^T and dP^T 64 columns each beside dK and dV (512), 178 KiB of shared
         memory, but dQ (M = 64, 192 columns) only in two 96-column halves over S^T / dP^T, each read
         out before the next (and the M = 64 accumulator's lane layout to be settled for the dQ warps).
-    d = dv = 256: the same pair layout needs 128 + 128 + 64 + 64 + 128 = 512 columns (fits, no TMEM
+    d = dv = 256 (built since: sm100/bwd_pair256.py, this plan with dS in a buffer of its own, 226 KiB):
+        the same pair layout needs 128 + 128 + 64 + 64 + 128 = 512 columns (fits, no TMEM
         aliasing), and fits shared memory once Q^T / dO^T are not buffers of their own: upstream
         (flash_bwd_sm100, 2-CTA, 64-row KV tile, "serial" schedule) loads each step's Q and dO
         query halves for S^T / dP^T, then the head-dim halves Q^T / dO^T into the same buffers for

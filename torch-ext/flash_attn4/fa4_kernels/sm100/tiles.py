@@ -289,7 +289,8 @@ def backward_supported() -> str:
     """What the sm100 backward runs, for messages."""
     return (f"1-CTA kernel: bf16/fp16, head_dim and head_dim_v each in {BWD_HEAD_DIMS}, causal or local windows, "
             f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True; "
-            f"(head_dim, head_dim_v) in {BWD_SERIAL_HEAD_DIMS} the same")
+            f"(head_dim, head_dim_v) in {BWD_SERIAL_HEAD_DIMS} the same; {BWD_PAIR256_HEAD_DIMS} on CTA pairs, "
+            f"batched only")
 
 
 def backward_serial(head_dim: int, head_dim_v: int) -> bool:
@@ -334,6 +335,9 @@ def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, var
     """BackwardConfig overrides for the launch grid: CTA pairs where BWD_TWO_CTA and the pair
     kernel's rules allow (off: the 1-CTA kernel everywhere)."""
     del causal, local, deterministic  # the pair kernel takes them
+    if backward_pair256(head_dim, head_dim_v) and not varlen:
+        # d = dv = 256 has no 1-CTA kernel: its pair (sm100/bwd_pair256.py) runs whatever BWD_TWO_CTA says.
+        return dict(cluster_m=2, num_stages=1)
     pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS and not varlen
     return dict(cluster_m=2, num_stages=1) if pair else {}
 
@@ -341,9 +345,11 @@ def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, var
 def _check_backward_pair(cfg) -> None:
     """NotImplementedError for a problem class the backward pair kernel does not run."""
     arch = cfg.arch.value
-    if (cfg.head_dim, cfg.head_dim_v) not in BWD_PAIR_HEAD_DIMS:
+    pair256 = (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS
+    if (cfg.head_dim, cfg.head_dim_v) not in BWD_PAIR_HEAD_DIMS and not pair256:
         raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) is not implemented at head dims "
-                                  f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims {BWD_PAIR_HEAD_DIMS}")
+                                  f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims "
+                                  f"{BWD_PAIR_HEAD_DIMS + BWD_PAIR256_HEAD_DIMS}")
     if cfg.varlen or cfg.has_seqused_k:
         # (seqused_k: the pair kernel does not zero K's and V's rows past the keys, bwd.zero_kv_tail.
         # The torch layer takes seqused_k in the backward only with varlen, so no dispatch reaches it.)
@@ -351,7 +357,8 @@ def _check_backward_pair(cfg) -> None:
                                   f"implemented; pairs run batched problems")
     if cfg.num_stages != 1:
         raise ValueError(f"{arch} backward: the pair kernel has one Q/dO stage, got {cfg.num_stages}")
-    if backward_pair_shared_memory_bytes(cfg.head_dim, cfg.head_dim_v) > SMEM_BYTES:
+    smem = backward_pair256_shared_memory_bytes if pair256 else backward_pair_shared_memory_bytes
+    if smem(cfg.head_dim, cfg.head_dim_v) > SMEM_BYTES:
         raise ValueError(f"{arch} backward: the pair kernel's shared memory exceeds {SMEM_BYTES} bytes at head "
                          f"dims {cfg.head_dim}/{cfg.head_dim_v}")
 
@@ -366,7 +373,18 @@ def check_backward(cfg) -> None:
             raise NotImplementedError(f"{arch} backward: {name}=True ({what}) is not implemented yet on "
                                       f"{arch}; it runs: {backward_supported()}")
     serial = backward_serial(cfg.head_dim, cfg.head_dim_v)
-    if not serial and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
+    # d = dv = 256 runs only on CTA pairs (sm100/bwd_pair256.py), whose plan has its own check.
+    pair256 = cfg.cluster_m == 2 and (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS
+    if cfg.cluster_m == 1 and (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS:
+        raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
+                                  f"on single CTAs (they run on CTA pairs, batched: varlen and seqused_k are not "
+                                  f"implemented at these head dims); it runs: {backward_supported()}")
+    if pair256 and (cfg.varlen or cfg.has_seqused_k):
+        # Its own refusal, whatever the d = 128 pair's rule (_check_backward_pair) comes to allow.
+        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen or seqused_k is not "
+                                  f"implemented at head dims {cfg.head_dim}/{cfg.head_dim_v}; the d = 256 pair runs "
+                                  f"batched problems")
+    if not serial and not pair256 and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
                                   f"it runs: {backward_supported()}")
@@ -374,7 +392,7 @@ def check_backward(cfg) -> None:
         raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")
     if cfg.cluster_m == 2:
         _check_backward_pair(cfg)
-    stages = backward_stages(cfg.head_dim, cfg.head_dim_v)
+    stages = 1 if pair256 else backward_stages(cfg.head_dim, cfg.head_dim_v)
     if not 1 <= cfg.num_stages <= stages:
         raise ValueError(f"{arch} backward: {cfg.num_stages} Q/dO stages do not fit in shared memory at head dims "
                          f"{cfg.head_dim}/{cfg.head_dim_v} (at most {stages})")
@@ -386,7 +404,7 @@ def check_backward(cfg) -> None:
 
 
 def check_postprocess(cfg) -> None:
-    head_dims = BWD_HEAD_DIMS + tuple(d for d, _ in BWD_SERIAL_HEAD_DIMS)
+    head_dims = BWD_HEAD_DIMS + tuple(d for d, _ in BWD_SERIAL_HEAD_DIMS + BWD_PAIR256_HEAD_DIMS)
     if cfg.tile_m != BWD_TILE_M or cfg.head_dim not in head_dims:
         raise NotImplementedError(f"{cfg.arch.value} backward postprocess: tile_m {BWD_TILE_M} and head dims "
                                   f"{head_dims} only, got tile_m {cfg.tile_m}, head dim {cfg.head_dim}")
@@ -397,7 +415,7 @@ def check_postprocess(cfg) -> None:
 # handful: the target's compile time).
 # The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
 # 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain, causal, and causal with
-# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh).
+# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh). The d = 256 pair plain and causal.
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
@@ -405,4 +423,57 @@ BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d
                        dict(local=True, has_softcap=True, cluster_m=1),
                        dict(causal=True, deterministic=True, cluster_m=1),
                        dict(d=192, dv=128), dict(d=192, dv=128, causal=True),
-                       dict(d=192, dv=128, causal=True, has_softcap=True))
+                       dict(d=192, dv=128, causal=True, has_softcap=True),
+                       dict(d=256, dv=256), dict(d=256, dv=256, causal=True))
+
+
+# ---- Backward at d = dv = 256 (sm100/bwd_pair256.py) ---------------------------------------------
+# A CTA pair with BWD_PAIR256_KEYS = 64 keys per CTA: the M = 128 tcgen05 MMAs of cta_group::2, whose
+# accumulators hold a CTA's 64 rows x N folded into 128 lanes x N / 2 columns (lane l: row l % 64,
+# column half l // 64). Tensor memory, per CTA (no column is shared by two accumulators, so no MMA
+# waits for a TMEM read-out other than its own accumulator's):
+#     dK 0-127, dV 128-255 (64 keys x 256 each), S^T 256-319, dP^T 320-383 (64 keys x 128 queries),
+#     dQ 384-511 (64 query rows x 256).
+# P^T and dS^T cannot be TMEM A operands in the folded layout (an A operand from TMEM must hold
+# its M rows in lanes 0..M/2-1 with K along columns), so they go to shared memory. Shared memory per
+# CTA: K, V (64 keys x 256) and K^T's head-dim half over the pair's 128 keys, 32 KiB each; one
+# Q/dO buffer pair, 32 KiB each, holding first the query halves Q, dO (64 queries x 256, the B of
+# S^T / dP^T), then the head-dim halves Q^T, dO^T (128 x 128 queries, the B of dK / dV): two TMA
+# phases per step on the same buffers (same bytes); P^T, dS^T (64 keys x 128 queries) 16 KiB each;
+# dS, the dQ MMA's A (this CTA's 64 query rows x the pair's 128 keys, half written by the peer),
+# 16 KiB; dQ staging two 64-row x 32-column float32 chunks, 16 KiB; LSE, D; barriers.
+BWD_PAIR256_HEAD_DIMS = ((256, 256),)
+BWD_PAIR256_KEYS = 64  # keys per CTA
+
+
+def backward_pair256(head_dim: int, head_dim_v: int) -> bool:
+    """Whether (padded) head dims run the d = 256 pair kernel (sm100/bwd_pair256.py)."""
+    return (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR256_HEAD_DIMS
+
+
+def backward_pair256_tmem_columns(head_dim: int = 256, head_dim_v: int = 256) -> dict:
+    """{accumulator: (first column, columns)} of the d = 256 pair kernel: each folded accumulator
+    of 64 rows x N takes N / 2 columns (S^T, dP^T: N = 128 queries; dK, dV, dQ: N = the head dim)."""
+    widths = dict(dk=head_dim // 2, dv=head_dim_v // 2, s=BWD_TILE_M // 2, dp=BWD_TILE_M // 2,
+                  dq=head_dim // 2)
+    plan, col = {}, 0
+    for name in ("dk", "dv", "s", "dp", "dq"):
+        plan[name] = (col, widths[name])
+        col += widths[name]
+    return plan
+
+
+def backward_pair256_shared_memory_bytes(head_dim: int = 256, head_dim_v: int = 256, element_bytes: int = 2) -> int:
+    """Dynamic shared memory of a CTA of the d = 256 pair kernel, each buffer a multiple of its
+    1024-byte alignment (checked against the kernel's SharedStorage at trace time)."""
+    d, dv, keys = _pad16(head_dim), _pad16(head_dim_v), BWD_PAIR256_KEYS
+    kv = keys * (d + dv) * element_bytes  # K, V: this CTA's keys
+    kt = (d // 2) * 2 * keys * element_bytes  # K^T: half the head dim, the pair's keys
+    # Q (64 queries x d) then Q^T (d / 2 x 128 queries) in one buffer; dO likewise.
+    q = max(BWD_TILE_M // 2 * d, d // 2 * BWD_TILE_M) * element_bytes
+    do = max(BWD_TILE_M // 2 * dv, dv // 2 * BWD_TILE_M) * element_bytes
+    pt = dst = keys * BWD_TILE_M * element_bytes  # P^T, dS^T: this CTA's keys x the block's queries
+    ds = BWD_TILE_M // 2 * 2 * keys * element_bytes  # dS: this CTA's query rows x the pair's keys
+    dq = 2 * BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK * 4
+    rows = 2 * BWD_TILE_M * 4
+    return kv + kt + q + do + pt + dst + ds + dq + rows + BWD_SMEM_RESERVED
