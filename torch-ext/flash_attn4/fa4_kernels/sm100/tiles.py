@@ -303,13 +303,15 @@ def backward_serial(head_dim: int, head_dim_v: int) -> bool:
 # keys, one Q/dO stage as two halves each (the query half the S^T/dP^T MMAs read, the head-dim half
 # the dK/dV MMAs read), dS for its 64 query rows over the pair's keys (half of it written by the
 # peer through distributed shared memory), dQ staging for its 64 rows. Which problem classes the
-# pair kernel runs: BWD_PAIR_HEAD_DIMS, batched (causal, local windows, softcap and deterministic
-# included: the pair walks the union of its two KV blocks' query blocks; deterministic dQ adds go
-# in pair order), not varlen (see _check_backward_pair). BWD_TWO_CTA switches the dispatch rule
-# (backward_grid): on, as upstream runs its backward at d >= 128 on two CTAs (varlen too; ours
-# keeps one CTA there). Compiled and statically checked only (docs/perf.md); not run on a GPU here: a pair that
-# fails its first-use self-check on a B200 is replaced by the 1-CTA backward
-# (dispatch.self_check_fallback). The kernel is reachable through BackwardConfig(cluster_m=2) either way.
+# pair kernel runs: BWD_PAIR_HEAD_DIMS, batched or varlen (cu_seqlens, seqused_k), causal, local
+# windows, softcap and deterministic included: the pair walks the union of its two KV blocks' query
+# blocks; a varlen pair owns two KV blocks of one sequence, the odd one possibly past its keys, and
+# the even CTA zeroes both CTAs' K/V rows past the keys (bwd_pair.pair_zero_kv_tail); deterministic
+# dQ adds go in pair order. BWD_TWO_CTA switches the dispatch rule (backward_grid): on, as upstream
+# runs its backward at d >= 128 on two CTAs (varlen too; dispatch keeps one CTA there for now).
+# Compiled and statically checked only (docs/perf.md); not run on a GPU here: a pair that fails its
+# first-use self-check on a B200 is replaced by the 1-CTA backward (dispatch.self_check_fallback).
+# The kernel is reachable through BackwardConfig(cluster_m=2) either way.
 BACKWARD_CLUSTER_M = (1, 2)
 BWD_PAIR_HEAD_DIMS = ((128, 128),)
 BWD_TWO_CTA = True
@@ -344,11 +346,6 @@ def _check_backward_pair(cfg) -> None:
     if (cfg.head_dim, cfg.head_dim_v) not in BWD_PAIR_HEAD_DIMS:
         raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) is not implemented at head dims "
                                   f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims {BWD_PAIR_HEAD_DIMS}")
-    if cfg.varlen or cfg.has_seqused_k:
-        # (seqused_k: the pair kernel does not zero K's and V's rows past the keys, bwd.zero_kv_tail.
-        # The torch layer takes seqused_k in the backward only with varlen, so no dispatch reaches it.)
-        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen or seqused_k is not "
-                                  f"implemented; pairs run batched problems")
     if cfg.num_stages != 1:
         raise ValueError(f"{arch} backward: the pair kernel has one Q/dO stage, got {cfg.num_stages}")
     if backward_pair_shared_memory_bytes(cfg.head_dim, cfg.head_dim_v) > SMEM_BYTES:
