@@ -530,11 +530,12 @@ PAIR_TAIL_FENCES_PTX = re.compile(r"fence\.proxy\.async\.shared::cluster;\s+bar\
 def test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(pair_compiled):
     """With varlen keys or seqused_k (rows past a sequence's keys inside the tensor: the next
     sequence's, NaN possible), the even CTA's MMA warp zeroes K's, V's and K^T's rows past the keys
-    of both CTAs (bwd_pair.pair_zero_kv_tail): six zero-store loops, each through a shared::cluster
-    address (mapa; the odd CTA's buffers and its own), after the K/V full barrier's wait (phase 0)
-    and before the first tcgen05 MMA, then the stores' async-proxy fence over the cluster, the warp
-    barrier and a cluster acq_rel fence (PTX as written; SASS: six 16-byte stores of RZ before the
-    first UTCHMMA, a FENCE.VIEW.ASYNC.S between). Batched pairs (TMA's zero fill) have none."""
+    of both CTAs (bwd_pair.pair_zero_kv_tail): three zero-store loops (K, V, K^T) in a loop over the
+    pair's CTAs, each through a shared::cluster address (mapa: its own buffers and the odd CTA's),
+    after the K/V full barrier's wait (phase 0) and before the first tcgen05 MMA, then the stores'
+    async-proxy fence over the cluster, the warp barrier and a cluster acq_rel fence (PTX as
+    written; SASS: the three 16-byte stores of RZ before the first UTCHMMA, a FENCE.VIEW.ASYNC.S
+    between). Batched pairs (TMA's zero fill) have none."""
     flavour, cfg, stats = pair_compiled
     ptx = lib.kernel_artifacts(cfg, flavour)["ptx"].read_text()
     (sass,) = lib.sass_kernels(lib.kernel_artifacts(cfg, flavour)["sass"].read_text()).values()
@@ -544,14 +545,14 @@ def test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(pair_com
     if not (cfg.varlen or cfg.has_seqused_k):
         assert not stores and not zero_st and not ZERO_STORE_PTX.search(ptx), flavour
         return
-    ctas, buffers = cfg.cluster_m, 3  # K, V, K^T in each CTA
-    assert len(stores) == len(zero_st) == ctas * buffers, (flavour, len(stores), len(zero_st))
+    buffers = 3  # K, V, K^T, in each CTA
+    assert len(stores) == len(zero_st) == buffers, (flavour, len(stores), len(zero_st))
     assert not ZERO_STORE_PTX.search(ptx), "a zero store to this CTA's shared memory only (the 1-CTA form)"
     first_mma = ptx.index("tcgen05.mma")
     assert stores[-1] < first_mma, "zeroed after the first MMA was issued"
     waits = list(MBARRIER_WAIT_PTX.finditer(ptx, 0, stores[0]))
     assert waits and waits[-1].group(1) == "0", "the stores do not follow the K/V full barrier's wait"
-    assert ptx.count("mapa.shared::cluster", waits[-1].start(), first_mma) == ctas * buffers
+    assert ptx.count("mapa.shared::cluster", waits[-1].start(), first_mma) == buffers
     assert PAIR_TAIL_FENCES_PTX.search(ptx, stores[-1], first_mma), "fences + warp barrier after the stores"
     first_utcmma = next(i for i, inst in enumerate(sass) if inst.base.startswith("UTC") and inst.base.endswith("MMA"))
     assert zero_st[-1] < first_utcmma, flavour

@@ -483,7 +483,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                 pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
                 lane = cute.arch.lane_idx()
                 half = self.hdim // CTAS
-                for cta in cutlass.range_constexpr(CTAS):
+                # Rolled over the two CTAs (a runtime mapa target): unrolled, 56-64 more instructions.
+                for cta in cutlass.range(CTAS, unroll=1):
                     first_row = first_row_past_keys(seqlen_k, pair * CTAS + cta, TILE_N)
                     for buffer, layout, cols in ((storage.sK, layouts.k, self.hdim),
                                                  (storage.sV, layouts.v, self.hdim_v)):
