@@ -308,7 +308,7 @@ def backward_serial(head_dim: int, head_dim_v: int) -> bool:
 # blocks; a varlen pair owns two KV blocks of one sequence, the odd one possibly past its keys, and
 # the even CTA zeroes both CTAs' K/V rows past the keys (bwd_pair.pair_zero_kv_tail); deterministic
 # dQ adds go in pair order. BWD_TWO_CTA switches the dispatch rule (backward_grid): on, as upstream
-# runs its backward at d >= 128 on two CTAs (varlen too; dispatch keeps one CTA there for now).
+# runs its backward at d >= 128 on two CTAs, varlen included.
 # Compiled and statically checked only (docs/perf.md); not run on a GPU here: a pair that fails its
 # first-use self-check on a B200 is replaced by the 1-CTA backward (dispatch.self_check_fallback).
 # The kernel is reachable through BackwardConfig(cluster_m=2) either way.
@@ -335,8 +335,8 @@ def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, var
                   deterministic: bool) -> dict:
     """BackwardConfig overrides for the launch grid: CTA pairs where BWD_TWO_CTA and the pair
     kernel's rules allow (off: the 1-CTA kernel everywhere)."""
-    del causal, local, deterministic  # the pair kernel takes them
-    pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS and not varlen
+    del causal, local, varlen, deterministic  # the pair kernel takes them
+    pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS
     return dict(cluster_m=2, num_stages=1) if pair else {}
 
 
@@ -392,13 +392,14 @@ def check_postprocess(cfg) -> None:
 # Problem classes CI compiles for sm_100a's backward: each head dim, causal or not, the
 # deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
 # handful: the target's compile time).
-# The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
+# The d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
 # 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain, causal, and causal with
 # softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh).
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
                        dict(cluster_m=1), dict(causal=True, cluster_m=1),
+                       dict(causal=True, varlen=True, has_seqused_k=True, cluster_m=1),
                        dict(local=True, has_softcap=True, cluster_m=1),
                        dict(causal=True, deterministic=True, cluster_m=1),
                        dict(d=192, dv=128), dict(d=192, dv=128, causal=True),
