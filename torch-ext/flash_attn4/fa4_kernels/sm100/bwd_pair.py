@@ -17,7 +17,8 @@ kernel's (bwd.Warp, bwd.REGISTERS), in each CTA of the pair:
     warps 4-11   compute     setmaxnreg 160: two warpgroups, query columns 0-63 / 64-127 of the
                              step, thread = key row: P^T, dS^T (the 1-CTA kernel's chunk work, plus
                              dS^T into TMEM and dS into the dQ operand); dK, dV out at the end
-    warp 12      MMA         the even CTA's issues the pair's MMAs; the odd CTA's idles
+    warp 12      MMA         the even CTA's issues the pair's MMAs (varlen, seqused_k: after
+                             pair_zero_kv_tail); the odd CTA's idles
     warp 13      load        TMA of this CTA's shares (below)
     warps 14-15  idle        (12-15: the launch's 128 registers, no setmaxnreg)
 
@@ -26,8 +27,9 @@ past its sequence's keys has no step, in both CTAs alike) and addresses every te
 offsets as the 1-CTA kernel does (dq_accum and the LSE / D rows in its packed orders). With an odd
 number of KV blocks the odd CTA's block lies past the keys: its keys are masked (P^T = dS^T = 0), it
 stores no dK / dV row (those rows are the next sequence's), and its K and V rows are zeroed with the
-rest of the pair's rows past the keys (pair_zero_kv_tail: 0 * NaN from the next sequence's rows would
-reach dP^T, dS^T and dQ), as are K^T's rows past the keys in both CTAs.
+rest of the pair's rows past the keys, K^T's in both CTAs included (pair_zero_kv_tail: those rows are
+the next sequence's keys or, with seqused_k, an unused cache's, NaN possible, and 0 * NaN would reach
+dP^T, dS^T and dQ).
 
 What changes against the 1-CTA kernel:
 
