@@ -413,7 +413,9 @@ PAIR_CASES = {"d128": (dict(), dict(cu12=3536, cu13=3192)),
               "d128_varlen": (dict(varlen=True), None),
               "d128_causal_varlen_seqused_k": (dict(causal=True, varlen=True, has_seqused_k=True), None),
               "d128_varlen_local_softcap_deterministic": (dict(varlen=True, local=True, has_softcap=True,
-                                                               deterministic=True), None)}
+                                                               deterministic=True), None),
+              "sm103_d128_causal_varlen_seqused_k": (dict(causal=True, varlen=True, has_seqused_k=True,
+                                                          arch=Arch.SM103), None)}
 PAIR_INSTRUCTION_GOAL = 1.00
 PAIR_INSTRUCTION_LIMIT = 1.05
 # Above the goal (not the limit): none since the dQ reduce-adds are issued by a rolled loop.
@@ -558,6 +560,43 @@ def test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(pair_com
     first_utcmma = next(i for i, inst in enumerate(sass) if inst.base.startswith("UTC") and inst.base.endswith("MMA"))
     assert zero_st[-1] < first_utcmma, flavour
     assert any(zero_st[-1] < i < first_utcmma for i, inst in enumerate(sass) if inst.opcode == "FENCE.VIEW.ASYNC.S")
+
+
+@pytest.mark.parametrize("fault", [None, "kt_keys_as_columns", "kv_keys_of_the_other_cta"])
+def test_pair_zeroing_views_are_checked_against_both_ctas_mmas(fault, monkeypatch):
+    """check_pair_key_rows (run when a varlen pair kernel is traced) accepts the (key, column) views
+    pair_zero_kv_tail writes through, and refuses wrong ones: K^T's keys and columns swapped, or K's
+    and V's rows taken as the other CTA's keys (a zeroing that would leave rows past the keys or
+    clear keys inside them)."""
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import tcgen05
+
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair
+
+    plan = bwd_pair.backward_kernel(pair_config(varlen=True))
+    if fault == "kt_keys_as_columns":
+        monkeypatch.setattr(bwd_pair, "kt_key_rows", lambda layout, cols: cute.composition(
+            layout, cute.make_layout(((bwd_pair.MMA_K, bwd_pair.PAIR_N // bwd_pair.MMA_K), cols),
+                                     stride=((1, cols * bwd_pair.MMA_K), bwd_pair.MMA_K))))
+    if fault == "kv_keys_of_the_other_cta":
+        monkeypatch.setattr(bwd_pair, "TILE_N", 0)  # CTA 1's keys counted from the pair's first
+    outcome = {}
+
+    @cute.jit
+    def trace():
+        mmas = plan.tiled_mmas(tcgen05.CtaGroup.TWO, bwd_pair.PAIR_N, tcgen05.OperandSource.TMEM)
+        layouts = plan.smem_layouts(*mmas, plan.tilers(bwd_pair.PAIR_N))
+        try:
+            bwd_pair.check_pair_key_rows(mmas[0], mmas[3], layouts, plan.hdim, plan.hdim_v)
+            outcome["error"] = None
+        except ValueError as error:
+            outcome["error"] = str(error)
+
+    trace()
+    if fault is None:
+        assert outcome["error"] is None
+    else:
+        assert outcome["error"] and "disagrees with the MMA" in outcome["error"], outcome
 
 
 def test_pair_tmem_plan_and_shared_memory():

@@ -475,8 +475,9 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         and the odd CTA's (through shared::cluster addresses, one code path for both): only it can
         wait for the K/V loads, whose bytes from both CTAs complete on its barrier, and it issues
         every MMA that reads them. The odd CTA's block may lie wholly past the keys (an odd number
-        of blocks in the sequence): then all its K and V rows are zeroed, and its half of K^T from
-        the even CTA's last key on. Never where the pair has no step: nothing is loaded then."""
+        of blocks in the sequence): then all its K and V rows are zeroed. K^T (each CTA: a head-dim
+        half over both blocks' keys) is zeroed from the sequence's end on in both CTAs. Never where
+        the pair has no step: nothing is loaded then."""
         pair = work.n_block // CTAS
         seqlen_k = work.seqlen.seqlen_k
         first_key = first_row_past_keys(seqlen_k, pair, PAIR_N)
@@ -749,14 +750,15 @@ def check_pair_key_rows(mma_s: cute.TiledMma, mma_dq: cute.TiledMma, layouts: "S
                                      f"MMA of CTA {rank} at key {key}, column {col}")
         part = mma_dq.get_slice(rank).partition_B(cute.make_identity_tensor((d, PAIR_N)))
         view = kt_key_rows(layouts.kt.outer, half)
-        for key in range(PAIR_N):
-            for n in (0, 1, 7, 8, half - 1):
-                coord = ((n, key % MMA_K), 0, key // MMA_K)
-                col, k = part[coord]
-                if (k, col - rank * half) != (key, n) or \
-                        cute.crd2idx((key, n), view) != cute.crd2idx((*coord, 0), layouts.kt.outer):
-                    raise ValueError(f"sm100 backward pair: the (key, column) view of K^T disagrees with the MMA of "
-                                     f"CTA {rank} at key {k}, column {col}")
+        sample = [(key, n) for key in range(PAIR_N) for n in (0, 1, 7, 8, half - 1)]
+        sample += [(key, n) for key in (0, 1, MMA_K - 1, MMA_K, TILE_N - 1, TILE_N, PAIR_N - 1) for n in range(half)]
+        for key, n in sample:
+            coord = ((n, key % MMA_K), 0, key // MMA_K)
+            col, k = part[coord]
+            if (k, col - rank * half) != (key, n) or \
+                    cute.crd2idx((key, n), view) != cute.crd2idx((*coord, 0), layouts.kt.outer):
+                raise ValueError(f"sm100 backward pair: the (key, column) view of K^T disagrees with the MMA of "
+                                 f"CTA {rank} at key {k}, column {col}")
 
 
 @dataclass(frozen=True)
