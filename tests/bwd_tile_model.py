@@ -27,6 +27,12 @@ What the model reproduces, and how exactly:
   softmax_scale to the input dtype.
 * dsink: the torch layer's formula (ops._sink_grad), in torch's float32: -sum_rows exp(sink - lse)
   rowsum(dO * O).
+* Whole tiles: every KV block is loaded as tile_n rows, a pair's as 2 x tile_n (its odd block possibly
+  wholly past the keys, run as masked steps of the pair's walk), so the last tile reads rows past the
+  sequence's keys: zeros past the tensor's end (TMA's fill), or ``kv_tail``, the rows that follow in
+  a packed (varlen) or cached (seqused_k) tensor (the next sequence's keys, anything: NaN included),
+  which the kernels zero before their MMAs (``zero_kv_tail``, kv_tail.py; False: a kernel without
+  it). Their scores are masked (P = 0), but dP, dS = P (dP - D) and dQ = dS K multiply them.
 
 Parameters: ``BwdTileParams.from_backward_config`` takes them from a BackwardConfig (dispatch's).
 ``backward`` runs the three kernels from out, dout and the forward's LSE; ``main`` is the main kernel
@@ -152,17 +158,20 @@ class BwdResult:
 
 def backward(q, k, v, out, dout, lse, params: BwdTileParams, *, softmax_scale: float, causal: bool = False,
              window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sink=None, deterministic: bool = False,
-             seed: int = 0, tanh_rel_error: float = 0.0, mufu_rel_error: float = 0.0) -> BwdResult:
+             seed: int = 0, tanh_rel_error: float = 0.0, mufu_rel_error: float = 0.0, kv_tail=None,
+             zero_kv_tail: bool = True) -> BwdResult:
     """One KV head and its g query heads: q (sq, g, d), k (sk, d), v (sk, dv), out and dout (sq, g, dv)
     in the input dtype, lse (g, sq) float32 (natural log, -inf for rows that saw no key), sink (g,)
     or None. ``seed`` draws the dQ arrival order (non-deterministic mode) and the tanh / MUFU
-    perturbations (bounds ``*_rel_error``). The preprocessing, ``main`` and the postprocessing."""
+    perturbations (bounds ``*_rel_error``); ``kv_tail`` (k rows, v rows) and ``zero_kv_tail``: the
+    rows past the keys (module docstring). The preprocessing, ``main`` and the postprocessing."""
     lse = lse.detach().numpy().astype(F32)
     out64, do64 = (t.detach().to(torch.float64).numpy() for t in (out, dout))
     D = np.stack([rowsum_dout_out(do64[:, h], out64[:, h]) for h in range(q.shape[1])])
     dq_accum, dk, dv, stats = main(q, k, v, dout, D, lse_log2(lse), params, softmax_scale=softmax_scale,
                                    causal=causal, window=window, softcap=softcap, deterministic=deterministic,
-                                   seed=seed, tanh_rel_error=tanh_rel_error, mufu_rel_error=mufu_rel_error)
+                                   seed=seed, tanh_rel_error=tanh_rel_error, mufu_rel_error=mufu_rel_error,
+                                   kv_tail=kv_tail, zero_kv_tail=zero_kv_tail)
     dq = _round_to(f32(dq_accum.astype(F64) * F64(F32(softmax_scale))), params.dtype)
     dsink = None
     if sink is not None:  # ops._sink_grad: torch's own rowsum(dO * O), not the preprocessing's
@@ -174,7 +183,7 @@ def backward(q, k, v, out, dout, lse, params: BwdTileParams, *, softmax_scale: f
 
 def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, causal: bool = False,
          window: tuple[int, int] = (-1, -1), softcap: float = 0.0, deterministic: bool = False, seed: int = 0,
-         tanh_rel_error: float = 0.0, mufu_rel_error: float = 0.0):
+         tanh_rel_error: float = 0.0, mufu_rel_error: float = 0.0, kv_tail=None, zero_kv_tail: bool = True):
     """The main kernel and the dQ reduction, from the preprocessing's rows D and L2 (g, sq) float32:
     (dq_accum (sq, g, d) float32, i.e. dQ / softmax_scale; dk (sk, d), dv (sk, dv) in the input dtype;
     BwdStats)."""
@@ -183,7 +192,16 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
     q64, k64, v64, do64 = (t.detach().to(torch.float64).numpy() for t in (q, k, v, dout))
     sq, g, d = q64.shape
     sk, dvd = k64.shape[0], v64.shape[1]
-    vis = visible(sq, sk, causal, window)
+    # The tiles as loaded: whole blocks (a pair's two), the rows past the keys what follows them.
+    n_blocks = (sk + p.tile_n - 1) // p.tile_n
+    rows = -(-n_blocks // p.cluster_m) * p.cluster_m * p.tile_n
+    k64, v64 = (np.concatenate([x, np.zeros((rows - sk, x.shape[1]), dtype=F64)]) for x in (k64, v64))
+    if kv_tail is not None and not zero_kv_tail:
+        for x, tail in zip((k64, v64), kv_tail):
+            tail = torch.as_tensor(tail).detach().to(torch.float64).numpy()[:rows - sk]
+            x[sk:sk + tail.shape[0]] = tail
+    vis = np.zeros((sq, rows), dtype=bool)
+    vis[:, :sk] = visible(sq, sk, causal, window)
     if softcap:
         prescale = f32(F32(softmax_scale) / F64(F32(softcap)))
         scale_log2 = f32(F32(softcap) * F64(F32(LOG2_E)))
@@ -191,13 +209,12 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
         prescale = None
         scale_log2 = f32(F32(softmax_scale) * F64(F32(LOG2_E)))
     stats = BwdStats()
-    covered = np.zeros((g, sq, sk), dtype=bool)
+    covered = np.zeros((g, sq, rows), dtype=bool)
     # dQ parts per (head, query block): [(n_block or pair, float32 part)], summed in arrival order below
     dq_parts: dict = {}
     dk_out = np.zeros((sk, d), dtype=F64)
     dv_out = np.zeros((sk, dvd), dtype=F64)
-    n_blocks = (sk + p.tile_n - 1) // p.tile_n
-    keys = [(n * p.tile_n, min((n + 1) * p.tile_n, sk)) for n in range(n_blocks)]
+    keys = [(n * p.tile_n, (n + 1) * p.tile_n) for n in range(rows // p.tile_n)]
     acc_dk = [np.zeros((c1 - c0, d), dtype=F32) for c0, c1 in keys]
     acc_dv = [np.zeros((c1 - c0, dvd), dtype=F32) for c0, c1 in keys]
 
@@ -214,8 +231,9 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
         stats.masked_steps += not full
         covered[h, r0:r1, c0:c1] = True
         # S^T and dP^T (here as S and dP, queries x keys), float32 accumulators
-        s = f32(q64[r0:r1, h] @ k64[c0:c1].T)
-        dp = f32(do64[r0:r1, h] @ v64[c0:c1].T)
+        with np.errstate(invalid="ignore"):  # NaN rows past the keys, unzeroed (zero_kv_tail=False)
+            s = f32(q64[r0:r1, h] @ k64[c0:c1].T)
+            dp = f32(do64[r0:r1, h] @ v64[c0:c1].T)
         if softcap:
             t = np.tanh(f32(s.astype(F64) * F64(prescale)).astype(F64))
             if tanh_rel_error > 0:
@@ -250,15 +268,17 @@ def main(q, k, v, dout, D, L2, params: BwdTileParams, *, softmax_scale: float, c
     else:
         assert p.cluster_m == 2
         for pair in range(-(-n_blocks // 2)):
-            blocks = [n for n in (2 * pair, 2 * pair + 1) if n < n_blocks]
+            blocks = [2 * pair, 2 * pair + 1]  # the odd one's steps where it lies past the keys: masked
             for h in range(g):
                 for m_block in pair_query_block_range(pair, sq, sk, p.tile_m, p.tile_n, causal, window):
                     ds16 = np.concatenate([step(n, h, m_block) for n in blocks], axis=1)
                     c0, c1 = keys[blocks[0]][0], keys[blocks[-1]][1]
                     dq_parts.setdefault((h, m_block), []).append((pair, f32(ds16 @ k64[c0:c1])))
-    for n_block, (c0, c1) in enumerate(keys):
-        dk_out[c0:c1] = _round_to(f32(acc_dk[n_block].astype(F64) * F64(F32(softmax_scale))), p.dtype)
-        dv_out[c0:c1] = _round_to(acc_dv[n_block], p.dtype)
+    for n_block, (c0, c1) in enumerate(keys):  # stored for the keys only (past them: another's rows)
+        c1 = min(c1, sk)
+        if c0 < c1:
+            dk_out[c0:c1] = _round_to(f32(acc_dk[n_block][:c1 - c0].astype(F64) * F64(F32(softmax_scale))), p.dtype)
+            dv_out[c0:c1] = _round_to(acc_dv[n_block][:c1 - c0], p.dtype)
 
     missed = np.broadcast_to(vis, covered.shape) & ~covered
     if missed.any():

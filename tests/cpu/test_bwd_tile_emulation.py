@@ -550,3 +550,55 @@ def test_serial_softcap_error_against_the_float32_reference(cap, q_scale):
     check_rule(got, q, k, v, dout, None, **kw)
     for name in ("dk", "dq"):
         assert not torch.equal(getattr(got, name), getattr(exact_t, name)), name
+
+
+# (seqlen_q, seqlen_k) per sequence of a packed varlen batch run on CTA pairs (d = 128): an odd number
+# of KV blocks, the last pair's odd block wholly past the keys (333 keys, 40); a last pair whose odd
+# block holds keys (300); whole pairs, no row past the keys (256); a sequence without keys.
+SM100_VARLEN_PAIRS = ((300, 333), (77, 40), (200, 300), (100, 256), (64, 0))
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(causal=True), dict(window=(60, 8)),
+                                   dict(softcap=4.0, causal=True, deterministic=True)])
+def test_sm100_varlen_pairs_zero_the_rows_past_the_keys(flags):
+    """Varlen on CTA pairs (sm100/bwd_pair.py): each sequence runs as its own problem at its offsets,
+    its pairs' tiles reading whole 256-row K/V tiles, whose rows past the keys are the next sequence's
+    keys and, with seqused_k, an unused cache's rows (here NaN and Inf). With the kernel's zeroing
+    (pair_zero_kv_tail) every gradient is within the GPU suite's rule against autograd and bit for bit
+    what zeros past the keys (TMA's fill past a tensor's end) give, dK / dV the 1-CTA model's; without
+    it, the NaN reaches dQ wherever a pair's tile holds rows past the keys that a query block's walk
+    multiplies (not vacuous)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(flags).encode()))
+    d, causal, window = 128, flags.get("causal", False), flags.get("window", (-1, -1))
+    softcap = flags.get("softcap", 0.0)
+    bwd_cfg, fwd_cfg = configs(d=d, causal=causal, local=window != (-1, -1), softcap=softcap, arch=Arch.SM100)
+    pair = replace(bm.BwdTileParams.from_backward_config(bwd_cfg), cluster_m=2)
+    single = replace(pair, cluster_m=1)
+    kw = dict(softmax_scale=d ** -0.5, causal=causal, window=window, softcap=softcap)
+    seqs = [(sq, _rand(gen, sq, 2, d), _rand(gen, sk, d), _rand(gen, sk, d), _rand(gen, sq, 2, d))
+            for sq, sk in SM100_VARLEN_PAIRS]
+    packed_k, packed_v = torch.cat([s[2] for s in seqs]), torch.cat([s[3] for s in seqs])
+    garbage = torch.tensor([math.nan, math.inf, -math.inf]).to(torch.bfloat16)
+    poisoned = 0
+    for b, (sq, q, k, v, dout) in enumerate(seqs):
+        sk = k.shape[0]
+        start = sum(s[2].shape[0] for s in seqs[:b + 1])
+        # What follows the keys in the packed tensors: the next sequences' keys, then cache rows holding NaN/Inf.
+        tail = [torch.cat([x[start:start + 60], garbage.repeat(200)[:, None].expand(-1, d)])
+                for x in (packed_k, packed_v)]
+        if sk == 0:
+            continue  # no pair runs (test_sm100_varlen_sequences_match_reference: dQ exactly 0)
+        out, lse = forward_outputs(q, k, v, fwd_cfg, **kw)
+        common = dict(deterministic=flags.get("deterministic", False), seed=b, **kw)
+        zeroed = bm.backward(q, k, v, out, dout, lse, pair, kv_tail=tail, **common)
+        check_rule(zeroed, q, k, v, dout, None, **kw)
+        clean = bm.backward(q, k, v, out, dout, lse, pair, **common)
+        for name in ("dq", "dk", "dv"):
+            assert torch.equal(getattr(zeroed, name), getattr(clean, name)), (sq, sk, name)
+        one = bm.backward(q, k, v, out, dout, lse, single, kv_tail=tail, **common)
+        assert torch.equal(one.dk, zeroed.dk) and torch.equal(one.dv, zeroed.dv), (sq, sk)
+        raw = bm.backward(q, k, v, out, dout, lse, pair, kv_tail=tail, zero_kv_tail=False, **common)
+        if sk % (2 * pair.tile_n) and any(s for s in zeroed.stats.blocks if s[2] == sk // pair.tile_n):
+            assert not torch.isfinite(raw.dq).all(), (sq, sk)
+            poisoned += 1
+    assert poisoned == 3

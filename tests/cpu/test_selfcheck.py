@@ -1245,13 +1245,20 @@ def tile_model_backward_kernel(cfg):
     (64, 64, dict()), (128, 128, dict(causal=True)), (128, 128, dict(local=True, has_softcap=True)),
     (128, 128, dict(varlen=True, has_seqused_k=True, causal=True, deterministic=True)), (96, 96, dict(varlen=True)),
     # sm100's serial kernel: dS from the 16-bit P, under softcap t recovered from it (bwd_serial.py)
-    (192, 128, dict(causal=True, arch=Arch.SM100)), (192, 128, dict(local=True, has_softcap=True, arch=Arch.SM100))])
+    (192, 128, dict(causal=True, arch=Arch.SM100)), (192, 128, dict(local=True, has_softcap=True, arch=Arch.SM100)),
+    # sm100's varlen CTA pairs (the model's pair walk and per-pair dQ; the check's sequences have odd
+    # KV block counts, the last pair's odd block past the keys)
+    (128, 128, dict(varlen=True, causal=True, arch=Arch.SM100)),
+    (128, 128, dict(varlen=True, has_seqused_k=True, local=True, has_softcap=True, deterministic=True,
+                    arch=Arch.SM100))])
 def test_the_kernels_arithmetic_passes_the_backward_check(seed, fake_bwd, monkeypatch, d, dv, flags):
     """The check's tolerance admits what the kernel computes: the tile model as the main kernel
     (P and dS rounded to bf16, float32 accumulation, MUFU / tanh.approx errors) passes with room."""
     monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: tile_model_backward_kernel(cfg))
     cfg = bwd_config(d, dv, **flags)
-    assert bm.BwdTileParams.from_backward_config(cfg).ds_from_rounded_p == (cfg.arch is Arch.SM100)
+    params = bm.BwdTileParams.from_backward_config(cfg)
+    assert params.ds_from_rounded_p == (cfg.arch is Arch.SM100 and (d, dv) == (192, 128))
+    assert params.cluster_m == cfg.cluster_m
     report = selfcheck.check_backward(cfg, compile_cache.get_backward_kernel(cfg), ops.BACKWARD_LAUNCH,
                                       torch.device("cpu"))
     print(report.summary())

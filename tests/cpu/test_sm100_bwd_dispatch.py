@@ -356,8 +356,9 @@ def pair_flags(**flags):
 
 
 def test_dispatch_runs_pairs_where_the_rule_says(bwd_pairs_on):
-    """d = dv = 128 (users' 113..128), batched (causal, local, softcap, deterministic included): a
-    pair of CTAs; every other problem class: the 1-CTA kernel with its own stages."""
+    """d = dv = 128 (users' 113..128), batched or varlen (causal, local, softcap, deterministic,
+    seqused_k included): a pair of CTAs; every other problem class: the 1-CTA kernel with its own
+    stages."""
     from flash_attn4 import dispatch
 
     for d in (128, 120):
@@ -365,11 +366,14 @@ def test_dispatch_runs_pairs_where_the_rule_says(bwd_pairs_on):
         cfg = dispatch.backward_config(Arch.SM100, "bfloat16", kernel_d, kernel_d, **pair_flags())
         assert (cfg.cluster_m, cfg.num_stages) == (2, 1)
     for flags in (dict(has_softcap=True), dict(causal=True), dict(local=True, has_softcap=True),
-                  dict(causal=True, deterministic=True)):
-        assert dispatch.backward_config(Arch.SM100, "float16", 128, 128, **pair_flags(**flags)).cluster_m == 2
-    for d, dv, flags in ((128, 128, dict(varlen=True)), (128, 128, dict(varlen=True, deterministic=True)),
-                         (128, 128, dict(causal=True, varlen=True, has_seqused_k=True)),
-                         (64, 64, {}), (96, 96, {}), (128, 64, {})):
+                  dict(causal=True, deterministic=True), dict(varlen=True), dict(varlen=True, deterministic=True),
+                  dict(causal=True, varlen=True, has_seqused_k=True), dict(varlen=True, local=True, has_softcap=True)):
+        cfg = dispatch.backward_config(Arch.SM100, "float16", 128, 128, **pair_flags(**flags))
+        assert (cfg.cluster_m, cfg.num_stages, cfg.varlen) == (2, 1, flags.get("varlen", False)), flags
+        single = dispatch.self_check_fallback(cfg)  # the 1-CTA kernel of the same class, its own stages
+        assert single == cfg.replace(cluster_m=1, num_stages=sm100_tiles.backward_stages(128)), flags
+    for d, dv, flags in ((64, 64, {}), (96, 96, {}), (128, 64, {}), (64, 64, dict(varlen=True)),
+                         (96, 96, dict(varlen=True, has_seqused_k=True))):
         cfg = dispatch.backward_config(Arch.SM100, "bfloat16", d, dv, **pair_flags(**flags))
         assert cfg.cluster_m == 1 and cfg.num_stages == sm100_tiles.backward_stages(d, dv), (d, dv, flags)
 
@@ -458,3 +462,67 @@ def test_backward_pair_that_hangs_raises_without_falling_back(b200, bwd_pairs_on
     pair = dispatch.backward_config(Arch.SM100, "bfloat16", 128, 128, **pair_flags())
     assert info.value.hung and pair.cluster_m == 2
     assert selfcheck.verdict(dispatch.self_check_fallback(pair), "cpu") is None
+
+
+def odd_blocks_past_the_keys(cu_k, seqused_k):
+    """Per sequence of a varlen problem: the packed rows of the odd CTA's block of its last pair
+    where the sequence has an odd number of KV blocks (that block lies wholly past its keys; its rows
+    of the packed tensors are the next sequences')."""
+    rows = []
+    for b in range(cu_k.shape[0] - 1):
+        sk = int(seqused_k[b]) if seqused_k is not None else int(cu_k[b + 1] - cu_k[b])
+        blocks = -(-sk // sm100_tiles.TILE_N)
+        if blocks % 2:
+            start = int(cu_k[b]) + blocks * sm100_tiles.TILE_N
+            rows.append(slice(start, start + sm100_tiles.TILE_N))
+    return rows
+
+
+@pytest.mark.parametrize("name", ["varlen", "varlen causal", "varlen seqused_k window softcap deterministic"])
+def test_b200_varlen_backward_runs_the_pair_after_a_varlen_self_check(b200, bwd_pairs_on, name):
+    """A user's varlen backward at d = 128 reaches the pair configuration (varlen flags, varlen
+    postprocessing), after a first-use check on a varlen problem whose sequences have odd numbers
+    of KV blocks (the last pair's odd block past the keys, its packed rows another sequence's), and
+    the gradients match autograd of the reference."""
+    opts = FEATURES[name]
+    out, tensors, dout, ref = feature_call(opts, d=128)
+    out.backward(dout)
+    want = reference_grads(*tensors, dout, **ref)
+    for label, t, w in zip("qkv", tensors, want):
+        err = float((t.grad.double() - w).abs().max())
+        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, label, err)
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert (cfg.cluster_m, cfg.varlen, cfg.has_seqused_k) == (2, True, opts.get("seqused_k", False))
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+    check = selfcheck.build_backward_problem(cfg).fwd
+    assert check.varlen and odd_blocks_past_the_keys(check.cu_seqlens_k, check.seqused_k)
+    assert any(-(-used // sm100_tiles.TILE_N) > 2 for _, _, used in check.lengths)  # a second pair
+
+
+def test_varlen_pair_storing_past_its_keys_fails_the_check_and_falls_back(b200, bwd_pairs_on, monkeypatch, caplog):
+    """A varlen pair kernel whose odd CTA stores its block's dK / dV rows although the block lies past
+    its sequence's keys (zeros into the next sequences' rows) fails its first-use check; the 1-CTA
+    varlen backward replaces it on the device and the user gets right gradients."""
+    from flash_attn4 import dispatch, settings
+    from tests.cpu.test_selfcheck import FakeBackward
+
+    class OddCtaStoresPastItsKeys(FakeBackward):
+        def __call__(self, q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, *rest):
+            super().__call__(q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, *rest)
+            if self.cfg.cluster_m == 2:
+                for rows in odd_blocks_past_the_keys(cu_k, seqused_k):
+                    dk[rows], dv[rows] = 0, 0
+
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: OddCtaStoresPastItsKeys(cfg, b200))
+    out, tensors, dout, ref = feature_call(dict(varlen=True, causal=True), d=128)
+    with caplog.at_level("WARNING", logger=settings.LOGGER_NAME):
+        out.backward(dout)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "cluster_m=2" in warnings[0] and "cluster_m=1" in warnings[0], warnings
+    pair = dispatch.backward_config(Arch.SM100, "bfloat16", 128, 128, **pair_flags(varlen=True, causal=True))
+    single = dispatch.self_check_fallback(pair)
+    assert (pair.cluster_m, single.cluster_m, single.varlen) == (2, 1, True)
+    assert selfcheck.verdict(pair, "cpu") == "failed" and selfcheck.verdict(single, "cpu") == "passed"
+    want = reference_grads(*tensors, dout, **ref)
+    for label, t, w in zip("qkv", tensors, want):
+        assert float((t.grad.double() - w).abs().max()) <= 0.02 * float(w.abs().max()) + 1e-3, label

@@ -286,18 +286,27 @@ def pair_load(pp, cta, n, log):
     log.append(f"{cta}:load")
 
 
-def pair_mma(pp, mem, n, log, faults=()):
-    """FlashAttentionBackwardSm100Pair.pair_mma (the even CTA's MMA warp). ``faults``:
-    'release_to_even_cta' the qdo release reaches the even CTA only (no multicast)."""
+def pair_mma(pp, mem, n, log, faults=(), tail=False):
+    """FlashAttentionBackwardSm100Pair.pair_mma (the even CTA's MMA warp), after pair_zero_kv_tail
+    where the pair holds its sequence's key end (``tail``): its own wait for both CTAs' K/V (only
+    where the pair has steps), then the zeroing of both CTAs' rows; pair_mma's wait then passes on
+    the same phase. ``faults``: 'release_to_even_cta' the qdo release reaches the even CTA only (no
+    multicast); 'tail_without_steps' the zeroing's wait without the steps guard."""
     qdo_state, sdp_state, dq_state = consumer(1), producer(1), producer(1)
     release_ctas = (0,) if "release_to_even_cta" in faults else (0, 1)
 
     def both_alive():
         assert not any(m["exited"] for m in mem), "an MMA reads the shared memory of a CTA that has exited"
 
+    if tail and (n > 0 or "tail_without_steps" in faults):
+        yield from pp[0]["kv"].consumer_wait(consumer(1))
+        assert [p["kv"].data[0] for p in pp] == ["KV", "KV"], "pair_zero_kv_tail ran before both CTAs' K/V landed"
+        for p in pp:  # its own rows and, through shared::cluster addresses, the odd CTA's
+            p["kv"].data[0] = "KV, tail zeroed"
     if n > 0:
         yield from pp[0]["kv"].consumer_wait(consumer(1))
-        assert [p["kv"].data[0] for p in pp] == ["KV", "KV"]
+        assert [p["kv"].data[0] for p in pp] == ["KV, tail zeroed" if tail else "KV"] * 2, \
+            "S^T issued on a CTA's unzeroed K/V tail"
         yield from pp[0]["sdp"].producer_acquire(sdp_state)
     for i in range(n):
         yield from pp[0]["qdo"].consumer_wait(qdo_state)
@@ -366,18 +375,30 @@ def pair_reduce_dq(pp, mem, cta, n, log):
     log.append(f"{cta}:dq")
 
 
-def run_pair(n, order, odd_first, pipelines=make_pair_pipelines, faults=()):
+def odd_cta_zeroes_its_own_tail(pp, log):
+    """A wrong design of pair_zero_kv_tail: the odd CTA's (idle) MMA warp zeroing its own rows after
+    waiting on its own kv barrier, which no TMA completes (both CTAs' bytes land on the even CTA's)."""
+    yield from pp[1]["kv"].consumer_wait(consumer(1))
+    pp[1]["kv"].data[0] = "KV, tail zeroed"
+    log.append("1:mma")
+
+
+def run_pair(n, order, odd_first, pipelines=make_pair_pipelines, faults=(), tail=False, odd_steps=None):
+    """Both CTAs' roles; ``odd_steps``: the odd CTA's steps where they differ from the even one's
+    (a fault: the pair's step count is the even CTA's MMA warp's, for both)."""
     pp = pipelines()
     mem = [dict(S=None, dP=None, P=[None] * GROUPS, dS_t=[None] * GROUPS, dP_read=[None] * GROUPS,
                 ds=[None, None], dQ=None, dQ_read=None, dKV=[], exited=False) for _ in range(2)]
     log = []
-    roles = {"0:mma": pair_mma(pp, mem, n, log, faults)}
-    for c in range(2):
-        roles[f"{c}:load"] = pair_load(pp, c, n, log)
-        roles[f"{c}:dq"] = pair_reduce_dq(pp, mem, c, n, log)
+    roles = {"0:mma": pair_mma(pp, mem, n, log, faults, tail and "odd_cta_zeroes" not in faults)}
+    if "odd_cta_zeroes" in faults:
+        roles["1:mma"] = odd_cta_zeroes_its_own_tail(pp, log)
+    for c, steps in enumerate((n, n if odd_steps is None else odd_steps)):
+        roles[f"{c}:load"] = pair_load(pp, c, steps, log)
+        roles[f"{c}:dq"] = pair_reduce_dq(pp, mem, c, steps, log)
         for w in range(GROUPS):
-            roles[f"{c}:compute{w}"] = pair_compute(pp, mem, c, w, n, log)
-    interleave(roles, order, f"pair, steps={n}", odd_first)
+            roles[f"{c}:compute{w}"] = pair_compute(pp, mem, c, w, steps, log)
+    interleave(roles, order, f"pair, steps={n}, tail={tail}", odd_first)
     assert all(m["exited"] for m in mem), "a CTA of the pair never freed its TMEM"
     return log
 
@@ -386,11 +407,50 @@ PAIR_ORDERS = [(order, odd_first) for order in ROLE_ORDERS for odd_first in (Fal
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 7])
-def test_pair_every_role_of_both_ctas_finishes_and_every_hand_off_sees_both_ctas(steps):
+@pytest.mark.parametrize("tail", [False, True], ids=["no_tail", "tail"])
+def test_pair_every_role_of_both_ctas_finishes_and_every_hand_off_sees_both_ctas(steps, tail):
+    """With ``tail``: the pair that holds its sequence's key end (varlen, seqused_k), its odd block
+    possibly wholly past the keys; the odd CTA's roles are the same either way (its masked steps are
+    the pair's steps; it skips only its dK/dV stores). steps=0: a pair past its sequence's keys
+    (varlen grids are sized for the longest) or one no query block sees."""
     for order, odd_first in PAIR_ORDERS:
-        log = run_pair(steps, order, odd_first)
+        log = run_pair(steps, order, odd_first, tail=tail)
         assert sorted(log) == sorted(["0:mma"] + [f"{c}:{r}" for c in range(2)
                                                   for r in ("load", "dq", "compute0", "compute1")])
+
+
+@pytest.mark.parametrize("fault,steps,odd_steps", [("tail_without_steps", 0, None), ("odd_cta_zeroes", 2, None),
+                                                   ("odd_steps_differ", 2, 0), ("odd_steps_differ", 0, 2)])
+def test_the_pair_model_catches_tail_and_step_faults(fault, steps, odd_steps):
+    """Not vacuous for varlen pairs: the zeroing's K/V wait in a pair without steps (nothing loaded:
+    the MMA warp hangs), the odd CTA zeroing its own rows on its own kv barrier (no TMA completes
+    it: hangs), and the two CTAs of a pair taking different step counts (an odd block past the keys
+    taking none while the even block's MMAs, issued for both, wait for its compute threads; or the
+    reverse): each hangs or hands some role the wrong step."""
+    faults = () if fault == "odd_steps_differ" else (fault,)
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        for order, odd_first in PAIR_ORDERS:
+            run_pair(steps, order, odd_first, faults=faults, tail=True, odd_steps=odd_steps)
+
+
+def test_pair_step_count_is_cluster_uniform():
+    """What the faults above rely on the kernel for: pair_tile_work computes the steps from the
+    pair's blocks and its sequence alone (never from the CTA's own block), so both CTAs of a pair,
+    varlen or not, take the same step count; and the zeroing runs in the even CTA's MMA branch after
+    the steps guard."""
+    import inspect
+
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair
+
+    src = inspect.getsource(bwd_pair.FlashAttentionBackwardSm100Pair.pair_tile_work)
+    body = src[src.index('"""', src.index('"""') + 3):]
+    assert "n_block" not in body.replace("n_block = pair * CTAS + rank", "").replace(
+        "TileWork(seqlen, mask, blocks, per_head * qhead_per_kvhead, n_block,", ""), body
+    zero = inspect.getsource(bwd_pair.FlashAttentionBackwardSm100Pair.pair_zero_kv_tail)
+    assert "if work.num_steps > 0:" in zero
+    kernel = inspect.getsource(bwd_pair.FlashAttentionBackwardSm100Pair.kernel)
+    leader = kernel.index("if rank == PAIR_LEADER:")
+    assert leader < kernel.index("self.pair_zero_kv_tail(") < kernel.index("self.pair_mma(")
 
 
 @pytest.mark.parametrize("fault", ["sdp_one_cta", "dq_one_cta", "tx_one_cta", "release_to_even_cta"])

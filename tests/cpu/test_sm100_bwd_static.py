@@ -44,8 +44,8 @@ CONFIGS = {
     "d64_softcap": dict(d=64, has_softcap=True),
     "d64_varlen_local_softcap_deterministic": dict(d=64, varlen=True, local=True, has_softcap=True,
                                                    deterministic=True),
-    # sm_103a: the 1-CTA kernel's two shapes (two Q/dO stages at d = 64; one at d = 128, where the
-    # varlen class is its own, pairs running the batched one)
+    # sm_103a: the 1-CTA kernel's two shapes (two Q/dO stages at d = 64; one at d = 128, the
+    # kernel a varlen pair falls back to)
     "sm103_d64_causal": dict(d=64, causal=True, arch=Arch.SM103),
     "sm103_d128_varlen_seqused_k": dict(d=128, varlen=True, has_seqused_k=True, arch=Arch.SM103),
 }
@@ -58,8 +58,8 @@ CU12_CONFIGS = (dict(d=64, causal=True), dict(d=96, causal=True), dict(d=128, ca
 
 def config(d=128, causal=False, dtype="bfloat16", deterministic=False, local=False, has_softcap=False,
            varlen=False, has_seqused_k=False, dv=None, arch=Arch.SM100):
-    """The 1-CTA kernel dispatch runs for the class, or, where it runs CTA pairs (d = 128 batched,
-    no mask), the 1-CTA kernel a pair falls back to (the pair kernel's tests: pair_config)."""
+    """The 1-CTA kernel dispatch runs for the class, or, where it runs CTA pairs (d = 128), the
+    1-CTA kernel a pair falls back to (the pair kernel's tests: pair_config)."""
     cfg = dispatch.backward_config(arch, dtype, d, d if dv is None else dv, causal=causal, local=local,
                                    has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
                                    deterministic=deterministic)
@@ -315,7 +315,7 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (128, False, False, False, False, False, False, pair), (128, False, False, False, False, False, False, 1),
         (128, True, False, False, False, False, False, pair), (128, True, False, False, False, False, False, 1),
         (128, True, True, False, False, False, False, pair), (128, True, True, False, False, False, False, 1),
-        (128, True, False, False, False, True, True, 1),
+        (128, True, False, False, False, True, True, pair), (128, True, False, False, False, True, True, 1),
         (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1),
         (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1),
         (192, True, False, False, True, False, False, 1),
@@ -335,8 +335,8 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
 
 def test_sm103_kernel_set_has_one_of_each_backward_kernel():
     """sm_103a's rules are sm_100a's (re-exported, not copied); its CI set is one configuration of
-    each kernel as dispatch picks it (the d = 128 pair, the 1-CTA kernel on varlen, the serial
-    192 / 128), their postprocessing and the preprocessing."""
+    each kernel as dispatch picks it (the d = 128 pair, the serial 192 / 128) or as a pair falls back
+    to it (the 1-CTA kernel, on varlen), their postprocessing and the preprocessing."""
     from flash_attn4.fa4_kernels.compile import backward_kernel_set
     from flash_attn4.fa4_kernels.config import PostprocessConfig, PreprocessConfig
     from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_serial, tiles_sm103
@@ -349,7 +349,8 @@ def test_sm103_kernel_set_has_one_of_each_backward_kernel():
     for c in mains:
         flags = dict(causal=c.causal, local=c.local, has_softcap=c.has_softcap, varlen=c.varlen,
                      has_seqused_k=c.has_seqused_k, deterministic=c.deterministic)
-        assert c == dispatch.backward_config(Arch.SM103, c.dtype, c.head_dim, c.head_dim_v, **flags), c
+        picked = dispatch.backward_config(Arch.SM103, c.dtype, c.head_dim, c.head_dim_v, **flags)
+        assert c in (picked, dispatch.self_check_fallback(picked)), c
     kinds = sorted(((type(kernel_plan(c)[1]), c.cluster_m, c.varlen) for c in mains), key=str)
     one_cta, pair = bwd_pair.FlashAttentionBackwardSm100, bwd_pair.FlashAttentionBackwardSm100Pair
     batched = (pair, 2) if sm100_tiles.BWD_TWO_CTA else (one_cta, 1)
@@ -411,7 +412,15 @@ PAIR_CASES = {"d128": (dict(), dict(cu12=3536, cu13=3192)),
               "d128_causal": (dict(causal=True), dict(cu12=3632, cu13=3336)),
               "d128_local_softcap": (dict(local=True, has_softcap=True), None),
               "d128_causal_deterministic": (dict(causal=True, deterministic=True), None),
-              "sm103_d128_causal": (dict(causal=True, arch=Arch.SM103), None)}
+              "sm103_d128_causal": (dict(causal=True, arch=Arch.SM103), None),
+              # varlen pairs (two KV blocks of one sequence; K/V rows past the keys zeroed): upstream's
+              # varlen 2-CTA kernel is not among ANCHOR_SASS.md's, so no count to compare with
+              "d128_varlen": (dict(varlen=True), None),
+              "d128_causal_varlen_seqused_k": (dict(causal=True, varlen=True, has_seqused_k=True), None),
+              "d128_varlen_local_softcap_deterministic": (dict(varlen=True, local=True, has_softcap=True,
+                                                               deterministic=True), None),
+              "sm103_d128_causal_varlen_seqused_k": (dict(causal=True, varlen=True, has_seqused_k=True,
+                                                          arch=Arch.SM103), None)}
 PAIR_INSTRUCTION_GOAL = 1.00
 PAIR_INSTRUCTION_LIMIT = 1.05
 # Above the goal (not the limit): none since the dQ reduce-adds are issued by a rolled loop.
@@ -419,7 +428,7 @@ PAIR_OVER_GOAL: set = set()
 
 
 def pair_config(**over):
-    """The pair kernel's problem class (d = dv = 128 batched), whether or not dispatch turns it on."""
+    """The pair kernel's problem class (d = dv = 128), whether or not dispatch turns it on."""
     return config(d=128, **over).replace(cluster_m=2, num_stages=1)
 
 
@@ -471,8 +480,9 @@ def test_pair_is_cta_group_2_throughout(pair_compiled):
     """Every MMA and commit is its 2-CTA form (an MMA of cta_group::1 would compute 128 of the 256
     key rows; a commit without multicast would leave the odd CTA waiting), the MMA count is what the
     tiles imply, every operand load is a 2-CTA TMA (bytes on the even CTA's barrier) and only the
-    two per-CTA row loads (LSE, D) are not; TMEM is allocated, relinquished and freed once with
-    cta_group::2; the budgets are the 1-CTA kernel's, one setmaxnreg each."""
+    two per-CTA row loads (LSE, D; 2-D boxes where varlen packs the rows) are not; TMEM is
+    allocated, relinquished and freed once with cta_group::2; the budgets are the 1-CTA kernel's,
+    one setmaxnreg each."""
     from tests.cpu.test_sm100_static import opcode_counts
 
     flavour, cfg, stats = pair_compiled
@@ -480,7 +490,8 @@ def test_pair_is_cta_group_2_throughout(pair_compiled):
     ops = opcode_counts(cfg, flavour)
     assert ops["mma"] == ops["mma_2cta"] == expected_pair_mma(cfg) == stats["utcmma"], ops
     assert ops["commit"] == ops["commit_2cta"] > 0, ops
-    assert ops["tma"] - ops["tma_2cta"] == 2 and stats["opcodes"].get("UTMALDG.3D", 0) == 2, ops
+    rows = "UTMALDG.2D" if cfg.varlen else "UTMALDG.3D"  # LSE, D: (seq, head[, batch])
+    assert ops["tma"] - ops["tma_2cta"] == 2 and stats["opcodes"].get(rows, 0) == 2, ops
     ptx = stats["ptx"]
     assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, bwd.TMEM_COLUMNS)]
     assert [d["cta_group"] for d in ptx["tmem_dealloc"]] == [2] and ptx["tmem_relinquish"] == [2]
@@ -507,13 +518,90 @@ def test_pair_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_adds(p
     chunk = sm100_tiles.BWD_DQ_CHUNK
     chunks_per_group = cfg.tile_m // bwd.COMPUTE_GROUPS // chunk
     variants = 2
-    assert ptx.count("st.shared::cluster.v4.b32") == variants * chunks_per_group * chunk * 2 // 16
+    zeroing = len(PAIR_ZERO_STORE_PTX.findall(ptx))  # pair_zero_kv_tail's (varlen, seqused_k)
+    assert ptx.count("st.shared::cluster.v4.b32") - zeroing == variants * chunks_per_group * chunk * 2 // 16
     assert ptx.count("mapa.shared::cluster") >= 1
-    assert ptx.count("fence.proxy.async.shared::cluster") == 1 and ptx.count("fence.acq_rel.cluster") == 1
+    tail = 1 if zeroing else 0  # pair_zero_kv_tail's fences
+    assert ptx.count("fence.proxy.async.shared::cluster") == 1 + tail
+    assert ptx.count("fence.acq_rel.cluster") == 1 + tail
     assert ptx.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == 1
     assert plan.dq_runs == chunk // sm100_dq.VECTOR and plan.dq_loads == cfg.head_dim // 2 // chunk
     assert stats["opcodes"].get("UBLKRED.G.S.ADD.F32.RN", 0) == plan.dq_loads * 2
     assert reduce_adds(stats) == 0
+
+
+PAIR_ZERO_STORE_PTX = re.compile(r"st\.shared::cluster\.v4\.b32\s+\[%r\d+\], \{0, 0, 0, 0\};")
+PAIR_TAIL_FENCES_PTX = re.compile(r"fence\.proxy\.async\.shared::cluster;\s+bar\.warp\.sync\s+-1;\s+"
+                                  r"fence\.acq_rel\.cluster;")
+
+
+def test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(pair_compiled):
+    """With varlen keys or seqused_k (rows past a sequence's keys inside the tensor: the next
+    sequence's, NaN possible), the even CTA's MMA warp zeroes K's, V's and K^T's rows past the keys
+    of both CTAs (bwd_pair.pair_zero_kv_tail): three zero-store loops (K, V, K^T) in a loop over the
+    pair's CTAs, each through a shared::cluster address (mapa: its own buffers and the odd CTA's),
+    after the K/V full barrier's wait (phase 0) and before the first tcgen05 MMA, then the stores'
+    async-proxy fence over the cluster, the warp barrier and a cluster acq_rel fence (PTX as
+    written; SASS: the three 16-byte stores of RZ before the first UTCHMMA, a FENCE.VIEW.ASYNC.S
+    between). Batched pairs (TMA's zero fill) have none."""
+    flavour, cfg, stats = pair_compiled
+    ptx = lib.kernel_artifacts(cfg, flavour)["ptx"].read_text()
+    (sass,) = lib.sass_kernels(lib.kernel_artifacts(cfg, flavour)["sass"].read_text()).values()
+    stores = [m.start() for m in PAIR_ZERO_STORE_PTX.finditer(ptx)]
+    zero_st = [i for i, inst in enumerate(sass) if inst.opcode in ("ST.E.128", "STS.128")
+               and inst.operands.endswith(", RZ")]
+    if not (cfg.varlen or cfg.has_seqused_k):
+        assert not stores and not zero_st and not ZERO_STORE_PTX.search(ptx), flavour
+        return
+    buffers = 3  # K, V, K^T, in each CTA
+    assert len(stores) == len(zero_st) == buffers, (flavour, len(stores), len(zero_st))
+    assert not ZERO_STORE_PTX.search(ptx), "a zero store to this CTA's shared memory only (the 1-CTA form)"
+    first_mma = ptx.index("tcgen05.mma")
+    assert stores[-1] < first_mma, "zeroed after the first MMA was issued"
+    waits = list(MBARRIER_WAIT_PTX.finditer(ptx, 0, stores[0]))
+    assert waits and waits[-1].group(1) == "0", "the stores do not follow the K/V full barrier's wait"
+    assert ptx.count("mapa.shared::cluster", waits[-1].start(), first_mma) == buffers
+    assert PAIR_TAIL_FENCES_PTX.search(ptx, stores[-1], first_mma), "fences + warp barrier after the stores"
+    first_utcmma = next(i for i, inst in enumerate(sass) if inst.base.startswith("UTC") and inst.base.endswith("MMA"))
+    assert zero_st[-1] < first_utcmma, flavour
+    assert any(zero_st[-1] < i < first_utcmma for i, inst in enumerate(sass) if inst.opcode == "FENCE.VIEW.ASYNC.S")
+
+
+@pytest.mark.parametrize("fault", [None, "kt_keys_as_columns", "kv_keys_of_the_other_cta"])
+def test_pair_zeroing_views_are_checked_against_both_ctas_mmas(fault, monkeypatch):
+    """check_pair_key_rows (run when a varlen pair kernel is traced) accepts the (key, column) views
+    pair_zero_kv_tail writes through, and refuses wrong ones: K^T's keys and columns swapped, or K's
+    and V's rows taken as the other CTA's keys (a zeroing that would leave rows past the keys or
+    clear keys inside them)."""
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import tcgen05
+
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair
+
+    plan = bwd_pair.backward_kernel(pair_config(varlen=True))
+    if fault == "kt_keys_as_columns":
+        monkeypatch.setattr(bwd_pair, "kt_key_rows", lambda layout, cols: cute.composition(
+            layout, cute.make_layout(((bwd_pair.MMA_K, bwd_pair.PAIR_N // bwd_pair.MMA_K), cols),
+                                     stride=((1, cols * bwd_pair.MMA_K), bwd_pair.MMA_K))))
+    if fault == "kv_keys_of_the_other_cta":
+        monkeypatch.setattr(bwd_pair, "TILE_N", 0)  # CTA 1's keys counted from the pair's first
+    outcome = {}
+
+    @cute.jit
+    def trace():
+        mmas = plan.tiled_mmas(tcgen05.CtaGroup.TWO, bwd_pair.PAIR_N, tcgen05.OperandSource.TMEM)
+        layouts = plan.smem_layouts(*mmas, plan.tilers(bwd_pair.PAIR_N))
+        try:
+            bwd_pair.check_pair_key_rows(mmas[0], mmas[3], layouts, plan.hdim, plan.hdim_v)
+            outcome["error"] = None
+        except ValueError as error:
+            outcome["error"] = str(error)
+
+    trace()
+    if fault is None:
+        assert outcome["error"] is None
+    else:
+        assert outcome["error"] and "disagrees with the MMA" in outcome["error"], outcome
 
 
 def test_pair_tmem_plan_and_shared_memory():
@@ -536,14 +624,14 @@ def test_pair_tmem_plan_and_shared_memory():
 
 
 def test_pair_rule_and_refusals():
-    """cluster_m = 2 only where the pair kernel runs (d = dv = 128, batched, one Q/dO stage;
-    causal, local, softcap and deterministic included); anything else is refused when the config is
-    built, naming the option; the dispatch rule follows BWD_TWO_CTA."""
-    for flags in (dict(varlen=True), dict(varlen=True, has_seqused_k=True, causal=True)):
-        with pytest.raises(NotImplementedError, match="cluster_m=2"):
-            config(d=128, **flags).replace(cluster_m=2, num_stages=1)
-    for flags in (dict(causal=True), dict(local=True, has_softcap=True), dict(deterministic=True)):
+    """cluster_m = 2 only where the pair kernel runs (d = dv = 128, one Q/dO stage; causal, local,
+    softcap, deterministic, varlen and seqused_k included); anything else is refused when the config
+    is built, naming the option; the dispatch rule follows BWD_TWO_CTA."""
+    for flags in (dict(causal=True), dict(local=True, has_softcap=True), dict(deterministic=True),
+                  dict(varlen=True), dict(varlen=True, has_seqused_k=True, causal=True)):
         assert pair_config(**flags).cluster_m == 2
+    with pytest.raises(ValueError, match="one Q/dO stage"):
+        pair_config(varlen=True).replace(num_stages=2)
     for d, dv in ((64, 64), (96, 96), (128, 64)):
         with pytest.raises(NotImplementedError, match=f"head dims {d}/{dv}"):
             config(d=d, dv=dv).replace(cluster_m=2, num_stages=1)
@@ -558,11 +646,11 @@ def test_pair_rule_and_refusals():
             for causal, local in ((False, False), (True, False), (False, True)):
                 assert sm100_tiles.backward_grid(128, 128, causal, local, False, False).get("cluster_m", 1) == \
                     (2 if on else 1)
-            assert sm100_tiles.backward_grid(128, 128, True, False, False, True).get("cluster_m", 1) == \
-                (2 if on else 1)
-            for args in ((128, 128, False, False, True, False), (128, 128, True, False, True, True),
-                         (64, 64, False, False, False, False), (96, 96, False, False, False, False),
-                         (128, 64, True, False, False, False)):
+            for args in ((128, 128, True, False, False, True), (128, 128, False, False, True, False),
+                         (128, 128, True, False, True, True), (128, 128, False, True, True, False)):
+                assert sm100_tiles.backward_grid(*args).get("cluster_m", 1) == (2 if on else 1), args
+            for args in ((64, 64, False, False, False, False), (96, 96, False, False, False, False),
+                         (128, 64, True, False, False, False), (64, 64, True, False, True, False)):
                 assert sm100_tiles.backward_grid(*args).get("cluster_m", 1) == 1, args
     finally:
         sm100_tiles.BWD_TWO_CTA = original

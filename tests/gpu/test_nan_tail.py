@@ -143,7 +143,8 @@ def test_backward_with_nan_past_seqused_k(seed, d):
     """The backward over packed slots with seqused_k and NaN in every slot's rows past its keys: dQ,
     dK and dV of the used rows must be finite and equal to the same call's on zeroed tails (the
     sm90 and sm100 backwards' zero_kv_tail zeroes K's and V's tail rows in shared memory; on a B200
-    the sm100 1-CTA kernel runs it, CTA pairs never see varlen or seqused_k)."""
+    d = 64 runs the sm100 1-CTA kernel and d = 128 the CTA pair, whose even CTA zeroes both CTAs'
+    K, V and K^T rows, pair_zero_kv_tail: the 65-key slot's odd block lies wholly past its keys)."""
     hq, hk = RATIOS[4]
     lens, used_k = [65, 130], [65, 130]
     slots_k = [n + 50 for n in used_k]

@@ -1,8 +1,8 @@
 """FlashAttention backward for Blackwell (sm_100a) on CTA pairs: the 1-CTA kernel's roles (bwd.py)
 with the M = 256 tcgen05 MMAs of cta_group::2 over the 256 keys of a cluster of two CTAs.
 
-Dispatch runs it where tiles.backward_grid says (switch BWD_TWO_CTA): d = dv = 128, batched (causal,
-local windows, softcap, GQA, deterministic), not varlen (tiles._check_backward_pair refuses it).
+Dispatch runs it where tiles.backward_grid says (switch BWD_TWO_CTA): d = dv = 128, batched or varlen
+(cu_seqlens, seqused_k), with causal or local masks, softcap, GQA, deterministic.
 Compiled and statically checked for sm_100a only, never run on a GPU here (docs/perf.md); on a B200
 a pair that fails its first-use self-check is replaced by the 1-CTA kernel
 (dispatch.self_check_fallback).
@@ -17,9 +17,19 @@ kernel's (bwd.Warp, bwd.REGISTERS), in each CTA of the pair:
     warps 4-11   compute     setmaxnreg 160: two warpgroups, query columns 0-63 / 64-127 of the
                              step, thread = key row: P^T, dS^T (the 1-CTA kernel's chunk work, plus
                              dS^T into TMEM and dS into the dQ operand); dK, dV out at the end
-    warp 12      MMA         the even CTA's issues the pair's MMAs; the odd CTA's idles
+    warp 12      MMA         the even CTA's issues the pair's MMAs (varlen, seqused_k: after
+                             pair_zero_kv_tail); the odd CTA's idles
     warp 13      load        TMA of this CTA's shares (below)
     warps 14-15  idle        (12-15: the launch's 128 registers, no setmaxnreg)
+
+Varlen: a pair owns KV blocks 2p and 2p + 1 of one sequence (grids are sized for the longest; a pair
+past its sequence's keys has no step, in both CTAs alike) and addresses every tensor at the sequence's
+offsets as the 1-CTA kernel does (dq_accum and the LSE / D rows in its packed orders). With an odd
+number of KV blocks the odd CTA's block lies past the keys: its keys are masked (P^T = dS^T = 0), it
+stores no dK / dV row (those rows are the next sequence's), and its K and V rows are zeroed with the
+rest of the pair's rows past the keys, K^T's in both CTAs included (pair_zero_kv_tail: those rows are
+the next sequence's keys or, with seqused_k, an unused cache's, NaN possible, and 0 * NaN would reach
+dP^T, dS^T and dQ).
 
 What changes against the 1-CTA kernel:
 
@@ -65,7 +75,8 @@ Q, dO query halves and Q^T, dO^T head-dim halves 16 KiB each (one stage); dS 32 
 rows x 256 keys); dQ staging 2 x 8 KiB; LSE and D 1 KiB.
 
 Barriers (cutlass.pipeline, over the cluster where the MMA warp is involved):
-    kv    TMA -> MMA      K, V, K^T once; both CTAs' bytes on the even CTA's barrier
+    kv    TMA -> MMA      K, V, K^T once; both CTAs' bytes on the even CTA's barrier (whose MMA warp
+                          then zeroes the rows past the keys, where the pair holds the last key)
     qdo   TMA -> MMA      Q, dO, Q^T, dO^T per step; released by the (multicast) commit
     rows  TMA -> compute  LSE, D per step, per CTA (each CTA loads all 128 rows)
     sdp   MMA -> compute  "S/dP full" (multicast); empty: both CTAs' compute threads (512)
@@ -96,15 +107,16 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.experimental.primitives.nvvm_wrapper import CpReduceType, cp_reduce_async_bulk_global_shared_cta
 
 from ..config import BackwardConfig
+from ..kv_tail import first_row_past_keys, zero_rows
 from ..layouts import tma_partition_tile
 from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import TileScheduler
-from ..seqlen import SeqlenInfo
+from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import BackwardScales
 from ..tile_work import QueryBlocks, TileWork
 from .bwd import (COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, ChunkCopies, FlashAttentionBackwardSm100, Pipelines,
-                  SmemLayouts, Warp, flat, gemm_a_by_groups, mma_tma_partition, row_tma_atoms)
+                  SmemLayouts, Warp, flat, gemm_a_by_groups, key_rows, mma_tma_partition, row_tma_atoms)
 from .bwd_serial import FlashAttentionBackwardSm100Serial
 from .dq_accum import VECTOR, chunk_tiles
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
@@ -151,10 +163,11 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_k: Int32, stream: cuda.CUstream):
         d, dv = self.hdim, self.hdim_v
-        # Sequence first, batched (pairs run no varlen); the transposed views (d, seq, head, batch).
+        # Sequence first; the transposed views (d, seq, head[, batch]), varlen ones packed along seq.
         mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, num_batch = self.sequence_first(
             mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, mCuSeqlensQ)
-        mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2, 3])) for t in (mQ, mdO, mK)]
+        swap = [1, 0, 2] if cutlass.const_expr(self.cfg.varlen) else [1, 0, 2, 3]
+        mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=swap)) for t in (mQ, mdO, mK)]
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
@@ -163,6 +176,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         mma_s, mma_dv, mma_dk, mma_dq = self.tiled_mmas(two, PAIR_N, tcgen05.OperandSource.TMEM)
         tilers = self.tilers(PAIR_N)
         layouts = self.smem_layouts(mma_s, mma_dv, mma_dk, mma_dq, tilers)
+        if cutlass.const_expr(self.zero_tail):
+            check_pair_key_rows(mma_s, mma_dq, layouts, d, dv)
         # dQ staging: per head-dim half of the dQ warpgroup, one chunk of its 64 rows in dq_accum's
         # order (runs of 64 rows x VECTOR floats).
         sdQ_layout = cute.make_layout((BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK, CTAS))
@@ -225,8 +240,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
                           tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
                           tma_atom_dPsum, tma_dPsum)
-        self.kernel(loads, mdQacc, mdK, mdV, mSemaphore, scales, qhead_per_kvhead, window_left, window_right, layouts,
-                    sdQ_layout,
+        self.kernel(loads, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, scales, qhead_per_kvhead,
+                    window_left, window_right, layouts, sdQ_layout,
                     mma_s, mma_dv, mma_dk, mma_dq, scheduler, cluster).launch(
             grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], cluster=[CTAS, 1, 1], stream=stream,
             min_blocks_per_mp=1)
@@ -236,7 +251,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, loads: "PairLoads", mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mSemaphore: Optional[cute.Tensor], scales: BackwardScales,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor], scales: BackwardScales,
                qhead_per_kvhead: Int32, window_left: Int32, window_right: Int32, layouts: "SmemLayouts",
                sdQ_layout: cute.Layout,
                mma_s: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -261,20 +277,23 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         pipeline.pipeline_init_wait(cluster_mn)
 
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        window = (window_left, window_right)
+        tile_args = (scheduler, loads.Q, loads.K, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, rank, qhead_per_kvhead,
+                     window_left, window_right)
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
-            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
+            work = self.pair_tile_work(*tile_args)
             if warp == Warp.LOAD:
                 self.pair_load(loads, smem, mma_s, mma_dv, mma_dk, mma_dq, pipes, work, rank)
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
                 if rank == PAIR_LEADER:  # the even CTA issues the pair's MMAs
+                    if cutlass.const_expr(self.zero_tail):
+                        self.pair_zero_kv_tail(storage, layouts, pipes.kv, work)
                     self.pair_mma(tmem.retrieve_ptr(Float32), storage.tmem_address.ptr, smem, tl,
                                   (mma_s, mma_dv, mma_dk, mma_dq), pipes, work.num_steps)
         elif warp >= Warp.COMPUTE:
             set_registers(self.registers["compute"])
-            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
+            work = self.pair_tile_work(*tile_args)
             if warp == Warp.COMPUTE:
                 tmem.allocate(TMEM_COLUMNS)
                 tmem.relinquish_alloc_permit()
@@ -293,22 +312,24 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                 tmem.free(tmem_ptr, TMEM_COLUMNS)  # both CTAs together (TmemAllocator's handshake)
         else:
             set_registers(self.registers["dq"])
-            work = self.pair_tile_work(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
+            work = self.pair_tile_work(*tile_args)
             tmem.wait_for_alloc()
             self.pair_reduce_dq(tmem.retrieve_ptr(Float32), smem, tl, pipes, mdQacc, mSemaphore, work, rank)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
 
     @cute.jit
-    def pair_tile_work(self, scheduler: TileScheduler, mQ, mK, rank, qhead_per_kvhead, window_left,
-                       window_right) -> TileWork:
+    def pair_tile_work(self, scheduler: TileScheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, rank,
+                       qhead_per_kvhead, window_left, window_right) -> TileWork:
         """This CTA's KV block (2 * pair + rank) and the pair's steps: for every query head of the
         KV head, the query blocks that see a key of either CTA's block (the MMAs are the pair's: a
         block only the even CTA's keys are visible to is fully masked for the odd CTA, whose P^T
-        and dS^T are then 0); none for a pair past the keys."""
+        and dS^T are then 0); none for a pair past the keys (varlen grids are sized for the longest
+        sequence). Both CTAs of a pair compute the same steps: the even CTA's MMA warp issues them for
+        both."""
         pair, head_kv, batch = scheduler.tile()
         n_block = pair * CTAS + rank
-        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], None, None, None)
+        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         mask = AttentionMask(BWD_TILE_M, TILE_N, self.cfg.causal, self.cfg.local, window_left, window_right)
         # Causal and window ranges move right with the keys: the even block's start, the odd one's end
         # (when the odd block holds keys).
@@ -388,13 +409,16 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                   pipes: Pipelines, work: TileWork, rank):
         """K, V, K^T once (this CTA's share of the pair's tiles), then per step Q, dO, Q^T, dO^T
         (its shares) and LSE, D (all 128 rows, for its own compute warps)."""
-        head_kv, batch = work.head_kv, work.batch
+        head_kv, batch, seqlen, varlen = work.head_kv, work.batch, work.seqlen, self.cfg.varlen
         pair = work.n_block // CTAS
         thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in (mma_s, mma_dv, mma_dk, mma_dq))
         if work.num_steps > 0:
-            gK = cute.local_tile(loads.K[None, None, head_kv, batch], (PAIR_N, self.hdim), (None, 0))
-            gV = cute.local_tile(loads.V[None, None, head_kv, batch], (PAIR_N, self.hdim_v), (None, 0))
-            gKt = cute.local_tile(loads.Kt[None, None, head_kv, batch], (self.hdim, PAIR_N), (0, None))
+            gK = cute.local_tile(head_rows(loads.K, seqlen.offset_k, head_kv, batch, varlen), (PAIR_N, self.hdim),
+                                 (None, 0))
+            gV = cute.local_tile(head_rows(loads.V, seqlen.offset_k, head_kv, batch, varlen), (PAIR_N, self.hdim_v),
+                                 (None, 0))
+            gKt = cute.local_tile(head_columns(loads.Kt, seqlen.offset_k, head_kv, batch, varlen), (self.hdim, PAIR_N),
+                                  (0, None))
             tKsK, tKgK = mma_tma_partition(loads.atom_K, smem.k, thr_s.partition_A(gK))
             tVsV, tVgV = mma_tma_partition(loads.atom_V, smem.v, thr_s.partition_A(gV))
             tKtsKt, tKtgKt = mma_tma_partition(loads.atom_Kt, smem.kt, thr_dq.partition_B(gKt))
@@ -405,14 +429,21 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             cute.copy(loads.atom_V, tVgV[None, pair], tVsV[None, 0], tma_bar_ptr=barrier)
             cute.copy(loads.atom_Kt, tKtgKt[None, pair], tKtsKt[None, 0], tma_bar_ptr=barrier)
 
+        rows_offset = seqlen.offset_q  # of this entry's LSE / D rows (varlen: bwd.load's packed starts)
+        if cutlass.const_expr(varlen):
+            rows_offset = packed_row_offset(seqlen.offset_q, batch)
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
-            gQ = cute.local_tile(loads.Q[None, None, head, batch], (BWD_TILE_M, self.hdim), (None, 0))
-            gdO = cute.local_tile(loads.dO[None, None, head, batch], (BWD_TILE_M, self.hdim_v), (None, 0))
-            gQt = cute.local_tile(loads.Qt[None, None, head, batch], (self.hdim, BWD_TILE_M), (0, None))
-            gdOt = cute.local_tile(loads.dOt[None, None, head, batch], (self.hdim_v, BWD_TILE_M), (0, None))
+            offset = seqlen.offset_q
+            gQ = cute.local_tile(head_rows(loads.Q, offset, head, batch, varlen), (BWD_TILE_M, self.hdim), (None, 0))
+            gdO = cute.local_tile(head_rows(loads.dO, offset, head, batch, varlen), (BWD_TILE_M, self.hdim_v),
+                                  (None, 0))
+            gQt = cute.local_tile(head_columns(loads.Qt, offset, head, batch, varlen), (self.hdim, BWD_TILE_M),
+                                  (0, None))
+            gdOt = cute.local_tile(head_columns(loads.dOt, offset, head, batch, varlen), (self.hdim_v, BWD_TILE_M),
+                                   (0, None))
             copies = ((loads.atom_Q, smem.q, thr_s.partition_B(gQ)), (loads.atom_dO, smem.do, thr_s.partition_B(gdO)),
                       (loads.atom_Qt, smem.qt, thr_dk.partition_B(gQt)),
                       (loads.atom_dOt, smem.dot, thr_dv.partition_B(gdOt)))
@@ -427,7 +458,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             barrier = pipes.rows.producer_get_barrier(rows_state)
             for atom, tile, mRows in ((loads.atom_LSE, smem.lse, loads.LSE), (loads.atom_dPsum, smem.dpsum,
                                                                                 loads.dPsum)):
-                gRows = cute.local_tile(mRows[None, head, batch], (BWD_TILE_M,), (m_block,))
+                gRows = cute.local_tile(head_rows(mRows, rows_offset, head, batch, varlen), (BWD_TILE_M,), (m_block,))
                 t_smem, t_gmem = tma_partition_tile(atom, tile, gRows, 1)
                 cute.copy(atom, t_gmem, t_smem[None, 0], tma_bar_ptr=barrier)
             rows_state = advanced(rows_state)
@@ -435,6 +466,40 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             pipes.qdo.producer_tail(qdo_state)
 
     # ---- MMA warp (even CTA) -----------------------------------------------------------------------
+    @cute.jit
+    def pair_zero_kv_tail(self, storage, layouts: "SmemLayouts", pipe_kv, work: TileWork):
+        """bwd.zero_kv_tail for the pair that holds its sequence's last key (varlen keys, seqused_k):
+        K's, V's and K^T's rows past the keys hold the next sequence's keys or an unused cache's
+        contents (NaN possible) in both CTAs' shared memory, and the pair's MMAs read all of them
+        (0 * NaN in dP^T, dS^T and dQ; kv_tail.py). The even CTA's MMA warp zeroes them all, its own
+        and the odd CTA's (through shared::cluster addresses, one code path for both): only it can
+        wait for the K/V loads, whose bytes from both CTAs complete on its barrier, and it issues
+        every MMA that reads them. The odd CTA's block may lie wholly past the keys (an odd number
+        of blocks in the sequence): then all its K and V rows are zeroed. K^T (each CTA: a head-dim
+        half over both blocks' keys) is zeroed from the sequence's end on in both CTAs. Never where
+        the pair has no step: nothing is loaded then."""
+        pair = work.n_block // CTAS
+        seqlen_k = work.seqlen.seqlen_k
+        first_key = first_row_past_keys(seqlen_k, pair, PAIR_N)
+        if work.num_steps > 0:
+            if first_key < PAIR_N:
+                pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+                lane = cute.arch.lane_idx()
+                half = self.hdim // CTAS
+                # Rolled over the two CTAs (a runtime mapa target): unrolled, 56-64 more instructions.
+                for cta in cutlass.range(CTAS, unroll=1):
+                    first_row = first_row_past_keys(seqlen_k, pair * CTAS + cta, TILE_N)
+                    for buffer, layout, cols in ((storage.sK, layouts.k, self.hdim),
+                                                 (storage.sV, layouts.v, self.hdim_v)):
+                        zero_rows(peer_tile(buffer.get_tensor(key_rows(layout.outer, cols), swizzle=layout.inner),
+                                            cta), first_row, lane, WARP)
+                    kt = storage.sKt.get_tensor(kt_key_rows(layouts.kt.outer, half), swizzle=layouts.kt.inner)
+                    zero_rows(peer_tile(kt, cta), first_key, lane, WARP)
+                # The generic-proxy stores, local and remote, before the MMAs (async proxy) read them.
+                cute.arch.fence_proxy("async.shared", space="cluster")
+                cute.arch.sync_warp()
+                cute.arch.fence_acq_rel_cluster()
+
     @cute.jit
     def pair_mma(self, tmem_ptr, tmem_address, smem: "PairSharedTiles", tl: "PairTmemLayouts", mmas: tuple,
                  pipes: Pipelines, num_steps):
@@ -582,7 +647,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
             pipes.dq.consumer_wait(dq_state)
-            gdQ = chunk_tiles(mdQacc, self.dq, work.seqlen.offset_q, head, work.batch, False)
+            gdQ = chunk_tiles(mdQacc, self.dq, work.seqlen.offset_q, head, work.batch, self.cfg.varlen)
             for k in cutlass.range_constexpr(self.dq_loads):
                 r = cute.make_rmem_tensor(regs, Float32)
                 cute.copy(load, tdQ[None, None, None, k], r)
@@ -639,6 +704,61 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         cute.arch.cp_async_bulk_wait_group(0)
         cute.arch.fence_proxy("async.global")
         cute.arch.red(lock, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+
+
+@cute.jit
+def head_columns(t: cute.Tensor, offset: Int32, head: Int32, batch: Int32,
+                 varlen: cutlass.Constexpr[bool]) -> cute.Tensor:
+    """seqlen.head_rows for a transposed view, (dim, seq, head[, batch]): one head of one batch
+    entry, a varlen entry's tokens from ``offset`` on."""
+    if cutlass.const_expr(varlen):
+        return cute.domain_offset((0, offset), t[None, None, head])
+    return t[None, None, head, batch]
+
+
+def peer_tile(tile: cute.Tensor, cta) -> cute.Tensor:
+    """A shared-memory tile of CTA ``cta`` of the cluster (this CTA's own when cta is its rank)."""
+    return cute.make_tensor(cute.arch.map_dsmem_ptr(tile.iterator, cta), tile.layout)
+
+
+def kt_key_rows(layout: cute.Layout, cols: int) -> cute.Layout:
+    """K^T's operand layout (the outer layout of SmemLayouts.kt, a CTA's ``cols`` head-dim columns
+    over the pair's keys: ((cols, MMA_K), 1, k-slices, 1), columns contiguous) as a plain (key,
+    column) layout over the same offsets, for pair_zero_kv_tail; check_pair_key_rows confirms it."""
+    return cute.composition(layout, cute.make_layout(((MMA_K, PAIR_N // MMA_K), cols),
+                                                     stride=((cols, cols * MMA_K), 1)))
+
+
+def check_pair_key_rows(mma_s: cute.TiledMma, mma_dq: cute.TiledMma, layouts: "SmemLayouts", d: int, dv: int):
+    """ValueError unless the (key, column) views pair_zero_kv_tail zeroes through put each key where
+    the pair's MMAs read it, in either CTA (trace time, bwd.check_key_rows for the pair): K's and
+    V's rows as S^T = K Q^T and dP^T = V dO^T read them (CTA r: the pair's keys 128 r ..), K^T's as
+    dQ = dS K does (CTA r: head-dim columns d / 2 * r .., every key of the pair)."""
+    half = d // CTAS
+    for rank in range(CTAS):
+        for layout, cols, name in ((layouts.k, d, "K"), (layouts.v, dv, "V")):
+            part = mma_s.get_slice(rank).partition_A(cute.make_identity_tensor((PAIR_N, cols)))
+            view = key_rows(layout.outer, cols)
+            sample = [(r, c) for r in range(TILE_N) for c in (0, 1, 7, 8, MMA_K, cols - 1)]
+            sample += [(r, c) for r in (0, 1, MMA_K - 1, MMA_K, 63, 64, TILE_N - 1) for c in range(cols)]
+            for r, c in sample:
+                coord = ((r, c % MMA_K), 0, c // MMA_K)
+                key, col = part[coord]
+                if (key - rank * TILE_N, col) != (r, c) or \
+                        cute.crd2idx((r, c), view) != cute.crd2idx((*coord, 0), layout.outer):
+                    raise ValueError(f"sm100 backward pair: the (key, column) view of {name} disagrees with the "
+                                     f"MMA of CTA {rank} at key {key}, column {col}")
+        part = mma_dq.get_slice(rank).partition_B(cute.make_identity_tensor((d, PAIR_N)))
+        view = kt_key_rows(layouts.kt.outer, half)
+        sample = [(key, n) for key in range(PAIR_N) for n in (0, 1, 7, 8, half - 1)]
+        sample += [(key, n) for key in (0, 1, MMA_K - 1, MMA_K, TILE_N - 1, TILE_N, PAIR_N - 1) for n in range(half)]
+        for key, n in sample:
+            coord = ((n, key % MMA_K), 0, key // MMA_K)
+            col, k = part[coord]
+            if (k, col - rank * half) != (key, n) or \
+                    cute.crd2idx((key, n), view) != cute.crd2idx((*coord, 0), layouts.kt.outer):
+                raise ValueError(f"sm100 backward pair: the (key, column) view of K^T disagrees with the MMA of "
+                                 f"CTA {rank} at key {k}, column {col}")
 
 
 @dataclass(frozen=True)

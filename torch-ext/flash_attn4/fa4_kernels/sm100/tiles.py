@@ -304,13 +304,15 @@ def backward_serial(head_dim: int, head_dim_v: int) -> bool:
 # keys, one Q/dO stage as two halves each (the query half the S^T/dP^T MMAs read, the head-dim half
 # the dK/dV MMAs read), dS for its 64 query rows over the pair's keys (half of it written by the
 # peer through distributed shared memory), dQ staging for its 64 rows. Which problem classes the
-# pair kernel runs: BWD_PAIR_HEAD_DIMS, batched (causal, local windows, softcap and deterministic
-# included: the pair walks the union of its two KV blocks' query blocks; deterministic dQ adds go
-# in pair order), not varlen (see _check_backward_pair). BWD_TWO_CTA switches the dispatch rule
-# (backward_grid): on, as upstream runs its backward at d >= 128 on two CTAs (varlen too; ours
-# keeps one CTA there). Compiled and statically checked only (docs/perf.md); not run on a GPU here: a pair that
-# fails its first-use self-check on a B200 is replaced by the 1-CTA backward
-# (dispatch.self_check_fallback). The kernel is reachable through BackwardConfig(cluster_m=2) either way.
+# pair kernel runs: BWD_PAIR_HEAD_DIMS, batched or varlen (cu_seqlens, seqused_k), causal, local
+# windows, softcap and deterministic included: the pair walks the union of its two KV blocks' query
+# blocks; a varlen pair owns two KV blocks of one sequence, the odd one possibly past its keys, and
+# the even CTA zeroes both CTAs' K/V rows past the keys (bwd_pair.pair_zero_kv_tail); deterministic
+# dQ adds go in pair order. BWD_TWO_CTA switches the dispatch rule (backward_grid): on, as upstream
+# runs its backward at d >= 128 on two CTAs, varlen included.
+# Compiled and statically checked only (docs/perf.md); not run on a GPU here: a pair that fails its
+# first-use self-check on a B200 is replaced by the 1-CTA backward (dispatch.self_check_fallback).
+# The kernel is reachable through BackwardConfig(cluster_m=2) either way.
 BACKWARD_CLUSTER_M = (1, 2)
 BWD_PAIR_HEAD_DIMS = ((128, 128),)
 BWD_TWO_CTA = True
@@ -338,7 +340,7 @@ def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, var
     if backward_pair256(head_dim, head_dim_v) and not varlen:
         # d = dv = 256 has no 1-CTA kernel: its pair (sm100/bwd_pair256.py) runs whatever BWD_TWO_CTA says.
         return dict(cluster_m=2, num_stages=1)
-    pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS and not varlen
+    pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS
     return dict(cluster_m=2, num_stages=1) if pair else {}
 
 
@@ -350,11 +352,6 @@ def _check_backward_pair(cfg) -> None:
         raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) is not implemented at head dims "
                                   f"{cfg.head_dim}/{cfg.head_dim_v}; pairs run head dims "
                                   f"{BWD_PAIR_HEAD_DIMS + BWD_PAIR256_HEAD_DIMS}")
-    if cfg.varlen or cfg.has_seqused_k:
-        # (seqused_k: the pair kernel does not zero K's and V's rows past the keys, bwd.zero_kv_tail.
-        # The torch layer takes seqused_k in the backward only with varlen, so no dispatch reaches it.)
-        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen or seqused_k is not "
-                                  f"implemented; pairs run batched problems")
     if cfg.num_stages != 1:
         raise ValueError(f"{arch} backward: the pair kernel has one Q/dO stage, got {cfg.num_stages}")
     smem = backward_pair256_shared_memory_bytes if pair256 else backward_pair_shared_memory_bytes
@@ -413,13 +410,14 @@ def check_postprocess(cfg) -> None:
 # Problem classes CI compiles for sm_100a's backward: each head dim, causal or not, the
 # deterministic dQ order, varlen (with seqused_k) and a local window (with softcap) once each (a
 # handful: the target's compile time).
-# The batched d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
+# The d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
 # 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain, causal, and causal with
 # softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh). The d = 256 pair plain and causal.
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
                        dict(cluster_m=1), dict(causal=True, cluster_m=1),
+                       dict(causal=True, varlen=True, has_seqused_k=True, cluster_m=1),
                        dict(local=True, has_softcap=True, cluster_m=1),
                        dict(causal=True, deterministic=True, cluster_m=1),
                        dict(d=192, dv=128), dict(d=192, dv=128, causal=True),
