@@ -372,35 +372,39 @@ def test_postprocess_compiles_for_both_head_dims_batched_and_varlen():
         compile_backward_postprocess(config(d=d, dv=dv).postprocess(), jit_engine=False)
 
 
-def test_verifier_reports_only_the_reviewed_baseline():
+# One test per kernel (each a compile of its own), so that the test processes share them out.
+@pytest.mark.parametrize("name,spec", [
+    ("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True)),
+    ("sm100 bwd d128 causal", dict(d=128, causal=True, varlen=True, has_seqused_k=True)),
+    ("sm100 bwd d128 causal", dict(d=128, local=True, has_softcap=True)),
+    ("sm100 bwd d64", dict(d=96, causal=True)),
+    ("sm100 bwd d128 causal", dict(d=192, dv=128)),
+    ("sm100 bwd d128 causal", dict(d=192, dv=128, causal=True, has_softcap=True))],
+    ids=["d64", "d128_causal", "d128_causal_varlen_seqused_k", "d128_local_softcap", "d96_causal", "d192_dv128",
+         "d192_dv128_causal_softcap"])
+def test_verifier_reports_only_the_reviewed_baseline(name, spec):
     """CUTE_DSL_COMPILER_OPT=warnings: nothing beyond tests/cpu/verifier_baseline.json's reviewed
     entries for the sm100 backward. The varlen, local/softcap, d = 96 and serial (192 / 128, softcap
     too) kernels use the same pipelines as the reviewed ones, so they must report exactly the same (no
     entry of their own)."""
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]
-    for name, spec in (("sm100 bwd d64", dict(d=64)), ("sm100 bwd d128 causal", dict(d=128, causal=True)),
-                       ("sm100 bwd d128 causal", dict(d=128, causal=True, varlen=True, has_seqused_k=True)),
-                       ("sm100 bwd d128 causal", dict(d=128, local=True, has_softcap=True)),
-                       ("sm100 bwd d64", dict(d=96, causal=True)),
-                       ("sm100 bwd d128 causal", dict(d=192, dv=128)),
-                       ("sm100 bwd d128 causal", dict(d=192, dv=128, causal=True, has_softcap=True))):
-        got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(config(**spec), FLAVOUR))
-        assert got == sorted(baseline[name]), (name, got)
+    got = sorted(lib.diagnostic_key(d) for d in lib.verifier_diagnostics(config(**spec), FLAVOUR))
+    assert got == sorted(baseline[name]), (name, got)
 
 
-def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work():
+@pytest.mark.parametrize("spec", CU12_CONFIGS, ids=lambda spec: "_".join(f"{k}={v}" for k, v in spec.items()))
+def test_cu12_flavour_compiles_without_spills_and_with_the_same_mma_work(spec):
     """ptxas 12.9 (plain pip installs on CUDA 12 drivers) spilled at d = 128 with a 112-register MMA
     warpgroup; with its budget at the launch share it builds the same kernels without spills, and
     those of each feature (varlen with seqused_k, local with softcap, softcap alone)."""
-    for spec in CU12_CONFIGS:
-        cfg = config(**spec)
-        stats = lib.kernel_stats(cfg, "cu12")
-        assert stats["ptxas"] is None or "release 12." in stats["ptxas"], stats["ptxas"]
-        assert stats["target"] == cfg.arch.value, spec
-        assert ".cu12." in stats["dsl_ir_module"]
-        assert stats["utcmma"] == expected_mma(cfg)
-        assert stats["ldl"] == stats["stl"] == 0, (spec, stats["ldl"], stats["stl"])
-        assert stats["usetmaxreg"] == stats["setmaxnreg"]
+    cfg = config(**spec)
+    stats = lib.kernel_stats(cfg, "cu12")
+    assert stats["ptxas"] is None or "release 12." in stats["ptxas"], stats["ptxas"]
+    assert stats["target"] == cfg.arch.value, spec
+    assert ".cu12." in stats["dsl_ir_module"]
+    assert stats["utcmma"] == expected_mma(cfg)
+    assert stats["ldl"] == stats["stl"] == 0, (spec, stats["ldl"], stats["stl"])
+    assert stats["usetmaxreg"] == stats["setmaxnreg"]
 
 
 # ---- CTA pairs (cluster_m = 2, sm100/bwd_pair.py) --------------------------------------------------
