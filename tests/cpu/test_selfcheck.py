@@ -964,6 +964,26 @@ def test_each_backward_configuration_is_checked_on_its_first_use(fake_bwd):
     assert [selfcheck.verdict(c, "cpu") for c in (plain, causal, det)] == ["passed"] * 3
 
 
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100], ids=lambda a: a.value)
+def test_a_backward_reading_the_keys_past_seqused_k_unzeroed_fails_the_check(fake_bwd, monkeypatch, arch):
+    """The check's stored keys past seqused_k are NaN and their values +inf: the tile model with its
+    last tile's rows past the keys left as loaded (no zero_kv_tail) fails it, the same model zeroing
+    them passes (the sm100 case runs the varlen CTA pair, whose odd block lies past the keys)."""
+    cfg = bwd_config(128, 128, varlen=True, has_seqused_k=True, causal=True, arch=arch)
+    problem = selfcheck.build_backward_problem(cfg)
+    assert problem.fwd.k.isnan().any() and problem.fwd.v.isinf().any()
+    reports = {}
+    for zero in (True, False):
+        monkeypatch.setattr(compile_cache, "_compile_backward",
+                            lambda cfg, zero=zero, **_: tile_model_backward_kernel(cfg, zero_kv_tail=zero))
+        compile_cache.clear()
+        reports[zero] = selfcheck.check_backward(cfg, compile_cache.get_backward_kernel(cfg), ops.BACKWARD_LAUNCH,
+                                                 torch.device("cpu"))
+    assert reports[True].ok, reports[True].failures
+    assert not reports[False].ok and any("NaN or infinite" in f for f in reports[False].failures), \
+        reports[False].failures
+
+
 @pytest.mark.parametrize("d,dv,flags", [
     (64, 64, dict()), (128, 128, dict(causal=True)), (128, 128, dict(local=True, has_softcap=True)),
     (96, 96, dict(varlen=True, has_seqused_k=True, causal=True, deterministic=True)),
@@ -1200,10 +1220,12 @@ from tests import bwd_tile_model as bm  # noqa: E402
 from tests.cpu.test_ops import dq_accum_positions  # noqa: E402
 
 
-def tile_model_backward_kernel(cfg):
+def tile_model_backward_kernel(cfg, zero_kv_tail: bool = True):
     """compile_backward(cfg)'s stand-in that runs the backward's tile model (tests/bwd_tile_model.py:
     the kernel's tiles, rounding points and float32 accumulation, MUFU and tanh.approx errors at their
-    hardware bounds) on the rows the preprocessing stand-in left, per sequence and KV head."""
+    hardware bounds) on the rows the preprocessing stand-in left, per sequence and KV head. The last
+    tile's rows past the used keys are what follows them in k and v (varlen), which the kernels zero
+    (``zero_kv_tail=False``: a kernel that does not)."""
     params = bm.BwdTileParams.from_backward_config(cfg)
 
     def run(q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, semaphore, scale, softcap, left,
@@ -1227,13 +1249,19 @@ def tile_model_backward_kernel(cfg):
             qb, kb, vb, dob = q[qs], k[ks], v[ks], dout[qs]
             if kb.shape[0] == 0:
                 continue
+            tail = None
+            if cfg.varlen:  # the packed rows after this sequence's used keys
+                after = slice(ks[0].stop, None)
+                tail = (k[after], v[after])
             for h in range(hk):
                 heads = slice(h * g, (h + 1) * g)
                 if qb.shape[0] == 0:
                     dk[ks][:, h], dv[ks][:, h] = 0, 0
                     continue
+                kv_tail = None if tail is None else (tail[0][:, h], tail[1][:, h])
                 acc, dk_h, dv_h, _ = bm.main(qb[:, heads], kb[:, h], vb[:, h], dob[:, heads],
-                                             dpsum[rs][heads].numpy(), lse_log2[rs][heads].numpy(), params, **opts)
+                                             dpsum[rs][heads].numpy(), lse_log2[rs][heads].numpy(), params,
+                                             kv_tail=kv_tail, zero_kv_tail=zero_kv_tail, **opts)
                 dq[qs][:, heads] = torch.from_numpy(acc)
                 dk[ks][:, h], dv[ks][:, h] = dk_h, dv_h
         dq_acc.view(-1).index_add_(0, dq_accum_positions(cfg, q, cu_q).flatten(), dq.flatten())

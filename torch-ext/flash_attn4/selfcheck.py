@@ -33,7 +33,9 @@ with the query heads per KV head the kernel packs (pack_gqa, or pack_gqa_heads i
 where the kernel does not pack: any ratio runs there);
 ragged lengths that leave partial tiles (about 300 queries, 333 keys); varlen with four sequences
 (one with no queries, one not a multiple of 128 long, one whose queries see no keys, one with more
-queries than keys); seqused_k below the stored length and 0 for one sequence; causal or a local
+queries than keys); seqused_k below the stored length and 0 for one sequence, the stored keys past
+it NaN and their values +inf (docs/CONTRACTS.md: they must reach no result; a kernel that reads
+them unzeroed fails); causal or a local
 window with both sides bounded, aligned bottom-right, and with more queries than keys so that the
 first rows see no key; softcap; a learnable sink; a non-default softmax_scale; seqused_q below the
 stored query length (a full sequence, an empty one, a single query), where rows past it are
@@ -260,6 +262,12 @@ def _build_problem(cfg, ratio: int, has_sink: bool, gen: torch.Generator) -> For
     randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float32)  # noqa: E731
     q, k, v = (randn(*s).to(dtype) for s in (q_shape, k_shape, v_shape))
     seqused_k = torch.tensor([x[2] for x in lengths], dtype=torch.int32) if cfg.has_seqused_k else None
+    if cfg.has_seqused_k:  # stored keys past the used ones: must reach no result
+        start = 0
+        for b, (_, stored, used) in enumerate(lengths):
+            rows = slice(start + used, start + stored) if cfg.varlen else (b, slice(used, stored))
+            k[rows], v[rows] = float("nan"), float("inf")
+            start += stored
     seqused_q = None
     if has_seqused_q:
         cuts = SEQUSED_Q_CUT if cfg.varlen else ((37, None) * len(lengths))[:len(lengths)]
