@@ -56,11 +56,16 @@ def test_pair256_shared_memory_within_the_limit():
 
 # ---- The compiled kernel ------------------------------------------------------------------------------
 # Problem classes compiled here (each under ptxas 13.4 and 12.9): plain, causal, a local window with
-# softcap, causal with the deterministic dQ order, fp16.
+# softcap, causal with the deterministic dQ order, fp16; varlen (K/V rows past the keys zeroed by the
+# even CTA): plain, causal with seqused_k, and a local window with softcap and the deterministic order.
 # sm_103a (B300) runs the same kernel under the same rules (tiles_sm103), compiled for it: once, causal.
 CASES = {"d256": dict(), "d256_causal": dict(causal=True), "d256_local_softcap": dict(local=True, has_softcap=True),
          "d256_causal_deterministic": dict(causal=True, deterministic=True), "d256_fp16": dict(dtype="float16"),
-         "sm103_d256_causal": dict(causal=True, arch=Arch.SM103)}
+         "sm103_d256_causal": dict(causal=True, arch=Arch.SM103),
+         "d256_varlen": dict(varlen=True),
+         "d256_causal_varlen_seqused_k": dict(causal=True, varlen=True, has_seqused_k=True),
+         "d256_varlen_local_softcap_deterministic": dict(varlen=True, local=True, has_softcap=True,
+                                                         deterministic=True)}
 
 
 def pair256_config(dtype="bfloat16", arch=Arch.SM100, **flags) -> BackwardConfig:
@@ -115,7 +120,8 @@ def test_pair256_is_cta_group_2_throughout(compiled):
     assert ops["commit"] == ops["commit_2cta"] > 0, ops
     # K, V, K^T once; Q, dO, Q^T, dO^T per step (in boxes of a swizzle atom's width): all 2-CTA.
     assert ops["tma_2cta"] >= 7 and ops["tma"] - ops["tma_2cta"] == 2, ops
-    assert stats["opcodes"].get("UTMALDG.3D", 0) == 2, stats["opcodes"]
+    rows = "UTMALDG.2D" if cfg.varlen else "UTMALDG.3D"  # LSE, D: (seq, head[, batch])
+    assert stats["opcodes"].get(rows, 0) == 2, stats["opcodes"]
     ptx = stats["ptx"]
     assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, TMEM_LIMIT)]
     assert [d["cta_group"] for d in ptx["tmem_dealloc"]] == [2] and ptx["tmem_relinquish"] == [2]
@@ -152,20 +158,36 @@ def test_pair256_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_add
     unmasked variant computed them; one async-proxy fence over the cluster's shared memory, then the release as a
     cluster-scope arrival on the even CTA's barrier, which the MMA warp follows with a cluster
     acq_rel fence. dQ: per 32-column load of a dQ thread's head-dim half, each half's staged chunk
-    added in runs of this CTA's 64 rows (1-D bulk reduce-adds; no tensor-map reduce)."""
-    from tests.cpu.test_sm100_bwd_static import reduce_adds
+    added in runs of this CTA's 64 rows (1-D bulk reduce-adds; no tensor-map reduce). Varlen adds
+    pair_zero_kv_tail's zero stores and its two fences (test_pair256_kv_tail_rows_are_zeroed_...)."""
+    from tests.cpu.test_sm100_bwd_static import PAIR_ZERO_STORE_PTX, reduce_adds
 
     flavour, cfg, stats = compiled
     _, plan = kernel_of(cfg)
     ptx = lib.kernel_artifacts(cfg, flavour)["ptx"].read_text()
+    zeroing = len(PAIR_ZERO_STORE_PTX.findall(ptx))
+    assert bool(zeroing) == cfg.varlen, zeroing
+    tail = 1 if zeroing else 0
     # One store site: the masked and unmasked variants differ only in the values.
-    assert ptx.count("st.shared::cluster.v4.b32") == CHUNK * 2 // 16
+    assert ptx.count("st.shared::cluster.v4.b32") - zeroing == CHUNK * 2 // 16
     assert ptx.count("mapa.shared::cluster") >= 1
-    assert ptx.count("fence.proxy.async.shared::cluster") == 1 and ptx.count("fence.acq_rel.cluster") == 1
+    assert ptx.count("fence.proxy.async.shared::cluster") == 1 + tail
+    assert ptx.count("fence.acq_rel.cluster") == 1 + tail
     assert ptx.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == 1
     assert plan.dq_runs == CHUNK // sm100_dq.VECTOR and plan.dq_loads == cfg.head_dim // 2 // CHUNK
     assert stats["opcodes"].get("UBLKRED.G.S.ADD.F32.RN", 0) == plan.dq_loads * 2
     assert reduce_adds(stats) == 0
+
+
+def test_pair256_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(compiled):
+    """Varlen / seqused_k: the even CTA's MMA warp zeroes K's, V's (64 keys per CTA) and K^T's (the
+    pair's 128 keys, a head-dim half per CTA) rows past the keys in both CTAs through shared::cluster
+    addresses, after the K/V full barrier's wait and before the first MMA, then fences: the d = 128
+    pair's test (bwd_pair.pair_zero_kv_tail is the same function on 64-key blocks); batched pairs have
+    no zero store."""
+    from tests.cpu.test_sm100_bwd_static import test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma
+
+    test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(compiled)
 
 
 def test_pair256_kernel_plan_is_the_tiles_plan():
@@ -181,10 +203,12 @@ def test_pair256_kernel_plan_is_the_tiles_plan():
 
 @pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103], ids=lambda a: a.value)
 @pytest.mark.parametrize("flags", [dict(), dict(causal=True), dict(local=True, has_softcap=True),
-                                   dict(causal=True, deterministic=True)])
+                                   dict(causal=True, deterministic=True), dict(varlen=True),
+                                   dict(varlen=True, has_seqused_k=True, causal=True),
+                                   dict(varlen=True, local=True, deterministic=True)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_dispatch_runs_d256_on_the_pair_kernel_with_no_fallback(arch, flags, dtype):
-    """Batched d = dv = 256 goes to the d = 256 pair (whatever BWD_TWO_CTA says: there is no 1-CTA
+    """Batched or varlen d = dv = 256 goes to the d = 256 pair (whatever BWD_TWO_CTA says: there is no 1-CTA
     kernel at this head dim), and a pair that fails its first-use self-check has no fallback (the
     failure raises)."""
     from flash_attn4 import dispatch
@@ -205,17 +229,14 @@ def test_dispatch_runs_d256_on_the_pair_kernel_with_no_fallback(arch, flags, dty
         dispatch.backward_config.cache_clear()
 
 
-@pytest.mark.parametrize("flags", [dict(varlen=True), dict(varlen=True, has_seqused_k=True, causal=True)])
-def test_d256_varlen_is_refused_naming_it(flags):
-    """Varlen (and seqused_k) at d = 256: no pair, no 1-CTA kernel: NotImplementedError naming the head
-    dims, the target and varlen, when the configuration is chosen."""
-    from flash_attn4 import dispatch
-
-    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
-    with pytest.raises(NotImplementedError, match=r"sm_100a backward: head dims 256/256 are not implemented.*varlen"):
-        dispatch.backward_config(Arch.SM100, "bfloat16", 256, 256, **{**base, **flags})
-    with pytest.raises(NotImplementedError, match="cluster_m=2 .* varlen"):
-        pair256_config(**flags)
+@pytest.mark.parametrize("flags", [dict(), dict(varlen=True), dict(varlen=True, has_seqused_k=True, causal=True)])
+def test_d256_single_cta_is_refused_varlen_or_not(flags):
+    """d = 256 has no 1-CTA kernel, varlen or not: cluster_m = 1 is refused naming the head dims,
+    while the pair's configuration of the same problem is accepted."""
+    with pytest.raises(NotImplementedError, match=r"sm_100a backward: head dims 256/256 are not implemented "
+                                                  r"on single CTAs"):
+        pair256_config(**flags).replace(cluster_m=1)
+    assert pair256_config(**flags).cluster_m == 2
 
 
 def test_the_d128_pair_and_other_head_dims_keep_their_kernels():
