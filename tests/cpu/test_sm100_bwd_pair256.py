@@ -190,6 +190,39 @@ def test_pair256_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(compi
     test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(compiled)
 
 
+@pytest.mark.parametrize("fault", [None, "kt_keys_as_columns", "kv_keys_of_128_key_ctas"])
+def test_pair256_zeroing_views_are_checked_against_both_ctas_mmas(fault, monkeypatch):
+    """check_pair_key_rows on 64-key blocks (run when a varlen d = 256 pair is traced) accepts the
+    (key, column) views pair_zero_kv_tail writes through, and refuses wrong ones: K^T's keys and
+    columns swapped, or the odd CTA's keys counted from 128 (the d = 128 pair's blocks)."""
+    import cutlass.cute as cute
+
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_pair256
+
+    _, plan = kernel_of(pair256_config(varlen=True))
+    if fault == "kt_keys_as_columns":
+        monkeypatch.setattr(bwd_pair, "kt_key_rows", lambda layout, cols, pair_keys: cute.composition(
+            layout, cute.make_layout(((MMA_K, pair_keys // MMA_K), cols), stride=((1, cols * MMA_K), MMA_K))))
+    keys = 2 * bwd_pair256.KEYS if fault == "kv_keys_of_128_key_ctas" else bwd_pair256.KEYS
+    outcome = {}
+
+    @cute.jit
+    def trace():
+        mmas = plan.pair256_mmas()
+        layouts = plan.smem_layouts(*mmas, plan.tilers(bwd_pair256.PAIR_KEYS))
+        try:
+            bwd_pair.check_pair_key_rows(mmas[0], mmas[3], layouts, plan.hdim, plan.hdim_v, keys)
+            outcome["error"] = None
+        except ValueError as error:
+            outcome["error"] = str(error)
+
+    trace()
+    if fault is None:
+        assert outcome["error"] is None
+    else:
+        assert outcome["error"] and "disagrees with the MMA" in outcome["error"], outcome
+
+
 def test_pair256_kernel_plan_is_the_tiles_plan():
     """The kernel's TMEM columns are tiles.backward_pair256_tmem_columns' (what the plan tests check),
     and nothing is placed over another accumulator."""
@@ -318,3 +351,55 @@ def test_wrong_d256_backward_raises_without_a_fallback(b200):
     assert (cfg.head_dim, cfg.head_dim_v, cfg.cluster_m) == (256, 256, 2)
     assert dispatch.self_check_fallback(cfg) is None and "head_dim=256" in str(info.value)
     assert all(t.grad is None for t in tensors) and len(b200["bwd_calls"]) == 1  # the check's launch only
+
+
+@pytest.mark.parametrize("name", ["varlen", "varlen causal", "varlen seqused_k window softcap deterministic"])
+def test_b200_d256_varlen_backward_runs_the_pair_after_a_varlen_self_check(b200, name):
+    """A user's varlen backward at d = 256 (packed / padded batches) reaches the d = 256 pair
+    (varlen flags), after a first-use check on a varlen problem whose sequences have odd numbers of
+    64-key blocks (the last pair's odd block past the keys, its packed rows another sequence's) and
+    a sequence of more than one pair; the gradients match autograd of the reference."""
+    from flash_attn4 import selfcheck
+    from tests.cpu.test_sm100_bwd_dispatch import FEATURES, feature_call, odd_blocks_past_the_keys, reference_grads
+
+    opts = FEATURES[name]
+    out, tensors, dout, ref = feature_call(opts, d=256)
+    out.backward(dout)
+    want = reference_grads(*tensors, dout, **ref)
+    for label, t, w in zip("qkv", tensors, want):
+        err = float((t.grad.double() - w).abs().max())
+        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, label, err)
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert (cfg.head_dim, cfg.cluster_m, cfg.varlen, cfg.has_seqused_k) == (256, 2, True, opts.get("seqused_k", False))
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+    check = selfcheck.build_backward_problem(cfg).fwd
+    keys = sm100_tiles.BWD_PAIR256_KEYS
+    assert check.varlen and odd_blocks_past_the_keys(check.cu_seqlens_k, check.seqused_k, keys)
+    assert any(-(-used // keys) > 2 for _, _, used in check.lengths)  # a second pair
+
+
+def test_d256_varlen_pair_storing_past_its_keys_fails_the_check_and_raises(b200, monkeypatch):
+    """A varlen d = 256 pair whose odd CTA stores its 64-key block's dK / dV rows although the block
+    lies past its sequence's keys (zeros into the next sequences' rows) fails its first-use check,
+    and with no 1-CTA kernel at this head dim the backward raises (no gradient returned)."""
+    from flash_attn4 import compile_cache, dispatch, selfcheck
+    from tests.cpu.test_selfcheck import FakeBackward
+    from tests.cpu.test_sm100_bwd_dispatch import feature_call, odd_blocks_past_the_keys
+
+    keys = sm100_tiles.BWD_PAIR256_KEYS
+
+    class OddCtaStoresPastItsKeys(FakeBackward):
+        def __call__(self, q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, *rest):
+            super().__call__(q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, *rest)
+            for rows in odd_blocks_past_the_keys(cu_k, seqused_k, keys):
+                dk[rows], dv[rows] = 0, 0
+
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: OddCtaStoresPastItsKeys(cfg, b200))
+    out, tensors, dout, _ = feature_call(dict(varlen=True, causal=True), d=256)
+    with pytest.raises(selfcheck.SelfCheckError, match=r"BackwardConfig\(arch=sm_100a"):
+        out.backward(dout)
+    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", 256, 256, causal=True, local=False, has_softcap=False,
+                                   varlen=True, has_seqused_k=False, deterministic=False)
+    assert (cfg.head_dim, cfg.cluster_m, cfg.varlen) == (256, 2, True)
+    assert dispatch.self_check_fallback(cfg) is None and selfcheck.verdict(cfg, "cpu") == "failed"
+    assert all(t.grad is None for t in tensors)

@@ -580,8 +580,8 @@ def test_pair_zeroing_views_are_checked_against_both_ctas_mmas(fault, monkeypatc
 
     plan = bwd_pair.backward_kernel(pair_config(varlen=True))
     if fault == "kt_keys_as_columns":
-        monkeypatch.setattr(bwd_pair, "kt_key_rows", lambda layout, cols: cute.composition(
-            layout, cute.make_layout(((bwd_pair.MMA_K, bwd_pair.PAIR_N // bwd_pair.MMA_K), cols),
+        monkeypatch.setattr(bwd_pair, "kt_key_rows", lambda layout, cols, pair_keys: cute.composition(
+            layout, cute.make_layout(((bwd_pair.MMA_K, pair_keys // bwd_pair.MMA_K), cols),
                                      stride=((1, cols * bwd_pair.MMA_K), bwd_pair.MMA_K))))
     if fault == "kv_keys_of_the_other_cta":
         monkeypatch.setattr(bwd_pair, "TILE_N", 0)  # CTA 1's keys counted from the pair's first

@@ -407,7 +407,8 @@ def check_postprocess(cfg) -> None:
 # handful: the target's compile time).
 # The d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
 # 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain, causal, and causal with
-# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh). The d = 256 pair plain and causal.
+# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh). The d = 256 pair plain, causal, and
+# varlen causal with seqused_k (its K/V/K^T tail zeroing, bwd_pair.pair_zero_kv_tail on 64-key blocks).
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
@@ -417,7 +418,8 @@ BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d
                        dict(causal=True, deterministic=True, cluster_m=1),
                        dict(d=192, dv=128), dict(d=192, dv=128, causal=True),
                        dict(d=192, dv=128, causal=True, has_softcap=True),
-                       dict(d=256, dv=256), dict(d=256, dv=256, causal=True))
+                       dict(d=256, dv=256), dict(d=256, dv=256, causal=True),
+                       dict(d=256, dv=256, causal=True, varlen=True, has_seqused_k=True))
 
 
 # ---- Backward at d = dv = 256 (sm100/bwd_pair256.py) ---------------------------------------------
