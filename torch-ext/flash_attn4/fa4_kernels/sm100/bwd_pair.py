@@ -169,8 +169,6 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         # Sequence first; the transposed views (d, seq, head[, batch]), varlen ones packed along seq.
         mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, num_batch = self.sequence_first(
             mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, mCuSeqlensQ)
-        swap = [1, 0, 2] if cutlass.const_expr(self.cfg.varlen) else [1, 0, 2, 3]
-        mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=swap)) for t in (mQ, mdO, mK)]
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
@@ -185,24 +183,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         # order (runs of 64 rows x VECTOR floats).
         sdQ_layout = cute.make_layout((BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK, CTAS))
 
-        cluster = cute.tiled_divide(cute.make_layout((CTAS, 1, 1)), (mma_s.thr_id,))
-        tma_load = cpasync.CopyBulkTensorTileG2SOp(two)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
-        op_b = sm100_utils.cluster_shape_to_tma_atom_B((CTAS, 1, 1), mma_s.thr_id)
-        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
-        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
-        tma_atom_Qt, tma_Qt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQt, cute.select(layouts.qt, mode=[0, 1, 2]), tilers.dk, mma_dk, cluster.shape)
-        tma_atom_dOt, tma_dOt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdOt, cute.select(layouts.dot, mode=[0, 1, 2]), tilers.dv, mma_dv, cluster.shape)
-        tma_atom_Kt, tma_Kt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mKt, cute.select(layouts.kt, mode=[0, 1, 2]), tilers.dq, mma_dq, cluster.shape)
-        tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum = row_tma_atoms(mLSE, mdPsum)
+        loads, cluster = self.pair_loads(mQ, mK, mV, mdO, mLSE, mdPsum, layouts, tilers,
+                                         (mma_s, mma_dv, mma_dk, mma_dq))
 
         def stage_bytes(*names):
             return CTAS * sum(cute.size_in_bytes(self.dtype, cute.select(getattr(layouts, n), mode=[0, 1, 2]))
@@ -240,14 +222,43 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(self.cfg.has_softcap))
         scheduler = self.scheduler(max_seqlen_k, PAIR_N, mQ, qhead_per_kvhead, num_heads_kv, num_batch,
                                    cluster_m=CTAS)
-        loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
-                          tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
-                          tma_atom_dPsum, tma_dPsum)
         self.kernel(loads, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, scales, qhead_per_kvhead,
                     window_left, window_right, layouts, sdQ_layout,
                     mma_s, mma_dv, mma_dk, mma_dq, scheduler, cluster).launch(
             grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], cluster=[CTAS, 1, 1], stream=stream,
             min_blocks_per_mp=1)
+
+    def pair_loads(self, mQ, mK, mV, mdO, mLSE, mdPsum, layouts: "SmemLayouts", tilers, mmas: tuple) -> tuple:
+        """(PairLoads, the cluster's layout): the TMA atoms and tensors of a pair kernel (this one
+        and the d = 256 pair), from the sequence-first views and the pair's MMAs (S^T / dP^T, dV,
+        dK, dQ). K, V: the A of S^T = K Q^T and dP^T = V dO^T (2-CTA loads, each CTA its keys);
+        Q, dO their B; Q^T, dO^T (transposed views of Q, dO: (d, seq, head[, batch]), varlen ones
+        packed along seq) the B of dK, dV; K^T the B of dQ; LSE, D per CTA (row_tma_atoms)."""
+        mma_s, mma_dv, mma_dk, mma_dq = mmas
+        swap = [1, 0, 2] if cutlass.const_expr(self.cfg.varlen) else [1, 0, 2, 3]
+        mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=swap)) for t in (mQ, mdO, mK)]
+        cluster = cute.tiled_divide(cute.make_layout((CTAS, 1, 1)), (mma_s.thr_id,))
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.TWO)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
+        op_b = sm100_utils.cluster_shape_to_tma_atom_B((CTAS, 1, 1), mma_s.thr_id)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
+        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
+        tma_atom_Qt, tma_Qt = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mQt, cute.select(layouts.qt, mode=[0, 1, 2]), tilers.dk, mma_dk, cluster.shape)
+        tma_atom_dOt, tma_dOt = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mdOt, cute.select(layouts.dot, mode=[0, 1, 2]), tilers.dv, mma_dv, cluster.shape)
+        tma_atom_Kt, tma_Kt = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mKt, cute.select(layouts.kt, mode=[0, 1, 2]), tilers.dq, mma_dq, cluster.shape)
+        tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum = row_tma_atoms(mLSE, mdPsum)
+        loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
+                          tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
+                          tma_atom_dPsum, tma_dPsum)
+        return loads, cluster
 
     # ------------------------------------------------------------------------------------------
     # Device side

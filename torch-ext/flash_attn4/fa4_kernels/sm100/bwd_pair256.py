@@ -106,7 +106,7 @@ from ..softmax import BackwardScales
 from ..tile_work import TileWork
 from . import bwd_pair
 from .bwd import COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, FlashAttentionBackwardSm100, Pipelines, Warp, \
-    mma_tma_partition, row_tma_atoms
+    mma_tma_partition
 from .bwd_pair import CTAS, FlashAttentionBackwardSm100Pair, PairLoads, head_columns
 from .dq_accum import VECTOR
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
@@ -195,9 +195,6 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         d, dv = self.hdim, self.hdim_v
         mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, num_batch = self.sequence_first(
             mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, mCuSeqlensQ)
-        # The transposed views (d, seq, head[, batch]), varlen ones packed along seq.
-        swap = [1, 0, 2] if cutlass.const_expr(self.cfg.varlen) else [1, 0, 2, 3]
-        mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=swap)) for t in (mQ, mdO, mK)]
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
@@ -219,24 +216,8 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
                 raise ValueError(f"sm100 backward d=256 pair: {name}'s shared-memory layout {layout.outer} is not "
                                  f"(({rows}, {MMA_K}), 1, {slices}, 1)")
 
-        cluster = cute.tiled_divide(cute.make_layout((CTAS, 1, 1)), (mma_s.thr_id,))
-        tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.TWO)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
-        op_b = sm100_utils.cluster_shape_to_tma_atom_B((CTAS, 1, 1), mma_s.thr_id)
-        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
-        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
-        tma_atom_Qt, tma_Qt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQt, cute.select(layouts.qt, mode=[0, 1, 2]), tilers.dk, mma_dk, cluster.shape)
-        tma_atom_dOt, tma_dOt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdOt, cute.select(layouts.dot, mode=[0, 1, 2]), tilers.dv, mma_dv, cluster.shape)
-        tma_atom_Kt, tma_Kt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mKt, cute.select(layouts.kt, mode=[0, 1, 2]), tilers.dq, mma_dq, cluster.shape)
-        tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum = row_tma_atoms(mLSE, mdPsum)
+        loads, cluster = self.pair_loads(mQ, mK, mV, mdO, mLSE, mdPsum, layouts, tilers,
+                                         (mma_s, mma_dv, mma_dk, mma_dq))
 
         def pair_bytes(*names):
             return CTAS * sum(cute.size_in_bytes(self.dtype, cute.select(getattr(layouts, n), mode=[0, 1, 2]))
@@ -280,9 +261,6 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(self.cfg.has_softcap))
         scheduler = self.scheduler(max_seqlen_k, PAIR_KEYS, mQ, qhead_per_kvhead, num_heads_kv, num_batch,
                                    cluster_m=CTAS)
-        loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
-                          tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
-                          tma_atom_dPsum, tma_dPsum)
         self.kernel(loads, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, scales, qhead_per_kvhead,
                     window_left, window_right, layouts, sdQ_layout, mma_s, mma_dv, mma_dk, mma_dq, scheduler,
                     cluster).launch(
