@@ -195,32 +195,15 @@ def test_pair256_zeroing_views_are_checked_against_both_ctas_mmas(fault, monkeyp
     """check_pair_key_rows on 64-key blocks (run when a varlen d = 256 pair is traced) accepts the
     (key, column) views pair_zero_kv_tail writes through, and refuses wrong ones: K^T's keys and
     columns swapped, or the odd CTA's keys counted from 128 (the d = 128 pair's blocks)."""
-    import cutlass.cute as cute
-
     from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_pair256
+    from tests.cpu.test_sm100_bwd_static import pair_key_rows_error, wrong_kt_key_rows
 
     _, plan = kernel_of(pair256_config(varlen=True))
     if fault == "kt_keys_as_columns":
-        monkeypatch.setattr(bwd_pair, "kt_key_rows", lambda layout, cols, pair_keys: cute.composition(
-            layout, cute.make_layout(((MMA_K, pair_keys // MMA_K), cols), stride=((1, cols * MMA_K), MMA_K))))
+        monkeypatch.setattr(bwd_pair, "kt_key_rows", wrong_kt_key_rows)
     keys = 2 * bwd_pair256.KEYS if fault == "kv_keys_of_128_key_ctas" else bwd_pair256.KEYS
-    outcome = {}
-
-    @cute.jit
-    def trace():
-        mmas = plan.pair256_mmas()
-        layouts = plan.smem_layouts(*mmas, plan.tilers(bwd_pair256.PAIR_KEYS))
-        try:
-            bwd_pair.check_pair_key_rows(mmas[0], mmas[3], layouts, plan.hdim, plan.hdim_v, keys)
-            outcome["error"] = None
-        except ValueError as error:
-            outcome["error"] = str(error)
-
-    trace()
-    if fault is None:
-        assert outcome["error"] is None
-    else:
-        assert outcome["error"] and "disagrees with the MMA" in outcome["error"], outcome
+    error = pair_key_rows_error(plan, plan.pair256_mmas, bwd_pair256.PAIR_KEYS, keys)
+    assert (error is None) if fault is None else (error and "disagrees with the MMA" in error), error
 
 
 def test_pair256_kernel_plan_is_the_tiles_plan():
