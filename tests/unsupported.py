@@ -32,7 +32,7 @@ SMALLEST_HEAD_DIM = 16
 HEAD_DIM_TOO_SMALL = r"head_dim(_v)? = \d+ is not implemented"
 SM100_BWD_HEAD_DIMS = (64, 96, 128)
 SM100_BWD_SERIAL_HEAD_DIMS = ((192, 128),)  # the serial kernel's (head_dim, head_dim_v)
-SM100_BWD_PAIR256_HEAD_DIMS = ((256, 256),)  # CTA pairs only (sm100/bwd_pair256.py): batched
+SM100_BWD_PAIR256_HEAD_DIMS = ((256, 256),)  # CTA pairs only (sm100/bwd_pair256.py): batched or varlen
 
 
 def sm100_bwd_head_dim(arch: Arch) -> str:
@@ -70,9 +70,7 @@ def backward_refusals(arch: Arch, *, head_dim: int = 128, head_dim_v: int = 128,
         d, dv = backward_kernel_head_dim(head_dim), backward_kernel_head_dim(head_dim_v)
         serial = (d, dv) in SM100_BWD_SERIAL_HEAD_DIMS
         pair256 = (d, dv) in SM100_BWD_PAIR256_HEAD_DIMS
-        if pair256 and (varlen or seqused_k):
-            reasons.append(sm100_bwd_head_dim(arch))
-        elif not serial and not pair256 and (d not in SM100_BWD_HEAD_DIMS or dv not in SM100_BWD_HEAD_DIMS):
+        if not serial and not pair256 and (d not in SM100_BWD_HEAD_DIMS or dv not in SM100_BWD_HEAD_DIMS):
             reasons.append(sm100_bwd_head_dim(arch))
     del window, softcap, varlen, seqused_k, deterministic  # every arch with a backward runs these
     return reasons + ([NO_INFERENCE_ONLY_BACKWARD] if seqused_q or paged else [])

@@ -53,14 +53,27 @@ def padded(a, start, stop, rows):
     return out
 
 
+def first_row_past_keys(seqlen_k, n_block, tile_n):
+    """kv_tail.first_row_past_keys on Python ints: the first row of block ``n_block`` past the keys."""
+    return min(max(seqlen_k - n_block * tile_n, 0), tile_n)
+
+
 def emulate(q, k, v, dout, D, L2, *, softmax_scale, causal=False, window=(-1, -1), softcap=0.0,
-            deterministic=False, seed=0):
+            deterministic=False, seed=0, kv_tail=None, zero_kv_tail=True):
     """(dq_accum (sq, g, d) float32, dk, dv in the input dtype) of one KV head and its g query heads,
-    computed the way the d = 256 pair kernel distributes the work (module docstring)."""
+    computed the way the d = 256 pair kernel distributes the work (module docstring). ``kv_tail``
+    (k rows, v rows): what follows the keys in a packed varlen (or seqused_k) tensor, which the
+    pair's TMA tiles load past the keys (else zeros: TMA's fill past a tensor's end); the kernel
+    zeroes them (pair_zero_kv_tail: K's, V's rows of each CTA's block, K^T's over the pair's keys)
+    unless ``zero_kv_tail`` is False."""
     dtype = q.dtype
     q64, k64, v64, do64 = (t.detach().to(torch.float64).numpy() for t in (q, k, v, dout))
+    sk_keys = k64.shape[0]
+    if kv_tail is not None:  # the rows as loaded: the keys, then what follows them in the tensor
+        k64, v64 = (np.concatenate([x, torch.as_tensor(t).detach().to(torch.float64).numpy()])
+                    for x, t in zip((k64, v64), kv_tail))
     sq, g, d = q64.shape
-    sk, dv = k64.shape[0], v64.shape[1]
+    sk, dv = sk_keys, v64.shape[1]
     plan = sm100_tiles.backward_pair256_tmem_columns(d, dv)
     vis = tm.visible(sq, sk, causal, window)
     if softcap:
@@ -77,18 +90,30 @@ def emulate(q, k, v, dout, D, L2, *, softmax_scale, causal=False, window=(-1, -1
     for pair in range(pairs):
         kpair = padded(k64, pair * 2 * KEYS, (pair + 1) * 2 * KEYS, 2 * KEYS)
         vpair = padded(v64, pair * 2 * KEYS, (pair + 1) * 2 * KEYS, 2 * KEYS)
+        ktpair = kpair.copy()  # K^T: its own buffer (each CTA a head-dim half over the pair's keys)
+        if zero_kv_tail:
+            for rank in range(2):
+                first = rank * KEYS + first_row_past_keys(sk, 2 * pair + rank, KEYS)
+                kpair[first:(rank + 1) * KEYS] = 0.0
+                vpair[first:(rank + 1) * KEYS] = 0.0
+            ktpair[first_row_past_keys(sk, pair, 2 * KEYS):] = 0.0
         for h in range(g):
             for m in bm.pair_query_block_range(pair, sq, sk, TILE_M, KEYS, causal, window):
                 qblk = padded(q64[:, h], m * TILE_M, (m + 1) * TILE_M, TILE_M)
                 doblk = padded(do64[:, h], m * TILE_M, (m + 1) * TILE_M, TILE_M)
                 tmem = [np.full((LANES, COLUMNS), np.nan, dtype=F32) for _ in range(2)]
-                pt = [np.full((KEYS, TILE_M), np.nan) for _ in range(2)]
-                dst = [np.full((KEYS, TILE_M), np.nan) for _ in range(2)]
-                ds = [np.full((TILE_M // 2, 2 * KEYS), np.nan) for _ in range(2)]  # dQ operand of each CTA
+                pt = [np.zeros((KEYS, TILE_M)) for _ in range(2)]
+                dst = [np.zeros((KEYS, TILE_M)) for _ in range(2)]
+                ds = [np.zeros((TILE_M // 2, 2 * KEYS)) for _ in range(2)]  # dQ operand of each CTA
+                # Which elements a compute thread wrote (the values may be NaN: an unzeroed tail).
+                pt_w, dst_w = [np.zeros((KEYS, TILE_M), bool) for _ in range(2)], [np.zeros((KEYS, TILE_M), bool)
+                                                                                  for _ in range(2)]
+                ds_w = [np.zeros((TILE_M // 2, 2 * KEYS), bool) for _ in range(2)]
                 for rank in range(2):  # S^T = K Q^T, dP^T = V dO^T of this CTA's keys
                     own = slice(rank * KEYS, (rank + 1) * KEYS)
-                    place(tmem[rank], plan["s"][0], f32(kpair[own] @ qblk.T))
-                    place(tmem[rank], plan["dp"][0], f32(vpair[own] @ doblk.T))
+                    with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf past the keys, unzeroed
+                        place(tmem[rank], plan["s"][0], f32(kpair[own] @ qblk.T))
+                        place(tmem[rank], plan["dp"][0], f32(vpair[own] @ doblk.T))
                 for rank in range(2):
                     n = 2 * pair + rank
                     full = bm.block_is_full(m, n, sq, sk, TILE_M, KEYS, causal, window)
@@ -116,16 +141,18 @@ def emulate(q, k, v, dout, D, L2, *, softmax_scale, causal=False, window=(-1, -1
                             with np.errstate(invalid="ignore"):
                                 d_s = _round_to(f32(grad_p.astype(F64) * add_f32(dp, -dpsum).astype(F64)), dtype)
                             cols = slice(first, first + CHUNK)
-                            for buf in (pt[rank][key, cols], dst[rank][key, cols]):
-                                assert np.isnan(buf).all(), "a P^T / dS^T element written twice in a step"
+                            for wrote in (pt_w[rank][key, cols], dst_w[rank][key, cols]):
+                                assert not wrote.any(), "a P^T / dS^T element written twice in a step"
                             pt[rank][key, cols] = _round_to(prob, dtype)
                             dst[rank][key, cols] = d_s
+                            pt_w[rank][key, cols] = dst_w[rank][key, cols] = True
                             local = slice(first - half * TILE_M // 2, first - half * TILE_M // 2 + CHUNK)
-                            target = ds[half][local, rank * KEYS + key]
-                            assert np.isnan(target).all(), "a dS element of a dQ operand written twice"
+                            assert not ds_w[half][local, rank * KEYS + key].any(), \
+                                "a dS element of a dQ operand written twice"
                             ds[half][local, rank * KEYS + key] = d_s
-                for buf in pt + dst + ds:
-                    assert not np.isnan(buf).any(), "a P^T / dS^T / dS element no compute thread wrote"
+                            ds_w[half][local, rank * KEYS + key] = True
+                for wrote in pt_w + dst_w + ds_w:
+                    assert wrote.all(), "a P^T / dS^T / dS element no compute thread wrote"
                 part = np.zeros((TILE_M, d), dtype=F32)
                 for rank in range(2):
                     n = 2 * pair + rank
@@ -134,7 +161,8 @@ def emulate(q, k, v, dout, D, L2, *, softmax_scale, causal=False, window=(-1, -1
                     # dQ of this CTA's query half over the pair's keys, read out as pair_reduce_dq
                     # does: thread t row t % 64, head-dim half t // 64, load j = 32 columns.
                     dq_tmem = np.full((LANES, COLUMNS), np.nan, dtype=F32)
-                    place(dq_tmem, plan["dq"][0], f32(ds[rank] @ kpair))
+                    with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf past the keys, unzeroed
+                        place(dq_tmem, plan["dq"][0], f32(ds[rank] @ ktpair))
                     for thread in range(WARPGROUP):
                         row, half = thread % KEYS, thread // KEYS
                         for j in range(loads):
@@ -220,6 +248,60 @@ def test_pair256_emulation_matches_the_reference_and_the_model(case):
     for got, want in ((dk, m_dk), (dv, m_dv)):
         ulp = 2.0 ** -7 if got.dtype is torch.bfloat16 else 2.0 ** -10
         assert torch.allclose(got.double(), want.double(), rtol=ulp, atol=1e-6)
+
+
+# (seqlen_q, seqlen_k) per sequence of a packed varlen batch on d = 256 pairs (64-key blocks): an odd
+# number of blocks, the last pair's odd block wholly past the keys (40: one block; 290: five, block 4
+# holding 34 keys; 190: three, block 2 holding 62); the last pair's odd block partly inside (200: block
+# 3 holds 8 keys); whole pairs, no row past the keys (128).
+VARLEN_SEQUENCES = ((100, 40), (130, 290), (150, 200), (64, 128), (90, 190))
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(causal=True), dict(window=(60, 8)),
+                                   dict(softcap=4.0, causal=True, deterministic=True)])
+def test_pair256_varlen_zeroes_the_rows_past_the_keys(flags):
+    """Varlen on the d = 256 pair: each sequence runs at its offsets as its own problem, its pairs'
+    K / V / K^T tiles loaded whole (128 keys), the rows past its keys being the next sequence's keys
+    and then an unused cache's rows (NaN, Inf, as seqused_k leaves them). With the kernel's zeroing
+    (pair_zero_kv_tail on 64-key blocks) every gradient is within the GPU suite's rule against
+    autograd of the float32 reference and bit for bit what zeros past the keys give; the odd CTA past
+    the keys stores no dK / dV row (the emulation's epilogue writes keys < seqlen_k only and checks
+    each is written once). Without the zeroing the NaN reaches dQ (not vacuous)."""
+    import math
+
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(flags).encode()))
+    d, causal, window = 256, flags.get("causal", False), flags.get("window", (-1, -1))
+    softcap = flags.get("softcap", 0.0)
+    _, fwd_cfg = configs(d=d, causal=causal, local=window != (-1, -1), softcap=softcap)
+    kw = dict(softmax_scale=d ** -0.5, causal=causal, window=window, softcap=softcap)
+    seqs = [(_rand(gen, sq, 1, d), _rand(gen, sk, d), _rand(gen, sk, d), _rand(gen, sq, 1, d))
+            for sq, sk in VARLEN_SEQUENCES]
+    packed_k, packed_v = torch.cat([s[1] for s in seqs]), torch.cat([s[2] for s in seqs])
+    garbage = torch.tensor([math.nan, math.inf, -math.inf]).to(torch.bfloat16)
+    poisoned = 0
+    for b, (q, k, v, dout) in enumerate(seqs):
+        sk = k.shape[0]
+        start = sum(s[1].shape[0] for s in seqs[:b + 1])
+        tail = [torch.cat([x[start:start + 30], garbage.repeat(100)[:, None].expand(-1, d)])
+                for x in (packed_k, packed_v)]
+        out, lse = forward_outputs(q, k, v, fwd_cfg, **kw)
+        out64, do64 = (t.detach().to(torch.float64).numpy() for t in (out, dout))
+        D = bm.rowsum_dout_out(do64[:, 0], out64[:, 0])[None]
+        L2 = bm.lse_log2(lse.detach().numpy().astype(F32))
+        common = dict(deterministic=flags.get("deterministic", False), seed=b, **kw)
+        dq_accum, dk, dv = emulate(q, k, v, dout, D, L2, kv_tail=tail, **common)
+        dq = torch.from_numpy(f32(dq_accum.astype(F64) * F64(F32(kw["softmax_scale"])))).to(q.dtype)
+        check_rule(bm.BwdResult(dq=dq, dk=dk, dv=dv, dq_accum=dq_accum, dpsum=None, dsink=None, stats=None),
+                   q, k, v, dout, None, **kw)
+        clean = emulate(q, k, v, dout, D, L2, **common)
+        assert np.array_equal(dq_accum.view(np.int32), clean[0].view(np.int32)), (b, "dq")
+        assert torch.equal(dk, clean[1]) and torch.equal(dv, clean[2]), b
+        raw = emulate(q, k, v, dout, D, L2, kv_tail=tail, zero_kv_tail=False, **common)[0]
+        last_pair = (sk - 1) // (2 * KEYS)
+        if sk % (2 * KEYS) and bm.pair_query_block_range(last_pair, q.shape[0], sk, TILE_M, KEYS, causal, window):
+            assert not np.isfinite(raw).all(), (b, "the unzeroed tail did not reach dQ")
+            poisoned += 1
+    assert poisoned >= 3, poisoned  # the case is not vacuous: most sequences' last pairs hold a tail
 
 
 def test_a_wrong_fold_is_caught(monkeypatch):

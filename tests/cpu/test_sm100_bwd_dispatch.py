@@ -464,17 +464,17 @@ def test_backward_pair_that_hangs_raises_without_falling_back(b200, bwd_pairs_on
     assert selfcheck.verdict(dispatch.self_check_fallback(pair), "cpu") is None
 
 
-def odd_blocks_past_the_keys(cu_k, seqused_k):
+def odd_blocks_past_the_keys(cu_k, seqused_k, keys=sm100_tiles.TILE_N):
     """Per sequence of a varlen problem: the packed rows of the odd CTA's block of its last pair
-    where the sequence has an odd number of KV blocks (that block lies wholly past its keys; its rows
-    of the packed tensors are the next sequences')."""
+    where the sequence has an odd number of KV blocks of ``keys`` keys (128; the d = 256 pair's 64)
+    (that block lies wholly past its keys; its rows of the packed tensors are the next sequences')."""
     rows = []
     for b in range(cu_k.shape[0] - 1):
         sk = int(seqused_k[b]) if seqused_k is not None else int(cu_k[b + 1] - cu_k[b])
-        blocks = -(-sk // sm100_tiles.TILE_N)
+        blocks = -(-sk // keys)
         if blocks % 2:
-            start = int(cu_k[b]) + blocks * sm100_tiles.TILE_N
-            rows.append(slice(start, start + sm100_tiles.TILE_N))
+            start = int(cu_k[b]) + blocks * keys
+            rows.append(slice(start, start + keys))
     return rows
 
 

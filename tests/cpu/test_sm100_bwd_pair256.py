@@ -56,11 +56,16 @@ def test_pair256_shared_memory_within_the_limit():
 
 # ---- The compiled kernel ------------------------------------------------------------------------------
 # Problem classes compiled here (each under ptxas 13.4 and 12.9): plain, causal, a local window with
-# softcap, causal with the deterministic dQ order, fp16.
+# softcap, causal with the deterministic dQ order, fp16; varlen (K/V rows past the keys zeroed by the
+# even CTA): plain, causal with seqused_k, and a local window with softcap and the deterministic order.
 # sm_103a (B300) runs the same kernel under the same rules (tiles_sm103), compiled for it: once, causal.
 CASES = {"d256": dict(), "d256_causal": dict(causal=True), "d256_local_softcap": dict(local=True, has_softcap=True),
          "d256_causal_deterministic": dict(causal=True, deterministic=True), "d256_fp16": dict(dtype="float16"),
-         "sm103_d256_causal": dict(causal=True, arch=Arch.SM103)}
+         "sm103_d256_causal": dict(causal=True, arch=Arch.SM103),
+         "d256_varlen": dict(varlen=True),
+         "d256_causal_varlen_seqused_k": dict(causal=True, varlen=True, has_seqused_k=True),
+         "d256_varlen_local_softcap_deterministic": dict(varlen=True, local=True, has_softcap=True,
+                                                         deterministic=True)}
 
 
 def pair256_config(dtype="bfloat16", arch=Arch.SM100, **flags) -> BackwardConfig:
@@ -115,7 +120,8 @@ def test_pair256_is_cta_group_2_throughout(compiled):
     assert ops["commit"] == ops["commit_2cta"] > 0, ops
     # K, V, K^T once; Q, dO, Q^T, dO^T per step (in boxes of a swizzle atom's width): all 2-CTA.
     assert ops["tma_2cta"] >= 7 and ops["tma"] - ops["tma_2cta"] == 2, ops
-    assert stats["opcodes"].get("UTMALDG.3D", 0) == 2, stats["opcodes"]
+    rows = "UTMALDG.2D" if cfg.varlen else "UTMALDG.3D"  # LSE, D: (seq, head[, batch])
+    assert stats["opcodes"].get(rows, 0) == 2, stats["opcodes"]
     ptx = stats["ptx"]
     assert [(a["cta_group"], a["columns"]) for a in ptx["tmem_alloc"]] == [(2, TMEM_LIMIT)]
     assert [d["cta_group"] for d in ptx["tmem_dealloc"]] == [2] and ptx["tmem_relinquish"] == [2]
@@ -152,20 +158,52 @@ def test_pair256_ds_crosses_through_distributed_shared_memory_and_dq_by_bulk_add
     unmasked variant computed them; one async-proxy fence over the cluster's shared memory, then the release as a
     cluster-scope arrival on the even CTA's barrier, which the MMA warp follows with a cluster
     acq_rel fence. dQ: per 32-column load of a dQ thread's head-dim half, each half's staged chunk
-    added in runs of this CTA's 64 rows (1-D bulk reduce-adds; no tensor-map reduce)."""
-    from tests.cpu.test_sm100_bwd_static import reduce_adds
+    added in runs of this CTA's 64 rows (1-D bulk reduce-adds; no tensor-map reduce). Varlen adds
+    pair_zero_kv_tail's zero stores and its two fences (test_pair256_kv_tail_rows_are_zeroed_...)."""
+    from tests.cpu.test_sm100_bwd_static import PAIR_ZERO_STORE_PTX, reduce_adds
 
     flavour, cfg, stats = compiled
     _, plan = kernel_of(cfg)
     ptx = lib.kernel_artifacts(cfg, flavour)["ptx"].read_text()
+    zeroing = len(PAIR_ZERO_STORE_PTX.findall(ptx))
+    assert bool(zeroing) == cfg.varlen, zeroing
+    tail = 1 if zeroing else 0
     # One store site: the masked and unmasked variants differ only in the values.
-    assert ptx.count("st.shared::cluster.v4.b32") == CHUNK * 2 // 16
+    assert ptx.count("st.shared::cluster.v4.b32") - zeroing == CHUNK * 2 // 16
     assert ptx.count("mapa.shared::cluster") >= 1
-    assert ptx.count("fence.proxy.async.shared::cluster") == 1 and ptx.count("fence.acq_rel.cluster") == 1
+    assert ptx.count("fence.proxy.async.shared::cluster") == 1 + tail
+    assert ptx.count("fence.acq_rel.cluster") == 1 + tail
     assert ptx.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == 1
     assert plan.dq_runs == CHUNK // sm100_dq.VECTOR and plan.dq_loads == cfg.head_dim // 2 // CHUNK
     assert stats["opcodes"].get("UBLKRED.G.S.ADD.F32.RN", 0) == plan.dq_loads * 2
     assert reduce_adds(stats) == 0
+
+
+def test_pair256_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(compiled):
+    """Varlen / seqused_k: the even CTA's MMA warp zeroes K's, V's (64 keys per CTA) and K^T's (the
+    pair's 128 keys, a head-dim half per CTA) rows past the keys in both CTAs through shared::cluster
+    addresses, after the K/V full barrier's wait and before the first MMA, then fences: the d = 128
+    pair's test (bwd_pair.pair_zero_kv_tail is the same function on 64-key blocks); batched pairs have
+    no zero store."""
+    from tests.cpu.test_sm100_bwd_static import test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma
+
+    test_pair_kv_tail_rows_are_zeroed_in_both_ctas_before_the_first_mma(compiled)
+
+
+@pytest.mark.parametrize("fault", [None, "kt_keys_as_columns", "kv_keys_of_128_key_ctas"])
+def test_pair256_zeroing_views_are_checked_against_both_ctas_mmas(fault, monkeypatch):
+    """check_pair_key_rows on 64-key blocks (run when a varlen d = 256 pair is traced) accepts the
+    (key, column) views pair_zero_kv_tail writes through, and refuses wrong ones: K^T's keys and
+    columns swapped, or the odd CTA's keys counted from 128 (the d = 128 pair's blocks)."""
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_pair256
+    from tests.cpu.test_sm100_bwd_static import pair_key_rows_error, wrong_kt_key_rows
+
+    _, plan = kernel_of(pair256_config(varlen=True))
+    if fault == "kt_keys_as_columns":
+        monkeypatch.setattr(bwd_pair, "kt_key_rows", wrong_kt_key_rows)
+    keys = 2 * bwd_pair256.KEYS if fault == "kv_keys_of_128_key_ctas" else bwd_pair256.KEYS
+    error = pair_key_rows_error(plan, plan.pair256_mmas, bwd_pair256.PAIR_KEYS, keys)
+    assert (error is None) if fault is None else (error and "disagrees with the MMA" in error), error
 
 
 def test_pair256_kernel_plan_is_the_tiles_plan():
@@ -181,10 +219,12 @@ def test_pair256_kernel_plan_is_the_tiles_plan():
 
 @pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103], ids=lambda a: a.value)
 @pytest.mark.parametrize("flags", [dict(), dict(causal=True), dict(local=True, has_softcap=True),
-                                   dict(causal=True, deterministic=True)])
+                                   dict(causal=True, deterministic=True), dict(varlen=True),
+                                   dict(varlen=True, has_seqused_k=True, causal=True),
+                                   dict(varlen=True, local=True, deterministic=True)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_dispatch_runs_d256_on_the_pair_kernel_with_no_fallback(arch, flags, dtype):
-    """Batched d = dv = 256 goes to the d = 256 pair (whatever BWD_TWO_CTA says: there is no 1-CTA
+    """Batched or varlen d = dv = 256 goes to the d = 256 pair (whatever BWD_TWO_CTA says: there is no 1-CTA
     kernel at this head dim), and a pair that fails its first-use self-check has no fallback (the
     failure raises)."""
     from flash_attn4 import dispatch
@@ -205,17 +245,14 @@ def test_dispatch_runs_d256_on_the_pair_kernel_with_no_fallback(arch, flags, dty
         dispatch.backward_config.cache_clear()
 
 
-@pytest.mark.parametrize("flags", [dict(varlen=True), dict(varlen=True, has_seqused_k=True, causal=True)])
-def test_d256_varlen_is_refused_naming_it(flags):
-    """Varlen (and seqused_k) at d = 256: no pair, no 1-CTA kernel: NotImplementedError naming the head
-    dims, the target and varlen, when the configuration is chosen."""
-    from flash_attn4 import dispatch
-
-    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, deterministic=False)
-    with pytest.raises(NotImplementedError, match=r"sm_100a backward: head dims 256/256 are not implemented.*varlen"):
-        dispatch.backward_config(Arch.SM100, "bfloat16", 256, 256, **{**base, **flags})
-    with pytest.raises(NotImplementedError, match="cluster_m=2 .* varlen"):
-        pair256_config(**flags)
+@pytest.mark.parametrize("flags", [dict(), dict(varlen=True), dict(varlen=True, has_seqused_k=True, causal=True)])
+def test_d256_single_cta_is_refused_varlen_or_not(flags):
+    """d = 256 has no 1-CTA kernel, varlen or not: cluster_m = 1 is refused naming the head dims,
+    while the pair's configuration of the same problem is accepted."""
+    with pytest.raises(NotImplementedError, match=r"sm_100a backward: head dims 256/256 are not implemented "
+                                                  r"on single CTAs"):
+        pair256_config(**flags).replace(cluster_m=1)
+    assert pair256_config(**flags).cluster_m == 2
 
 
 def test_the_d128_pair_and_other_head_dims_keep_their_kernels():
@@ -235,12 +272,13 @@ def test_the_d128_pair_and_other_head_dims_keep_their_kernels():
     assert isinstance(bwd_pair256.backward_kernel(serial), bwd_serial.FlashAttentionBackwardSm100Serial)
 
 
-@pytest.mark.parametrize("name", ["d256", "d256_causal_deterministic", "d256_local_softcap"])
+@pytest.mark.parametrize("name", ["d256", "d256_causal_deterministic", "d256_local_softcap",
+                                  "d256_causal_varlen_seqused_k"])
 def test_pair256_verifier_reports_only_the_pair_baseline(name):
     """CUTE_DSL_COMPILER_OPT=warnings: exactly the reviewed entries of the d = 128 pair
     (tests/cpu/verifier_baseline.json, "sm100 bwd pair d128"): the d = 256 pair builds its barriers
     with the same make_pair_pipelines, and its own code (two load phases, shared-memory P^T / dS^T)
-    adds no diagnostic."""
+    adds no diagnostic, nor does the varlen pair's zeroing (its extra wait on the K/V barrier)."""
     import json
     from pathlib import Path
 
@@ -297,3 +335,55 @@ def test_wrong_d256_backward_raises_without_a_fallback(b200):
     assert (cfg.head_dim, cfg.head_dim_v, cfg.cluster_m) == (256, 256, 2)
     assert dispatch.self_check_fallback(cfg) is None and "head_dim=256" in str(info.value)
     assert all(t.grad is None for t in tensors) and len(b200["bwd_calls"]) == 1  # the check's launch only
+
+
+@pytest.mark.parametrize("name", ["varlen", "varlen causal", "varlen seqused_k window softcap deterministic"])
+def test_b200_d256_varlen_backward_runs_the_pair_after_a_varlen_self_check(b200, name):
+    """A user's varlen backward at d = 256 (packed / padded batches) reaches the d = 256 pair
+    (varlen flags), after a first-use check on a varlen problem whose sequences have odd numbers of
+    64-key blocks (the last pair's odd block past the keys, its packed rows another sequence's) and
+    a sequence of more than one pair; the gradients match autograd of the reference."""
+    from flash_attn4 import selfcheck
+    from tests.cpu.test_sm100_bwd_dispatch import FEATURES, feature_call, odd_blocks_past_the_keys, reference_grads
+
+    opts = FEATURES[name]
+    out, tensors, dout, ref = feature_call(opts, d=256)
+    out.backward(dout)
+    want = reference_grads(*tensors, dout, **ref)
+    for label, t, w in zip("qkv", tensors, want):
+        err = float((t.grad.double() - w).abs().max())
+        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, label, err)
+    cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
+    assert (cfg.head_dim, cfg.cluster_m, cfg.varlen, cfg.has_seqused_k) == (256, 2, True, opts.get("seqused_k", False))
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
+    check = selfcheck.build_backward_problem(cfg).fwd
+    keys = sm100_tiles.BWD_PAIR256_KEYS
+    assert check.varlen and odd_blocks_past_the_keys(check.cu_seqlens_k, check.seqused_k, keys)
+    assert any(-(-used // keys) > 2 for _, _, used in check.lengths)  # a second pair
+
+
+def test_d256_varlen_pair_storing_past_its_keys_fails_the_check_and_raises(b200, monkeypatch):
+    """A varlen d = 256 pair whose odd CTA stores its 64-key block's dK / dV rows although the block
+    lies past its sequence's keys (zeros into the next sequences' rows) fails its first-use check,
+    and with no 1-CTA kernel at this head dim the backward raises (no gradient returned)."""
+    from flash_attn4 import compile_cache, dispatch, selfcheck
+    from tests.cpu.test_selfcheck import FakeBackward
+    from tests.cpu.test_sm100_bwd_dispatch import feature_call, odd_blocks_past_the_keys
+
+    keys = sm100_tiles.BWD_PAIR256_KEYS
+
+    class OddCtaStoresPastItsKeys(FakeBackward):
+        def __call__(self, q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, *rest):
+            super().__call__(q, k, v, dout, lse_log2, dpsum, dq_acc, dk, dv, cu_q, cu_k, seqused_k, *rest)
+            for rows in odd_blocks_past_the_keys(cu_k, seqused_k, keys):
+                dk[rows], dv[rows] = 0, 0
+
+    monkeypatch.setattr(compile_cache, "_compile_backward", lambda cfg, **_: OddCtaStoresPastItsKeys(cfg, b200))
+    out, tensors, dout, _ = feature_call(dict(varlen=True, causal=True), d=256)
+    with pytest.raises(selfcheck.SelfCheckError, match=r"BackwardConfig\(arch=sm_100a"):
+        out.backward(dout)
+    cfg = dispatch.backward_config(Arch.SM100, "bfloat16", 256, 256, causal=True, local=False, has_softcap=False,
+                                   varlen=True, has_seqused_k=False, deterministic=False)
+    assert (cfg.head_dim, cfg.cluster_m, cfg.varlen) == (256, 2, True)
+    assert dispatch.self_check_fallback(cfg) is None and selfcheck.verdict(cfg, "cpu") == "failed"
+    assert all(t.grad is None for t in tensors)

@@ -17,6 +17,10 @@ every role of both CTAs finishes, and every hand-off sees its producer:
 - S^T_(i+1) overwrites S^T / dP^T only after every compute warpgroup read them; dQ_i overwrites
   dQ_(i-1) only after both dQ warpgroups read it; dK / dV are final when read out.
 MMAs read and write at issue (one thread issues them in order; commits signal completion).
+Varlen / seqused_k (``tail``): the even CTA's MMA warp runs bwd_pair.pair_zero_kv_tail first (its
+own wait for both CTAs' K/V, only where the pair has steps, then the zeroing of both CTAs' rows);
+the odd CTA's block may lie wholly past the keys (it takes the pair's masked steps and stores no
+dK / dV, but waits for dK/dV final like the even one), and a pair past its sequence has no step.
 """
 
 from __future__ import annotations
@@ -62,17 +66,25 @@ def load256(pp, mem, cta, n, log, faults=()):
     log.append(f"{cta}:load")
 
 
-def mma256(pp, mem, n, log, faults=()):
-    """FlashAttentionBackwardSm100Pair256.mma256 (the even CTA's MMA warp). ``faults``:
-    'phase2_unwaited' issues dV / dK without waiting for Q^T, dO^T."""
+def mma256(pp, mem, n, log, faults=(), tail=False):
+    """FlashAttentionBackwardSm100Pair256.mma256 (the even CTA's MMA warp), after pair_zero_kv_tail
+    where the pair holds its sequence's key end (``tail``). ``faults``: 'phase2_unwaited' issues
+    dV / dK without waiting for Q^T, dO^T; 'tail_without_steps' the zeroing's K/V wait without the
+    steps guard."""
     qdo_state, sdp_state, dq_state = consumer(1), producer(1), producer(1)
 
     def both_alive():
         assert not any(m["exited"] for m in mem), "an MMA reads the shared memory of a CTA that has exited"
 
+    if tail and (n > 0 or "tail_without_steps" in faults):
+        yield from pp[0]["kv"].consumer_wait(consumer(1))
+        assert [p["kv"].data[0] for p in pp] == ["KV", "KV"], "pair_zero_kv_tail ran before both CTAs' K/V landed"
+        for p in pp:  # its own rows and, through shared::cluster addresses, the odd CTA's
+            p["kv"].data[0] = "KV, tail zeroed"
     if n > 0:
         yield from pp[0]["kv"].consumer_wait(consumer(1))
-        assert [p["kv"].data[0] for p in pp] == ["KV", "KV"]
+        assert [p["kv"].data[0] for p in pp] == ["KV, tail zeroed" if tail else "KV"] * CTAS, \
+            "S^T issued on a CTA's unzeroed K/V tail"
         yield from pp[0]["sdp"].producer_acquire(sdp_state)
     for i in range(n):
         yield from pp[0]["qdo"].consumer_wait(qdo_state)
@@ -154,28 +166,72 @@ def reduce_dq256(pp, mem, cta, n, log):
     log.append(f"{cta}:dq")
 
 
-def run256(n, order, odd_first, pipelines=make_pair_pipelines, faults=()):
+def run256(n, order, odd_first, pipelines=make_pair_pipelines, faults=(), tail=False, odd_steps=None):
+    """Both CTAs' roles; ``odd_steps``: the odd CTA's steps where they differ from the even one's
+    (a fault: the pair's step count is the even CTA's MMA warp's, for both)."""
+    from tests.cpu.test_sm100_bwd_protocol import odd_cta_zeroes_its_own_tail
+
     pp = pipelines()
     mem = [dict(S=None, S_read=[None] * GROUPS, P=[None] * GROUPS, dS_t=[None] * GROUPS, ds={}, dQ=None,
                 dQ_issued=None, dQ_read=None, dKV=[], exited=False) for _ in range(CTAS)]
     log = []
-    roles = {"0:mma": mma256(pp, mem, n, log, faults)}
-    for c in range(CTAS):
-        roles[f"{c}:load"] = load256(pp, mem, c, n, log, faults)
-        roles[f"{c}:dq"] = reduce_dq256(pp, mem, c, n, log)
+    roles = {"0:mma": mma256(pp, mem, n, log, faults, tail and "odd_cta_zeroes" not in faults)}
+    if "odd_cta_zeroes" in faults:
+        roles["1:mma"] = odd_cta_zeroes_its_own_tail(pp, log)
+    for c, steps in enumerate((n, n if odd_steps is None else odd_steps)):
+        roles[f"{c}:load"] = load256(pp, mem, c, steps, log, faults)
+        roles[f"{c}:dq"] = reduce_dq256(pp, mem, c, steps, log)
         for w in range(GROUPS):
-            roles[f"{c}:compute{w}"] = compute256(pp, mem, c, w, n, log)
-    interleave(roles, order, f"pair256, steps={n}, faults={faults}", odd_first)
+            roles[f"{c}:compute{w}"] = compute256(pp, mem, c, w, steps, log)
+    interleave(roles, order, f"pair256, steps={n}, tail={tail}, faults={faults}", odd_first)
     assert all(m["exited"] for m in mem), "a CTA of the pair never freed its TMEM"
     return log
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 7])
-def test_pair256_every_role_finishes_and_every_hand_off_sees_its_producer(steps):
+@pytest.mark.parametrize("tail", [False, True], ids=["no_tail", "tail"])
+def test_pair256_every_role_finishes_and_every_hand_off_sees_its_producer(steps, tail):
+    """With ``tail``: the varlen pair holding its sequence's key end, its odd 64-key block possibly
+    wholly past the keys (the same roles: masked steps, no dK/dV store, the dK/dV wait kept).
+    steps=0: an empty pair (past its sequence's keys: varlen grids are sized for the longest; or no
+    query block sees it)."""
     for order, odd_first in PAIR_ORDERS:
-        log = run256(steps, order, odd_first)
+        log = run256(steps, order, odd_first, tail=tail)
         assert sorted(log) == sorted(["0:mma"] + [f"{c}:{r}" for c in range(CTAS)
                                                   for r in ("load", "dq", "compute0", "compute1")])
+
+
+@pytest.mark.parametrize("fault,steps,odd_steps", [("tail_without_steps", 0, None), ("odd_cta_zeroes", 2, None),
+                                                   ("odd_steps_differ", 2, 0), ("odd_steps_differ", 0, 2)])
+def test_the_pair256_model_catches_tail_and_step_faults(fault, steps, odd_steps):
+    """Not vacuous for varlen pairs: the zeroing's K/V wait in an empty pair (nothing loaded: the
+    MMA warp hangs), the odd CTA zeroing its own rows on its own kv barrier (no TMA completes it),
+    and the CTAs taking different step counts (an odd block past the keys taking none while the
+    MMAs issued for both wait for its compute threads, or the reverse): each caught."""
+    faults = () if fault == "odd_steps_differ" else (fault,)
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        for order, odd_first in PAIR_ORDERS:
+            run256(steps, order, odd_first, faults=faults, tail=True, odd_steps=odd_steps)
+
+
+def test_pair256_shares_the_pairs_step_count_and_zeroing():
+    """What the varlen replay relies on: the d = 256 pair takes bwd_pair's cluster-uniform step rule
+    (pair_tile_work, on its 64-key blocks) and zeroing (pair_zero_kv_tail, guarded by the steps)
+    unchanged, and calls the zeroing in the even CTA's MMA branch before mma256; a CTA past the keys
+    stores nothing but waits for dK/dV final (the pair's last MMAs read its shared memory)."""
+    import inspect
+
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_pair256
+
+    cls, base = bwd_pair256.FlashAttentionBackwardSm100Pair256, bwd_pair.FlashAttentionBackwardSm100Pair
+    assert cls.pair_tile_work is base.pair_tile_work and cls.pair_zero_kv_tail is base.pair_zero_kv_tail
+    assert cls.CTA_KEYS == bwd_pair256.KEYS == 64 and base.CTA_KEYS == bwd_pair.TILE_N
+    kernel = inspect.getsource(cls.kernel)
+    assert kernel.count("self.pair_tile_work(*tile_args)") == 3  # every role: the same steps
+    leader = kernel.index("if rank == PAIR_LEADER:")
+    assert leader < kernel.index("self.pair_zero_kv_tail(") < kernel.index("self.mma256(")
+    store = inspect.getsource(cls.store_dkv256)
+    assert "elif has_steps:" in store and store.count("pipes.dkv.consumer_wait(") == 2
 
 
 @pytest.mark.parametrize("fault", ["phase2_unacquired", "phase2_unwaited", "sdp_one_cta", "dq_one_cta",

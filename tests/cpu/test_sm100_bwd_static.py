@@ -577,35 +577,52 @@ def test_pair_zeroing_views_are_checked_against_both_ctas_mmas(fault, monkeypatc
     pair_zero_kv_tail writes through, and refuses wrong ones: K^T's keys and columns swapped, or K's
     and V's rows taken as the other CTA's keys (a zeroing that would leave rows past the keys or
     clear keys inside them)."""
-    import cutlass.cute as cute
     from cutlass.cute.nvgpu import tcgen05
 
     from flash_attn4.fa4_kernels.sm100 import bwd_pair
 
     plan = bwd_pair.backward_kernel(pair_config(varlen=True))
     if fault == "kt_keys_as_columns":
-        monkeypatch.setattr(bwd_pair, "kt_key_rows", lambda layout, cols: cute.composition(
-            layout, cute.make_layout(((bwd_pair.MMA_K, bwd_pair.PAIR_N // bwd_pair.MMA_K), cols),
-                                     stride=((1, cols * bwd_pair.MMA_K), bwd_pair.MMA_K))))
+        monkeypatch.setattr(bwd_pair, "kt_key_rows", wrong_kt_key_rows)
     if fault == "kv_keys_of_the_other_cta":
         monkeypatch.setattr(bwd_pair, "TILE_N", 0)  # CTA 1's keys counted from the pair's first
+    error = pair_key_rows_error(plan, lambda: plan.tiled_mmas(tcgen05.CtaGroup.TWO, bwd_pair.PAIR_N,
+                                                                 tcgen05.OperandSource.TMEM), bwd_pair.PAIR_N)
+    assert (error is None) if fault is None else (error and "disagrees with the MMA" in error), error
+
+
+def wrong_kt_key_rows(layout, cols, pair_keys):
+    """bwd_pair.kt_key_rows with K^T's keys and columns swapped (a wrong zeroing view)."""
+    import cutlass.cute as cute
+
+    from flash_attn4.fa4_kernels.sm100.bwd_pair import MMA_K
+
+    return cute.composition(layout, cute.make_layout(((MMA_K, pair_keys // MMA_K), cols),
+                                                     stride=((1, cols * MMA_K), MMA_K)))
+
+
+def pair_key_rows_error(plan, make_mmas, pair_keys: int, *keys) -> "str | None":
+    """check_pair_key_rows' ValueError message (None if it accepts), traced with ``plan``'s shared
+    memory layouts for the MMAs ``make_mmas()`` builds over ``pair_keys`` keys; ``keys``: its keys
+    per CTA argument, if given."""
+    import cutlass.cute as cute
+
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair
+
     outcome = {}
 
     @cute.jit
     def trace():
-        mmas = plan.tiled_mmas(tcgen05.CtaGroup.TWO, bwd_pair.PAIR_N, tcgen05.OperandSource.TMEM)
-        layouts = plan.smem_layouts(*mmas, plan.tilers(bwd_pair.PAIR_N))
+        mmas = make_mmas()
+        layouts = plan.smem_layouts(*mmas, plan.tilers(pair_keys))
         try:
-            bwd_pair.check_pair_key_rows(mmas[0], mmas[3], layouts, plan.hdim, plan.hdim_v)
+            bwd_pair.check_pair_key_rows(mmas[0], mmas[3], layouts, plan.hdim, plan.hdim_v, *keys)
             outcome["error"] = None
         except ValueError as error:
             outcome["error"] = str(error)
 
     trace()
-    if fault is None:
-        assert outcome["error"] is None
-    else:
-        assert outcome["error"] and "disagrees with the MMA" in outcome["error"], outcome
+    return outcome["error"]
 
 
 def test_pair_tmem_plan_and_shared_memory():

@@ -147,7 +147,7 @@ def test_the_backward_grid_meets_every_sm100_refusal_and_support(arch):
     """Not vacuous: on sm_100a (and sm_103a, the same kernels) the grid above holds backward problems
     that run (56, 88 and 120 run
     padded to 64, 96 and 128; 192 / 128 on the serial kernel, softcap included; 256 on CTA pairs,
-    batched), the head-dim refusal,
+    batched or varlen), the head-dim refusal,
     and every option of BACKWARD_OPTIONS with no refusal (local windows, softcap, varlen and seqused_k
     run since the kernels have them)."""
     from tests.unsupported import sm100_bwd_head_dim
@@ -159,12 +159,11 @@ def test_the_backward_grid_meets_every_sm100_refusal_and_support(arch):
     assert backward_refusals(arch, head_dim=72, head_dim_v=72) == [sm100_bwd_head_dim(arch)]
     assert backward_refusals(arch, head_dim=192, head_dim_v=128, softcap=True) == []
     assert backward_refusals(arch, head_dim=184, head_dim_v=120, softcap=True) == []
-    # d = dv = 256 (248 padded) on CTA pairs: batched only.
+    # d = dv = 256 (248 padded) on CTA pairs: batched or varlen (with seqused_k).
     assert backward_refusals(arch, head_dim=256, head_dim_v=256, softcap=True) == []
     assert backward_refusals(arch, head_dim=248, head_dim_v=248, deterministic=True) == []
     for varlen, seqused_k in ((True, False), (True, True)):
-        assert backward_refusals(arch, head_dim=256, head_dim_v=256, varlen=varlen, seqused_k=seqused_k) == \
-            [sm100_bwd_head_dim(arch)]
+        assert backward_refusals(arch, head_dim=256, head_dim_v=256, varlen=varlen, seqused_k=seqused_k) == []
     assert backward_refusals(arch, head_dim=256, head_dim_v=192) == [sm100_bwd_head_dim(arch)]
     listed = {r for o in BACKWARD_OPTIONS.values()
               for r in backward_refusals(arch, window="window_size" in o, softcap="softcap" in o,

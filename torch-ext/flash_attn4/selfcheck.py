@@ -115,8 +115,9 @@ WINDOW = (70, 5)  # local: narrower than a key block, so whole blocks are skippe
 UNPACKED_HEAD_RATIO = 3  # q heads per KV head where the kernel does not pack (any ratio runs there)
 # (seqlen_q, seqlen_k stored, seqlen_k used) per varlen sequence; the third one's keys are 0 long
 # without seqused_k, so that its rows see no key either way. 333 (290 used) and 40 / 61 keys are odd
-# numbers of 128-key blocks: a backward CTA pair's odd block there lies past the keys, its packed rows
-# the next sequences' (the pair must neither read them unzeroed nor store its dK / dV there).
+# numbers of 128-key blocks, and 290, 40 and 61 odd numbers of the d = 256 pair's 64-key blocks (5, 1,
+# 1; 333 and 256 have 6 and 4): a backward CTA pair's odd block there lies past the keys, its packed
+# rows the next sequences' (the pair must neither read them unzeroed nor store its dK / dV there).
 VARLEN_LENGTHS = ((300, 333, 290), (0, 40, 40), (129, 256, 0), (100, 61, 61))
 BATCHED_LENGTHS = (300, 333)  # (sq, sk); swapped for causal/local, so the first rows see no key
 BATCH = 2

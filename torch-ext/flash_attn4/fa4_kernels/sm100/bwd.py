@@ -880,14 +880,15 @@ def mma_tma_partition(atom, smem, gmem_mma):
                                  cute.group_modes(gmem_mma, 0, 3))
 
 
-def key_rows(layout: cute.Layout, cols: int) -> cute.Layout:
-    """K's or V's MMA operand layout (the outer layout of SmemLayouts.k / .v: ((TILE_N, MMA_K), 1,
-    k-slices, 1)) as a plain (key, column) layout over the same offsets, for zero_kv_tail. It takes
-    the operand's coordinates to be ((key, column % MMA_K), 0, column // MMA_K, 0), which
-    check_key_rows confirms against the MMA's own partitioning at trace time."""
+def key_rows(layout: cute.Layout, cols: int, keys: int = TILE_N) -> cute.Layout:
+    """K's or V's MMA operand layout (the outer layout of SmemLayouts.k / .v: ((keys, MMA_K), 1,
+    k-slices, 1), ``keys`` rows: TILE_N, or the d = 256 pair's 64) as a plain (key, column) layout
+    over the same offsets, for zero_kv_tail. It takes the operand's coordinates to be ((key,
+    column % MMA_K), 0, column // MMA_K, 0), which check_key_rows confirms against the MMA's own
+    partitioning at trace time."""
     # (key, (column in k-slice, k-slice)) -> the operand's colexicographic index, then the operand.
-    return cute.composition(layout, cute.make_layout((TILE_N, (MMA_K, cols // MMA_K)),
-                                                     stride=(1, (TILE_N, TILE_N * MMA_K))))
+    return cute.composition(layout, cute.make_layout((keys, (MMA_K, cols // MMA_K)),
+                                                     stride=(1, (keys, keys * MMA_K))))
 
 
 def check_key_rows(tiled_mma: cute.TiledMma, layout: cute.ComposedLayout, cols: int, name: str):

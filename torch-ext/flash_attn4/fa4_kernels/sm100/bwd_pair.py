@@ -138,6 +138,9 @@ def backward_kernel(cfg: BackwardConfig):
 
 
 class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
+    # Keys per CTA (a KV block): the pair's blocks 2p, 2p + 1 are of this size (the d = 256 pair: 64).
+    CTA_KEYS = TILE_N
+
     def __init__(self, cfg: BackwardConfig):
         super().__init__(cfg)
         assert cfg.cluster_m == CTAS and self.hdim == self.hdim_v == BWD_TILE_M and self.num_stages == 1
@@ -166,8 +169,6 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         # Sequence first; the transposed views (d, seq, head[, batch]), varlen ones packed along seq.
         mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, num_batch = self.sequence_first(
             mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, mCuSeqlensQ)
-        swap = [1, 0, 2] if cutlass.const_expr(self.cfg.varlen) else [1, 0, 2, 3]
-        mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=swap)) for t in (mQ, mdO, mK)]
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
@@ -182,24 +183,8 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         # order (runs of 64 rows x VECTOR floats).
         sdQ_layout = cute.make_layout((BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK, CTAS))
 
-        cluster = cute.tiled_divide(cute.make_layout((CTAS, 1, 1)), (mma_s.thr_id,))
-        tma_load = cpasync.CopyBulkTensorTileG2SOp(two)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
-        op_b = sm100_utils.cluster_shape_to_tma_atom_B((CTAS, 1, 1), mma_s.thr_id)
-        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
-        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
-        tma_atom_Qt, tma_Qt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQt, cute.select(layouts.qt, mode=[0, 1, 2]), tilers.dk, mma_dk, cluster.shape)
-        tma_atom_dOt, tma_dOt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdOt, cute.select(layouts.dot, mode=[0, 1, 2]), tilers.dv, mma_dv, cluster.shape)
-        tma_atom_Kt, tma_Kt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mKt, cute.select(layouts.kt, mode=[0, 1, 2]), tilers.dq, mma_dq, cluster.shape)
-        tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum = row_tma_atoms(mLSE, mdPsum)
+        loads, cluster = self.pair_loads(mQ, mK, mV, mdO, mLSE, mdPsum, layouts, tilers,
+                                         (mma_s, mma_dv, mma_dk, mma_dq))
 
         def stage_bytes(*names):
             return CTAS * sum(cute.size_in_bytes(self.dtype, cute.select(getattr(layouts, n), mode=[0, 1, 2]))
@@ -237,14 +222,43 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(self.cfg.has_softcap))
         scheduler = self.scheduler(max_seqlen_k, PAIR_N, mQ, qhead_per_kvhead, num_heads_kv, num_batch,
                                    cluster_m=CTAS)
-        loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
-                          tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
-                          tma_atom_dPsum, tma_dPsum)
         self.kernel(loads, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, scales, qhead_per_kvhead,
                     window_left, window_right, layouts, sdQ_layout,
                     mma_s, mma_dv, mma_dk, mma_dq, scheduler, cluster).launch(
             grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], cluster=[CTAS, 1, 1], stream=stream,
             min_blocks_per_mp=1)
+
+    def pair_loads(self, mQ, mK, mV, mdO, mLSE, mdPsum, layouts: "SmemLayouts", tilers, mmas: tuple) -> tuple:
+        """(PairLoads, the cluster's layout): the TMA atoms and tensors of a pair kernel (this one
+        and the d = 256 pair), from the sequence-first views and the pair's MMAs (S^T / dP^T, dV,
+        dK, dQ). K, V: the A of S^T = K Q^T and dP^T = V dO^T (2-CTA loads, each CTA its keys);
+        Q, dO their B; Q^T, dO^T (transposed views of Q, dO: (d, seq, head[, batch]), varlen ones
+        packed along seq) the B of dK, dV; K^T the B of dQ; LSE, D per CTA (row_tma_atoms)."""
+        mma_s, mma_dv, mma_dk, mma_dq = mmas
+        swap = [1, 0, 2] if cutlass.const_expr(self.cfg.varlen) else [1, 0, 2, 3]
+        mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=swap)) for t in (mQ, mdO, mK)]
+        cluster = cute.tiled_divide(cute.make_layout((CTAS, 1, 1)), (mma_s.thr_id,))
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.TWO)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
+        op_b = sm100_utils.cluster_shape_to_tma_atom_B((CTAS, 1, 1), mma_s.thr_id)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
+        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
+        tma_atom_Qt, tma_Qt = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mQt, cute.select(layouts.qt, mode=[0, 1, 2]), tilers.dk, mma_dk, cluster.shape)
+        tma_atom_dOt, tma_dOt = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mdOt, cute.select(layouts.dot, mode=[0, 1, 2]), tilers.dv, mma_dv, cluster.shape)
+        tma_atom_Kt, tma_Kt = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mKt, cute.select(layouts.kt, mode=[0, 1, 2]), tilers.dq, mma_dq, cluster.shape)
+        tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum = row_tma_atoms(mLSE, mdPsum)
+        loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
+                          tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
+                          tma_atom_dPsum, tma_dPsum)
+        return loads, cluster
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -330,15 +344,17 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         pair, head_kv, batch = scheduler.tile()
         n_block = pair * CTAS + rank
         seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-        mask = AttentionMask(BWD_TILE_M, TILE_N, self.cfg.causal, self.cfg.local, window_left, window_right)
+        keys = self.CTA_KEYS
+        mask = AttentionMask(BWD_TILE_M, keys, self.cfg.causal, self.cfg.local, window_left, window_right)
         # Causal and window ranges move right with the keys: the even block's start, the odd one's end
-        # (when the odd block holds keys).
+        # (when the odd block holds keys; a range reaching past the keys would make the deterministic
+        # order wait for pairs that do not exist).
         m_block_min, m_block_max = mask.m_block_range(seqlen, pair * CTAS)
         if cutlass.const_expr(self.cfg.local):
-            if (pair * CTAS + 1) * TILE_N < seqlen.seqlen_k:
+            if (pair * CTAS + 1) * keys < seqlen.seqlen_k:
                 _, m_block_max = mask.m_block_range(seqlen, pair * CTAS + 1)
         per_head = cutlass.max(m_block_max - m_block_min, 0)
-        if pair * PAIR_N >= seqlen.seqlen_k:
+        if pair * CTAS * keys >= seqlen.seqlen_k:
             per_head = Int32(0)
         blocks = QueryBlocks(head_kv * qhead_per_kvhead, m_block_min, per_head)
         return TileWork(seqlen, mask, blocks, per_head * qhead_per_kvhead, n_block, head_kv, batch)
@@ -478,22 +494,23 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         of blocks in the sequence): then all its K and V rows are zeroed. K^T (each CTA: a head-dim
         half over both blocks' keys) is zeroed from the sequence's end on in both CTAs. Never where
         the pair has no step: nothing is loaded then."""
-        pair = work.n_block // CTAS
+        pair, keys = work.n_block // CTAS, self.CTA_KEYS
         seqlen_k = work.seqlen.seqlen_k
-        first_key = first_row_past_keys(seqlen_k, pair, PAIR_N)
+        first_key = first_row_past_keys(seqlen_k, pair, CTAS * keys)
         if work.num_steps > 0:
-            if first_key < PAIR_N:
+            if first_key < CTAS * keys:
                 pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
                 lane = cute.arch.lane_idx()
                 half = self.hdim // CTAS
                 # Rolled over the two CTAs (a runtime mapa target): unrolled, 56-64 more instructions.
                 for cta in cutlass.range(CTAS, unroll=1):
-                    first_row = first_row_past_keys(seqlen_k, pair * CTAS + cta, TILE_N)
+                    first_row = first_row_past_keys(seqlen_k, pair * CTAS + cta, keys)
                     for buffer, layout, cols in ((storage.sK, layouts.k, self.hdim),
                                                  (storage.sV, layouts.v, self.hdim_v)):
-                        zero_rows(peer_tile(buffer.get_tensor(key_rows(layout.outer, cols), swizzle=layout.inner),
-                                            cta), first_row, lane, WARP)
-                    kt = storage.sKt.get_tensor(kt_key_rows(layouts.kt.outer, half), swizzle=layouts.kt.inner)
+                        rows = key_rows(layout.outer, cols, keys)
+                        zero_rows(peer_tile(buffer.get_tensor(rows, swizzle=layout.inner), cta), first_row, lane, WARP)
+                    kt = storage.sKt.get_tensor(kt_key_rows(layouts.kt.outer, half, CTAS * keys),
+                                                swizzle=layouts.kt.inner)
                     zero_rows(peer_tile(kt, cta), first_key, lane, WARP)
                 # The generic-proxy stores, local and remote, before the MMAs (async proxy) read them.
                 cute.arch.fence_proxy("async.shared", space="cluster")
@@ -721,37 +738,44 @@ def peer_tile(tile: cute.Tensor, cta) -> cute.Tensor:
     return cute.make_tensor(cute.arch.map_dsmem_ptr(tile.iterator, cta), tile.layout)
 
 
-def kt_key_rows(layout: cute.Layout, cols: int) -> cute.Layout:
+def kt_key_rows(layout: cute.Layout, cols: int, pair_keys: int = PAIR_N) -> cute.Layout:
     """K^T's operand layout (the outer layout of SmemLayouts.kt, a CTA's ``cols`` head-dim columns
-    over the pair's keys: ((cols, MMA_K), 1, k-slices, 1), columns contiguous) as a plain (key,
-    column) layout over the same offsets, for pair_zero_kv_tail; check_pair_key_rows confirms it."""
-    return cute.composition(layout, cute.make_layout(((MMA_K, PAIR_N // MMA_K), cols),
+    over the pair's ``pair_keys`` keys: ((cols, MMA_K), 1, k-slices, 1), columns contiguous) as a
+    plain (key, column) layout over the same offsets, for pair_zero_kv_tail; check_pair_key_rows
+    confirms it."""
+    return cute.composition(layout, cute.make_layout(((MMA_K, pair_keys // MMA_K), cols),
                                                      stride=((cols, cols * MMA_K), 1)))
 
 
-def check_pair_key_rows(mma_s: cute.TiledMma, mma_dq: cute.TiledMma, layouts: "SmemLayouts", d: int, dv: int):
+def check_pair_key_rows(mma_s: cute.TiledMma, mma_dq: cute.TiledMma, layouts: "SmemLayouts", d: int, dv: int,
+                        keys: Optional[int] = None):
     """ValueError unless the (key, column) views pair_zero_kv_tail zeroes through put each key where
     the pair's MMAs read it, in either CTA (trace time, bwd.check_key_rows for the pair): K's and
-    V's rows as S^T = K Q^T and dP^T = V dO^T read them (CTA r: the pair's keys 128 r ..), K^T's as
-    dQ = dS K does (CTA r: head-dim columns d / 2 * r .., every key of the pair)."""
+    V's rows as S^T = K Q^T and dP^T = V dO^T read them (CTA r: the pair's keys ``keys`` * r ..,
+    ``keys`` per CTA: TILE_N, the d = 256 pair's 64), K^T's as dQ = dS K does (CTA r: head-dim
+    columns d / 2 * r .., every key of the pair). The rows sampled are those of K's tile."""
+    keys = TILE_N if keys is None else keys  # read at call time (a test moves the CTAs' first keys)
     half = d // CTAS
+    rows = cute.size(layouts.k.outer, mode=[0, 0])  # key rows of a CTA's K / V tile
+    pair_keys = CTAS * rows
     for rank in range(CTAS):
         for layout, cols, name in ((layouts.k, d, "K"), (layouts.v, dv, "V")):
-            part = mma_s.get_slice(rank).partition_A(cute.make_identity_tensor((PAIR_N, cols)))
-            view = key_rows(layout.outer, cols)
-            sample = [(r, c) for r in range(TILE_N) for c in (0, 1, 7, 8, MMA_K, cols - 1)]
-            sample += [(r, c) for r in (0, 1, MMA_K - 1, MMA_K, 63, 64, TILE_N - 1) for c in range(cols)]
+            part = mma_s.get_slice(rank).partition_A(cute.make_identity_tensor((pair_keys, cols)))
+            view = key_rows(layout.outer, cols, rows)
+            sample = [(r, c) for r in range(rows) for c in (0, 1, 7, 8, MMA_K, cols - 1)]
+            sample += [(r, c) for r in (0, 1, MMA_K - 1, MMA_K, rows // 2 - 1, rows // 2, rows - 1)
+                       for c in range(cols)]
             for r, c in sample:
                 coord = ((r, c % MMA_K), 0, c // MMA_K)
                 key, col = part[coord]
-                if (key - rank * TILE_N, col) != (r, c) or \
+                if (key - rank * keys, col) != (r, c) or \
                         cute.crd2idx((r, c), view) != cute.crd2idx((*coord, 0), layout.outer):
                     raise ValueError(f"sm100 backward pair: the (key, column) view of {name} disagrees with the "
                                      f"MMA of CTA {rank} at key {key}, column {col}")
-        part = mma_dq.get_slice(rank).partition_B(cute.make_identity_tensor((d, PAIR_N)))
-        view = kt_key_rows(layouts.kt.outer, half)
-        sample = [(key, n) for key in range(PAIR_N) for n in (0, 1, 7, 8, half - 1)]
-        sample += [(key, n) for key in (0, 1, MMA_K - 1, MMA_K, TILE_N - 1, TILE_N, PAIR_N - 1) for n in range(half)]
+        part = mma_dq.get_slice(rank).partition_B(cute.make_identity_tensor((d, pair_keys)))
+        view = kt_key_rows(layouts.kt.outer, half, pair_keys)
+        sample = [(key, n) for key in range(pair_keys) for n in (0, 1, 7, 8, half - 1)]
+        sample += [(key, n) for key in (0, 1, MMA_K - 1, MMA_K, rows - 1, rows, pair_keys - 1) for n in range(half)]
         for key, n in sample:
             coord = ((n, key % MMA_K), 0, key // MMA_K)
             col, k = part[coord]

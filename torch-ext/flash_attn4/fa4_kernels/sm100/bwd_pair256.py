@@ -63,9 +63,22 @@ each time), so the protocol is the pair kernel's with qdo advanced twice per ste
 one thread complete in issue order: "S/dP full" of step i + 1 implies dV_i, dK_i, dQ_i done, so the
 compute threads overwrite P^T, dS^T and dS (here and in the partner) only after their readers.
 
-Not here (tiles._check_backward_pair): varlen, seqused_k (the pair does not zero K's and V's rows
-past the keys), and the 1-CTA kernel at this head dim (none exists; a pair that fails its
-first-use self-check has no 1-CTA fallback, dispatch.self_check_fallback).
+Varlen (cu_seqlens) and seqused_k, as the d = 128 pair runs them and through its functions
+(bwd_pair.py's docstring): a pair owns blocks 2p, 2p + 1 of 64 keys of ONE sequence (pair_tile_work
+with CTA_KEYS = 64: both CTAs take the steps of the pair and its sequence; none past the sequence's
+keys, grids being sized for the longest), every tensor is addressed at the sequence's offsets
+(head_rows / head_columns; LSE / D rows and dq_accum in their packed varlen orders; deterministic
+semaphores per sequence). With an odd number of 64-key blocks the odd CTA's block lies past the
+keys: it runs the pair's steps masked (P^T = dS^T = 0) and stores no dK / dV row (store_dkv256's
+guards; those rows are the next sequence's), but waits for "dK/dV final" since the pair's last MMAs
+read its shared memory. Before the first MMA the even CTA's MMA warp zeroes both CTAs' K and V rows
+past the keys (64 per CTA) and K^T's (each CTA's head-dim half over the pair's 128 keys) through
+shared::cluster addresses (bwd_pair.pair_zero_kv_tail; the views checked at trace time by
+check_pair_key_rows on 64-key blocks): those rows are the next sequence's keys or an unused cache's,
+NaN possible, and 0 * NaN would reach dP^T, dS^T and dQ.
+
+Not here: the 1-CTA kernel at this head dim (none exists; a pair that fails its first-use
+self-check has no 1-CTA fallback, dispatch.self_check_fallback).
 """
 
 from __future__ import annotations
@@ -86,16 +99,15 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..config import BackwardConfig
 from ..layouts import tma_partition_tile
-from ..mask import AttentionMask
 from ..pipelines import advanced
 from ..scheduler import TileScheduler
-from ..seqlen import SeqlenInfo, head_rows
+from ..seqlen import head_rows, packed_row_offset
 from ..softmax import BackwardScales
-from ..tile_work import QueryBlocks, TileWork
+from ..tile_work import TileWork
 from . import bwd_pair
 from .bwd import COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, FlashAttentionBackwardSm100, Pipelines, Warp, \
-    mma_tma_partition, row_tma_atoms
-from .bwd_pair import CTAS, FlashAttentionBackwardSm100Pair, PairLoads
+    mma_tma_partition
+from .bwd_pair import CTAS, FlashAttentionBackwardSm100Pair, PairLoads, head_columns
 from .dq_accum import VECTOR
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
 from .tiles import (BWD_DQ_CHUNK, BWD_PAIR256_KEYS, BWD_PAIR_DQ_ROWS, BWD_TILE_M, backward_pair256,
@@ -137,10 +149,11 @@ def out_chunk_index(group, half, c, dim: int, loads: int):
 
 
 class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
+    CTA_KEYS = KEYS  # bwd_pair's per-pair rules (pair_tile_work, pair_zero_kv_tail) on 64-key blocks
+
     def __init__(self, cfg: BackwardConfig):
         FlashAttentionBackwardSm100.__init__(self, cfg)
         assert cfg.cluster_m == CTAS and self.num_stages == 1 and backward_pair256(self.hdim, self.hdim_v)
-        assert not (cfg.varlen or cfg.has_seqused_k), "the d = 256 pair indexes batched tensors only"
         # dQ: this CTA's 64 rows folded into 128 lanes x d / 2 (read as bwd_pair.pair_reduce_dq does).
         self.dq_cols = self.hdim // CTAS
         self.dq_loads = self.dq_cols // BWD_DQ_CHUNK
@@ -182,13 +195,14 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         d, dv = self.hdim, self.hdim_v
         mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, num_batch = self.sequence_first(
             mQ, mK, mV, mdO, mdK, mdV, mLSE, mdPsum, mdQacc, mCuSeqlensQ)
-        mQt, mdOt, mKt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2, 3])) for t in (mQ, mdO, mK)]
         num_heads_kv = mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // num_heads_kv
 
         mma_s, mma_dv, mma_dk, mma_dq = self.pair256_mmas()
         tilers = self.tilers(PAIR_KEYS)
         layouts = self.smem_layouts(mma_s, mma_dv, mma_dk, mma_dq, tilers)
+        if cutlass.const_expr(self.zero_tail):
+            bwd_pair.check_pair_key_rows(mma_s, mma_dq, layouts, d, dv, KEYS)
         sdQ_layout = cute.make_layout((BWD_PAIR_DQ_ROWS * BWD_DQ_CHUNK, CTAS))
         # The compute threads index P^T, dS^T by (key of this CTA, k-slice of queries) and dS by
         # (query of this CTA's half, k-slice of the pair's keys): each CTA's share of the M = 128 A.
@@ -202,24 +216,8 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
                 raise ValueError(f"sm100 backward d=256 pair: {name}'s shared-memory layout {layout.outer} is not "
                                  f"(({rows}, {MMA_K}), 1, {slices}, 1)")
 
-        cluster = cute.tiled_divide(cute.make_layout((CTAS, 1, 1)), (mma_s.thr_id,))
-        tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.TWO)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mK, cute.select(layouts.k, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mV, cute.select(layouts.v, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
-        op_b = sm100_utils.cluster_shape_to_tma_atom_B((CTAS, 1, 1), mma_s.thr_id)
-        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQ, cute.select(layouts.q, mode=[0, 1, 2]), tilers.s, mma_s, cluster.shape)
-        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdO, cute.select(layouts.do, mode=[0, 1, 2]), tilers.dp, mma_s, cluster.shape)
-        tma_atom_Qt, tma_Qt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mQt, cute.select(layouts.qt, mode=[0, 1, 2]), tilers.dk, mma_dk, cluster.shape)
-        tma_atom_dOt, tma_dOt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mdOt, cute.select(layouts.dot, mode=[0, 1, 2]), tilers.dv, mma_dv, cluster.shape)
-        tma_atom_Kt, tma_Kt = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mKt, cute.select(layouts.kt, mode=[0, 1, 2]), tilers.dq, mma_dq, cluster.shape)
-        tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum = row_tma_atoms(mLSE, mdPsum)
+        loads, cluster = self.pair_loads(mQ, mK, mV, mdO, mLSE, mdPsum, layouts, tilers,
+                                         (mma_s, mma_dv, mma_dk, mma_dq))
 
         def pair_bytes(*names):
             return CTAS * sum(cute.size_in_bytes(self.dtype, cute.select(getattr(layouts, n), mode=[0, 1, 2]))
@@ -263,11 +261,9 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         scales = BackwardScales.of(softmax_scale, softcap, cutlass.const_expr(self.cfg.has_softcap))
         scheduler = self.scheduler(max_seqlen_k, PAIR_KEYS, mQ, qhead_per_kvhead, num_heads_kv, num_batch,
                                    cluster_m=CTAS)
-        loads = PairLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_Qt, tma_Qt, tma_atom_dOt, tma_dOt,
-                          tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Kt, tma_Kt, tma_atom_LSE, tma_LSE,
-                          tma_atom_dPsum, tma_dPsum)
-        self.kernel(loads, mdQacc, mdK, mdV, mSemaphore, scales, qhead_per_kvhead, window_left, window_right, layouts,
-                    sdQ_layout, mma_s, mma_dv, mma_dk, mma_dq, scheduler, cluster).launch(
+        self.kernel(loads, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, scales, qhead_per_kvhead,
+                    window_left, window_right, layouts, sdQ_layout, mma_s, mma_dv, mma_dk, mma_dq, scheduler,
+                    cluster).launch(
             grid=scheduler.grid(), block=[NUM_WARPS * WARP, 1, 1], cluster=[CTAS, 1, 1], stream=stream,
             min_blocks_per_mp=1)
 
@@ -276,7 +272,8 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, loads: PairLoads, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mSemaphore: Optional[cute.Tensor], scales: BackwardScales,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor], scales: BackwardScales,
                qhead_per_kvhead: Int32, window_left: Int32, window_right: Int32, layouts, sdQ_layout: cute.Layout,
                mma_s: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
                scheduler: TileScheduler, cluster: cute.Layout):
@@ -300,20 +297,23 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         pipeline.pipeline_init_wait(cluster_mn)
 
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        window = (window_left, window_right)
+        tile_args = (scheduler, loads.Q, loads.K, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, rank, qhead_per_kvhead,
+                     window_left, window_right)
         if warp >= Warp.MMA:
             set_registers(self.registers["other"])
-            work = self.tile_work256(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
+            work = self.pair_tile_work(*tile_args)
             if warp == Warp.LOAD:
                 self.load256(loads, smem, mma_s, mma_dv, mma_dk, mma_dq, pipes, work, rank)
             if warp == Warp.MMA:
                 tmem.wait_for_alloc()
                 if rank == PAIR_LEADER:  # the even CTA issues the pair's MMAs
+                    if cutlass.const_expr(self.zero_tail):
+                        self.pair_zero_kv_tail(storage, layouts, pipes.kv, work)
                     self.mma256(tmem.retrieve_ptr(Float32), storage.tmem_address.ptr, smem, tl,
                                 (mma_s, mma_dv, mma_dk, mma_dq), pipes, work.num_steps)
         elif warp >= Warp.COMPUTE:
             set_registers(self.registers["compute"])
-            work = self.tile_work256(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
+            work = self.pair_tile_work(*tile_args)
             if warp == Warp.COMPUTE:
                 tmem.allocate(TMEM_COLUMNS)
                 tmem.relinquish_alloc_permit()
@@ -328,32 +328,11 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
                 tmem.free(tmem_ptr, TMEM_COLUMNS)  # both CTAs together (TmemAllocator's handshake)
         else:
             set_registers(self.registers["dq"])
-            work = self.tile_work256(scheduler, loads.Q, loads.K, rank, qhead_per_kvhead, *window)
+            work = self.pair_tile_work(*tile_args)
             tmem.wait_for_alloc()
             self.pair_reduce_dq(tmem.retrieve_ptr(Float32), smem, tl, pipes, mdQacc, mSemaphore, work, rank)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
-
-    @cute.jit
-    def tile_work256(self, scheduler: TileScheduler, mQ, mK, rank, qhead_per_kvhead, window_left,
-                     window_right) -> TileWork:
-        """This CTA's 64-key block (2 * pair + rank) and the pair's steps: the query blocks that see a
-        key of either block, from the even block's first to (with a window) the odd block's last
-        when the odd block holds keys (bwd_pair.pair_tile_work's rule on 64-key blocks; a range
-        reaching past the keys would make the deterministic order wait for pairs that do not
-        exist); none for a pair past the keys."""
-        pair, head_kv, batch = scheduler.tile()
-        seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], None, None, None)
-        mask = AttentionMask(BWD_TILE_M, KEYS, self.cfg.causal, self.cfg.local, window_left, window_right)
-        m_block_min, m_block_max = mask.m_block_range(seqlen, pair * CTAS)
-        if cutlass.const_expr(self.cfg.local):
-            if (pair * CTAS + 1) * KEYS < seqlen.seqlen_k:
-                _, m_block_max = mask.m_block_range(seqlen, pair * CTAS + 1)
-        per_head = cutlass.max(m_block_max - m_block_min, 0)
-        if pair * PAIR_KEYS >= seqlen.seqlen_k:
-            per_head = Int32(0)
-        blocks = QueryBlocks(head_kv * qhead_per_kvhead, m_block_min, per_head)
-        return TileWork(seqlen, mask, blocks, per_head * qhead_per_kvhead, pair * CTAS + rank, head_kv, batch)
 
     def shared_tiles256(self, storage, layouts, sdQ_layout) -> "Pair256SharedTiles":
         """The shared-memory tensors; Q / Q^T and dO / dO^T are two views of one buffer each (the two
@@ -390,13 +369,16 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         """K, V, K^T once (this CTA's shares of the pair's tiles); per step Q, dO (query halves),
         LSE, D (all 128 rows, for this CTA's compute threads), then Q^T, dO^T (head-dim halves) into
         the Q and dO buffers once the S^T / dP^T MMAs are done with them."""
-        head_kv, batch = work.head_kv, work.batch
+        head_kv, batch, seqlen, varlen = work.head_kv, work.batch, work.seqlen, self.cfg.varlen
         pair = work.n_block // CTAS
         thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in (mma_s, mma_dv, mma_dk, mma_dq))
         if work.num_steps > 0:
-            gK = cute.local_tile(loads.K[None, None, head_kv, batch], (PAIR_KEYS, self.hdim), (None, 0))
-            gV = cute.local_tile(loads.V[None, None, head_kv, batch], (PAIR_KEYS, self.hdim_v), (None, 0))
-            gKt = cute.local_tile(loads.Kt[None, None, head_kv, batch], (self.hdim, PAIR_KEYS), (0, None))
+            gK = cute.local_tile(head_rows(loads.K, seqlen.offset_k, head_kv, batch, varlen), (PAIR_KEYS, self.hdim),
+                                 (None, 0))
+            gV = cute.local_tile(head_rows(loads.V, seqlen.offset_k, head_kv, batch, varlen), (PAIR_KEYS, self.hdim_v),
+                                 (None, 0))
+            gKt = cute.local_tile(head_columns(loads.Kt, seqlen.offset_k, head_kv, batch, varlen),
+                                  (self.hdim, PAIR_KEYS), (0, None))
             tKsK, tKgK = mma_tma_partition(loads.atom_K, smem.k, thr_s.partition_A(gK))
             tVsV, tVgV = mma_tma_partition(loads.atom_V, smem.v, thr_s.partition_A(gV))
             tKtsKt, tKtgKt = mma_tma_partition(loads.atom_Kt, smem.kt, thr_dq.partition_B(gKt))
@@ -407,12 +389,17 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
             cute.copy(loads.atom_V, tVgV[None, pair], tVsV[None, 0], tma_bar_ptr=barrier)
             cute.copy(loads.atom_Kt, tKtgKt[None, pair], tKtsKt[None, 0], tma_bar_ptr=barrier)
 
+        rows_offset = seqlen.offset_q  # of this entry's LSE / D rows (varlen: bwd.load's packed starts)
+        if cutlass.const_expr(varlen):
+            rows_offset = packed_row_offset(seqlen.offset_q, batch)
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
-            gQ = cute.local_tile(loads.Q[None, None, head, batch], (BWD_TILE_M, self.hdim), (None, 0))
-            gdO = cute.local_tile(loads.dO[None, None, head, batch], (BWD_TILE_M, self.hdim_v), (None, 0))
+            offset = seqlen.offset_q
+            gQ = cute.local_tile(head_rows(loads.Q, offset, head, batch, varlen), (BWD_TILE_M, self.hdim), (None, 0))
+            gdO = cute.local_tile(head_rows(loads.dO, offset, head, batch, varlen), (BWD_TILE_M, self.hdim_v),
+                                  (None, 0))
             qdo_state = self.load_phase(((loads.atom_Q, smem.q, thr_s.partition_B(gQ)),
                                          (loads.atom_dO, smem.do, thr_s.partition_B(gdO))), pipes, qdo_state, m_block)
 
@@ -420,13 +407,15 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
             barrier = pipes.rows.producer_get_barrier(rows_state)
             for atom, tile, mRows in ((loads.atom_LSE, smem.lse, loads.LSE), (loads.atom_dPsum, smem.dpsum,
                                                                                 loads.dPsum)):
-                gRows = cute.local_tile(mRows[None, head, batch], (BWD_TILE_M,), (m_block,))
+                gRows = cute.local_tile(head_rows(mRows, rows_offset, head, batch, varlen), (BWD_TILE_M,), (m_block,))
                 t_smem, t_gmem = tma_partition_tile(atom, tile, gRows, 1)
                 cute.copy(atom, t_gmem, t_smem[None, 0], tma_bar_ptr=barrier)
             rows_state = advanced(rows_state)
 
-            gQt = cute.local_tile(loads.Qt[None, None, head, batch], (self.hdim, BWD_TILE_M), (0, None))
-            gdOt = cute.local_tile(loads.dOt[None, None, head, batch], (self.hdim_v, BWD_TILE_M), (0, None))
+            gQt = cute.local_tile(head_columns(loads.Qt, offset, head, batch, varlen), (self.hdim, BWD_TILE_M),
+                                  (0, None))
+            gdOt = cute.local_tile(head_columns(loads.dOt, offset, head, batch, varlen), (self.hdim_v, BWD_TILE_M),
+                                   (0, None))
             qdo_state = self.load_phase(((loads.atom_Qt, smem.qt, thr_dk.partition_B(gQt)),
                                          (loads.atom_dOt, smem.dot, thr_dv.partition_B(gdOt))), pipes, qdo_state,
                                         m_block)
@@ -586,7 +575,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
             for column, scale, mOut, dim in ((self.tmem_dk, softmax_scale, mdK, self.hdim),
                                              (self.tmem_dv, Float32(1.0), mdV, self.hdim_v)):
                 load, tX, regs = self.lane_chunks(tmem_ptr + column, dim // CTAS, thread)
-                gRow = head_rows(mOut, work.seqlen.offset_k, work.head_kv, work.batch, False)[row, None]
+                gRow = head_rows(mOut, work.seqlen.offset_k, work.head_kv, work.batch, self.cfg.varlen)[row, None]
                 for c in cutlass.range_constexpr(self.out_loads):
                     chunk = group * self.out_loads + c  # of the lane's d / 2 columns in TMEM
                     out = cute.make_rmem_tensor(BWD_DQ_CHUNK, self.dtype)

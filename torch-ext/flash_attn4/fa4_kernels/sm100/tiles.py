@@ -290,7 +290,7 @@ def backward_supported() -> str:
     return (f"1-CTA kernel: bf16/fp16, head_dim and head_dim_v each in {BWD_HEAD_DIMS}, causal or local windows, "
             f"softcap, batched or varlen (cu_seqlens, seqused_k), MHA/GQA/MQA, learnable sinks, deterministic=True; "
             f"(head_dim, head_dim_v) in {BWD_SERIAL_HEAD_DIMS} the same; {BWD_PAIR256_HEAD_DIMS} on CTA pairs, "
-            f"batched only")
+            f"batched or varlen (cu_seqlens, seqused_k)")
 
 
 def backward_serial(head_dim: int, head_dim_v: int) -> bool:
@@ -336,9 +336,10 @@ def backward_grid(head_dim: int, head_dim_v: int, causal: bool, local: bool, var
                   deterministic: bool) -> dict:
     """BackwardConfig overrides for the launch grid: CTA pairs where BWD_TWO_CTA and the pair
     kernel's rules allow (off: the 1-CTA kernel everywhere)."""
-    del causal, local, deterministic  # the pair kernel takes them
-    if backward_pair256(head_dim, head_dim_v) and not varlen:
-        # d = dv = 256 has no 1-CTA kernel: its pair (sm100/bwd_pair256.py) runs whatever BWD_TWO_CTA says.
+    del causal, local, varlen, deterministic  # the pair kernels take them
+    if backward_pair256(head_dim, head_dim_v):
+        # d = dv = 256 has no 1-CTA kernel: its pair (sm100/bwd_pair256.py; batched or varlen) runs
+        # whatever BWD_TWO_CTA says.
         return dict(cluster_m=2, num_stages=1)
     pair = BWD_TWO_CTA and (_pad16(head_dim), _pad16(head_dim_v)) in BWD_PAIR_HEAD_DIMS
     return dict(cluster_m=2, num_stages=1) if pair else {}
@@ -374,13 +375,7 @@ def check_backward(cfg) -> None:
     pair256 = cfg.cluster_m == 2 and (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS
     if cfg.cluster_m == 1 and (cfg.head_dim, cfg.head_dim_v) in BWD_PAIR256_HEAD_DIMS:
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
-                                  f"on single CTAs (they run on CTA pairs, batched: varlen and seqused_k are not "
-                                  f"implemented at these head dims); it runs: {backward_supported()}")
-    if pair256 and (cfg.varlen or cfg.has_seqused_k):
-        # Its own refusal, whatever the d = 128 pair's rule (_check_backward_pair) comes to allow.
-        raise NotImplementedError(f"{arch} backward: cluster_m=2 (CTA pairs) with varlen or seqused_k is not "
-                                  f"implemented at head dims {cfg.head_dim}/{cfg.head_dim_v}; the d = 256 pair runs "
-                                  f"batched problems")
+                                  f"on single CTAs (they run on CTA pairs); it runs: {backward_supported()}")
     if not serial and not pair256 and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
                                   f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
@@ -412,7 +407,8 @@ def check_postprocess(cfg) -> None:
 # handful: the target's compile time).
 # The d = 128 entries are CTA pairs where BWD_TWO_CTA runs them; the cluster_m=1 entries the
 # 1-CTA kernels those pairs fall back to. The serial kernel (192 / 128) plain, causal, and causal with
-# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh). The d = 256 pair plain and causal.
+# softcap (its dS^T factor from P^T: bwd_serial.softcap_tanh). The d = 256 pair plain, causal, and
+# varlen causal with seqused_k (its K/V/K^T tail zeroing, bwd_pair.pair_zero_kv_tail on 64-key blocks).
 BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d=96, dv=96, causal=True), dict(),
                        dict(causal=True), dict(causal=True, deterministic=True),
                        dict(causal=True, varlen=True, has_seqused_k=True), dict(local=True, has_softcap=True),
@@ -422,7 +418,8 @@ BACKWARD_KERNEL_SET = (dict(d=64, dv=64), dict(d=64, dv=64, causal=True), dict(d
                        dict(causal=True, deterministic=True, cluster_m=1),
                        dict(d=192, dv=128), dict(d=192, dv=128, causal=True),
                        dict(d=192, dv=128, causal=True, has_softcap=True),
-                       dict(d=256, dv=256), dict(d=256, dv=256, causal=True))
+                       dict(d=256, dv=256), dict(d=256, dv=256, causal=True),
+                       dict(d=256, dv=256, causal=True, varlen=True, has_seqused_k=True))
 
 
 # ---- Backward at d = dv = 256 (sm100/bwd_pair256.py) ---------------------------------------------
