@@ -173,7 +173,7 @@ def emulate(q, k, v, dout, D, L2, *, softmax_scale, causal=False, window=(-1, -1
                 dq_parts.setdefault((h, m), []).append((pair, part[:rows]))
     dk_out = np.full((sk, d), np.nan)
     dv_out = np.full((sk, dv), np.nan)
-    for n in range(n_blocks):  # store_dkv256
+    for n in range(n_blocks):  # pair_store_dkv
         for out, acc, scale, dim in ((dk_out, acc_dk[n], softmax_scale, d), (dv_out, acc_dv[n], 1.0, dv)):
             t = np.full((LANES, COLUMNS), np.nan, dtype=F32)
             place(t, 0, _round_to(f32(acc.astype(F64) * F64(F32(scale))), dtype))

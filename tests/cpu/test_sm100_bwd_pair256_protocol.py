@@ -36,7 +36,7 @@ PHASES = ("Q, dO", "Q^T, dO^T")  # the two loads of one step into the Q and dO b
 
 
 def load256(pp, mem, cta, n, log, faults=()):
-    """FlashAttentionBackwardSm100Pair256.load256 (+ load_phase) of CTA ``cta``. ``faults``:
+    """FlashAttentionBackwardSm100Pair256.pair_load (+ load_phase) of CTA ``cta``. ``faults``:
     'phase2_unacquired' loads Q^T, dO^T without waiting for the release of Q, dO."""
     p, m = pp[cta], mem[cta]
     qdo_state, rows_state = producer(1), producer(1)
@@ -67,7 +67,7 @@ def load256(pp, mem, cta, n, log, faults=()):
 
 
 def mma256(pp, mem, n, log, faults=(), tail=False):
-    """FlashAttentionBackwardSm100Pair256.mma256 (the even CTA's MMA warp), after pair_zero_kv_tail
+    """FlashAttentionBackwardSm100Pair256.pair_mma (the even CTA's MMA warp), after pair_zero_kv_tail
     where the pair holds its sequence's key end (``tail``). ``faults``: 'phase2_unwaited' issues
     dV / dK without waiting for Q^T, dO^T; 'tail_without_steps' the zeroing's K/V wait without the
     steps guard."""
@@ -124,7 +124,7 @@ def mma256(pp, mem, n, log, faults=(), tail=False):
 
 
 def compute256(pp, mem, cta, w, n, log):
-    """FlashAttentionBackwardSm100Pair256.compute256 and store_dkv256 of warpgroup w (its threads
+    """FlashAttentionBackwardSm100Pair256.pair_compute and pair_store_dkv of warpgroup w (its threads
     of both query halves write dS into both CTAs' dQ operands), and for warpgroup 0 the TMEM free."""
     p, m = pp[cta], mem[cta]
     sdp_state, rows_state = consumer(1), consumer(1)
@@ -217,8 +217,9 @@ def test_the_pair256_model_catches_tail_and_step_faults(fault, steps, odd_steps)
 def test_pair256_shares_the_pairs_step_count_and_zeroing():
     """What the varlen replay relies on: the d = 256 pair takes bwd_pair's cluster-uniform step rule
     (pair_tile_work, on its 64-key blocks) and zeroing (pair_zero_kv_tail, guarded by the steps)
-    unchanged, and calls the zeroing in the even CTA's MMA branch before mma256; a CTA past the keys
-    stores nothing but waits for dK/dV final (the pair's last MMAs read its shared memory)."""
+    unchanged, and the d = 128 pair's kernel body, which calls the zeroing in the even CTA's MMA
+    branch before pair_mma (this class's); a CTA past the keys stores nothing but waits for dK/dV
+    final (the pair's last MMAs read its shared memory)."""
     import inspect
 
     from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_pair256
@@ -226,11 +227,14 @@ def test_pair256_shares_the_pairs_step_count_and_zeroing():
     cls, base = bwd_pair256.FlashAttentionBackwardSm100Pair256, bwd_pair.FlashAttentionBackwardSm100Pair
     assert cls.pair_tile_work is base.pair_tile_work and cls.pair_zero_kv_tail is base.pair_zero_kv_tail
     assert cls.CTA_KEYS == bwd_pair256.KEYS == 64 and base.CTA_KEYS == bwd_pair.TILE_N
+    assert cls.kernel is base.kernel
     kernel = inspect.getsource(cls.kernel)
     assert kernel.count("self.pair_tile_work(*tile_args)") == 3  # every role: the same steps
     leader = kernel.index("if rank == PAIR_LEADER:")
-    assert leader < kernel.index("self.pair_zero_kv_tail(") < kernel.index("self.mma256(")
-    store = inspect.getsource(cls.store_dkv256)
+    assert leader < kernel.index("self.pair_zero_kv_tail(") < kernel.index("self.pair_mma(")
+    for hook in ("pair_shared_tiles", "pair_tmem_layouts", "pair_load", "pair_mma", "pair_compute", "pair_store_dkv"):
+        assert f"self.{hook}(" in kernel and getattr(cls, hook) is not getattr(base, hook), hook
+    store = inspect.getsource(cls.pair_store_dkv)
     assert "elif has_steps:" in store and store.count("pipes.dkv.consumer_wait(") == 2
 
 
@@ -259,7 +263,7 @@ def test_pair256_replays_the_kernels_counts_and_phases():
 
     cls = bwd_pair256.FlashAttentionBackwardSm100Pair256
     assert cls.make_pair_pipelines is bwd_pair256.FlashAttentionBackwardSm100Pair.make_pair_pipelines
-    load_src, mma_src = inspect.getsource(cls.load256), inspect.getsource(cls.mma256)
+    load_src, mma_src = inspect.getsource(cls.pair_load), inspect.getsource(cls.pair_mma)
     assert load_src.count("self.load_phase(") == 2
     assert mma_src.count("pipes.qdo.consumer_wait(") == 2 and mma_src.count("pipes.qdo.consumer_release(") == 2
     assert "mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2]" in inspect.getsource(cls.__call__)  # one stage

@@ -315,11 +315,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             tmem_ptr = tmem.retrieve_ptr(Float32)
             group = (warp - Warp.COMPUTE) // 4
             self.pair_compute(tmem_ptr, group, rank, smem, tl, pipes, work, scales)
-            if work.num_steps > 0 and work.n_block * TILE_N >= work.seqlen.seqlen_k:
-                # The odd CTA of a pair whose keys end in the even CTA's block stores nothing, but
-                # stays until the pair's last MMA (which reads its shared memory) has completed.
-                pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            self.store_dkv(tmem_ptr, group, tl, pipes, mdK, mdV, work, scales.softmax)
+            self.pair_store_dkv(tmem_ptr, group, tl, pipes, mdK, mdV, work, scales.softmax)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive_and_wait()
             if warp == Warp.COMPUTE:
@@ -331,6 +327,16 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             self.pair_reduce_dq(tmem.retrieve_ptr(Float32), smem, tl, pipes, mdQacc, mSemaphore, work, rank)
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
+
+    @cute.jit
+    def pair_store_dkv(self, tmem_ptr, group, tl: "PairTmemLayouts", pipes: Pipelines, mdK, mdV, work: TileWork,
+                       softmax_scale: Float32):
+        """dK and dV of this CTA's keys (bwd.store_dkv). The odd CTA of a pair whose keys end in the
+        even CTA's block stores nothing, but stays until the pair's last MMA (which reads its shared
+        memory) has completed."""
+        if work.num_steps > 0 and work.n_block * TILE_N >= work.seqlen.seqlen_k:
+            pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        self.store_dkv(tmem_ptr, group, tl, pipes, mdK, mdV, work, softmax_scale)
 
     @cute.jit
     def pair_tile_work(self, scheduler: TileScheduler, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, rank,

@@ -26,6 +26,10 @@ Warp roles and register budgets: the 1-CTA kernel's (bwd.Warp, bwd.REGISTERS), i
     warp 13      load        TMA: K, V, K^T once; per step Q, dO (query halves), LSE, D, then
                              Q^T, dO^T (head-dim halves) into the same two buffers
     warps 14-15  idle
+The kernel body that assigns these roles (TMEM allocation, cluster barrier init, tile work, the
+hand-offs between roles) is bwd_pair's ``kernel``; this class supplies what each role does at this
+head dim through its hooks: pair_shared_tiles, pair_tmem_layouts, pair_load, pair_mma, pair_compute
+and pair_store_dkv.
 
 Tensor memory (tiles.backward_pair256_tmem_columns; 512 columns allocated once, cta_group::2):
 dK 0-127, dV 128-255, S^T 256-319, dP^T 320-383, dQ 384-511. Nothing aliases: P^T and dS^T cannot
@@ -69,7 +73,7 @@ with CTA_KEYS = 64: both CTAs take the steps of the pair and its sequence; none 
 keys, grids being sized for the longest), every tensor is addressed at the sequence's offsets
 (head_rows / head_columns; LSE / D rows and dq_accum in their packed varlen orders; deterministic
 semaphores per sequence). With an odd number of 64-key blocks the odd CTA's block lies past the
-keys: it runs the pair's steps masked (P^T = dS^T = 0) and stores no dK / dV row (store_dkv256's
+keys: it runs the pair's steps masked (P^T = dS^T = 0) and stores no dK / dV row (pair_store_dkv's
 guards; those rows are the next sequence's), but waits for "dK/dV final" since the pair's last MMAs
 read its shared memory. Before the first MMA the even CTA's MMA warp zeroes both CTAs' K and V rows
 past the keys (64 per CTA) and K^T's (each CTA's head-dim half over the pair's 128 keys) through
@@ -144,7 +148,7 @@ def compute_lane(group, thread) -> tuple:
 
 def out_chunk_index(group, half, c, dim: int, loads: int):
     """Which 32-column chunk of a dK / dV row (``dim`` columns) load c of compute warpgroup ``group``
-    holds for a thread of head-dim half ``half`` (store_dkv256)."""
+    holds for a thread of head-dim half ``half`` (pair_store_dkv)."""
     return half * (dim // CTAS // BWD_DQ_CHUNK) + group * loads + c
 
 
@@ -270,71 +274,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
     # ------------------------------------------------------------------------------------------
     # Device side
     # ------------------------------------------------------------------------------------------
-    @cute.kernel
-    def kernel(self, loads: PairLoads, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor], mSemaphore: Optional[cute.Tensor], scales: BackwardScales,
-               qhead_per_kvhead: Int32, window_left: Int32, window_right: Int32, layouts, sdQ_layout: cute.Layout,
-               mma_s: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
-               scheduler: TileScheduler, cluster: cute.Layout):
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == Warp.LOAD:
-            for atom in (loads.atom_Q, loads.atom_dO, loads.atom_Qt, loads.atom_dOt, loads.atom_K, loads.atom_V,
-                         loads.atom_Kt, loads.atom_LSE, loads.atom_dPsum):
-                cpasync.prefetch_descriptor(atom)
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        smem = self.shared_tiles256(storage, layouts, sdQ_layout)
-        pipes = self.make_pair_pipelines(storage, cluster)
-        tmem = cutlass.memory.TmemAllocator(
-            storage.tmem_address.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=WARP * (1 + 4 * (1 + COMPUTE_GROUPS))),
-            allocator_warp_id=int(Warp.COMPUTE), is_two_cta=True,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.data_ptr(), initialize_mbarrier=True)
-        cluster_mn = cute.make_layout((CTAS, 1))
-        pipeline.pipeline_init_arrive(cluster_mn, is_relaxed=True)
-        tl = self.tmem_layouts256(mma_s, mma_dv, mma_dk, mma_dq)
-        pipeline.pipeline_init_wait(cluster_mn)
-
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        tile_args = (scheduler, loads.Q, loads.K, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, rank, qhead_per_kvhead,
-                     window_left, window_right)
-        if warp >= Warp.MMA:
-            set_registers(self.registers["other"])
-            work = self.pair_tile_work(*tile_args)
-            if warp == Warp.LOAD:
-                self.load256(loads, smem, mma_s, mma_dv, mma_dk, mma_dq, pipes, work, rank)
-            if warp == Warp.MMA:
-                tmem.wait_for_alloc()
-                if rank == PAIR_LEADER:  # the even CTA issues the pair's MMAs
-                    if cutlass.const_expr(self.zero_tail):
-                        self.pair_zero_kv_tail(storage, layouts, pipes.kv, work)
-                    self.mma256(tmem.retrieve_ptr(Float32), storage.tmem_address.ptr, smem, tl,
-                                (mma_s, mma_dv, mma_dk, mma_dq), pipes, work.num_steps)
-        elif warp >= Warp.COMPUTE:
-            set_registers(self.registers["compute"])
-            work = self.pair_tile_work(*tile_args)
-            if warp == Warp.COMPUTE:
-                tmem.allocate(TMEM_COLUMNS)
-                tmem.relinquish_alloc_permit()
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            group = (warp - Warp.COMPUTE) // 4
-            self.compute256(tmem_ptr, group, rank, smem, pipes, work, scales)
-            self.store_dkv256(tmem_ptr, group, pipes, mdK, mdV, work, scales.softmax)
-            pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
-                                  num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive_and_wait()
-            if warp == Warp.COMPUTE:
-                tmem.free(tmem_ptr, TMEM_COLUMNS)  # both CTAs together (TmemAllocator's handshake)
-        else:
-            set_registers(self.registers["dq"])
-            work = self.pair_tile_work(*tile_args)
-            tmem.wait_for_alloc()
-            self.pair_reduce_dq(tmem.retrieve_ptr(Float32), smem, tl, pipes, mdQacc, mSemaphore, work, rank)
-            pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
-                                  num_threads=WARPGROUP * (1 + COMPUTE_GROUPS)).arrive()
-
-    def shared_tiles256(self, storage, layouts, sdQ_layout) -> "Pair256SharedTiles":
+    def pair_shared_tiles(self, storage, layouts, sdQ_layout) -> "Pair256SharedTiles":
         """The shared-memory tensors; Q / Q^T and dO / dO^T are two views of one buffer each (the two
         TMA phases of a step), never live together."""
         def tile(buffer, layout):
@@ -349,9 +289,11 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
             dpsum=storage.sdPsum.get_tensor(cute.make_layout((BWD_TILE_M, 1))),
             dq=storage.sdQ.get_tensor(sdQ_layout))
 
-    def tmem_layouts256(self, mma_s, mma_dv, mma_dk, mma_dq) -> "Pair256TmemLayouts":
+    def pair_tmem_layouts(self, mma_s, mma_dv, mma_dk, mma_dq, layouts) -> "Pair256TmemLayouts":
         """The MMAs' accumulator layouts, each checked to be the fold the compute, dQ and epilogue
-        threads read (row r of this CTA's 64 at lane r + 64 (c // (N / 2)), column c % (N / 2))."""
+        threads read (row r of this CTA's 64 at lane r + 64 (c // (N / 2)), column c % (N / 2)).
+        (``layouts``: the d = 128 pair's hook reads its TMEM operands' layouts there; none here.)"""
+        del layouts
         thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(0) for m in (mma_s, mma_dv, mma_dk, mma_dq))
         s = thr_s.make_fragment_C(thr_s.partition_shape_C((PAIR_KEYS, BWD_TILE_M))).layout
         dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((PAIR_KEYS, self.hdim_v))).layout
@@ -364,7 +306,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
 
     # ---- load warp -------------------------------------------------------------------------------
     @cute.jit
-    def load256(self, loads: PairLoads, smem: "Pair256SharedTiles", mma_s, mma_dv, mma_dk, mma_dq,
+    def pair_load(self, loads: PairLoads, smem: "Pair256SharedTiles", mma_s, mma_dv, mma_dk, mma_dq,
                 pipes: Pipelines, work: TileWork, rank):
         """K, V, K^T once (this CTA's shares of the pair's tiles); per step Q, dO (query halves),
         LSE, D (all 128 rows, for this CTA's compute threads), then Q^T, dO^T (head-dim halves) into
@@ -435,7 +377,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
 
     # ---- MMA warp (even CTA) -----------------------------------------------------------------------
     @cute.jit
-    def mma256(self, tmem_ptr, tmem_address, smem: "Pair256SharedTiles", tl: "Pair256TmemLayouts", mmas: tuple,
+    def pair_mma(self, tmem_ptr, tmem_address, smem: "Pair256SharedTiles", tl: "Pair256TmemLayouts", mmas: tuple,
                pipes: Pipelines, num_steps):
         """The pair's MMAs, step by step (module docstring). Operand fragments are made right before
         their MMAs from shared-memory addresses the compiler cannot hoist (tile_variant of the TMEM
@@ -487,8 +429,8 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
 
     # ---- compute warpgroups ----------------------------------------------------------------------
     @cute.jit
-    def compute256(self, tmem_ptr, group, rank, smem: "Pair256SharedTiles", pipes: Pipelines, work: TileWork,
-                   scales: BackwardScales):
+    def pair_compute(self, tmem_ptr, group, rank, smem: "Pair256SharedTiles", tl: "Pair256TmemLayouts",
+                     pipes: Pipelines, work: TileWork, scales: BackwardScales):
         """Per step, thread t of warpgroup ``group`` (lane t: key t % 64 of this CTA, query half
         t // 64): its 32 query columns of S^T and dP^T, P^T and dS^T into this CTA's shared memory
         (dV's and dK's A), dS into the dQ operand of CTA t // 64 (this CTA's or the partner's)."""
@@ -560,7 +502,8 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         return load, load.partition_S(t), load.partition_D(cute.make_identity_tensor((LANES, BWD_DQ_CHUNK))).shape
 
     @cute.jit
-    def store_dkv256(self, tmem_ptr, group, pipes: Pipelines, mdK, mdV, work: TileWork, softmax_scale: Float32):
+    def pair_store_dkv(self, tmem_ptr, group, tl: "Pair256TmemLayouts", pipes: Pipelines, mdK, mdV, work: TileWork,
+                       softmax_scale: Float32):
         """dK * softmax_scale and dV of this thread's key (lane t: key t % 64, head-dim half
         t // 64), warpgroup ``group``'s half of the lane's columns, in the input dtype (keys inside
         the sequence; zeros for a block no query sees). A CTA past the keys stores nothing but waits
