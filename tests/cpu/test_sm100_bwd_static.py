@@ -319,7 +319,8 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         (128, False, False, True, True, False, False, pair), (128, False, False, True, True, False, False, 1),
         (192, False, False, False, False, False, False, 1), (192, True, False, False, False, False, False, 1),
         (192, True, False, False, True, False, False, 1),
-        (256, False, False, False, False, False, False, 2), (256, True, False, False, False, False, False, 2)}
+        (256, False, False, False, False, False, False, 2), (256, True, False, False, False, False, False, 2),
+        (256, True, False, False, False, True, True, 2)}
     assert {c.head_dim_v for c in mains if c.head_dim == 192} == {128}
     assert {c.head_dim_v for c in mains if c.head_dim == 256} == {256}
     # each is the configuration dispatch picks for its class (or, cluster_m=1, a pair's fallback)
@@ -329,7 +330,7 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
         picked = dispatch.backward_config(Arch.SM100, c.dtype, c.head_dim, c.head_dim_v, **flags)
         assert c in (picked, dispatch.self_check_fallback(picked)), c
     assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
-        (64, False), (96, False), (128, False), (128, True), (192, False), (256, False)}
+        (64, False), (96, False), (128, False), (128, True), (192, False), (256, False), (256, True)}
     assert any(isinstance(c, PreprocessConfig) for c in configs)
 
 
@@ -677,7 +678,14 @@ def test_pair_rule_and_refusals():
         sm100_tiles.BWD_TWO_CTA = original
 
 
-@pytest.mark.parametrize("name", sorted(PAIR_CASES))
+# One compile each (its own, with the verifier on): the plain pair, each barrier protocol variant
+# (the deterministic dQ order; the varlen zeroing's extra K/V wait, with everything else the kernel
+# has), and sm_103a's; the other mask classes build the same pipelines.
+PAIR_VERIFIER_CASES = ("d128", "d128_causal_deterministic", "d128_varlen_local_softcap_deterministic",
+                       "sm103_d128_causal_varlen_seqused_k")
+
+
+@pytest.mark.parametrize("name", PAIR_VERIFIER_CASES)
 def test_pair_verifier_reports_only_the_reviewed_baseline(name):
     """The same reviewed diagnostics for every mask kind (the pipelines are the same)."""
     baseline = json.loads((Path(__file__).parent / "verifier_baseline.json").read_text())["configs"]

@@ -374,11 +374,12 @@ def test_backward_falls_back_where_the_arch_has_no_backward_kernel(provider, mon
     assert len(provider["_flash_attention_backward"].calls) == 1 and from_pytorch(q.grad)
 
 
-@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("d", [160, 192])
 def test_backward_falls_back_where_the_sm100_backward_lacks_an_option(provider, monkeypatch, d):
-    """On a B200 the sm_100a backward serves what it implements; a head dim it lacks (192, 256: more
-    than its 512 tensor-memory columns) goes to PyTorch's kernel (its NotImplementedError is a
-    fallback reason, not the user's error), with the forward still ours."""
+    """On a B200 the sm_100a backward serves what it implements; a head dim it lacks (160, and
+    192 = 192/192: more than its 512 tensor-memory columns; 256 runs on its CTA pairs) goes to
+    PyTorch's kernel (its NotImplementedError is a fallback reason, not the user's error), with the
+    forward still ours."""
     monkeypatch.setattr(dispatch, "arch_for_device",
                         lambda device, kernel="forward": dispatch.Arch.SM90 if kernel == "forward" else dispatch.Arch.SM100)
     q = rand(1, 16, 2, d, requires_grad=True)
