@@ -68,29 +68,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    """A ``backward`` GPU test whose backward raises a NotImplementedError that tests/unsupported.py
-    lists for this GPU's arch (a head dim or an option its backward lacks: sm_100a's and sm_103a's today) is
-    skipped with that message; any other NotImplementedError stays a failure. The list itself is
-    kept equal to the code by tests/cpu/test_unsupported.py."""
-    outcome = yield
-    if item.get_closest_marker("backward") is None or outcome.excinfo is None:
-        return
-    error = outcome.excinfo[1]
-    if not isinstance(error, NotImplementedError):
-        return
-    import torch
-
-    from flash_attn4.fa4_kernels.arch import Arch
-    from tests.unsupported import listed_backward_refusal
-
-    arch = Arch.for_capability(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
-    if arch is not None and listed_backward_refusal(arch, str(error)):
-        outcome.force_exception(pytest.skip.Exception(f"listed as unsupported on {arch.value} "
-                                                      f"(tests/unsupported.py): {error}"))
-
-
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

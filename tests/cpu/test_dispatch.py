@@ -275,3 +275,38 @@ def test_padded_pack_takes_the_next_ratio_that_packs_for_short_queries(arch):
     assert [pad(g) for g in (1, 2, 4, 8, 64)] == [0] * 5
     assert pad(7, dispatch.PAD_PACK_MAX_QUERIES) == 8 and pad(7, dispatch.PAD_PACK_MAX_QUERIES + 1) == 0
     assert pad(65) == 0  # no packable ratio above it
+
+
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100, Arch.SM103], ids=lambda a: a.value)
+def test_every_head_dim_has_a_backward_at_the_smallest_kernel_holding_it(arch):
+    """dispatch.backward_head_dims: for every pair of head dims the library takes (multiples of 8 in
+    [16, 256]) the dims the backward runs at hold them (zero-padding only grows), a BackwardConfig
+    builds there under every mask, and no smaller kernel that builds holds them (the padded work is
+    the least the arch's kernels allow; smaller = fewer padded columns in both dims)."""
+    dims = range(16, 257, 8)
+    flags = [dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False),
+             dict(causal=True, local=False, has_softcap=True, varlen=True, has_seqused_k=True),
+             dict(causal=False, local=True, has_softcap=False, varlen=False, has_seqused_k=False)]
+
+    def builds(d, dv):
+        try:
+            for f in flags:
+                dispatch.backward_config(arch, "bfloat16", d, dv, deterministic=False, **f)
+        except (NotImplementedError, ValueError):
+            return False
+        return True
+
+    # From 32 columns: sm90's configuration builds at 16 too, but 16-column tiles are never run.
+    kernels = {(d, dv) for d in range(32, 257, 16) for dv in range(32, 257, 16) if builds(d, dv)}
+    assert kernels, "no backward kernel at all"
+    for d in dims:
+        for dv in dims:
+            kd, kdv = dispatch.backward_head_dims(arch, d, dv)
+            assert (kd, kdv) in kernels and kd >= d and kdv >= dv, (d, dv, kd, kdv)
+            holding = [(a, b) for a, b in kernels if a >= d and b >= dv]
+            assert not [(a, b) for a, b in holding if a <= kd and b <= kdv and (a, b) != (kd, kdv)], (d, dv)
+    if arch is Arch.SM90:  # every multiple of 16 from 32 is a kernel of its own
+        assert dispatch.backward_head_dims(arch, 72, 200) == (80, 208)
+    else:  # a few classes: 80 at 96, 160 and 192 / 192 on the d = dv = 256 pair, 184 / 120 serially
+        assert [dispatch.backward_head_dims(arch, *p) for p in ((80, 80), (160, 160), (192, 192), (184, 120))] == [
+            (96, 96), (256, 256), (256, 256), (192, 128)]

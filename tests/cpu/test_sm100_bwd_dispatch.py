@@ -8,8 +8,8 @@ sm100/tiles.py); the dQ accumulator the torch layer allocates and reads back is 
 stand-in main kernel writes sm100/dq_accum.py's order, written out independently in test_ops.py, and
 the torch reference of the postprocessing must read it back right); the postprocessing and the
 preprocessing configurations are sm_100a's; the first-use self-check runs before the user's launch
-and a wrong kernel is refused; options the sm100 kernel lacks raise NotImplementedError naming the
-option and sm_100a before anything is compiled; and the configurations the torch layer asks for
+and a wrong kernel is refused; head dims without a kernel of their own run zero-padded to the next
+kernel's; and the configurations the torch layer asks for
 compile for sm_100a. A B300 (sm_103a) takes the same path with the same kernels compiled for it:
 the tests on the ``blackwell`` fixture run for both targets. What this does not show: that the kernel
 is right on a B200 or B300 (no Blackwell GPU here; tests/gpu/test_bwd.py runs there, and the
@@ -85,7 +85,7 @@ def test_b200_backward_runs_the_sm100_configs_after_its_self_check(blackwell, mo
         err = float((g.double() - w).abs().max())
         assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, err)
 
-    kernel_d = max(32, -(-d // 16) * 16)
+    kernel_d = {64: 64, 128: 128, 120: 128, 56: 64, 96: 96, 88: 96}[d]  # the 1-CTA kernel's classes
     mains = [c for c in blackwell["configs"] if isinstance(c, BackwardConfig)]
     assert len(mains) == 1
     cfg = mains[0]
@@ -105,8 +105,8 @@ def test_b200_backward_runs_the_sm100_configs_after_its_self_check(blackwell, mo
 @pytest.mark.parametrize("d,dv,causal", [(128, 64, True), (64, 128, False), (96, 128, True), (120, 56, False),
                                          (192, 128, True), (184, 120, False)])
 def test_b200_backward_with_head_dim_v_unlike_head_dim(b200, d, dv, causal):
-    """d != dv (each padded to a multiple of 16 and run at 64, 96 or 128, or as the pair 192 / 128 of
-    the serial kernel) reaches the sm_100a backward with both head dims on its configuration (the
+    """d != dv (each zero-padded to 64, 96 or 128, or as the pair 192 / 128 of the serial kernel)
+    reaches the sm_100a backward with both head dims on its configuration (the
     preprocessing at dv, the postprocessing at d) and the gradients match autograd of the reference."""
     q, k, _ = rand_qkv(b=2, sq=150, sk=140, hq=4, hk=2, d=d)
     v = torch.randn(2, 140, 2, dv, dtype=BF16)
@@ -116,7 +116,7 @@ def test_b200_backward_with_head_dim_v_unlike_head_dim(b200, d, dv, causal):
     for name, g, w in zip("qkv", got, want):
         err = float((g.double() - w).abs().max())
         assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, err)
-    pad = lambda x: max(32, -(-x // 16) * 16)  # noqa: E731
+    pad = lambda x: {56: 64, 64: 64, 96: 96, 120: 128, 128: 128, 184: 192, 192: 192}[x]  # noqa: E731
     cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
     assert (cfg.arch, cfg.head_dim, cfg.head_dim_v) == (Arch.SM100, pad(d), pad(dv))
     assert cfg.num_stages == sm100_tiles.backward_stages(pad(d), pad(dv))
@@ -194,40 +194,41 @@ def test_wrong_serial_backward_raises_without_a_fallback(b200):
     assert all(t.grad is None for t in tensors) and len(b200["bwd_calls"]) == 1  # the check's launch only
 
 
-UNSUPPORTED = {
-    "head dim 80": (dict(d=80), r"head dims 80/80"),
-    "head dim 192": (dict(d=192), r"head dims 192/192"),
-    "head dims 128/192": (dict(dv=192), r"head dims 128/192"),
+# Head dims with no kernel of their own: (user's head_dim, head_dim_v) -> the kernel's, zero-padded.
+PADDED = {
+    "32": ((32, 32), (64, 64)),
+    "80": ((80, 80), (96, 96)),
+    "72 / 112": ((72, 112), (96, 128)),
+    "160": ((160, 160), (256, 256)),
+    "192 / 192": ((192, 192), (256, 256)),
+    "128 / 192": ((128, 192), (256, 256)),
+    "224": ((224, 224), (256, 256)),
+    "256 / 128": ((256, 128), (256, 256)),
 }
 
 
-@pytest.mark.parametrize("name", list(UNSUPPORTED))
-def test_options_the_sm100_backward_lacks_raise_before_any_compile(blackwell, name):
-    """NotImplementedError naming the option and the target (sm_100a or sm_103a) from dispatch (the
-    BackwardConfig's check), before any backward kernel (main, pre- or postprocessing) is compiled
-    or launched."""
-    opts, match = UNSUPPORTED[name]
-    opts = dict(opts)
-    d, dv, varlen = opts.pop("d", 128), opts.pop("dv", None), opts.pop("varlen", False)
-    dv = d if dv is None else dv
-    if varlen:
-        from flash_attn4 import flash_attn_varlen_func
-
-        cu = torch.tensor([0, 20, 45], dtype=torch.int32)
-        q, k, v = leaves(torch.randn(45, 4, d, dtype=BF16), torch.randn(45, 2, d, dtype=BF16),
-                         torch.randn(45, 2, dv, dtype=BF16))
-        out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen_q=25, max_seqlen_k=25, **opts)
-    else:
-        q, k, v = leaves(torch.randn(2, 37, 4, d, dtype=BF16), torch.randn(2, 51, 2, d, dtype=BF16),
-                         torch.randn(2, 51, 2, dv, dtype=BF16))
-        out = ops_call(q, k, v, **opts)
-    blackwell["configs"].clear()
-    arch = blackwell["arch"].value
-    with pytest.raises(NotImplementedError, match=rf"{arch} backward: {match}") as info:
-        out.backward(torch.randn_like(out))
-    assert f"not implemented yet on {arch}" in str(info.value) and "it runs:" in str(info.value)
-    assert blackwell["configs"] == [] and blackwell["bwd_calls"] == []
-    assert q.grad is None
+@pytest.mark.parametrize("name", list(PADDED))
+def test_head_dims_without_a_kernel_run_zero_padded_to_the_next_class(blackwell, name):
+    """Every head dim the forward takes has a backward on sm_100a and sm_103a: dims without a kernel
+    of their own reach the smallest kernel class holding both (the d = dv = 256 CTA pair above 128
+    unless dv <= 128 and d <= 192), Q, K, V, O and dO zero-padded; the gradients, cut back to the
+    user's dims, match autograd of the reference (the padded columns change nothing)."""
+    (d, dv), (kernel_d, kernel_dv) = PADDED[name]
+    q, k, _ = rand_qkv(b=2, sq=37, sk=51, hq=4, hk=2, d=d)
+    v = torch.randn(2, 51, 2, dv, dtype=BF16)
+    dout = torch.randn(2, 37, 4, dv, dtype=BF16)
+    got = grads_of(lambda *t: ops_call(*t, causal=True), leaves(q, k, v), dout)
+    want = reference_grads(q, k, v, dout, causal=True)
+    for label, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape, label
+        err = float((g.double() - w).abs().max())
+        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, label, err)
+    cfg = [c for c in blackwell["configs"] if isinstance(c, BackwardConfig)][0]
+    assert (cfg.arch, cfg.head_dim, cfg.head_dim_v) == (blackwell["arch"], kernel_d, kernel_dv)
+    assert cfg.cluster_m == (2 if kernel_d == 256 else 1)
+    assert [c.head_dim_v for c in blackwell["configs"] if isinstance(c, PreprocessConfig)] == [kernel_dv]
+    assert blackwell["bwd_calls"][-1] == (2, 37, 4, kernel_d)
+    assert selfcheck.verdict(cfg, "cpu") == "passed"
 
 
 FEATURES = {

@@ -143,28 +143,18 @@ def test_backward_refuses_exactly_what_the_list_names(target, d, dv, option):
 
 
 @pytest.mark.parametrize("arch", [Arch.SM100, Arch.SM103], ids=lambda a: a.value)
-def test_the_backward_grid_meets_every_sm100_refusal_and_support(arch):
+def test_the_backward_grid_runs_every_sm100_head_dim_and_option(arch):
     """Not vacuous: on sm_100a (and sm_103a, the same kernels) the grid above holds backward problems
-    that run (56, 88 and 120 run
-    padded to 64, 96 and 128; 192 / 128 on the serial kernel, softcap included; 256 on CTA pairs,
-    batched or varlen), the head-dim refusal,
-    and every option of BACKWARD_OPTIONS with no refusal (local windows, softcap, varlen and seqused_k
-    run since the kernels have them)."""
-    from tests.unsupported import sm100_bwd_head_dim
+    at every kind of head dim, each of which must run: the 1-CTA kernel's own (64, 96, 128, mixed),
+    dims padded to them (56, 72, 120: zero-padded to 64, 96, 128), the serial kernel's 192 / 128 and
+    the d = dv = 256 CTA pair, softcap included; and every option of BACKWARD_OPTIONS with no
+    refusal (local windows, softcap, varlen, seqused_k, deterministic)."""
+    from flash_attn4.fa4_kernels.sm100 import tiles as sm100_tiles
 
-    dims = [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256), (120, 120), (56, 56), (96, 96), (88, 88),
-            (128, 64), (64, 96), (128, 80)]
-    assert [d for d in dims if not backward_refusals(arch, head_dim=d[0], head_dim_v=d[1])] == [
-        (64, 64), (128, 128), (192, 128), (256, 256), (120, 120), (56, 56), (96, 96), (88, 88), (128, 64), (64, 96)]
-    assert backward_refusals(arch, head_dim=72, head_dim_v=72) == [sm100_bwd_head_dim(arch)]
-    assert backward_refusals(arch, head_dim=192, head_dim_v=128, softcap=True) == []
-    assert backward_refusals(arch, head_dim=184, head_dim_v=120, softcap=True) == []
-    # d = dv = 256 (248 padded) on CTA pairs: batched or varlen (with seqused_k).
-    assert backward_refusals(arch, head_dim=256, head_dim_v=256, softcap=True) == []
-    assert backward_refusals(arch, head_dim=248, head_dim_v=248, deterministic=True) == []
-    for varlen, seqused_k in ((True, False), (True, True)):
-        assert backward_refusals(arch, head_dim=256, head_dim_v=256, varlen=varlen, seqused_k=seqused_k) == []
-    assert backward_refusals(arch, head_dim=256, head_dim_v=192) == [sm100_bwd_head_dim(arch)]
+    grid = [(64, 64), (128, 128), (192, 128), (72, 72), (256, 256), (120, 120), (56, 56), (128, 64), (64, 96)]
+    kernels = {sm100_tiles.backward_head_dims(d, dv) for d, dv in grid}
+    assert {(192, 128), (256, 256), (96, 96), (64, 64), (128, 128), (128, 64)} <= kernels
+    assert not [d for d in grid if backward_refusals(arch, head_dim=d[0], head_dim_v=d[1], softcap=True)]
     listed = {r for o in BACKWARD_OPTIONS.values()
               for r in backward_refusals(arch, window="window_size" in o, softcap="softcap" in o,
                                          varlen=o.get("varlen", False), seqused_k=o.get("seqused_k", False),

@@ -21,9 +21,7 @@ bf16/fp16, causal, local windows, GQA/MQA, softcap, learnable_sink, varlen with 
 deterministic, gradients through the returned lse) must pass: a NotImplementedError is a failure.
 What it refuses is listed in tests/unsupported.py (backward_refusals; tests/cpu/test_unsupported.py
 keeps the list equal to the code): on a GPU without a backward kernel every test here is skipped by
-tests/conftest.py, which also skips a test whose backward raises a refusal the list names for the
-GPU's arch (the sm100 backward's missing features, on sm_100a and sm_103a) and fails on any other; and
-test_inference_only_inputs_refuse_the_backward checks the listed refusals of forward-only inputs
+tests/conftest.py; test_inference_only_inputs_refuse_the_backward checks the listed refusals of forward-only inputs
 (seqused_q, a paged KV cache). On a B200 (B300) the tests run the sm100 backward compiled for sm_100a
 (sm_103a), after its first-use self-check; the tests of sm90 schedule switches skip there (sm90_schedule).
 """

@@ -16,7 +16,7 @@ import torch
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
 from .fa4_kernels.config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
-from .fa4_kernels.tiles import (backward_grid, backward_schedule, backward_tiles, forward_grid, forward_schedule,
+from .fa4_kernels.tiles import (backward_grid, backward_head_dims, backward_schedule, backward_tiles, forward_grid, forward_schedule,
                                 forward_tiles, has_padded_pack)
 
 

@@ -780,12 +780,6 @@ def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, so
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _kernel_head_dim(x: int) -> int:
-    """The head dim the backward kernel runs at: a multiple of 16 (a WGMMA's reduction step, and
-    its 16-column tiles of dQ, dK, dV), at least 32."""
-    return max(32, -(-x // 16) * 16)
-
-
 def _padded_head_dims(tensors, width: int):
     """The tensors with their last dim zero-padded to ``width`` (those already that wide as they are)."""
     return [t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors]
@@ -817,13 +811,16 @@ def _sink_grad(grad_out, out, lse, learnable_sink, varlen: bool, grad_lse=None) 
 def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale, softcap, causal,
              window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, dlse=None):
     """``bwd`` for every head dim the forward takes (the autograd formula's and the torch attention
-    provider's backward): head dims that are multiples of 8 but not of 16 (or below 32) run
-    zero-padded. Zero columns of Q and K add nothing to Q K^T, zero columns of V, O and dO nothing to
-    dO V^T or rowsum(dO * O), and the padded gradient columns are dropped; the price is the copies
-    and the padded work."""
+    provider's backward): head dims the arch's backward has no kernel for run zero-padded to the
+    smallest it has (dispatch.backward_head_dims: multiples of 16 from 32 on sm90; on sm100 its
+    kernels' classes, e.g. 80 at 96, 160 or 192 / 192 at 256). Zero columns of Q and K add nothing to
+    Q K^T, zero columns of V, O and dO nothing to dO V^T or rowsum(dO * O), and the padded gradient
+    columns are dropped; the price is the copies and the padded work."""
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    qp, kp = _padded_head_dims((q, k), _kernel_head_dim(head_dim))
-    vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), _kernel_head_dim(head_dim_v))
+    arch = dispatch.arch_for_device(q.device, kernel="backward")
+    kernel_dim, kernel_dim_v = dispatch.backward_head_dims(arch, head_dim, head_dim_v)
+    qp, kp = _padded_head_dims((q, k), kernel_dim)
+    vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), kernel_dim_v)
     dq, dk, dv = bwd(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
                      softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, dlse)
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]

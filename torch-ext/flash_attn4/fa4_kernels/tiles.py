@@ -75,6 +75,13 @@ def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, loc
     return _rule(arch, "backward_tiles", "backward")(head_dim, head_dim_v, causal, local, has_softcap)
 
 
+def backward_head_dims(arch: Arch, head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The (head_dim, head_dim_v) the arch's backward kernel runs a problem's head dims at: the torch
+    layer zero-pads Q, K, V, O and dO to them (ops.backward), which leaves the attention and its
+    gradients unchanged, and drops the padded gradient columns."""
+    return _rule(arch, "backward_head_dims", "backward")(head_dim, head_dim_v)
+
+
 def backward_grid(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, varlen: bool,
                   deterministic: bool) -> dict:
     """BackwardConfig overrides for the launch grid of a problem class (CTA pairs where the arch's

@@ -293,6 +293,18 @@ def backward_supported() -> str:
             f"batched or varlen (cu_seqlens, seqused_k)")
 
 
+def backward_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """Head dims the backward runs at (fa4_kernels.tiles.backward_head_dims): the smallest kernel
+    class holding both, since each kernel is built for fixed head dims. Up to 128 each: the 1-CTA
+    (or d = 128 pair) kernel's BWD_HEAD_DIMS, per dim (32 and 48 run at 64, 80 at 96, 112 at 128);
+    above that the serial 192 / 128 kernel where dv <= 128, else the d = dv = 256 pair (160, 192 /
+    192, 224, 256 / 128 ...: up to (256 / 160)^2 of the work of a kernel built for the dims)."""
+    if head_dim <= BWD_HEAD_DIMS[-1] and head_dim_v <= BWD_HEAD_DIMS[-1]:
+        return tuple(min(c for c in BWD_HEAD_DIMS if c >= x) for x in (head_dim, head_dim_v))
+    return next((d, dv) for d, dv in BWD_SERIAL_HEAD_DIMS + BWD_PAIR256_HEAD_DIMS
+                if head_dim <= d and head_dim_v <= dv)
+
+
 def backward_serial(head_dim: int, head_dim_v: int) -> bool:
     """Whether (padded) head dims run the serial 1-CTA kernel (sm100/bwd_serial.py)."""
     return (head_dim, head_dim_v) in BWD_SERIAL_HEAD_DIMS
@@ -378,7 +390,7 @@ def check_backward(cfg) -> None:
                                   f"on single CTAs (they run on CTA pairs); it runs: {backward_supported()}")
     if not serial and not pair256 and (cfg.head_dim not in BWD_HEAD_DIMS or cfg.head_dim_v not in BWD_HEAD_DIMS):
         raise NotImplementedError(f"{arch} backward: head dims {cfg.head_dim}/{cfg.head_dim_v} are not implemented "
-                                  f"yet on {arch} (head dims are padded to a multiple of 16 for the backward); "
+                                  f"yet on {arch} (the torch layer pads head dims to a kernel's: backward_head_dims); "
                                   f"it runs: {backward_supported()}")
     if cfg.tile_m != BWD_TILE_M or cfg.tile_n != TILE_N:
         raise ValueError(f"{arch} backward: tiles are {BWD_TILE_M} x {TILE_N}, got {cfg.tile_m} x {cfg.tile_n}")

@@ -24,8 +24,8 @@ the pair's 2-CTA forms, all 512 TMEM columns allocated and released). Everything
 from __future__ import annotations
 
 from .tiles import (BACKWARD_CLUSTER_M, FORWARD_CLUSTER_M, FORWARD_KERNEL_SET,  # noqa: F401
-                    FORWARD_PADDED_PACK, FORWARD_SPLIT_KV, L2_BUDGET_BYTES, backward_grid, backward_tiles,
-                    check_backward, check_forward, check_postprocess, forward_grid, forward_tiles)
+                    FORWARD_PADDED_PACK, FORWARD_SPLIT_KV, L2_BUDGET_BYTES, backward_grid, backward_head_dims,
+                    backward_tiles, check_backward, check_forward, check_postprocess, forward_grid, forward_tiles)
 from .tiles import forward_schedule as _sm100_schedule
 
 

@@ -73,6 +73,12 @@ def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvh
     )
 
 
+def backward_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """Head dims the backward runs at (fa4_kernels.tiles.backward_head_dims): multiples of 16 (a
+    WGMMA's reduction step, and the 16-column tiles of dQ, dK, dV), at least 32."""
+    return max(32, -(-head_dim // 16) * 16), max(32, -(-head_dim_v // 16) * 16)
+
+
 def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:
     """BackwardConfig overrides (tile_m, tile_n, num_stages, split_head_dim, exp_eighths_under_dp)
     for a problem class."""
