@@ -431,29 +431,10 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                   pipes: Pipelines, work: TileWork, rank):
         """K, V, K^T once (this CTA's share of the pair's tiles), then per step Q, dO, Q^T, dO^T
         (its shares) and LSE, D (all 128 rows, for its own compute warps)."""
-        head_kv, batch, seqlen, varlen = work.head_kv, work.batch, work.seqlen, self.cfg.varlen
-        pair = work.n_block // CTAS
+        batch, seqlen, varlen = work.batch, work.seqlen, self.cfg.varlen
         thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in (mma_s, mma_dv, mma_dk, mma_dq))
-        if work.num_steps > 0:
-            gK = cute.local_tile(head_rows(loads.K, seqlen.offset_k, head_kv, batch, varlen), (PAIR_N, self.hdim),
-                                 (None, 0))
-            gV = cute.local_tile(head_rows(loads.V, seqlen.offset_k, head_kv, batch, varlen), (PAIR_N, self.hdim_v),
-                                 (None, 0))
-            gKt = cute.local_tile(head_columns(loads.Kt, seqlen.offset_k, head_kv, batch, varlen), (self.hdim, PAIR_N),
-                                  (0, None))
-            tKsK, tKgK = mma_tma_partition(loads.atom_K, smem.k, thr_s.partition_A(gK))
-            tVsV, tVgV = mma_tma_partition(loads.atom_V, smem.v, thr_s.partition_A(gV))
-            tKtsKt, tKtgKt = mma_tma_partition(loads.atom_Kt, smem.kt, thr_dq.partition_B(gKt))
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipes.kv.producer_acquire(kv_state)
-            barrier = pipes.kv.producer_get_barrier(kv_state)
-            cute.copy(loads.atom_K, tKgK[None, pair], tKsK[None, 0], tma_bar_ptr=barrier)
-            cute.copy(loads.atom_V, tVgV[None, pair], tVsV[None, 0], tma_bar_ptr=barrier)
-            cute.copy(loads.atom_Kt, tKtgKt[None, pair], tKtsKt[None, 0], tma_bar_ptr=barrier)
-
-        rows_offset = seqlen.offset_q  # of this entry's LSE / D rows (varlen: bwd.load's packed starts)
-        if cutlass.const_expr(varlen):
-            rows_offset = packed_row_offset(seqlen.offset_q, batch)
+        self.pair_load_kv(loads, smem, thr_s, thr_dq, pipes, work)
+        rows_offset = self.rows_offset(work)
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for step in cutlass.range(work.num_steps, unroll=1):
@@ -466,26 +447,69 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                                   (0, None))
             gdOt = cute.local_tile(head_columns(loads.dOt, offset, head, batch, varlen), (self.hdim_v, BWD_TILE_M),
                                    (0, None))
-            copies = ((loads.atom_Q, smem.q, thr_s.partition_B(gQ)), (loads.atom_dO, smem.do, thr_s.partition_B(gdO)),
-                      (loads.atom_Qt, smem.qt, thr_dk.partition_B(gQt)),
-                      (loads.atom_dOt, smem.dot, thr_dv.partition_B(gdOt)))
-            pipes.qdo.producer_acquire(qdo_state)
-            barrier = pipes.qdo.producer_get_barrier(qdo_state)
-            for atom, sX, gX in copies:
-                t_smem, t_gmem = mma_tma_partition(atom, sX, gX)
-                cute.copy(atom, t_gmem[None, m_block], t_smem[None, 0], tma_bar_ptr=barrier)
-            qdo_state = advanced(qdo_state)
-
-            pipes.rows.producer_acquire(rows_state)
-            barrier = pipes.rows.producer_get_barrier(rows_state)
-            for atom, tile, mRows in ((loads.atom_LSE, smem.lse, loads.LSE), (loads.atom_dPsum, smem.dpsum,
-                                                                                loads.dPsum)):
-                gRows = cute.local_tile(head_rows(mRows, rows_offset, head, batch, varlen), (BWD_TILE_M,), (m_block,))
-                t_smem, t_gmem = tma_partition_tile(atom, tile, gRows, 1)
-                cute.copy(atom, t_gmem, t_smem[None, 0], tma_bar_ptr=barrier)
-            rows_state = advanced(rows_state)
+            qdo_state = self.load_phase(((loads.atom_Q, smem.q, thr_s.partition_B(gQ)),
+                                         (loads.atom_dO, smem.do, thr_s.partition_B(gdO)),
+                                         (loads.atom_Qt, smem.qt, thr_dk.partition_B(gQt)),
+                                         (loads.atom_dOt, smem.dot, thr_dv.partition_B(gdOt))), pipes, qdo_state,
+                                        m_block)
+            rows_state = self.load_rows(loads, smem, pipes, rows_state, rows_offset, head, batch, m_block)
         if work.num_steps > 0:
             pipes.qdo.producer_tail(qdo_state)
+
+    @cute.jit
+    def pair_load_kv(self, loads: "PairLoads", smem, thr_s, thr_dq, pipes: Pipelines, work: TileWork):
+        """K, V and K^T of the pair's CTAS * CTA_KEYS keys (this CTA's shares: the MMA partitions of
+        its slices), once per tile, on the kv barrier; nothing where the tile has no step."""
+        head_kv, batch, seqlen, varlen = work.head_kv, work.batch, work.seqlen, self.cfg.varlen
+        pair, keys = work.n_block // CTAS, CTAS * self.CTA_KEYS
+        if work.num_steps > 0:
+            gK = cute.local_tile(head_rows(loads.K, seqlen.offset_k, head_kv, batch, varlen), (keys, self.hdim),
+                                 (None, 0))
+            gV = cute.local_tile(head_rows(loads.V, seqlen.offset_k, head_kv, batch, varlen), (keys, self.hdim_v),
+                                 (None, 0))
+            gKt = cute.local_tile(head_columns(loads.Kt, seqlen.offset_k, head_kv, batch, varlen), (self.hdim, keys),
+                                  (0, None))
+            tKsK, tKgK = mma_tma_partition(loads.atom_K, smem.k, thr_s.partition_A(gK))
+            tVsV, tVgV = mma_tma_partition(loads.atom_V, smem.v, thr_s.partition_A(gV))
+            tKtsKt, tKtgKt = mma_tma_partition(loads.atom_Kt, smem.kt, thr_dq.partition_B(gKt))
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipes.kv.producer_acquire(kv_state)
+            barrier = pipes.kv.producer_get_barrier(kv_state)
+            cute.copy(loads.atom_K, tKgK[None, pair], tKsK[None, 0], tma_bar_ptr=barrier)
+            cute.copy(loads.atom_V, tVgV[None, pair], tVsV[None, 0], tma_bar_ptr=barrier)
+            cute.copy(loads.atom_Kt, tKtgKt[None, pair], tKtsKt[None, 0], tma_bar_ptr=barrier)
+
+    @cute.jit
+    def rows_offset(self, work: TileWork):
+        """Where this tile's sequence starts in LSE / D (varlen: bwd.load's packed starts)."""
+        rows_offset = work.seqlen.offset_q
+        if cutlass.const_expr(self.cfg.varlen):
+            rows_offset = packed_row_offset(work.seqlen.offset_q, work.batch)
+        return rows_offset
+
+    @cute.jit
+    def load_phase(self, copies, pipes: Pipelines, qdo_state, m_block):
+        """One phase of the Q/dO buffers: wait until the MMAs released them, load ``copies``
+        ((atom, shared tile, MMA-partitioned global tiles)) of query block m_block; the next state."""
+        pipes.qdo.producer_acquire(qdo_state)
+        barrier = pipes.qdo.producer_get_barrier(qdo_state)
+        for atom, sX, gX in copies:
+            t_smem, t_gmem = mma_tma_partition(atom, sX, gX)
+            cute.copy(atom, t_gmem[None, m_block], t_smem[None, 0], tma_bar_ptr=barrier)
+        return advanced(qdo_state)
+
+    @cute.jit
+    def load_rows(self, loads: "PairLoads", smem, pipes: Pipelines, rows_state, rows_offset, head, batch, m_block):
+        """LSE and D of query block m_block (all BWD_TILE_M rows: each CTA's compute warps read
+        them all) on the rows barrier; the next state."""
+        pipes.rows.producer_acquire(rows_state)
+        barrier = pipes.rows.producer_get_barrier(rows_state)
+        for atom, tile, mRows in ((loads.atom_LSE, smem.lse, loads.LSE), (loads.atom_dPsum, smem.dpsum, loads.dPsum)):
+            gRows = cute.local_tile(head_rows(mRows, rows_offset, head, batch, self.cfg.varlen), (BWD_TILE_M,),
+                                    (m_block,))
+            t_smem, t_gmem = tma_partition_tile(atom, tile, gRows, 1)
+            cute.copy(atom, t_gmem, t_smem[None, 0], tma_bar_ptr=barrier)
+        return advanced(rows_state)
 
     # ---- MMA warp (even CTA) -----------------------------------------------------------------------
     @cute.jit

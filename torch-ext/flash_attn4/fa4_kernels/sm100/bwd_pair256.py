@@ -99,21 +99,18 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import nvvm
-from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cute.nvgpu import tcgen05
 
 from ..config import BackwardConfig
-from ..layouts import tma_partition_tile
 from ..pipelines import advanced
-from ..scheduler import TileScheduler
-from ..seqlen import head_rows, packed_row_offset
+from ..seqlen import head_rows
 from ..softmax import BackwardScales
 from ..tile_work import TileWork
 from . import bwd_pair
-from .bwd import COMPUTE_GROUPS, MMA_K, NUM_WARPS, Barrier, FlashAttentionBackwardSm100, Pipelines, Warp, \
-    mma_tma_partition
+from .bwd import COMPUTE_GROUPS, MMA_K, NUM_WARPS, FlashAttentionBackwardSm100, Pipelines
 from .bwd_pair import CTAS, FlashAttentionBackwardSm100Pair, PairLoads, head_columns
 from .dq_accum import VECTOR
-from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm, set_registers
+from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm
 from .tiles import (BWD_DQ_CHUNK, BWD_PAIR256_KEYS, BWD_PAIR_DQ_ROWS, BWD_TILE_M, backward_pair256,
                     backward_pair256_shared_memory_bytes, backward_pair256_tmem_columns)
 
@@ -311,29 +308,10 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         """K, V, K^T once (this CTA's shares of the pair's tiles); per step Q, dO (query halves),
         LSE, D (all 128 rows, for this CTA's compute threads), then Q^T, dO^T (head-dim halves) into
         the Q and dO buffers once the S^T / dP^T MMAs are done with them."""
-        head_kv, batch, seqlen, varlen = work.head_kv, work.batch, work.seqlen, self.cfg.varlen
-        pair = work.n_block // CTAS
+        batch, seqlen, varlen = work.batch, work.seqlen, self.cfg.varlen
         thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in (mma_s, mma_dv, mma_dk, mma_dq))
-        if work.num_steps > 0:
-            gK = cute.local_tile(head_rows(loads.K, seqlen.offset_k, head_kv, batch, varlen), (PAIR_KEYS, self.hdim),
-                                 (None, 0))
-            gV = cute.local_tile(head_rows(loads.V, seqlen.offset_k, head_kv, batch, varlen), (PAIR_KEYS, self.hdim_v),
-                                 (None, 0))
-            gKt = cute.local_tile(head_columns(loads.Kt, seqlen.offset_k, head_kv, batch, varlen),
-                                  (self.hdim, PAIR_KEYS), (0, None))
-            tKsK, tKgK = mma_tma_partition(loads.atom_K, smem.k, thr_s.partition_A(gK))
-            tVsV, tVgV = mma_tma_partition(loads.atom_V, smem.v, thr_s.partition_A(gV))
-            tKtsKt, tKtgKt = mma_tma_partition(loads.atom_Kt, smem.kt, thr_dq.partition_B(gKt))
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipes.kv.producer_acquire(kv_state)
-            barrier = pipes.kv.producer_get_barrier(kv_state)
-            cute.copy(loads.atom_K, tKgK[None, pair], tKsK[None, 0], tma_bar_ptr=barrier)
-            cute.copy(loads.atom_V, tVgV[None, pair], tVsV[None, 0], tma_bar_ptr=barrier)
-            cute.copy(loads.atom_Kt, tKtgKt[None, pair], tKtsKt[None, 0], tma_bar_ptr=barrier)
-
-        rows_offset = seqlen.offset_q  # of this entry's LSE / D rows (varlen: bwd.load's packed starts)
-        if cutlass.const_expr(varlen):
-            rows_offset = packed_row_offset(seqlen.offset_q, batch)
+        self.pair_load_kv(loads, smem, thr_s, thr_dq, pipes, work)
+        rows_offset = self.rows_offset(work)
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for step in cutlass.range(work.num_steps, unroll=1):
@@ -344,16 +322,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
                                   (None, 0))
             qdo_state = self.load_phase(((loads.atom_Q, smem.q, thr_s.partition_B(gQ)),
                                          (loads.atom_dO, smem.do, thr_s.partition_B(gdO))), pipes, qdo_state, m_block)
-
-            pipes.rows.producer_acquire(rows_state)
-            barrier = pipes.rows.producer_get_barrier(rows_state)
-            for atom, tile, mRows in ((loads.atom_LSE, smem.lse, loads.LSE), (loads.atom_dPsum, smem.dpsum,
-                                                                                loads.dPsum)):
-                gRows = cute.local_tile(head_rows(mRows, rows_offset, head, batch, varlen), (BWD_TILE_M,), (m_block,))
-                t_smem, t_gmem = tma_partition_tile(atom, tile, gRows, 1)
-                cute.copy(atom, t_gmem, t_smem[None, 0], tma_bar_ptr=barrier)
-            rows_state = advanced(rows_state)
-
+            rows_state = self.load_rows(loads, smem, pipes, rows_state, rows_offset, head, batch, m_block)
             gQt = cute.local_tile(head_columns(loads.Qt, offset, head, batch, varlen), (self.hdim, BWD_TILE_M),
                                   (0, None))
             gdOt = cute.local_tile(head_columns(loads.dOt, offset, head, batch, varlen), (self.hdim_v, BWD_TILE_M),
@@ -363,17 +332,6 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
                                         m_block)
         if work.num_steps > 0:
             pipes.qdo.producer_tail(qdo_state)
-
-    @cute.jit
-    def load_phase(self, copies, pipes: Pipelines, qdo_state, m_block):
-        """One phase of the Q/dO buffers: wait until the MMAs released them, load ``copies``
-        ((atom, shared tile, MMA-partitioned global tiles)) of query block m_block; the next state."""
-        pipes.qdo.producer_acquire(qdo_state)
-        barrier = pipes.qdo.producer_get_barrier(qdo_state)
-        for atom, sX, gX in copies:
-            t_smem, t_gmem = mma_tma_partition(atom, sX, gX)
-            cute.copy(atom, t_gmem[None, m_block], t_smem[None, 0], tma_bar_ptr=barrier)
-        return advanced(qdo_state)
 
     # ---- MMA warp (even CTA) -----------------------------------------------------------------------
     @cute.jit
