@@ -67,9 +67,9 @@ def config(d=128, causal=False, dtype="bfloat16", deterministic=False, local=Fal
 
 
 def kernel_plan(cfg):
-    from flash_attn4.fa4_kernels.sm100 import bwd, bwd_pair
+    from flash_attn4.fa4_kernels.sm100 import bwd, bwd_pair256
 
-    return bwd, bwd_pair.backward_kernel(cfg)
+    return bwd, bwd_pair256.backward_kernel(cfg)  # the registry's entry (arch.KERNELS)
 
 
 def expected_mma(cfg) -> int:
@@ -336,11 +336,12 @@ def test_kernel_set_has_the_backward_and_its_postprocessing():
 
 def test_sm103_kernel_set_has_one_of_each_backward_kernel():
     """sm_103a's rules are sm_100a's (re-exported, not copied); its CI set is one configuration of
-    each kernel as dispatch picks it (the d = 128 pair, the serial 192 / 128) or as a pair falls back
-    to it (the 1-CTA kernel, on varlen), their postprocessing and the preprocessing."""
+    each kernel as dispatch picks it (the d = 128 pair, the serial 192 / 128, the d = 256 pair on
+    varlen) or as a pair falls back to it (the 1-CTA kernel, on varlen), their postprocessing and the
+    preprocessing."""
     from flash_attn4.fa4_kernels.compile import backward_kernel_set
     from flash_attn4.fa4_kernels.config import PostprocessConfig, PreprocessConfig
-    from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_serial, tiles_sm103
+    from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_pair256, bwd_serial, tiles_sm103
 
     for name in ("backward_tiles", "backward_grid", "check_backward", "check_postprocess", "BACKWARD_CLUSTER_M"):
         assert getattr(tiles_sm103, name) is getattr(sm100_tiles, name), name
@@ -356,9 +357,10 @@ def test_sm103_kernel_set_has_one_of_each_backward_kernel():
     one_cta, pair = bwd_pair.FlashAttentionBackwardSm100, bwd_pair.FlashAttentionBackwardSm100Pair
     batched = (pair, 2) if sm100_tiles.BWD_TWO_CTA else (one_cta, 1)
     assert kinds == sorted([(*batched, False), (one_cta, 1, True), (bwd_serial.FlashAttentionBackwardSm100Serial, 1,
-                                                                     False)], key=str), kinds
+                                                                     False),
+                            (bwd_pair256.FlashAttentionBackwardSm100Pair256, 2, True)], key=str), kinds
     assert {(c.head_dim, c.varlen) for c in configs if isinstance(c, PostprocessConfig)} == {
-        (128, False), (128, True), (192, False)}
+        (128, False), (128, True), (192, False), (256, True)}
     assert sum(isinstance(c, PreprocessConfig) for c in configs) == 1
 
 

@@ -37,6 +37,7 @@ def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvh
 # Problem classes CI compiles for sm_103a's backward: one of each kernel (the kernels and their
 # rules are sm_100a's, whose set covers the flags; this one shows they build for sm_103a, at a
 # fraction of the compile time): the d = 128 pair (batched, causal), the 1-CTA kernel (varlen: the
-# kernel a varlen pair falls back to), the serial 192 / 128 kernel.
+# kernel a varlen pair falls back to), the serial 192 / 128 kernel, the d = 256 pair (varlen, its
+# K/V tail zeroing included; tests/cpu/test_sm100_bwd_pair256.py compiles it batched for sm_103a).
 BACKWARD_KERNEL_SET = (dict(causal=True), dict(causal=True, varlen=True, has_seqused_k=True, cluster_m=1),
-                       dict(d=192, dv=128))
+                       dict(d=192, dv=128), dict(d=256, dv=256, causal=True, varlen=True, has_seqused_k=True))
