@@ -123,7 +123,7 @@ def varlen_lengths(total: int, low: int, high: int, seed: int) -> tuple[int, ...
 def build_cases(args) -> list[Case]:
     seqlens = args.seqlens or ((2048, 8192) if args.quick else SEQLENS)
     head_dims = args.headdims or ((64, 128) if args.quick else HEAD_DIMS)
-    causals = (False, True)
+    causals = {"both": (False, True), "causal": (True,), "full": (False,)}[getattr(args, "masks", "both")]
     groups = args.cases or ("grid", "gqa", "varlen")
     cases = []
     if "grid" in groups:
@@ -748,6 +748,8 @@ def parse_args(argv=None):
     p.add_argument("--headdims", type=_int_list, help="e.g. 64,128 (default 64,128,256)")
     p.add_argument("--seqlens", type=_int_list, help="e.g. 2k,8k (default 1k,2k,4k,8k,16k)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--masks", choices=("both", "causal", "full"), default="both",
+                   help="grid and gqa cases: causal and unmasked (default), or only one of them")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default 5)")
     p.add_argument("--rep-ms", type=float, default=50.0, help="timing budget per measurement (ms)")
     p.add_argument("--seed", type=int, default=0)

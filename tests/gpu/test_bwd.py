@@ -234,18 +234,24 @@ def test_backward_tuning_variants(sm90_schedule, monkeypatch, variant, d, causal
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), causal=causal)
 
 
+@pytest.mark.parametrize("min_group", [None, 1, 10**6], ids=["rule", "always_grouped", "launch_order"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("d,heads,sq", [(128, "gqa", 1000), (64, "mha", 1000), (256, "mqa", 300), (128, "mha", 8192)])
-def test_backward_longest_first_order(sm90_schedule, monkeypatch, d, heads, sq, deterministic):
-    """BackwardConfig.longest_first (a switch: measured mixed, off by default): KV tiles in longest-first order within
-    L2 groups of heads, the partial group first. Every KV tile must still be computed once (dK/dV
-    start as NaN), and the deterministic mode's dQ ordering must not deadlock. At 8k, d=128, MHA,
-    a (KV head, batch) pair streams 4 MiB of Q and dO: groups of 6 of the 8 pairs, the partial group
-    of 2 first."""
+def test_backward_longest_first_order(sm90_schedule, monkeypatch, d, heads, sq, deterministic, min_group):
+    """BackwardConfig.longest_first (on for masks at d <= 128, sm90/tiles.py; forced on here for
+    the split layout too): KV tiles in longest-first order within L2 groups of heads, the partial
+    group first; where fewer than longest_first_min_group heads fit a group, the launch order
+    through the same kernel (groups of one head; here forced by a huge minimum). Every KV tile must still be computed once (dK/dV start as NaN), and the
+    deterministic mode's dQ ordering must not deadlock. At 8k, d=128, MHA, a (KV head, batch) pair
+    streams 4 MiB of Q and dO: groups of 6 of the 8 pairs, the partial group of 2 first."""
     from flash_attn4 import dispatch
 
     chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(longest_first=True))
+    picked = chosen(dispatch.Arch.SM90, "bfloat16", d, d, causal=True, local=False, has_softcap=False, varlen=False,
+                    has_seqused_k=False, deterministic=deterministic)
+    assert picked.longest_first == (d <= 128) and picked.longest_first_min_group > 1
+    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(
+        longest_first=True, longest_first_min_group=min_group or picked.longest_first_min_group))
     hq, hk = HEADS[heads]
     q, k, v = rand(2, sq, hq, d), rand(2, sq, hk, d), rand(2, sq, hk, d)
     dout = rand(2, sq, hq, d)

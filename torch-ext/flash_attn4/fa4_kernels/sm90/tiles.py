@@ -94,8 +94,24 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
         # a second copy of the code), so all first there.
         exp_eighths_under_dp = 3 if tile_m == 80 else 2 if tile_m == 128 and not (causal or local) else 8
         return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
-                    exp_eighths_under_dp=exp_eighths_under_dp)
+                    exp_eighths_under_dp=exp_eighths_under_dp, **_backward_order(causal, local))
     return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
+
+
+# Masked (causal, local) batched backwards of the unsplit layout (d = dv <= 128) take their KV tiles
+# longest first within L2 groups of at least this many heads (BackwardConfig.longest_first; fewer:
+# the launch order, chosen at run time by the same kernel). H100, one call, 2026-12-06 (docs/perf.md):
+# against the launch order 1.02 / 1.01 / 1.04 at d = 64 causal 4k / 8k / 16k (24, 12, 6 heads a
+# group), 1.03 / 1.04 at d = 128 4k / 8k (12, 6); d = 128 16k (3 heads) keeps the launch order, where
+# grouping measured -3% on the H200 earlier. The split layout (d > 128) keeps it everywhere: 0.99
+# at d = 256 causal 4k, nothing gained.
+BWD_LONGEST_FIRST_MIN_GROUP = 4
+
+
+def _backward_order(causal: bool, local: bool) -> dict:
+    if not (causal or local):
+        return {}
+    return dict(longest_first=True, longest_first_min_group=BWD_LONGEST_FIRST_MIN_GROUP)
 
 
 def backward_schedule(head_dim: int, head_dim_v: int, varlen: bool) -> dict:
