@@ -7,6 +7,7 @@ $CC), write the manifest.
     python scripts/build_aot.py --out build/aot                       # sm_90a and sm_100a, all cores
     python scripts/build_aot.py --arch sm_90a --out /tmp/fa4_aot -j 16
     python scripts/build_aot.py --list                                # the configurations only
+    python scripts/build_aot.py --shard 1/4 --out /tmp/fa4_aot         # every 4th configuration (CI)
 
 The output folder is what scripts/build_hub.py --aot-dir copies into the Hub tree as <module>/aot, or
 what FLASH_ATTN4_AOT_DIR points at. Entries use the disk cache's naming under the fingerprint of the
@@ -70,7 +71,29 @@ def _models_of(arch: Arch, dtypes) -> dict[tuple, list[str]]:
     return users
 
 
-def build(out: Path, archs: list[Arch], jobs: int, only: int | None = None, dtypes=aot.SHIPPED_DTYPES) -> int:
+def sharded(configs: list, shard: tuple[int, int] | None) -> list:
+    """Shard (k, n) of ``configs``: every n-th one from the k-th (all of them for None). The n shards
+    of a list partition it."""
+    return configs if shard is None else configs[shard[0]::shard[1]]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'K/N' -> (K, N) with 0 <= K < N; ValueError otherwise."""
+    k, _, n = text.partition("/")
+    try:
+        k, n = int(k), int(n)
+    except ValueError:
+        raise ValueError(f"--shard wants K/N with integers 0 <= K < N, got {text!r}") from None
+    if not 0 <= k < n:
+        raise ValueError(f"--shard wants K/N with integers 0 <= K < N, got {text!r}")
+    return k, n
+
+
+def build(out: Path, archs: list[Arch], jobs: int, only: int | None = None, dtypes=aot.SHIPPED_DTYPES,
+          shard: tuple[int, int] | None = None) -> int:
+    """Compile the shipped set (its first ``only`` configurations of each arch, of those the
+    ``shard``) into ``out``; 1 when any failed. A sharded set says so in its manifest: it is a
+    check that those kernels build (CI), not a set to ship (the rest would compile on first use)."""
     fingerprint = compile_cache.source_fingerprint()
     folder = out / fingerprint
     folder.mkdir(parents=True, exist_ok=True)
@@ -78,7 +101,7 @@ def build(out: Path, archs: list[Arch], jobs: int, only: int | None = None, dtyp
     work = []
     for arch in archs:
         users = _models_of(arch, dtypes)
-        for cfg in aot.shipped_configs(arch, dtypes=dtypes)[:only]:
+        for cfg in sharded(aot.shipped_configs(arch, dtypes=dtypes)[:only], shard):
             work.append((arch, cfg, users.get((aot.kind_of(cfg),) + cfg.key(), [])))
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(build_one, cfg, str(folder), fingerprint): (arch, cfg, users)
@@ -101,9 +124,13 @@ def build(out: Path, archs: list[Arch], jobs: int, only: int | None = None, dtyp
                 "nvidia-cutlass-dsl": compile_cache._package_version("nvidia-cutlass-dsl"),
                 "apache-tvm-ffi": compile_cache._package_version("apache-tvm-ffi"),
                 "archs": [a.value for a in archs], "dtypes": list(dtypes), "entries": entries}
+    if shard is not None:
+        manifest["shard"] = f"{shard[0]}/{shard[1]}"
+
     (out / aot.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     size = sum(e["bytes"] for e in entries)
-    print(f"{len(entries)}/{len(work)} kernels for {', '.join(a.value for a in archs)} in "
+    what = f" (shard {shard[0]}/{shard[1]} of the shipped set)" if shard is not None else ""
+    print(f"{len(entries)}/{len(work)} kernels{what} for {', '.join(a.value for a in archs)} in "
           f"{time.perf_counter() - total:.1f} s ({jobs} processes), {size / 2**20:.1f} MiB, in {folder}")
     return 1 if failures else 0
 
@@ -116,20 +143,23 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", action="append", choices=aot.DTYPES,
                         help=f"dtype to ship, repeatable (default: {aot.SHIPPED_DTYPES})")
     parser.add_argument("--only", type=int, default=None, help="the first N configurations of each arch only")
+    parser.add_argument("--shard", help="K/N: every N-th configuration from the K-th only (a check that "
+                        "they build, as CI does per commit; not a set to ship)")
     parser.add_argument("--list", action="store_true", help="print the configurations, compile nothing")
     args = parser.parse_args(argv)
     try:
         archs = [Arch.parse(a) for a in (args.arch or DEFAULT_ARCHS)]
+        shard = None if args.shard is None else parse_shard(args.shard)
     except ValueError as exc:
         print(f"build_aot: {exc}", file=sys.stderr)
         return 2
     dtypes = tuple(args.dtype or aot.SHIPPED_DTYPES)
     if args.list:
         for arch in archs:
-            for cfg in aot.shipped_configs(arch, dtypes=dtypes)[:args.only]:
+            for cfg in sharded(aot.shipped_configs(arch, dtypes=dtypes)[:args.only], shard):
                 print(arch.value, aot.kind_of(cfg), ", ".join(cfg.key()[1:]))
         return 0
-    return build(args.out, archs, max(1, args.jobs), args.only, dtypes)
+    return build(args.out, archs, max(1, args.jobs), args.only, dtypes, shard)
 
 
 if __name__ == "__main__":
