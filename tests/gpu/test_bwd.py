@@ -241,17 +241,20 @@ def test_backward_longest_first_order(sm90_schedule, monkeypatch, d, heads, sq, 
     """BackwardConfig.longest_first (on for masks at d <= 128, sm90/tiles.py; forced on here for
     the split layout too): KV tiles in longest-first order within L2 groups of heads, the partial
     group first; where fewer than longest_first_min_group heads fit a group, the launch order
-    through the same kernel (groups of one head; here forced by a huge minimum). Every KV tile must still be computed once (dK/dV start as NaN), and the
-    deterministic mode's dQ ordering must not deadlock. At 8k, d=128, MHA, a (KV head, batch) pair
-    streams 4 MiB of Q and dO: groups of 6 of the 8 pairs, the partial group of 2 first."""
+    through the same kernel (groups of one head; here forced by a huge minimum). Every KV tile must
+    still be computed once (dK/dV start as NaN), and the deterministic mode's dQ ordering must not
+    deadlock. At 8k, d=128, MHA, a (KV head, batch) pair streams 4 MiB of Q and dO: groups of 6 of
+    the 8 pairs, the partial group of 2 first."""
     from flash_attn4 import dispatch
+    from flash_attn4.fa4_kernels.sm90 import tiles as sm90_tiles
 
     chosen = dispatch.backward_config
     picked = chosen(dispatch.Arch.SM90, "bfloat16", d, d, causal=True, local=False, has_softcap=False, varlen=False,
                     has_seqused_k=False, deterministic=deterministic)
-    assert picked.longest_first == (d <= 128) and picked.longest_first_min_group > 1
+    assert picked.longest_first == (d <= 128)
+    minimum = min_group or sm90_tiles.BWD_LONGEST_FIRST_MIN_GROUP
     monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(
-        longest_first=True, longest_first_min_group=min_group or picked.longest_first_min_group))
+        longest_first=True, longest_first_min_group=minimum))
     hq, hk = HEADS[heads]
     q, k, v = rand(2, sq, hq, d), rand(2, sq, hk, d), rand(2, sq, hk, d)
     dout = rand(2, sq, hq, d)
