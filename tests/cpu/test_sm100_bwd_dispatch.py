@@ -67,6 +67,20 @@ def reference_grads(q, k, v, dout, **kwargs):
     return [t.grad for t in leaves_]
 
 
+def check_grads_with_dv(d, dv, sq, sk, **opts):
+    """A (2, sq / sk, 4 / 2 heads) problem at head dims d / dv through flash_attn_func's forward and
+    backward: the gradients (the user's shapes) match autograd of the reference."""
+    q, k, _ = rand_qkv(b=2, sq=sq, sk=sk, hq=4, hk=2, d=d)
+    v = torch.randn(2, sk, 2, dv, dtype=BF16)
+    dout = torch.randn(2, sq, 4, dv, dtype=BF16)
+    got = grads_of(lambda *t: ops_call(*t, **opts), leaves(q, k, v), dout)
+    want = reference_grads(q, k, v, dout, **opts)
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape, name
+        err = float((g.double() - w).abs().max())
+        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, err)
+
+
 @pytest.mark.parametrize("d,causal,hq,hk", [(64, True, 4, 2), (128, False, 4, 1), (120, True, 2, 2), (56, False, 6, 2),
                                             (96, True, 4, 2), (88, False, 2, 1)])
 @pytest.mark.parametrize("postprocess_kernel", [True, False])
@@ -108,14 +122,7 @@ def test_b200_backward_with_head_dim_v_unlike_head_dim(b200, d, dv, causal):
     """d != dv (each zero-padded to 64, 96 or 128, or as the pair 192 / 128 of the serial kernel)
     reaches the sm_100a backward with both head dims on its configuration (the
     preprocessing at dv, the postprocessing at d) and the gradients match autograd of the reference."""
-    q, k, _ = rand_qkv(b=2, sq=150, sk=140, hq=4, hk=2, d=d)
-    v = torch.randn(2, 140, 2, dv, dtype=BF16)
-    dout = torch.randn(2, 150, 4, dv, dtype=BF16)
-    got = grads_of(lambda *t: ops_call(*t, causal=causal), leaves(q, k, v), dout)
-    want = reference_grads(q, k, v, dout, causal=causal)
-    for name, g, w in zip("qkv", got, want):
-        err = float((g.double() - w).abs().max())
-        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, err)
+    check_grads_with_dv(d, dv, 150, 140, causal=causal)
     pad = lambda x: {56: 64, 64: 64, 96: 96, 120: 128, 128: 128, 184: 192, 192: 192}[x]  # noqa: E731
     cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
     assert (cfg.arch, cfg.head_dim, cfg.head_dim_v) == (Arch.SM100, pad(d), pad(dv))
@@ -132,15 +139,7 @@ def test_b200_softcap_at_192_128_runs_the_serial_kernel(b200, d, dv, causal, win
     the gradients match autograd of the reference."""
     from flash_attn4.fa4_kernels.sm100 import bwd_pair, bwd_serial
 
-    q, k, _ = rand_qkv(b=2, sq=150, sk=140, hq=4, hk=2, d=d)
-    v = torch.randn(2, 140, 2, dv, dtype=BF16)
-    dout = torch.randn(2, 150, 4, dv, dtype=BF16)
-    opts = dict(causal=causal, window_size=window, softcap=4.0)
-    got = grads_of(lambda *t: ops_call(*t, **opts), leaves(q, k, v), dout)
-    want = reference_grads(q, k, v, dout, **opts)
-    for name, g, w in zip("qkv", got, want):
-        err = float((g.double() - w).abs().max())
-        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, err)
+    check_grads_with_dv(d, dv, 150, 140, causal=causal, window_size=window, softcap=4.0)
     cfg = [c for c in b200["configs"] if isinstance(c, BackwardConfig)][0]
     assert (cfg.arch, cfg.head_dim, cfg.head_dim_v, cfg.has_softcap, cfg.cluster_m) == (Arch.SM100, 192, 128, True, 1)
     assert type(bwd_pair.backward_kernel(cfg)) is bwd_serial.FlashAttentionBackwardSm100Serial
@@ -214,15 +213,7 @@ def test_head_dims_without_a_kernel_run_zero_padded_to_the_next_class(blackwell,
     unless dv <= 128 and d <= 192), Q, K, V, O and dO zero-padded; the gradients, cut back to the
     user's dims, match autograd of the reference (the padded columns change nothing)."""
     (d, dv), (kernel_d, kernel_dv) = PADDED[name]
-    q, k, _ = rand_qkv(b=2, sq=37, sk=51, hq=4, hk=2, d=d)
-    v = torch.randn(2, 51, 2, dv, dtype=BF16)
-    dout = torch.randn(2, 37, 4, dv, dtype=BF16)
-    got = grads_of(lambda *t: ops_call(*t, causal=True), leaves(q, k, v), dout)
-    want = reference_grads(q, k, v, dout, causal=True)
-    for label, g, w in zip("qkv", got, want):
-        assert g.shape == w.shape, label
-        err = float((g.double() - w).abs().max())
-        assert err <= 0.02 * float(w.abs().max()) + 1e-3, (name, label, err)
+    check_grads_with_dv(d, dv, 37, 51, causal=True)
     cfg = [c for c in blackwell["configs"] if isinstance(c, BackwardConfig)][0]
     assert (cfg.arch, cfg.head_dim, cfg.head_dim_v) == (blackwell["arch"], kernel_d, kernel_dv)
     assert cfg.cluster_m == (2 if kernel_d == 256 else 1)
