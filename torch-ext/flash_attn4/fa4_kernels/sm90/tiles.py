@@ -80,8 +80,8 @@ def backward_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 
 
 def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:
-    """BackwardConfig overrides (tile_m, tile_n, num_stages, split_head_dim, exp_eighths_under_dp)
-    for a problem class."""
+    """BackwardConfig overrides (tile_m, tile_n, num_stages, split_head_dim, exp_eighths_under_dp,
+    the tile order) for a problem class."""
     d = max(head_dim, head_dim_v)
     if head_dim == head_dim_v and d <= 128:
         # Longer query blocks spread the per-step overheads (barriers, LSE/rowsum loads, the dQ
@@ -100,11 +100,12 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
 
 # Masked (causal, local) batched backwards of the unsplit layout (d = dv <= 128) take their KV tiles
 # longest first within L2 groups of at least this many heads (BackwardConfig.longest_first; fewer:
-# the launch order, chosen at run time by the same kernel). H100, one call, 2026-12-06 (docs/perf.md):
-# against the launch order 1.02 / 1.01 / 1.04 at d = 64 causal 4k / 8k / 16k (24, 12, 6 heads a
-# group), 1.03 / 1.04 at d = 128 4k / 8k (12, 6); d = 128 16k (3 heads) keeps the launch order, where
-# grouping measured -3% on the H200 earlier. The split layout (d > 128) keeps it everywhere: 0.99
-# at d = 256 causal 4k, nothing gained.
+# the launch order, chosen at run time by the same kernel). H100, two calls, 2026-12-06 (docs/perf.md):
+# against the launch order 1.02 / 1.01 / 1.04 and 0.98 / 1.04 / 1.06 at d = 64 causal 4k / 8k / 16k
+# (24, 12, 6 heads a group), 1.03 / 1.04 and 1.03 / 1.04 at d = 128 4k / 8k (12, 6): small, near the
+# calls' noise (the same kernel against itself 0.97-1.04), always in the H200's earlier direction;
+# d = 128 16k (3 heads) keeps the launch order, where grouping measured -3% on the H200. The split
+# layout (d > 128) keeps it everywhere: 0.99 at d = 256 causal 4k, nothing gained.
 BWD_LONGEST_FIRST_MIN_GROUP = 4
 
 
