@@ -16,8 +16,8 @@ import torch
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
 from .fa4_kernels.config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
-from .fa4_kernels.tiles import (backward_grid, backward_head_dims, backward_schedule, backward_tiles, forward_grid, forward_schedule,
-                                forward_tiles, has_padded_pack)
+from .fa4_kernels.tiles import (backward_grid, backward_head_dims, backward_schedule, backward_tiles, forward_grid,
+                                forward_schedule, forward_tiles, has_padded_pack)
 
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -258,7 +258,7 @@ def _backward_args(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_
                                                          options.get("window_size_left"),
                                                          options.get("window_size_right"))
     deterministic = torch.are_deterministic_algorithms_enabled()
-    try:  # what the arch's backward does not implement (sm_100a: some options and head dims) is PyTorch's
+    try:  # what the arch's backward does not implement is PyTorch's (sm90, sm100: every head dim runs, padded)
         dispatch.backward_config(arch, dispatch.dtype_name(q.dtype),
                                  *dispatch.backward_head_dims(arch, q.shape[-1], v.shape[-1]), causal=causal,
                                  local=ops._is_local(causal, left, right), has_softcap=False, varlen=varlen,

@@ -298,7 +298,8 @@ def backward_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     class holding both, since each kernel is built for fixed head dims. Up to 128 each: the 1-CTA
     (or d = 128 pair) kernel's BWD_HEAD_DIMS, per dim (32 and 48 run at 64, 80 at 96, 112 at 128);
     above that the serial 192 / 128 kernel where dv <= 128, else the d = dv = 256 pair (160, 192 /
-    192, 224, 256 / 128 ...: up to (256 / 160)^2 of the work of a kernel built for the dims)."""
+    192, 224, 256 / 128 ...). The GEMM work grows with the padded dims: 256 / 192 = 1.33x at 192 / 192,
+    up to 256 / 136 = 1.9x."""
     if head_dim <= BWD_HEAD_DIMS[-1] and head_dim_v <= BWD_HEAD_DIMS[-1]:
         return tuple(min(c for c in BWD_HEAD_DIMS if c >= x) for x in (head_dim, head_dim_v))
     return next((d, dv) for d, dv in BWD_SERIAL_HEAD_DIMS + BWD_PAIR256_HEAD_DIMS
