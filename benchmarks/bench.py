@@ -123,7 +123,7 @@ def varlen_lengths(total: int, low: int, high: int, seed: int) -> tuple[int, ...
 def build_cases(args) -> list[Case]:
     seqlens = args.seqlens or ((2048, 8192) if args.quick else SEQLENS)
     head_dims = args.headdims or ((64, 128) if args.quick else HEAD_DIMS)
-    causals = {"both": (False, True), "causal": (True,), "full": (False,)}[getattr(args, "masks", "both")]
+    causals = {"both": (False, True), "causal": (True,), "full": (False,)}[args.masks]
     groups = args.cases or ("grid", "gqa", "varlen")
     cases = []
     if "grid" in groups:

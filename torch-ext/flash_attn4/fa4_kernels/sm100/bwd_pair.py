@@ -431,7 +431,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
                   pipes: Pipelines, work: TileWork, rank):
         """K, V, K^T once (this CTA's share of the pair's tiles), then per step Q, dO, Q^T, dO^T
         (its shares) and LSE, D (all 128 rows, for its own compute warps)."""
-        batch, seqlen, varlen = work.batch, work.seqlen, self.cfg.varlen
+        batch = work.batch
         thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in (mma_s, mma_dv, mma_dk, mma_dq))
         self.pair_load_kv(loads, smem, thr_s, thr_dq, pipes, work)
         rows_offset = self.rows_offset(work)
@@ -439,14 +439,7 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
-            offset = seqlen.offset_q
-            gQ = cute.local_tile(head_rows(loads.Q, offset, head, batch, varlen), (BWD_TILE_M, self.hdim), (None, 0))
-            gdO = cute.local_tile(head_rows(loads.dO, offset, head, batch, varlen), (BWD_TILE_M, self.hdim_v),
-                                  (None, 0))
-            gQt = cute.local_tile(head_columns(loads.Qt, offset, head, batch, varlen), (self.hdim, BWD_TILE_M),
-                                  (0, None))
-            gdOt = cute.local_tile(head_columns(loads.dOt, offset, head, batch, varlen), (self.hdim_v, BWD_TILE_M),
-                                   (0, None))
+            gQ, gdO, gQt, gdOt = self.query_tiles(loads, work, head)
             qdo_state = self.load_phase(((loads.atom_Q, smem.q, thr_s.partition_B(gQ)),
                                          (loads.atom_dO, smem.do, thr_s.partition_B(gdO)),
                                          (loads.atom_Qt, smem.qt, thr_dk.partition_B(gQt)),
@@ -455,6 +448,18 @@ class FlashAttentionBackwardSm100Pair(FlashAttentionBackwardSm100):
             rows_state = self.load_rows(loads, smem, pipes, rows_state, rows_offset, head, batch, m_block)
         if work.num_steps > 0:
             pipes.qdo.producer_tail(qdo_state)
+
+    @cute.jit
+    def query_tiles(self, loads: "PairLoads", work: TileWork, head):
+        """The query blocks of query head ``head`` in the tile's sequence: Q and dO by rows (the B of
+        S^T and dP^T), Q^T and dO^T by head-dim columns (the B of dK and dV)."""
+        offset, batch, varlen = work.seqlen.offset_q, work.batch, self.cfg.varlen
+        gQ = cute.local_tile(head_rows(loads.Q, offset, head, batch, varlen), (BWD_TILE_M, self.hdim), (None, 0))
+        gdO = cute.local_tile(head_rows(loads.dO, offset, head, batch, varlen), (BWD_TILE_M, self.hdim_v), (None, 0))
+        gQt = cute.local_tile(head_columns(loads.Qt, offset, head, batch, varlen), (self.hdim, BWD_TILE_M), (0, None))
+        gdOt = cute.local_tile(head_columns(loads.dOt, offset, head, batch, varlen), (self.hdim_v, BWD_TILE_M),
+                               (0, None))
+        return gQ, gdO, gQt, gdOt
 
     @cute.jit
     def pair_load_kv(self, loads: "PairLoads", smem, thr_s, thr_dq, pipes: Pipelines, work: TileWork):

@@ -108,7 +108,7 @@ from ..softmax import BackwardScales
 from ..tile_work import TileWork
 from . import bwd_pair
 from .bwd import COMPUTE_GROUPS, MMA_K, NUM_WARPS, FlashAttentionBackwardSm100, Pipelines
-from .bwd_pair import CTAS, FlashAttentionBackwardSm100Pair, PairLoads, head_columns
+from .bwd_pair import CTAS, FlashAttentionBackwardSm100Pair, PairLoads
 from .dq_accum import VECTOR
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm
 from .tiles import (BWD_DQ_CHUNK, BWD_PAIR256_KEYS, BWD_PAIR_DQ_ROWS, BWD_TILE_M, backward_pair256,
@@ -308,7 +308,7 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         """K, V, K^T once (this CTA's shares of the pair's tiles); per step Q, dO (query halves),
         LSE, D (all 128 rows, for this CTA's compute threads), then Q^T, dO^T (head-dim halves) into
         the Q and dO buffers once the S^T / dP^T MMAs are done with them."""
-        batch, seqlen, varlen = work.batch, work.seqlen, self.cfg.varlen
+        batch = work.batch
         thr_s, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in (mma_s, mma_dv, mma_dk, mma_dq))
         self.pair_load_kv(loads, smem, thr_s, thr_dq, pipes, work)
         rows_offset = self.rows_offset(work)
@@ -316,17 +316,10 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
         rows_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for step in cutlass.range(work.num_steps, unroll=1):
             head, m_block = work.blocks.at(step)
-            offset = seqlen.offset_q
-            gQ = cute.local_tile(head_rows(loads.Q, offset, head, batch, varlen), (BWD_TILE_M, self.hdim), (None, 0))
-            gdO = cute.local_tile(head_rows(loads.dO, offset, head, batch, varlen), (BWD_TILE_M, self.hdim_v),
-                                  (None, 0))
+            gQ, gdO, gQt, gdOt = self.query_tiles(loads, work, head)
             qdo_state = self.load_phase(((loads.atom_Q, smem.q, thr_s.partition_B(gQ)),
                                          (loads.atom_dO, smem.do, thr_s.partition_B(gdO))), pipes, qdo_state, m_block)
             rows_state = self.load_rows(loads, smem, pipes, rows_state, rows_offset, head, batch, m_block)
-            gQt = cute.local_tile(head_columns(loads.Qt, offset, head, batch, varlen), (self.hdim, BWD_TILE_M),
-                                  (0, None))
-            gdOt = cute.local_tile(head_columns(loads.dOt, offset, head, batch, varlen), (self.hdim_v, BWD_TILE_M),
-                                   (0, None))
             qdo_state = self.load_phase(((loads.atom_Qt, smem.qt, thr_dk.partition_B(gQt)),
                                          (loads.atom_dOt, smem.dot, thr_dv.partition_B(gdOt))), pipes, qdo_state,
                                         m_block)
