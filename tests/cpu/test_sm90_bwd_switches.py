@@ -1,5 +1,6 @@
-"""The sm90 backward's schedule switches (BackwardConfig.separate_do_barrier, dq_bulk_reduce, tma_store_dkv;
-off in the config, tma_store_dkv switched on by dispatch where the layout allows it): what the
+"""The sm90 backward's schedule switches (BackwardConfig.separate_do_barrier, dq_bulk_reduce, tma_store_dkv,
+one_step_body, exp2_emulated_eighths; off in the config, tma_store_dkv switched on by dispatch where the
+layout allows it): what the
 configuration accepts, what the sm100 backward refuses, and what each compiles to for sm_90a (no GPU).
 tests/gpu/test_bwd.py checks their gradients."""
 
@@ -36,14 +37,21 @@ def test_tma_store_dkv_is_refused_where_a_tma_box_cannot_write_dk_dv(layout):
         assert getattr(BackwardConfig(**SM90_D128, **layout, **{name: True}), name)
 
 
-@pytest.mark.parametrize("name", SWITCHES)
+@pytest.mark.parametrize("name", SWITCHES + ("exp2_emulated_eighths",))
 def test_sm100_backward_refuses_the_hopper_switches(name):
     """sm100/tiles.py check_backward: a Hopper schedule switch is a ValueError there, naming it."""
     sm100 = dict(arch=Arch.SM100, dtype="bfloat16", head_dim=128, head_dim_v=128, tile_m=128, tile_n=128,
                  num_stages=1)
     assert BackwardConfig(**sm100).arch is Arch.SM100
     with pytest.raises(ValueError, match=name):
-        BackwardConfig(**sm100, **{name: True})
+        BackwardConfig(**sm100, **{name: 2 if name == "exp2_emulated_eighths" else True})
+
+
+@pytest.mark.parametrize("eighths", [-1, 9])
+def test_exp2_emulated_eighths_is_a_count_of_eighths(eighths):
+    assert BackwardConfig(**SM90_D128).exp2_emulated_eighths == 0
+    with pytest.raises(ValueError, match="exp2_emulated_eighths must be in"):
+        BackwardConfig(**SM90_D128, exp2_emulated_eighths=eighths)
 
 
 def _sass_report():
@@ -133,4 +141,24 @@ def test_one_step_body_builds_the_step_once(spec, exponentials):
     ops = _opcodes(report, spec + ",one_step_body=true")
     assert base["MUFU.EX2"] == 2 * exponentials and ops["MUFU.EX2"] == exponentials
     assert ops["FSEL"] >= exponentials
+    _no_spills_nor_serialised_wgmmas(ops, base)
+
+
+@pytest.mark.parametrize("spec,exponentials", [("d=64,causal=true", 64), ("d=128", 40)])
+@pytest.mark.parametrize("eighths", [2, 8])
+def test_exp2_emulated_eighths_moves_unmasked_exponentials_to_the_fma_pipe(spec, exponentials, eighths):
+    """exp2_emulated_eighths: that many eighths of the thread's P^T columns take the polynomial
+    (exp2.exp2_fma: 3 FFMA each, beside its floor) in the mask-free step only; the masked step keeps
+    every exponential on MUFU (its -inf exponents), so MUFU.EX2 drops by exactly the emulated share
+    of one step; no spills nor serialised WGMMAs."""
+    report = _sass_report()
+    base = _opcodes(report, spec)
+    ops = _opcodes(report, f"{spec},exp2_emulated_eighths={eighths}")
+    from flash_attn4.fa4_kernels.exp2 import emulated
+
+    # the thread's S^T fragment: 2 key rows x (exponentials / 2) query columns, chosen by column pair
+    moved = 2 * sum(emulated(c, eighths) for c in range(exponentials // 2))
+    assert moved == exponentials * eighths // 8 or spec == "d=128"  # 20 columns at 80-query blocks
+    assert base["MUFU.EX2"] == 2 * exponentials and ops["MUFU.EX2"] == 2 * exponentials - moved
+    assert ops["FFMA"] >= base["FFMA"] + 3 * moved
     _no_spills_nor_serialised_wgmmas(ops, base)

@@ -288,6 +288,7 @@ def test_backward_exponentials_after_dp(sm90_schedule, monkeypatch, eighths, d, 
 # unsplit).
 SCHEDULE_SWITCHES = {"sepdo": {"separate_do_barrier": True}, "bulkdq": {"dq_bulk_reduce": True},
                      "dkv": {"tma_store_dkv": True}, "onebody": {"one_step_body": True},
+                     "emu3": {"exp2_emulated_eighths": 3}, "emu8": {"exp2_emulated_eighths": 8},
                      "all": {"separate_do_barrier": True, "dq_bulk_reduce": True, "tma_store_dkv": True,
                              "one_step_body": True}}
 SWITCH_CASES = [
@@ -312,8 +313,9 @@ def _with_switches(monkeypatch, fields: dict):
     (name, *case) for name in SCHEDULE_SWITCHES for case in SWITCH_CASES if not (name == "dkv" and case[0] > 128)])
 def test_backward_schedule_switches(sm90_schedule, monkeypatch, switches, d, heads, sq, sk, kwargs):
     """BackwardConfig.separate_do_barrier (dO behind its own mbarrier), dq_bulk_reduce (dQ added by a 1-D
-    bulk reduce), tma_store_dkv (dK/dV through shared memory and TMA stores) and one_step_body (the
-    masked step for every query block) must give the reference's gradients; dK/dV start as NaN (the
+    bulk reduce), tma_store_dkv (dK/dV through shared memory and TMA stores), one_step_body (the
+    masked step for every query block) and exp2_emulated_eighths (3/8 or all of the mask-free steps'
+    exponentials as a polynomial) must give the reference's gradients; dK/dV start as NaN (the
     fixture), so a tile left unwritten fails."""
     fields = dict(SCHEDULE_SWITCHES[switches])
     if d > 128:

@@ -282,8 +282,8 @@ class BackwardConfig(_KernelConfig):
 
     Which fields an arch reads: the problem class (dtype through deterministic) and tile_m, tile_n,
     num_stages everywhere; longest_first wherever the arch's scheduler orders tiles; split_head_dim,
-    exp_eighths_under_dp, separate_do_barrier, dq_bulk_reduce, tma_store_dkv and one_step_body are sm90
-    layout and schedule switches (sm90/tiles.py). The arch's check_backward
+    exp_eighths_under_dp, exp2_emulated_eighths, separate_do_barrier, dq_bulk_reduce, tma_store_dkv and
+    one_step_body are sm90 layout and schedule switches (sm90/tiles.py). The arch's check_backward
     (registry in arch.py) rejects tiles its kernel cannot build, when the config is constructed.
     """
 
@@ -310,6 +310,9 @@ class BackwardConfig(_KernelConfig):
     # query columns; the rest is computed after dP^T, column by column with dS^T, so that the
     # MUFU exponentials and the FMA-pipe gradient arithmetic can interleave. 8: all before.
     exp_eighths_under_dp: int = 8
+    # How many of every 8 column pairs of P^T run exp2 as a polynomial on the FMA pipe
+    # (exp2.exp2_fma) instead of MUFU.EX2, in steps without an element-wise mask (0: all MUFU).
+    exp2_emulated_eighths: int = 0
     # Q (with LSE) and dO (with rowsum) behind one mbarrier per stage (False), or each behind its own
     # (True): S^T = K Q^T is then issued as soon as Q has landed, while dO may still be in flight.
     separate_do_barrier: bool = False

@@ -77,6 +77,7 @@ from cutlass.experimental.primitives.nvvm_wrapper import CpReduceType, cp_reduce
 
 from ..config import BackwardConfig
 from ..dtypes import CUTLASS_DTYPES
+from ..exp2 import emulated, exp2_fma
 from ..kv_tail import first_row_past_keys, zero_rows
 from ..layouts import tma_partition_tile, transpose_view
 from ..mask import AttentionMask
@@ -750,7 +751,10 @@ class FlashAttentionBackwardSm90:
                     if cutlass.const_expr(self.cfg.local):
                         keep = keep & (key >= lo)
                     exponent = Float32(cutlass.select_(keep, exponent, -Float32.inf))
-                p = cute.math.exp2(exponent, fastmath=True)
+                if cutlass.const_expr(not masked and emulated(c, self.cfg.exp2_emulated_eighths)):
+                    p = exp2_fma(exponent)  # finite here: -inf exponents only come from the mask
+                else:
+                    p = cute.math.exp2(exponent, fastmath=True)
                 if cutlass.const_expr(masked and self.cfg.has_softcap):
                     # After the exponential: tanh(-inf) would give P > 0. A branch here spills less
                     # than a select under softcap's extra live values.
