@@ -314,8 +314,9 @@ def test_every_head_dim_has_a_backward_at_the_smallest_kernel_holding_it(arch):
 
 def test_sm90_masked_backward_orders_tiles_longest_first_where_measured():
     """sm90/tiles.py: causal and local backwards of the unsplit layout (d = dv <= 128) take KV
-    tiles longest first within L2 groups of at least BWD_LONGEST_FIRST_MIN_GROUP heads (the
-    kernel falls back to the launch order below that, at run time); unmasked problems and the
+    tiles longest first within L2 groups of at least BWD_LONGEST_FIRST_MIN_GROUP heads, for heads of
+    at least BWD_LONGEST_FIRST_MIN_BLOCKS KV tiles (the kernel falls back to the launch order below
+    either, at run time); unmasked problems and the
     split layout (d > 128, d != dv) keep the launch order; varlen has no host-side order."""
     from flash_attn4.fa4_kernels.scheduler import longest_first_applies
     from flash_attn4.fa4_kernels.sm90 import tiles as sm90_tiles
@@ -328,6 +329,7 @@ def test_sm90_masked_backward_orders_tiles_longest_first_where_measured():
         for mask in (dict(causal=True), dict(local=True)):
             c = cfg(d, d, **mask)
             assert c.longest_first and c.longest_first_min_group == sm90_tiles.BWD_LONGEST_FIRST_MIN_GROUP > 1
+            assert c.longest_first_min_blocks == sm90_tiles.BWD_LONGEST_FIRST_MIN_BLOCKS > 1
             assert longest_first_applies(c) and not longest_first_applies(cfg(d, d, varlen=True, **mask))
         assert not cfg(d, d).longest_first
     for d, dv in ((256, 256), (192, 128), (128, 64)):

@@ -234,17 +234,19 @@ def test_backward_tuning_variants(sm90_schedule, monkeypatch, variant, d, causal
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), causal=causal)
 
 
-@pytest.mark.parametrize("min_group", [None, 1, 10**6], ids=["rule", "always_grouped", "launch_order"])
+@pytest.mark.parametrize("order", [{}, {"longest_first_min_group": 1, "longest_first_min_blocks": 1},
+                                   {"longest_first_min_group": 10**6}], ids=["rule", "always_grouped", "launch_order"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("d,heads,sq", [(128, "gqa", 1000), (64, "mha", 1000), (256, "mqa", 300), (128, "mha", 8192)])
-def test_backward_longest_first_order(sm90_schedule, monkeypatch, d, heads, sq, deterministic, min_group):
+def test_backward_longest_first_order(sm90_schedule, monkeypatch, d, heads, sq, deterministic, order):
     """BackwardConfig.longest_first (on for masks at d <= 128, sm90/tiles.py; forced on here for
     the split layout too): KV tiles in longest-first order within L2 groups of heads, the partial
-    group first; where fewer than longest_first_min_group heads fit a group, the launch order
-    through the same kernel (groups of one head; here forced by a huge minimum). Every KV tile must
+    group first; where fewer than longest_first_min_group heads fit a group, or a head has fewer
+    than longest_first_min_blocks KV tiles (the rule's 1000-token cases), the launch order through
+    the same kernel (groups of one head; also forced by a huge minimum group). Every KV tile must
     still be computed once (dK/dV start as NaN), and the deterministic mode's dQ ordering must not
     deadlock. At 8k, d=128, MHA, a (KV head, batch) pair streams 4 MiB of Q and dO: groups of 6 of
-    the 8 pairs, the partial group of 2 first."""
+    the 8 pairs, the partial group of 2 first (64 KV tiles a head: the rule groups them)."""
     from flash_attn4 import dispatch
     from flash_attn4.fa4_kernels.sm90 import tiles as sm90_tiles
 
@@ -252,9 +254,10 @@ def test_backward_longest_first_order(sm90_schedule, monkeypatch, d, heads, sq, 
     picked = chosen(dispatch.Arch.SM90, "bfloat16", d, d, causal=True, local=False, has_softcap=False, varlen=False,
                     has_seqused_k=False, deterministic=deterministic)
     assert picked.longest_first == (d <= 128)
-    minimum = min_group or sm90_tiles.BWD_LONGEST_FIRST_MIN_GROUP
+    fields = {"longest_first_min_group": sm90_tiles.BWD_LONGEST_FIRST_MIN_GROUP,
+              "longest_first_min_blocks": sm90_tiles.BWD_LONGEST_FIRST_MIN_BLOCKS, **order}
     monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(
-        longest_first=True, longest_first_min_group=minimum))
+        longest_first=True, **fields))
     hq, hk = HEADS[heads]
     q, k, v = rand(2, sq, hq, d), rand(2, sq, hk, d), rand(2, sq, hk, d)
     dout = rand(2, sq, hq, d)

@@ -301,11 +301,13 @@ class BackwardConfig(_KernelConfig):
     # Causal/local, batched: KV tiles in longest-first order within L2 groups of heads (the first KV
     # blocks see the most queries), the partial group first, instead of the launch order (KV block
     # fastest, head by head), whose last heads' longest tiles start late. Where fewer than
-    # longest_first_min_group heads' Q and dO fit the L2 budget (long sequences), the kernel keeps
-    # the launch order: a runtime choice of the same kernel (groups of one head are the launch
-    # order). sm90's rule and its measurements: sm90/tiles.backward_tiles.
+    # longest_first_min_group heads' Q and dO fit the L2 budget (long sequences), or a head has
+    # fewer than longest_first_min_blocks KV tiles (short sequences), the kernel keeps the launch
+    # order: a runtime choice of the same kernel (groups of one head are the launch order). sm90's
+    # rule and its measurements: sm90/tiles.backward_tiles.
     longest_first: bool = False
     longest_first_min_group: int = 1
+    longest_first_min_blocks: int = 1
     # How much of P^T is exponentiated while dP^T's GEMM still runs, in eighths of the thread's
     # query columns; the rest is computed after dP^T, column by column with dS^T, so that the
     # MUFU exponentials and the FMA-pipe gradient arithmetic can interleave. 8: all before.

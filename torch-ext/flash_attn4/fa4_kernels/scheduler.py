@@ -62,18 +62,22 @@ class TileScheduler:
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, kv_bytes_per_head: Int32,
                longest_first: bool, num_ctas: int = 0, longest_block_last: bool = True, *,
-               l2_budget_bytes: int, cluster_m: int = 1, min_group: int = 1) -> "TileScheduler":
+               l2_budget_bytes: int, cluster_m: int = 1, min_group: int = 1,
+               min_blocks: int = 1) -> "TileScheduler":
         """Host side. kv_bytes_per_head: the bytes one (head, batch) pair streams through L2 (K and V
         for the forward; Q and dO of its query heads for the backward); l2_budget_bytes: how much of
         the L2 a group of heads may fill (the arch's rules, e.g. sm90/tiles.py); min_group: groups of
         fewer heads than this become groups of one: each head's blocks in turn, the longest first
-        (for the backward, whose longest blocks come first, the launch order itself)."""
+        (for the backward, whose longest blocks come first, the launch order itself); min_blocks:
+        so do heads of fewer blocks than this."""
         num_head_batch = num_heads * num_batch
         group = Int32(1)
         if cutlass.const_expr(longest_first):
             group = cutlass.max(cutlass.min(l2_budget_bytes // cutlass.max(kv_bytes_per_head, 1), num_head_batch), 1)
             if cutlass.const_expr(min_group > 1):
                 group = cutlass.select_(group >= min_group, group, Int32(1))
+            if cutlass.const_expr(min_blocks > 1):
+                group = cutlass.select_(Int32(num_m_blocks) >= min_blocks, group, Int32(1))
         first = num_head_batch - (num_head_batch - 1) // group * group  # 1..group
         return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, first, longest_first, num_ctas,
                              longest_block_last, cluster_m)

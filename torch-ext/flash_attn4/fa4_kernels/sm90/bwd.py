@@ -280,7 +280,8 @@ class FlashAttentionBackwardSm90:
         scheduler = TileScheduler.create(
             num_n_blocks, num_heads_kv, num_batch, qdo_bytes_per_head,
             longest_first=cfg.longest_first and longest_first_applies(cfg),
-            longest_block_last=False, l2_budget_bytes=L2_BUDGET_BYTES, min_group=cfg.longest_first_min_group)
+            longest_block_last=False, l2_budget_bytes=L2_BUDGET_BYTES, min_group=cfg.longest_first_min_group,
+            min_blocks=cfg.longest_first_min_blocks)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dQ, tma_dQ,

@@ -107,12 +107,20 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
 # d = 128 16k (3 heads) keeps the launch order, where grouping measured -3% on the H200. The split
 # layout (d > 128) keeps it everywhere: 0.99 at d = 256 causal 4k, nothing gained.
 BWD_LONGEST_FIRST_MIN_GROUP = 4
+# ... and only where a head has at least this many KV tiles (4k keys at 128 a tile). Below, the
+# longest tiles are short and the launch order's L2 sharing wins (a head's tiles run together and
+# share its Q, dO and dQ accumulator): the launch order against the grouped order (H100, 2026-12-06,
+# session 18, docs/perf.md) 1.18 / 1.04 at d = 64 causal 1k / 2k (8 and 16 tiles, 96 and 48 heads a
+# group), 1.12 / 1.00 at d = 128; at 4k 1.00 and 0.95 (32 tiles). With the rule, d64 causal 1k went
+# from 0.80 to 0.92 of flash-attn-4, d128 causal 1k from 0.85 to 0.95.
+BWD_LONGEST_FIRST_MIN_BLOCKS = 32
 
 
 def _backward_order(causal: bool, local: bool) -> dict:
     if not (causal or local):
         return {}
-    return dict(longest_first=True, longest_first_min_group=BWD_LONGEST_FIRST_MIN_GROUP)
+    return dict(longest_first=True, longest_first_min_group=BWD_LONGEST_FIRST_MIN_GROUP,
+                longest_first_min_blocks=BWD_LONGEST_FIRST_MIN_BLOCKS)
 
 
 def backward_schedule(head_dim: int, head_dim_v: int, varlen: bool) -> dict:
