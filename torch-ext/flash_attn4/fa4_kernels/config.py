@@ -313,7 +313,8 @@ class BackwardConfig(_KernelConfig):
     # MUFU exponentials and the FMA-pipe gradient arithmetic can interleave. 8: all before.
     exp_eighths_under_dp: int = 8
     # How many of every 8 column pairs of P^T run exp2 as a polynomial on the FMA pipe
-    # (exp2.exp2_fma) instead of MUFU.EX2, in steps without an element-wise mask (0: all MUFU).
+    # (exp2.exp2_fma) instead of MUFU.EX2, in steps without an element-wise mask (0: all MUFU; a NaN
+    # score there gives P ~ 2^-126, not NaN, as in the forward's). Measured no faster (docs/perf.md).
     exp2_emulated_eighths: int = 0
     # Q (with LSE) and dO (with rowsum) behind one mbarrier per stage (False), or each behind its own
     # (True): S^T = K Q^T is then issued as soon as Q has landed, while dO may still be in flight.
