@@ -316,8 +316,8 @@ def test_sm90_masked_backward_orders_tiles_longest_first_where_measured():
     """sm90/tiles.py: causal and local backwards of the unsplit layout (d = dv <= 128) take KV
     tiles longest first within L2 groups of at least BWD_LONGEST_FIRST_MIN_GROUP heads, for heads of
     at least BWD_LONGEST_FIRST_MIN_BLOCKS KV tiles (the kernel falls back to the launch order below
-    either, at run time); unmasked problems and the
-    split layout (d > 128, d != dv) keep the launch order; varlen has no host-side order."""
+    either, at run time); unmasked problems and the split layout (d > 128, d != dv) keep the launch
+    order; varlen has no host-side order."""
     from flash_attn4.fa4_kernels.scheduler import longest_first_applies
     from flash_attn4.fa4_kernels.sm90 import tiles as sm90_tiles
 

@@ -1,8 +1,7 @@
 """The sm90 backward's schedule switches (BackwardConfig.separate_do_barrier, dq_bulk_reduce, tma_store_dkv,
 one_step_body, exp2_emulated_eighths; off in the config, tma_store_dkv switched on by dispatch where the
-layout allows it): what the
-configuration accepts, what the sm100 backward refuses, and what each compiles to for sm_90a (no GPU).
-tests/gpu/test_bwd.py checks their gradients."""
+layout allows it): what the configuration accepts, what the sm100 backward refuses, and what each
+compiles to for sm_90a (no GPU). tests/gpu/test_bwd.py checks their gradients."""
 
 from __future__ import annotations
 
@@ -151,11 +150,11 @@ def test_exp2_emulated_eighths_moves_unmasked_exponentials_to_the_fma_pipe(spec,
     (exp2.exp2_fma: 3 FFMA each, beside its floor) in the mask-free step only; the masked step keeps
     every exponential on MUFU (its -inf exponents), so MUFU.EX2 drops by exactly the emulated share
     of one step; no spills nor serialised WGMMAs."""
+    from flash_attn4.fa4_kernels.exp2 import emulated
+
     report = _sass_report()
     base = _opcodes(report, spec)
     ops = _opcodes(report, f"{spec},exp2_emulated_eighths={eighths}")
-    from flash_attn4.fa4_kernels.exp2 import emulated
-
     # the thread's S^T fragment: 2 key rows x (exponentials / 2) query columns, chosen by column pair
     moved = 2 * sum(emulated(c, eighths) for c in range(exponentials // 2))
     assert moved == exponentials * eighths // 8 or spec == "d=128"  # 20 columns at 80-query blocks
