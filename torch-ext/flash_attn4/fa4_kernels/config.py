@@ -79,6 +79,13 @@ class _KernelConfig(_Config):
         if self.causal and self.local:
             raise ValueError("causal and local are exclusive: express causal as local with window_right=0")
 
+    def _check_eighths(self, *names: str) -> None:
+        """Fields counting eighths of a thread's score columns (0 to 8)."""
+        for name in names:
+            value = getattr(self, name)
+            if not 0 <= value <= 8:
+                raise ValueError(f"{name} must be in [0, 8], got {value}")
+
 
 @dataclass(frozen=True)
 class ForwardConfig(_KernelConfig):
@@ -202,8 +209,7 @@ class ForwardConfig(_KernelConfig):
             raise ValueError(f"pack_gqa must be >= 1 (1: off), got {self.pack_gqa}")
         if self.pack_gqa_heads:
             self._check_padded_pack()
-        if not 0 <= self.exp2_emulated_eighths <= 8:
-            raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {self.exp2_emulated_eighths}")
+        self._check_eighths("exp2_emulated_eighths")
         if self.persistent_ctas < 0:
             raise ValueError(f"persistent_ctas must be >= 0 (0: one CTA per tile), got {self.persistent_ctas}")
         self._check_arch("check_forward")
@@ -341,6 +347,7 @@ class BackwardConfig(_KernelConfig):
         self._check_common()
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k needs varlen")
+        self._check_eighths("exp_eighths_under_dp", "exp2_emulated_eighths")
         if self.cluster_m != 1:
             entry = KERNELS.get(self.arch)
             if entry is None or self.cluster_m not in getattr(entry.rules(), "BACKWARD_CLUSTER_M", (1,)):

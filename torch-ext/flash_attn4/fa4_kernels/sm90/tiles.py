@@ -193,10 +193,6 @@ def check_forward(cfg) -> None:
 
 def check_backward(cfg) -> None:
     """ValueError for a BackwardConfig the sm90 backward cannot build (run by BackwardConfig)."""
-    if not 0 <= cfg.exp_eighths_under_dp <= 8:
-        raise ValueError(f"exp_eighths_under_dp must be in [0, 8], got {cfg.exp_eighths_under_dp}")
-    if not 0 <= cfg.exp2_emulated_eighths <= 8:
-        raise ValueError(f"exp2_emulated_eighths must be in [0, 8], got {cfg.exp2_emulated_eighths}")
     if cfg.tma_store_dkv and (cfg.varlen or cfg.split_head_dim):
         raise ValueError("tma_store_dkv is for batched inputs in the unsplit layout: a TMA box would write past a "
                          "packed sequence, and the split layout's K/V tiles hold half the keys' head dims")
