@@ -190,6 +190,36 @@ def test_partial_group_first_order(seed, b, hq, hk):
     check(out, lse, q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("order", ["launch_order", "grouped", "min_blocks"])
+@pytest.mark.parametrize("mask", ["causal", "local"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_tile_order_switches(seed, monkeypatch, order, mask, d):
+    """ForwardConfig.longest_first and longest_first_min_blocks (A/B switches of the tile order):
+    off, the launch order; a minimum of exactly the head's query tiles still groups heads
+    longest-first, one more keeps each head's tiles together. Every tile must be computed once and
+    by the same arithmetic as in the default order: the results are bitwise the default kernel's."""
+    from flash_attn4 import dispatch
+
+    window = (300, 40) if mask == "local" else (-1, -1)
+    hq, hk = HEADS["gqa"]
+    sq = 1000
+    q, k, v = rand(3, sq, hq, d), rand(3, sq, hk, d), rand(3, sq, hk, d)
+    kwargs = dict(causal=mask == "causal", window_size=window)
+    # (one split: split-KV tiles keep the launch order whatever the switches say)
+    base_out, base_lse = flash_attn_func(q, k, v, return_lse=True, num_splits=1, **kwargs)
+    picked = dispatch.forward_config(dispatch.arch_for_device(q.device), "bfloat16", d, d, causal=mask == "causal",
+                                     local=mask == "local", has_softcap=False, varlen=False, has_seqused_k=False,
+                                     has_sink=False, qhead_per_kvhead=hq // hk)
+    assert picked.longest_first and picked.longest_first_min_blocks == 1
+    m_blocks = -(-sq * picked.pack_gqa // picked.tile_m)
+    fields = {"launch_order": dict(longest_first=False), "grouped": dict(longest_first_min_blocks=m_blocks),
+              "min_blocks": dict(longest_first_min_blocks=m_blocks + 1)}[order]
+    override_forward_config(monkeypatch, **fields)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, num_splits=1, **kwargs)
+    check(out, lse, q, k, v, **kwargs)
+    assert torch.equal(out, base_out) and torch.equal(lse, base_lse), "the tile order changed the results"
+
+
 @pytest.mark.parametrize("hq,hk", [(4, 2), (16, 4), (16, 2)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(1, 257), (7, 1000), (64, 64), (300, 257), (1000, 1000)])

@@ -117,10 +117,11 @@ class ForwardConfig(_KernelConfig):
 
     Which fields an arch reads: every forward reads the problem class (dtype through has_sink,
     pack_gqa; pack_gqa_heads where its rules allow it), its tiles (tile_m, tile_n, num_stages: what
-    they mean in warps and stages is the arch's), rescale_threshold, exp2_emulated_eighths and
-    persistent_ctas. pingpong, tma_store_o, rescale_o_before_pv and whole_k_gemms are sm90 schedule
-    switches (sm90/tiles.py); another arch leaves them at their defaults. The arch's check_forward
-    (registry in arch.py) rejects what its kernel cannot build, when the config is constructed.
+    they mean in warps and stages is the arch's), rescale_threshold, exp2_emulated_eighths,
+    persistent_ctas and the tile order (longest_first, longest_first_min_blocks). pingpong,
+    tma_store_o, rescale_o_before_pv and whole_k_gemms are sm90 schedule switches (sm90/tiles.py);
+    another arch leaves them at their defaults. The arch's check_forward (registry in arch.py)
+    rejects what its kernel cannot build, when the config is constructed.
     """
 
     has_softcap: bool = False
@@ -196,6 +197,13 @@ class ForwardConfig(_KernelConfig):
     # of every K and V tile. Only for an arch whose rules say it has pairs (``FORWARD_CLUSTER_M``
     # in its tiles.py), which also say for which problem classes (its check_forward).
     cluster_m: int = 1
+    # Causal/local, batched, not split: query tiles in longest-first order within L2 groups of
+    # heads (scheduler.py) instead of the launch order (query block fastest, head by head). Heads of
+    # fewer than longest_first_min_blocks query tiles are taken one at a time, each head's tiles
+    # together, the longest first (a runtime choice of the same kernel). A/B switches: every
+    # arch's forward orders longest-first by default.
+    longest_first: bool = True
+    longest_first_min_blocks: int = 1
 
     def __post_init__(self):
         self._check_common()

@@ -279,9 +279,10 @@ class FlashAttentionForwardSm90:
                             else mPageTable.shape[1] * cfg.page_size)
         kv_bytes_per_head = kv_rows_per_head * (self.hdim + self.hdim_v) * (self.dtype.width // 8)
         # Split-KV folds the split into the head mode (KVSplits); its tiles keep the launch order.
+        longest_first = cfg.longest_first and longest_first_applies(cfg) and not cfg.split_kv
         scheduler = TileScheduler.create(num_m_blocks, num_heads if splits is None else splits.fold(num_heads),
-                                         num_batch, kv_bytes_per_head,
-                                         longest_first=longest_first_applies(cfg) and not cfg.split_kv,
+                                         num_batch, kv_bytes_per_head, longest_first=longest_first,
+                                         min_blocks=cfg.longest_first_min_blocks,
                                          num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
