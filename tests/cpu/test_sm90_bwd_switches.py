@@ -1,5 +1,5 @@
 """The sm90 backward's schedule switches (BackwardConfig.separate_do_barrier, dq_bulk_reduce, tma_store_dkv,
-one_step_body, exp2_emulated_eighths; off in the config, tma_store_dkv switched on by dispatch where the
+one_step_body, exp2_emulated_eighths, ds_store_by_group; off in the config, tma_store_dkv switched on by dispatch where the
 layout allows it): what the configuration accepts, what the sm100 backward refuses, and what each
 compiles to for sm_90a (no GPU). tests/gpu/test_bwd.py checks their gradients."""
 
@@ -16,7 +16,7 @@ from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import BackwardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SWITCHES = ("separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv", "one_step_body")
+SWITCHES = ("separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv", "one_step_body", "ds_store_by_group")
 SM90_D128 = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128)
 
 
@@ -34,6 +34,11 @@ def test_tma_store_dkv_is_refused_where_a_tma_box_cannot_write_dk_dv(layout):
     # the other switches take every layout
     for name in ("separate_do_barrier", "dq_bulk_reduce", "one_step_body"):
         assert getattr(BackwardConfig(**SM90_D128, **layout, **{name: True}), name)
+
+
+def test_ds_store_by_group_is_refused_in_the_split_layout():
+    with pytest.raises(ValueError, match="ds_store_by_group is for the unsplit layout"):
+        BackwardConfig(**SM90_D128, ds_store_by_group=True, split_head_dim=True, tile_n=64)
 
 
 @pytest.mark.parametrize("name", SWITCHES + ("exp2_emulated_eighths",))
@@ -161,3 +166,27 @@ def test_exp2_emulated_eighths_moves_unmasked_exponentials_to_the_fma_pipe(spec,
     assert base["MUFU.EX2"] == 2 * exponentials and ops["MUFU.EX2"] == 2 * exponentials - moved
     assert ops["FFMA"] >= base["FFMA"] + 3 * moved
     _no_spills_nor_serialised_wgmmas(ops, base)
+
+
+def _stsm_gaps(report, spec: str) -> list[int]:
+    """Instructions between consecutive stmatrix of the step's dS^T (the kernel's first 8 STSM; the
+    others store dK and dV after the loop)."""
+    sass = report.compile_sass("bwd", "sm_90a", spec)
+    lines = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(.*)$", sass, flags=re.M)
+    stores = [i for i, line in enumerate(lines) if "STSM" in line][:8]
+    return [b - a - 1 for a, b in zip(stores, stores[1:])]
+
+
+def test_ds_store_by_group_spreads_the_ds_stores_over_the_gradient_arithmetic():
+    """ds_store_by_group at d = 64 causal (128-query blocks, all of P^T under dP^T): the same code
+    reordered, the 8 stmatrix of dS^T each after its 4 columns' arithmetic (8 scores, 4 conversions)
+    instead of back to back after dV's GEMM is issued; the same instruction count, no spills nor
+    serialised WGMMAs."""
+    report = _sass_report()
+    spec = "d=64,causal=true"
+    base, ops = _opcodes(report, spec), _opcodes(report, spec + ",ds_store_by_group=true")
+    assert ops["STSM.16.M88.4"] == base["STSM.16.M88.4"]
+    assert sum(ops.values()) == sum(base.values())
+    _no_spills_nor_serialised_wgmmas(ops, base)
+    assert max(_stsm_gaps(report, spec)) <= 2
+    assert min(_stsm_gaps(report, spec + ",ds_store_by_group=true")) >= 8

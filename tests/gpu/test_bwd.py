@@ -286,6 +286,26 @@ def test_backward_exponentials_after_dp(sm90_schedule, monkeypatch, eighths, d, 
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
 
 
+@pytest.mark.parametrize("eighths", [0, 3, 8])
+@pytest.mark.parametrize("d,heads,sq,sk,kwargs", [
+    (128, "gqa", 300, 257, {"causal": True}),  # 80-query blocks: 20 columns a thread, 5 stmatrix groups
+    (64, "mha", 1000, 1000, {"causal": True}),  # 128-query blocks: 32 columns
+    (64, "gqa", 1000, 1000, {}),
+    (128, "mqa", 113, 515, {"window_size": (100, 7), "softcap": 30.0}),  # 64-query blocks: 16 columns
+])
+def test_backward_ds_store_by_group(sm90_schedule, monkeypatch, eighths, d, heads, sq, sk, kwargs):
+    """BackwardConfig.ds_store_by_group: dS^T stored a stmatrix at a time as its columns are done,
+    whatever share of the columns comes after dP^T (3/8 splits a stmatrix group between the two
+    runs of columns at every block size); a group stored early, late or twice breaks dQ."""
+    from flash_attn4 import dispatch
+
+    chosen = dispatch.backward_config
+    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(
+        exp_eighths_under_dp=eighths, ds_store_by_group=True))
+    hq, hk = HEADS[heads]
+    check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
+
+
 # The sm90 schedule switches (BackwardConfig; dispatch turns tma_store_dkv on where it can, the others are
 # off, for A/B runs): each alone and all of them, on the layouts that take them (tma_store_dkv: batched,
 # unsplit).

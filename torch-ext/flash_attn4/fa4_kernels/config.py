@@ -296,9 +296,10 @@ class BackwardConfig(_KernelConfig):
 
     Which fields an arch reads: the problem class (dtype through deterministic) and tile_m, tile_n,
     num_stages everywhere; longest_first wherever the arch's scheduler orders tiles; split_head_dim,
-    exp_eighths_under_dp, exp2_emulated_eighths, separate_do_barrier, dq_bulk_reduce, tma_store_dkv and
-    one_step_body are sm90 layout and schedule switches (sm90/tiles.py). The arch's check_backward
-    (registry in arch.py) rejects tiles its kernel cannot build, when the config is constructed.
+    exp_eighths_under_dp, exp2_emulated_eighths, separate_do_barrier, dq_bulk_reduce, tma_store_dkv,
+    one_step_body and ds_store_by_group are sm90 layout and schedule switches (sm90/tiles.py). The
+    arch's check_backward (registry in arch.py) rejects tiles its kernel cannot build, when the
+    config is constructed.
     """
 
     has_softcap: bool = False
@@ -345,6 +346,11 @@ class BackwardConfig(_KernelConfig):
     # (a select per score on every step), instead of a second, mask-free copy of the step for blocks
     # inside the mask (False): half the step loop's code, more work per unmasked step. For A/B runs.
     one_step_body: bool = False
+    # dS^T leaves the registers for shared memory a stmatrix at a time, as soon as the arithmetic
+    # of its query columns is done (True), instead of all stmatrix together after dV's GEMM is
+    # issued (False): the stores then drain under the rest of the gradient arithmetic, and the fence
+    # before the dS barrier waits for the last one only. Unsplit layout.
+    ds_store_by_group: bool = False
     # CTAs that share one MMA along the keys: 1, each CTA issues its own; 2, a cluster of two CTAs
     # (a pair, tile_n keys each) runs the M = 2 * tile_n tcgen05 MMAs of cta_group::2 issued by the
     # even CTA. Only for an arch whose rules say it has backward pairs (``BACKWARD_CLUSTER_M`` in its

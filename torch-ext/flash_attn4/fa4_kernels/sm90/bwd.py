@@ -483,15 +483,21 @@ class FlashAttentionBackwardSm90:
         for step in cutlass.range(work.num_steps, unroll=1):
             _, m_block = work.blocks.at(step)
             stage = state.index
+            ds_groups = None
+            if cutlass.const_expr(self.cfg.ds_store_by_group):
+                ds_groups = DsGroups(store_ds, tdSrdS, store_ds.retile(scores.acc_dp),
+                                     tdSsdS[None, None, None, step % 2])
             self.scores_and_gradients(pipe_qdo, pipe_do, state, mmas.sdp, scores, rP, rdS, smem, work, m_block,
-                                      scales)
+                                      scales, ds_groups)
             wgmma(tiled_mma_dkv, acc_dV, acc_as_a_operand(rP), tVrdOt[None, None, None, stage], zero_init=False)
 
             # dQ needs every key of the tile: both warpgroups' dS go through shared memory, into
             # this block's buffer of two. The other warpgroup's dQ GEMM of the previous block read
-            # the other buffer, and it had finished with this one before the previous step's barrier.
+            # the other buffer, and it had finished with this one before the previous step's barrier
+            # (so ds_groups may store into it from the step's start).
             buffer = step % 2
-            cute.copy(store_ds, tdSrdS, tdSsdS[None, None, None, buffer])
+            if cutlass.const_expr(ds_groups is None):
+                cute.copy(store_ds, tdSrdS, tdSsdS[None, None, None, buffer])
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to WGMMA
             cute.arch.barrier(barrier_id=int(Barrier.DS), number_of_threads=NUM_CONSUMER_WARPGROUPS * WARPGROUP_THREADS)
             acc_dQ = cute.make_rmem_tensor(acc_dq_shape, Float32)
@@ -620,10 +626,11 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def scores_and_gradients(self, pipe_qdo, pipe_do, state, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands",
                              rP: cute.Tensor, rdS: cute.Tensor, smem: "SharedTiles", work: "TileWork",
-                             m_block: Int32, scales: BackwardScales):
+                             m_block: Int32, scales: BackwardScales, ds_groups: Optional["DsGroups"] = None):
         """The first half of a step, the same in both layouts: once the query block's stage has
         landed, S^T and dP^T, then P^T (rP, and scores.acc_s), the first exp_eighths_under_dp of it
-        while dP^T still runs, then dS^T (rdS)."""
+        while dP^T still runs, then dS^T (rdS; with ds_groups, converted and stored to shared
+        memory a stmatrix at a time as its columns are done)."""
         stage = state.index
         pipe_qdo.consumer_wait(state)
         self.issue_scores(tiled_mma_sdp, scores, stage, pipe_do, state)
@@ -658,25 +665,28 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(under_dp < columns):
             if full:
                 self.probabilities_then_gradients(scores, rP, sLSE, rLSE, sdPsum, rdPsum, work, m_block, scales,
-                                                  False, under_dp, columns)
+                                                  False, under_dp, columns, ds_groups)
             else:
                 self.probabilities_then_gradients(scores, rP, sLSE, rLSE, sdPsum, rdPsum, work, m_block, scales,
-                                                  True, under_dp, columns)
-        self.score_gradients(scores, sdPsum, rdPsum, 0, under_dp)
+                                                  True, under_dp, columns, ds_groups)
+        self.score_gradients(scores, sdPsum, rdPsum, 0, under_dp, ds_groups, under_dp)
         if cutlass.const_expr(not convert_p_early and not self.cfg.has_softcap):
             rP.store(scores.acc_s.load().to(self.dtype))
-        rdS.store(scores.acc_dp.load().to(self.dtype))
+        if cutlass.const_expr(ds_groups is None):
+            rdS.store(scores.acc_dp.load().to(self.dtype))
 
     @cute.jit
     def probabilities_then_gradients(self, scores: "ScoreOperands", rP: cute.Tensor, sLSE: cute.Tensor,
                                      rLSE: Optional[cute.Tensor], sdPsum: cute.Tensor,
                                      rdPsum: Optional[cute.Tensor], work: "TileWork", m_block: Int32,
                                      scales: BackwardScales, masked: cutlass.Constexpr[bool],
-                                     first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
-        """P^T and then dS^T, column by column, for the thread's query columns [first, end)."""
+                                     first: cutlass.Constexpr[int], end: cutlass.Constexpr[int],
+                                     ds_groups: Optional["DsGroups"] = None):
+        """P^T and then dS^T, column by column, for the thread's query columns [first, end) (the
+        columns after the first ``first``, which come last)."""
         for c in cutlass.range_constexpr(first, end):
             self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, masked, c, c + 1)
-            self.score_gradients(scores, sdPsum, rdPsum, c, c + 1)
+            self.score_gradients(scores, sdPsum, rdPsum, c, c + 1, ds_groups, first)
 
     @cute.jit
     def per_query(self, tScS: cute.Tensor, sRow: cute.Tensor) -> cute.Tensor:
@@ -689,16 +699,22 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def score_gradients(self, scores: "ScoreOperands", sdPsum: cute.Tensor, rdPsum: Optional[cute.Tensor],
-                        first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
+                        first: cutlass.Constexpr[int], end: cutlass.Constexpr[int],
+                        ds_groups: Optional["DsGroups"] = None, under_dp: cutlass.Constexpr[int] = 0):
         """dS^T = acc_s * (dP^T - rowsum) without the softmax scale (dK's epilogue applies it), into
         acc_dp in fp32, for the thread's query columns [first, end) (the rowsum from rdPsum, if
-        given, else sdPsum)."""
+        given, else sdPsum). With ds_groups, each stmatrix group leaves for shared memory after its
+        last column (the columns from under_dp on are computed before those below it)."""
         tScS = scores.coords
         dS_rows, dP_rows = acc_rows_view(scores.acc_s), acc_rows_view(scores.acc_dp)
         for c in cutlass.range_constexpr(first, end):
             dpsum = rdPsum[c] if cutlass.const_expr(rdPsum is not None) else sdPsum[tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
                 dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)
+            if cutlass.const_expr(ds_groups is not None):
+                group = ds_groups.completed_by(c, under_dp)
+                if cutlass.const_expr(group is not None):
+                    ds_groups.store(group)
 
     @cute.jit
     def issue_scores(self, tiled_mma_sdp: cute.TiledMma, scores: "ScoreOperands", stage: Int32, pipe_do, state):
@@ -926,6 +942,37 @@ class Mmas:
     dk: cute.TiledMma
     dv: cute.TiledMma
     dq: cute.TiledMma
+
+
+@dataclass(frozen=True)
+class DsGroups:
+    """dS^T on its way to this block's shared-memory buffer a stmatrix.x4 at a time
+    (BackwardConfig.ds_store_by_group): the tiled copy, the 16-bit and fp32 (acc_dp) fragments in
+    its register view, the buffer's partition. One stmatrix.x4 takes 8 values of a thread: two
+    8-column groups of the accumulator, i.e. the thread's query columns [4g, 4g + 4) (acc_rows_view).
+    Columns are computed in two runs, [under_dp, end) and then [0, under_dp)
+    (exp_eighths_under_dp), so a group is complete after the last of its columns in that order."""
+
+    copy: cute.TiledCopy
+    regs: cute.Tensor
+    acc: cute.Tensor
+    smem: cute.Tensor
+
+    COLUMNS = 4  # a thread's query columns per stmatrix.x4
+
+    def completed_by(self, column: int, under_dp: int) -> Optional[int]:
+        """The group whose last column in computing order is ``column``, if any (trace time)."""
+        group = column // self.COLUMNS
+        first, end = group * self.COLUMNS, (group + 1) * self.COLUMNS
+        if first >= under_dp:  # all in the later-computed run
+            return group if column == end - 1 else None
+        return group if column == min(end, under_dp) - 1 else None
+
+    @cute.jit
+    def store(self, group: cutlass.Constexpr[int]):
+        regs = self.regs[(None, group), None, None]
+        regs.store(self.acc[(None, group), None, None].load().to(regs.element_type))
+        cute.copy(self.copy, regs, self.smem[(None, group), None, None])
 
 
 @dataclass(frozen=True)

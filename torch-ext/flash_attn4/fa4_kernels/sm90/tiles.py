@@ -196,6 +196,9 @@ def check_backward(cfg) -> None:
     if cfg.tma_store_dkv and (cfg.varlen or cfg.split_head_dim):
         raise ValueError("tma_store_dkv is for batched inputs in the unsplit layout: a TMA box would write past a "
                          "packed sequence, and the split layout's K/V tiles hold half the keys' head dims")
+    if cfg.ds_store_by_group and cfg.split_head_dim:
+        raise ValueError("ds_store_by_group is for the unsplit layout: the split layout stores dS^T from the "
+                         "accumulator layout, between two barriers, not by stmatrix")
     # 128-query blocks (S^T and dP^T of 64 fp32 registers each per thread) fit beside dK and dV
     # only up to d = 64; 80-query blocks compute dQ transposed (dQ^T = K^T dS^T, M = the head
     # dim), which needs 64 of it per consumer warpgroup: d = 128.
