@@ -190,3 +190,23 @@ def test_ds_store_by_group_spreads_the_ds_stores_over_the_gradient_arithmetic():
     _no_spills_nor_serialised_wgmmas(ops, base)
     assert max(_stsm_gaps(report, spec)) <= 2
     assert min(_stsm_gaps(report, spec + ",ds_store_by_group=true")) >= 8
+
+
+@pytest.mark.parametrize("columns", [16, 20, 32])  # 64-, 80- and 128-query blocks
+@pytest.mark.parametrize("eighths", range(9))
+def test_ds_groups_store_each_group_once_after_its_last_column(columns, eighths):
+    """DsGroups.completed_by in the step's computing order (columns [under_dp, end), then [0,
+    under_dp)): every stmatrix group is stored exactly once, and only when all 4 of its columns are
+    done."""
+    from flash_attn4.fa4_kernels.sm90.bwd import DsGroups
+
+    groups = DsGroups(None, None, None, None)
+    under_dp = columns * eighths // 8
+    done, stored = set(), []
+    for c in list(range(under_dp, columns)) + list(range(under_dp)):
+        done.add(c)
+        g = groups.completed_by(c, under_dp)
+        if g is not None:
+            assert set(range(4 * g, 4 * g + 4)) <= done, (c, g)
+            stored.append(g)
+    assert sorted(stored) == list(range(columns // 4))
