@@ -199,9 +199,8 @@ class ForwardConfig(_KernelConfig):
     cluster_m: int = 1
     # Causal/local, batched, not split: query tiles in longest-first order within L2 groups of
     # heads (scheduler.py) instead of the launch order (query block fastest, head by head). Heads of
-    # fewer than longest_first_min_blocks query tiles are taken one at a time, each head's tiles
-    # together, the longest first (a runtime choice of the same kernel). A/B switches: every
-    # arch's forward orders longest-first by default.
+    # fewer than longest_first_min_blocks query tiles keep the launch order (a runtime choice of
+    # the same kernel).
     longest_first: bool = True
     longest_first_min_blocks: int = 1
 
