@@ -34,25 +34,16 @@ L2_BUDGET_BYTES = 24 * 1024 * 1024
 
 
 def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
-    """ForwardConfig overrides (tile_m, tile_n, num_stages, the tile order) for a problem class."""
-    # (no mask-specific tiles measured to pay yet)
+    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class."""
+    del causal, local  # no mask-specific tiles measured to pay yet
     d = max(head_dim, head_dim_v)
-    order = dict(longest_first_min_blocks=FWD_LONGEST_FIRST_MIN_BLOCKS) if causal or local else {}
     if d <= 64:
-        return dict(tile_m=192, tile_n=128, num_stages=2, **order)
+        return dict(tile_m=192, tile_n=128, num_stages=2)
     if d <= 128:
-        return dict(tile_m=128, tile_n=128, num_stages=2, **order)
+        return dict(tile_m=128, tile_n=128, num_stages=2)
     if d <= 192:
-        return dict(tile_m=128, tile_n=96, num_stages=2, **order)
-    return dict(tile_m=128, tile_n=80, num_stages=2, **order)
-
-
-# Masked batched forwards take their query tiles longest first within L2 groups of heads
-# (scheduler.py), except where a head has fewer query tiles than this: there the launch order
-# (chosen at run time by the same kernel) keeps a head's tiles, which share its K and V in L2,
-# together. H100, session 19 (docs/perf.md): the launch order against longest first 1.03 / 1.05 /
-# 1.01 at d = 64 / 128 / 256 causal 1k (6, 8, 8 tiles); at 2k 1.00 / 0.98 / 0.91 (11, 16, 16).
-FWD_LONGEST_FIRST_MIN_BLOCKS = 9
+        return dict(tile_m=128, tile_n=96, num_stages=2)
+    return dict(tile_m=128, tile_n=80, num_stages=2)
 
 
 def forward_schedule(head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1,
@@ -98,14 +89,12 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
         # d = 64 (H200: 1.10-1.16x over 64 rows), 80 at d = 128.
         tile_m = 128 if d <= 64 else 80 if d == 128 and not (local or has_softcap) else 64
         # How much of P^T under dP^T's GEMM, the rest interleaved with dS^T (H200, docs/perf.md):
-        # 3/8 at 80-query blocks (1.01-1.04x over all first). At 128-query blocks 3/8 too, with dS^T
-        # stored a stmatrix at a time as its columns finish (ds_store_by_group), as flash-attn-4's
-        # step does: H100, session 19, d = 64 causal 1.00-1.04x over all first (alone, 2/8 had been
-        # 2-9% slower causal), without a mask 1.00-1.03x over 2/8 (docs/perf.md).
-        exp_eighths_under_dp = 3 if tile_m in (80, 128) else 8
+        # 3/8 at 80-query blocks (1.01-1.04x over all first); 2/8 at 128-query blocks without a mask
+        # (whole backward 1.04-1.06x at 4k-16k); causal it was 2-9% slower (the masked step carries
+        # a second copy of the code), so all first there.
+        exp_eighths_under_dp = 3 if tile_m == 80 else 2 if tile_m == 128 and not (causal or local) else 8
         return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
-                    exp_eighths_under_dp=exp_eighths_under_dp, ds_store_by_group=tile_m == 128,
-                    **_backward_order(causal, local))
+                    exp_eighths_under_dp=exp_eighths_under_dp, **_backward_order(causal, local))
     return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
 
 
