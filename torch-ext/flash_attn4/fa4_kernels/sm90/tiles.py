@@ -34,7 +34,10 @@ L2_BUDGET_BYTES = 24 * 1024 * 1024
 
 
 def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
-    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class."""
+    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class. (Causal at 1k, the
+    launch order measured 1-5% faster than longest first in one H100 call, slower from 2k:
+    longest_first_min_blocks=9 is the candidate rule, not yet through the GPU suite; docs/perf.md,
+    session 19.)"""
     del causal, local  # no mask-specific tiles measured to pay yet
     d = max(head_dim, head_dim_v)
     if d <= 64:
@@ -91,7 +94,9 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
         # How much of P^T under dP^T's GEMM, the rest interleaved with dS^T (H200, docs/perf.md):
         # 3/8 at 80-query blocks (1.01-1.04x over all first); 2/8 at 128-query blocks without a mask
         # (whole backward 1.04-1.06x at 4k-16k); causal it was 2-9% slower (the masked step carries
-        # a second copy of the code), so all first there.
+        # a second copy of the code), so all first there. Candidate at 128-query blocks, measured in
+        # one H100 call but not yet through the GPU suite (docs/perf.md, session 19): 3/8 with
+        # ds_store_by_group, 1.00-1.04x causal, 1.00-1.03x without a mask.
         exp_eighths_under_dp = 3 if tile_m == 80 else 2 if tile_m == 128 and not (causal or local) else 8
         return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
                     exp_eighths_under_dp=exp_eighths_under_dp, **_backward_order(causal, local))
