@@ -682,8 +682,8 @@ class FlashAttentionBackwardSm90:
                                      scales: BackwardScales, masked: cutlass.Constexpr[bool],
                                      first: cutlass.Constexpr[int], end: cutlass.Constexpr[int],
                                      ds_groups: Optional["DsGroups"] = None):
-        """P^T and then dS^T, column by column, for the thread's query columns [first, end) (the
-        columns after the first ``first``, which come last)."""
+        """P^T and then dS^T, column by column, for the thread's query columns [first, end): those
+        past P^T's share under dP^T, computed before the columns below ``first``."""
         for c in cutlass.range_constexpr(first, end):
             self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, masked, c, c + 1)
             self.score_gradients(scores, sdPsum, rdPsum, c, c + 1, ds_groups, first)
