@@ -1,7 +1,8 @@
-"""The sm90 backward's schedule switches (BackwardConfig.separate_do_barrier, dq_bulk_reduce, tma_store_dkv,
-one_step_body, exp2_emulated_eighths, ds_store_by_group; off in the config, tma_store_dkv switched on by dispatch where the
-layout allows it): what the configuration accepts, what the sm100 backward refuses, and what each
-compiles to for sm_90a (no GPU). tests/gpu/test_bwd.py checks their gradients."""
+"""The sm90 backward's schedule switches (BackwardConfig.separate_do_barrier, dq_bulk_reduce,
+tma_store_dkv, one_step_body, exp2_emulated_eighths, ds_store_by_group; off in the config,
+tma_store_dkv switched on by dispatch where the layout allows it): what the configuration accepts,
+what the sm100 backward refuses, and what each compiles to for sm_90a (no GPU). tests/gpu/test_bwd.py
+checks their gradients."""
 
 from __future__ import annotations
 

@@ -208,14 +208,18 @@ def test_tile_order_switches(seed, monkeypatch, order, mask, d):
     kwargs = dict(causal=mask == "causal", window_size=window)
     # (one split: split-KV tiles keep the launch order whatever the switches say)
     base_out, base_lse = flash_attn_func(q, k, v, return_lse=True, num_splits=1, **kwargs)
-    picked = dispatch.forward_config(dispatch.arch_for_device(q.device), "bfloat16", d, d, causal=mask == "causal",
-                                     local=mask == "local", has_softcap=False, varlen=False, has_seqused_k=False,
-                                     has_sink=False, qhead_per_kvhead=hq // hk)
-    assert picked.longest_first
-    m_blocks = -(-sq * picked.pack_gqa // picked.tile_m)
+    def picked():
+        return dispatch.forward_config(dispatch.arch_for_device(q.device), "bfloat16", d, d, causal=mask == "causal",
+                                       local=mask == "local", has_softcap=False, varlen=False, has_seqused_k=False,
+                                       has_sink=False, qhead_per_kvhead=hq // hk)
+
+    default = picked()
+    assert default.longest_first
+    m_blocks = -(-sq * default.pack_gqa // default.tile_m)
     fields = {"launch_order": dict(longest_first=False), "grouped": dict(longest_first_min_blocks=m_blocks),
               "min_blocks": dict(longest_first_min_blocks=m_blocks + 1)}[order]
     override_forward_config(monkeypatch, **fields)
+    assert picked() == default.replace(**fields) != default
     out, lse = flash_attn_func(q, k, v, return_lse=True, num_splits=1, **kwargs)
     check(out, lse, q, k, v, **kwargs)
     assert torch.equal(out, base_out) and torch.equal(lse, base_lse), "the tile order changed the results"
