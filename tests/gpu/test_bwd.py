@@ -277,11 +277,7 @@ def test_backward_longest_first_order(sm90_schedule, monkeypatch, d, heads, sq, 
 def test_backward_exponentials_after_dp(sm90_schedule, monkeypatch, eighths, d, heads, sq, sk, kwargs):
     """BackwardConfig.exp_eighths_under_dp on every layout: 8 (all of P^T under dP^T's GEMM), 3
     (the 80-query blocks' default) and 0 (all after dP^T, column by column with dS^T)."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config",
-                        lambda *a, **k: chosen(*a, **k).replace(exp_eighths_under_dp=eighths))
+    _with_switches(monkeypatch, {"exp_eighths_under_dp": eighths})
     hq, hk = HEADS[heads]
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
 
@@ -297,11 +293,7 @@ def test_backward_ds_store_by_group(sm90_schedule, monkeypatch, eighths, d, head
     """BackwardConfig.ds_store_by_group: dS^T stored a stmatrix at a time as its columns are done,
     whatever share of the columns comes after dP^T (3/8 splits a stmatrix group between the two
     runs of columns at every block size); a group stored early, late or twice breaks dQ."""
-    from flash_attn4 import dispatch
-
-    chosen = dispatch.backward_config
-    monkeypatch.setattr(dispatch, "backward_config", lambda *a, **k: chosen(*a, **k).replace(
-        exp_eighths_under_dp=eighths, ds_store_by_group=True))
+    _with_switches(monkeypatch, {"exp_eighths_under_dp": eighths, "ds_store_by_group": True})
     hq, hk = HEADS[heads]
     check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
 
