@@ -58,11 +58,8 @@ class TileScheduler:
     # forward): the grid holds cluster_m CTAs per tile (per persistent worker), and a CTA's tile is
     # that of block index x // cluster_m. num_ctas counts CTAs.
     cluster_m: cutlass.Constexpr[int] = 1
-    # create(min_blocks > 1): whether heads are short enough (fewer blocks than min_blocks) to keep
-    # the launch order at run time (1) or not (0): groups of one head, each head's blocks from the
-    # first; read only where ``by_length``.
-    launch_order: Int32 = Int32(0)
-    by_length: cutlass.Constexpr[bool] = False
+    # Heads of fewer blocks than this keep the launch order (create's min_blocks; 1: none do).
+    min_blocks: cutlass.Constexpr[int] = 1
 
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, kv_bytes_per_head: Int32,
@@ -78,17 +75,15 @@ class TileScheduler:
         from the first), a choice at run time."""
         num_head_batch = num_heads * num_batch
         group = Int32(1)
-        launch_order = Int32(0)
         if cutlass.const_expr(longest_first):
             group = cutlass.max(cutlass.min(l2_budget_bytes // cutlass.max(kv_bytes_per_head, 1), num_head_batch), 1)
             if cutlass.const_expr(min_group > 1):
                 group = cutlass.select_(group >= min_group, group, Int32(1))
             if cutlass.const_expr(min_blocks > 1):
-                launch_order = cutlass.select_(Int32(num_m_blocks) < min_blocks, Int32(1), Int32(0))
-                group = cutlass.select_(launch_order == 0, group, Int32(1))
+                group = cutlass.select_(Int32(num_m_blocks) >= min_blocks, group, Int32(1))
         first = num_head_batch - (num_head_batch - 1) // group * group  # 1..group
         return TileScheduler(num_m_blocks, num_heads, num_head_batch, group, first, longest_first, num_ctas,
-                             longest_block_last, cluster_m, launch_order, longest_first and min_blocks > 1)
+                             longest_block_last, cluster_m, min_blocks if longest_first else 1)
 
     def num_tiles(self):
         return self.num_m_blocks * self.num_head_batch
@@ -137,8 +132,8 @@ class TileScheduler:
             m_block = m_rev
             if cutlass.const_expr(self.longest_block_last):
                 m_block = self.num_m_blocks - 1 - m_rev
-                if cutlass.const_expr(self.by_length):
-                    m_block = cutlass.select_(self.launch_order != 0, m_rev, m_block)
+                if cutlass.const_expr(self.min_blocks > 1):  # short heads: the launch order
+                    m_block = cutlass.select_(Int32(self.num_m_blocks) < self.min_blocks, m_rev, m_block)
         else:
             head_batch = index // self.num_m_blocks
             m_block = index - head_batch * self.num_m_blocks
