@@ -216,8 +216,11 @@ def test_tile_order_switches(seed, monkeypatch, order, mask, d):
     default = picked()
     assert default.longest_first
     m_blocks = -(-sq * default.pack_gqa // default.tile_m)
+    # (any minimum above the head's tiles keeps the launch order: one above the default's too, so
+    # that the override differs from it)
+    above = max(m_blocks, default.longest_first_min_blocks) + 1
     fields = {"launch_order": dict(longest_first=False), "grouped": dict(longest_first_min_blocks=m_blocks),
-              "min_blocks": dict(longest_first_min_blocks=m_blocks + 1)}[order]
+              "min_blocks": dict(longest_first_min_blocks=above)}[order]
     override_forward_config(monkeypatch, **fields)
     assert picked() == default.replace(**fields) != default
     out, lse = flash_attn_func(q, k, v, return_lse=True, num_splits=1, **kwargs)

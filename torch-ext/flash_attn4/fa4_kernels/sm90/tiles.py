@@ -34,10 +34,10 @@ L2_BUDGET_BYTES = 24 * 1024 * 1024
 
 
 def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
-    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class. (Causal at 1k, the
-    launch order measured 1-5% faster than longest first in one H100 call, slower from 2k:
-    longest_first_min_blocks=9 is the candidate rule, not yet through the GPU suite; docs/perf.md,
-    session 19.)"""
+    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class. (Causal, every
+    head's query tiles run longest first. At 1k, where a head has at most 8 tiles, one H100 call
+    measured it at 0.95-0.99x of the launch order, the next at 0.98-1.01x: nothing to act on;
+    docs/perf.md, session 20.)"""
     del causal, local  # no mask-specific tiles measured to pay yet
     d = max(head_dim, head_dim_v)
     if d <= 64:
@@ -92,14 +92,17 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
         # d = 64 (H200: 1.10-1.16x over 64 rows), 80 at d = 128.
         tile_m = 128 if d <= 64 else 80 if d == 128 and not (local or has_softcap) else 64
         # How much of P^T under dP^T's GEMM, the rest interleaved with dS^T (H200, docs/perf.md):
-        # 3/8 at 80-query blocks (1.01-1.04x over all first); 2/8 at 128-query blocks without a mask
-        # (whole backward 1.04-1.06x at 4k-16k); causal it was 2-9% slower (the masked step carries
-        # a second copy of the code), so all first there. Candidate at 128-query blocks, measured in
-        # one H100 call but not yet through the GPU suite (docs/perf.md, session 19): 3/8 with
-        # ds_store_by_group, 1.00-1.04x causal, 1.00-1.03x without a mask.
-        exp_eighths_under_dp = 3 if tile_m == 80 else 2 if tile_m == 128 and not (causal or local) else 8
+        # 3/8 at 80-query blocks (1.01-1.04x over all first). At 128-query blocks without a mask
+        # 2/8 (whole backward 1.04-1.06x at 4k-16k). Masked, 2/8 alone was 2-9% slower than all
+        # first (the masked step carries a second copy of the code), but 3/8 with dS^T stored a
+        # stmatrix at a time as its columns finish (ds_store_by_group, flash-attn-4's step shape)
+        # is faster: d = 64 causal 1.00-1.04x over all first in two H100 calls (sessions 19, 20);
+        # without a mask it was 0.95-1.03x of 2/8, so not there.
+        masked = causal or local
+        exp_eighths_under_dp = 3 if tile_m == 80 or (tile_m == 128 and masked) else 2 if tile_m == 128 else 8
         return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
-                    exp_eighths_under_dp=exp_eighths_under_dp, **_backward_order(causal, local))
+                    exp_eighths_under_dp=exp_eighths_under_dp, ds_store_by_group=tile_m == 128 and masked,
+                    **_backward_order(causal, local))
     return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
 
 
