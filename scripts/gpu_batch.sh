@@ -12,28 +12,14 @@
 # after ../shared/device/stage.sh --no-anchors and scripts/stage_device_extras.sh here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/fa4_out}"
-mkdir -p "$OUT"
 AOT_S="${AOT_S:-120}" COLD_S="${COLD_S:-90}" SUITE_S="${SUITE_S:-330}" FUZZ_S="${FUZZ_S:-240}"
 SANITIZE_S="${SANITIZE_S:-300}" WORKERS="${WORKERS:-10}"
-
-source .device/setup.sh >"$OUT/setup.log" 2>&1
-source scripts/use_device_extras.sh >>"$OUT/setup.log" 2>&1
-{ echo "tree: ${FA4_TREE:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python -c "import torch, cutlass; print(torch.__version__, cutlass.__version__)"; } >>"$OUT/setup.log" 2>&1
-
-step() {  # step NAME LIMIT_S CMD...: runs CMD under its limit, output to $OUT/NAME.log
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout -s INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "$name rc=$? ${limit}s-limit took=$((SECONDS - t0))s" >>"$OUT/summary.txt"
-}
+source scripts/device_steps.sh  # OUT, setup, step
 
 AOT_DIR=/tmp/fa4_aot
 step aot "$AOT_S" python scripts/build_aot.py --arch sm_90a --out "$AOT_DIR" -j 16
 step cold "$COLD_S" env FLASH_ATTN4_AOT_DIR="$AOT_DIR" python -m pytest tests/gpu/test_cold_start.py -q -s -rA
 
-# SIGINT first: pytest then still prints the summary of what ran before the limit
 step suite "$SUITE_S" python -u -m pytest tests/gpu -n "$WORKERS" -q -rfEx --durations=15 &
 step fuzz "$FUZZ_S" make fuzz-gpu FUZZ_TIME=$((FUZZ_S - 30)) &
 step sanitize "$SANITIZE_S" make sanitize SANITIZE_TOOLS="${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}" &
