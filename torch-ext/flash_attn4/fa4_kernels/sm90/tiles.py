@@ -98,10 +98,10 @@ def backward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, ha
         # stmatrix at a time as its columns finish (ds_store_by_group, flash-attn-4's step shape)
         # is faster: d = 64 causal 1.00-1.04x over all first in two H100 calls (sessions 19, 20);
         # without a mask it was 0.95-1.03x of 2/8, so not there.
-        masked = causal or local
-        exp_eighths_under_dp = 3 if tile_m == 80 or (tile_m == 128 and masked) else 2 if tile_m == 128 else 8
+        by_groups = tile_m == 128 and (causal or local)
+        exp_eighths_under_dp = 3 if tile_m == 80 or by_groups else 2 if tile_m == 128 else 8
         return dict(tile_m=tile_m, tile_n=128, num_stages=2, split_head_dim=False,
-                    exp_eighths_under_dp=exp_eighths_under_dp, ds_store_by_group=tile_m == 128 and masked,
+                    exp_eighths_under_dp=exp_eighths_under_dp, ds_store_by_group=by_groups,
                     **_backward_order(causal, local))
     return dict(tile_n=64, num_stages=2 if d <= 192 else 1, split_head_dim=True)
 
