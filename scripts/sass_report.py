@@ -152,18 +152,15 @@ def _with_fallback(from_dispatch, built_directly, kind: str, spec: str, direct: 
 
 
 def compile_sass(kind: str, arch: str, spec: str, flavour: str = "auto", direct: bool = False) -> str:
-    """nvdisasm -c of the spec's kernel (the one cubin the compile leaves)."""
+    """nvdisasm -c of the spec's kernel: the one module with a cubin (sass_stats_lib.kernel_artifacts,
+    compiled once per configuration and flavour for the process)."""
     cfg, _ = build_config(kind, arch, spec, direct)
-    with tempfile.TemporaryDirectory() as dump:
-        result = lib.compile_config(cfg, flavour, dump, keep="cubin")
-        if result.returncode != 0:
-            raise RuntimeError(f"{kind} {spec}: compile failed\n{result.stderr[-3000:]}")
-        cubins = [files["cubin"] for files in result.artifacts.values() if "cubin" in files]
-        if len(cubins) != 1:
-            raise RuntimeError(f"{kind} {spec}: expected one cubin, found {len(cubins)}")
-        if find_nvdisasm() is None:
-            sys.exit("sass_report: nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-        return lib.disassemble(cubins[0])
+    if find_nvdisasm() is None:
+        sys.exit("sass_report: nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    try:
+        return lib.kernel_artifacts(cfg, flavour)["sass"].read_text()
+    except RuntimeError as exc:
+        raise RuntimeError(f"{kind} {spec}: {exc}") from exc
 
 
 def report_config(cfg, flavour: str = "auto") -> tuple[dict, str]:

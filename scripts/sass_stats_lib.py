@@ -555,6 +555,14 @@ _CHILD = r"""
 import base64, ctypes, importlib, inspect, json, pickle, sys
 cfg_file, flavour, paths = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 sys.path[:0] = paths
+# The kernels (flash_attn4.fa4_kernels) compile without torch, whose import is half of this
+# interpreter's start-up: the package's __init__ (the torch layer) is replaced by an empty package
+# of the same folder, and torch is made unimportable (tvm_ffi, imported by the DSL, tries it).
+import os, types
+_pkg = types.ModuleType("flash_attn4")
+_pkg.__path__ = [os.path.join(paths[0], "flash_attn4")]
+sys.modules["flash_attn4"] = _pkg
+sys.modules["torch"] = None
 versions = json.loads(sys.argv[4])
 if flavour in versions:
     # The DSL picks its toolkit flavour at import from cuDriverGetVersion: answer for it.
