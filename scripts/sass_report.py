@@ -152,8 +152,8 @@ def _with_fallback(from_dispatch, built_directly, kind: str, spec: str, direct: 
 
 
 def compile_sass(kind: str, arch: str, spec: str, flavour: str = "auto", direct: bool = False) -> str:
-    """nvdisasm -c of the spec's kernel: the one module with a cubin (sass_stats_lib.kernel_artifacts,
-    compiled once per configuration and flavour for the process)."""
+    """nvdisasm -c of the spec's kernel: its module with a cubin, the largest if several
+    (sass_stats_lib.kernel_artifacts, compiled once per configuration and flavour for the process)."""
     cfg, _ = build_config(kind, arch, spec, direct)
     if find_nvdisasm() is None:
         sys.exit("sass_report: nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
