@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "torch-ext"))
 from flash_attn4.fa4_kernels import exp2 as exp2_mod  # noqa: E402
 from flash_attn4.fa4_kernels.arch import Arch  # noqa: E402
 from flash_attn4.fa4_kernels.config import BackwardConfig, ForwardConfig  # noqa: E402
+from scripts import sass_stats_lib as lib  # noqa: E402
 
 
 def _exp2_like_the_kernel(x: np.ndarray) -> np.ndarray:
@@ -59,8 +60,6 @@ def test_exp2_round_down_magic_gives_floor_for_negative_and_positive_inputs():
 def _compile_in_subprocess(tmp_path: Path, cfg_kwargs: dict, keep: str = "", arch: str = "SM90"):
     """Compile one forward configuration (of Arch.<arch>) in a fresh interpreter (CUTE_DSL_* settings
     are read at import), its files in ``tmp_path``: the CompileResult (returncode, stdout, stderr)."""
-    from scripts import sass_stats_lib as lib
-
     cfg = ForwardConfig(arch=getattr(Arch, arch), dtype="bfloat16", **cfg_kwargs)
     return lib.compile_config(cfg, "auto", tmp_path, keep=keep)
 
@@ -217,8 +216,6 @@ _SPLIT = dict(split_head_dim=True, tile_n=64)
 def test_sm90_backward_compiles_with_wgmma_and_tma_reduce(tmp_path, cfg):
     """The backward's GEMMs are WGMMAs and dQ leaves through TMA reduce-adds (no per-element atomics);
     the split-head-dim layout, whose point is to fit the registers, does not spill."""
-    from scripts import sass_stats_lib as lib
-
     proc = lib.compile_config(BackwardConfig(arch=Arch.SM90, dtype="bfloat16", **cfg), "auto", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
