@@ -140,6 +140,9 @@ def test_split_kv_config_rules(monkeypatch):
         CombineConfig(arch=Arch.SM90, dtype="int8", head_dim_v=64)
     with pytest.raises(ValueError, match="head_dim_v"):
         CombineConfig(arch=Arch.SM90, dtype="float32", head_dim_v=12)
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="splits_in_flight"):
+            CombineConfig(arch=Arch.SM90, dtype="float32", head_dim_v=64, splits_in_flight=bad)
 
 
 def partials(splits=3, b=2, sq=5, h=4, dv=64):

@@ -38,7 +38,7 @@ from .dtypes import CUTLASS_DTYPES
 
 THREADS = 128
 VECTOR = 4  # float32 elements per 16-byte load
-SPLITS_UNROLL = 4  # splits whose partial rows a lane loads at once (fewer for wide rows per lane)
+VECTORS_IN_FLIGHT = 16  # a lane's partial-row vectors loaded before any is used (64 registers)
 
 
 def _fmax(a, b):
@@ -58,8 +58,7 @@ class SplitKVCombine:
         self.threads_per_row = max(t for t in (1, 2, 4, 8, 16, 32) if vectors % t == 0)
         self.vectors_per_thread = vectors // self.threads_per_row
         self.rows_per_cta = THREADS // self.threads_per_row
-        # at most 8 vectors (32 registers) of partials in flight per lane
-        self.splits_unroll = max(1, min(SPLITS_UNROLL, 8 // self.vectors_per_thread))
+        self.splits_unroll = max(1, min(cfg.splits_in_flight, VECTORS_IN_FLIGHT // self.vectors_per_thread))
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -120,12 +119,13 @@ class SplitKVCombine:
         if inside:
             acc = cute.make_rmem_tensor((self.vectors_per_thread * VECTOR,), Float32)
             acc.fill(0.0)
-            # Splits in groups of `unroll`: all of a group's partial rows are loaded into their own
-            # registers before any is used, so their loads are in flight together (decoding
-            # combines a few rows over many splits, and one dependent load after another was most
-            # of the kernel's time). A split past the end reads the last split again, and an
-            # empty split's partial is read too; both are selected away (it may hold anything,
-            # NaN included), never multiplied.
+            # Splits in groups of `unroll` (CombineConfig.splits_in_flight): all of a group's
+            # partial rows are loaded into their own registers before any is used, so their loads
+            # are in flight together (decoding combines a few rows over many splits, and one
+            # dependent load after another was most of the kernel's time). A split past the end
+            # loads nothing; an empty split's partial is read too. Both are selected away (an empty
+            # split's partial may hold anything, NaN included; the other's registers were never
+            # written), never multiplied.
             unroll = self.splits_unroll
             for first in cutlass.range(0, num_splits, unroll, unroll=1):
                 parts = [[cute.make_rmem_tensor((VECTOR,), Float32) for _ in range(self.vectors_per_thread)]
@@ -139,8 +139,9 @@ class SplitKVCombine:
                                                 cute.math.exp(lse_s - shift) * inv_total, Float32(0.0))
                     # (dv,) -> (VECTOR, vectors): this lane takes vectors lane, lane + tpr, ...
                     o_row = cute.zipped_divide(mOp[s, batch, token, head, None], (VECTOR,))
-                    for i in cutlass.range_constexpr(self.vectors_per_thread):
-                        cute.autovec_copy(o_row[None, i * tpr + lane], parts[j][i])
+                    if inside_splits:
+                        for i in cutlass.range_constexpr(self.vectors_per_thread):
+                            cute.autovec_copy(o_row[None, i * tpr + lane], parts[j][i])
                 for j in cutlass.range_constexpr(unroll):
                     for i in cutlass.range_constexpr(self.vectors_per_thread):
                         for e in cutlass.range_constexpr(VECTOR):

@@ -395,18 +395,24 @@ class CombineConfig(_Config):
     dtype (float32 too: users merging partial attention themselves may keep it), its head dim, and
     whether a learnable sink joins the denominator (``has_sink``: the split-KV forward leaves the
     sink to the combine, which counts it once). ``pdl``: launched as a programmatic dependent of the
-    kernel before it (early launch, a grid-dependency wait at its start); off for A/B runs."""
+    kernel before it (early launch, a grid-dependency wait at its start); off for A/B runs.
+    ``splits_in_flight``: how many splits' partial rows a lane loads before using any (fewer where a
+    lane owns more than one 16-byte vector of a row: at most 16 vectors, 64 registers, in flight);
+    decoding merges few rows over many splits, where the kernel's time is these loads' latency."""
 
     arch: Arch
     dtype: str
     head_dim_v: int
     has_sink: bool = False
     pdl: bool = True
+    splits_in_flight: int = 16
 
     def __post_init__(self):
         if self.dtype not in DTYPES + ("float32",):
             raise ValueError(f"dtype must be one of {DTYPES + ('float32',)}, got {self.dtype!r}")
         self._check_head_dims("head_dim_v")
+        if not 1 <= self.splits_in_flight <= 16:
+            raise ValueError(f"splits_in_flight must be 1 to 16, got {self.splits_in_flight}")
 
 
 @dataclass(frozen=True)
