@@ -304,6 +304,7 @@ def test_backward_ds_store_by_group(sm90_schedule, monkeypatch, eighths, d, head
 SCHEDULE_SWITCHES = {"sepdo": {"separate_do_barrier": True}, "bulkdq": {"dq_bulk_reduce": True},
                      "dkv": {"tma_store_dkv": True}, "onebody": {"one_step_body": True},
                      "emu3": {"exp2_emulated_eighths": 3}, "emu8": {"exp2_emulated_eighths": 8},
+                     "shfl": {"query_rows_by_shuffle": True},
                      "all": {"separate_do_barrier": True, "dq_bulk_reduce": True, "tma_store_dkv": True,
                              "one_step_body": True}}
 SWITCH_CASES = [
@@ -344,6 +345,29 @@ def test_backward_schedule_switches(sm90_schedule, monkeypatch, switches, d, hea
 def test_backward_schedule_switches_varlen(sm90_schedule, monkeypatch, d):
     """separate_do_barrier and dq_bulk_reduce with packed sequences (dq_accum's varlen block offsets)."""
     _with_switches(monkeypatch, {"separate_do_barrier": True, "dq_bulk_reduce": True})
+    lens_q, lens_k = random_lengths(5, 300)
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, d)
+    check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), causal=True)
+
+
+@pytest.mark.parametrize("d,heads,sq,sk,kwargs", [
+    (64, "mha", 1000, 1000, {"causal": True}),  # 128-query blocks, dS^T stored by groups
+    (64, "gqa", 777, 1000, {"window_size": (200, 50), "softcap": 20.0}),  # 128-query blocks, local, softcap
+    (128, "mha", 300, 700, {}),  # 80-query blocks: the lanes past the row hold a clamped copy
+])
+def test_backward_query_rows_by_shuffle(sm90_schedule, monkeypatch, d, heads, sq, sk, kwargs):
+    """BackwardConfig.query_rows_by_shuffle: LSE and rowsum fetched from the lane that holds them
+    (sm90/fragments.py QueryRowValues); a wrong lane or register gives another query's LSE, which
+    the reference's gradients catch."""
+    _with_switches(monkeypatch, {"query_rows_by_shuffle": True})
+    hq, hk = HEADS[heads]
+    check_batched(rand(2, sq, hq, d), rand(2, sk, hk, d), rand(2, sk, hk, d), **kwargs)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_query_rows_by_shuffle_varlen(sm90_schedule, monkeypatch, d):
+    """query_rows_by_shuffle with packed sequences: a query block's rows past its sequence."""
+    _with_switches(monkeypatch, {"query_rows_by_shuffle": True})
     lens_q, lens_k = random_lengths(5, 300)
     q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, d)
     check_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q), causal=True)

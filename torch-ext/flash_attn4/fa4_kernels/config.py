@@ -296,7 +296,8 @@ class BackwardConfig(_KernelConfig):
     Which fields an arch reads: the problem class (dtype through deterministic) and tile_m, tile_n,
     num_stages everywhere; longest_first wherever the arch's scheduler orders tiles; split_head_dim,
     exp_eighths_under_dp, exp2_emulated_eighths, separate_do_barrier, dq_bulk_reduce, tma_store_dkv,
-    one_step_body and ds_store_by_group are sm90 layout and schedule switches (sm90/tiles.py). The
+    one_step_body, ds_store_by_group and query_rows_by_shuffle are sm90 layout and schedule switches
+    (sm90/tiles.py). The
     arch's check_backward (registry in arch.py) rejects tiles its kernel cannot build, when the
     config is constructed.
     """
@@ -350,6 +351,12 @@ class BackwardConfig(_KernelConfig):
     # issued (False): the stores then drain under the rest of the gradient arithmetic, and the fence
     # before the dS barrier waits for the last one only. Unsplit layout.
     ds_store_by_group: bool = False
+    # Where a step reads LSE and rowsum at the thread's query columns, for query blocks of more
+    # than 64 rows (64-row blocks hold them in registers): each from shared memory as its column
+    # needs it (False: a broadcast load per column pair), or (True) a few values per lane loaded
+    # once per step and fetched by warp shuffle per column, off shared memory's bandwidth, which
+    # the step's GEMM operands use (sm90/fragments.py QueryRowValues). No effect at 64-row blocks.
+    query_rows_by_shuffle: bool = False
     # CTAs that share one MMA along the keys: 1, each CTA issues its own; 2, a cluster of two CTAs
     # (a pair, tile_n keys each) runs the M = 2 * tile_n tcgen05 MMAs of cta_group::2 issued by the
     # even CTA. Only for an arch whose rules say it has backward pairs (``BACKWARD_CLUSTER_M`` in its

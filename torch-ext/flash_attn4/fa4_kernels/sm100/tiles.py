@@ -402,7 +402,7 @@ def check_backward(cfg) -> None:
         raise ValueError(f"{arch} backward: {cfg.num_stages} Q/dO stages do not fit in shared memory at head dims "
                          f"{cfg.head_dim}/{cfg.head_dim_v} (at most {stages})")
     hopper_only = ("longest_first", "split_head_dim", "separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv",
-                   "one_step_body", "exp2_emulated_eighths", "ds_store_by_group")
+                   "one_step_body", "exp2_emulated_eighths", "ds_store_by_group", "query_rows_by_shuffle")
     if any(getattr(cfg, name) for name in hopper_only) or cfg.exp_eighths_under_dp != 8:
         raise ValueError(f"{arch} backward: {', '.join(hopper_only)} and exp_eighths_under_dp are Hopper "
                          f"schedule switches the sm100 kernel does not have")

@@ -87,7 +87,7 @@ from ..seqlen import SeqlenInfo, head_rows, packed_row_offset
 from ..softmax import BackwardScales
 from ..tile_work import QueryBlocks, TileWork
 from .dq_accum import ROW, DqTiling, dq_tiled_mma, part_tile, register_order
-from .fragments import acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
+from .fragments import QueryRowValues, acc_as_a_operand, acc_rows_view, stmatrix_copy, store_converted
 from .tiles import L2_BUDGET_BYTES
 from .wgmma import WARPGROUP_THREADS, WGMMA_M, WarpGroup, smem_layout, warpgroup_index, warpgroup_slice_thread, wgmma
 
@@ -634,12 +634,8 @@ class FlashAttentionBackwardSm90:
         stage = state.index
         pipe_qdo.consumer_wait(state)
         self.issue_scores(tiled_mma_sdp, scores, stage, pipe_do, state)
-        # LSE and rowsum into registers under the GEMMs where registers allow: 128-query blocks
-        # would spill, and read them from shared memory as each column needs them.
-        sLSE, sdPsum = smem.lse[None, stage], smem.dpsum[None, stage]
-        rLSE = None
-        if cutlass.const_expr(self.tile_m == WGMMA_M):
-            rLSE = self.per_query(scores.coords, sLSE)
+        # LSE (and below, rowsum) loaded under the GEMMs (query_row says how).
+        lse = self.query_row(scores.coords, smem.lse[None, stage])
         warpgroup.wait_group(1)  # S^T is in; dP^T keeps running under the exponentials
         # P^T for the first exp_eighths_under_dp of the thread's query columns while dP^T runs; the
         # other columns' P^T after dP^T, each followed by its dS^T, so that their MUFU exponentials
@@ -652,65 +648,62 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(not self.cfg.one_step_body):
             full = work.mask.block_is_full(work.seqlen, m_block, work.n_block)
         if full:
-            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, False, 0, under_dp)
+            self.probabilities(scores, rP, lse, work, m_block, scales, False, 0, under_dp)
         else:
-            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, True, 0, under_dp)
+            self.probabilities(scores, rP, lse, work, m_block, scales, True, 0, under_dp)
         convert_p_early = not self.cfg.has_softcap and under_dp == columns
         if cutlass.const_expr(convert_p_early):
             rP.store(scores.acc_s.load().to(self.dtype))
-        rdPsum = None
-        if cutlass.const_expr(self.tile_m == WGMMA_M):
-            rdPsum = self.per_query(scores.coords, sdPsum)
+        dpsum = self.query_row(scores.coords, smem.dpsum[None, stage])
         warpgroup.wait_group(0)  # dP^T is in
         if cutlass.const_expr(under_dp < columns):
             if full:
-                self.probabilities_then_gradients(scores, rP, sLSE, rLSE, sdPsum, rdPsum, work, m_block, scales,
-                                                  False, under_dp, columns, ds_groups)
+                self.probabilities_then_gradients(scores, rP, lse, dpsum, work, m_block, scales, False, under_dp,
+                                                  columns, ds_groups)
             else:
-                self.probabilities_then_gradients(scores, rP, sLSE, rLSE, sdPsum, rdPsum, work, m_block, scales,
-                                                  True, under_dp, columns, ds_groups)
-        self.score_gradients(scores, sdPsum, rdPsum, 0, under_dp, ds_groups, under_dp)
+                self.probabilities_then_gradients(scores, rP, lse, dpsum, work, m_block, scales, True, under_dp,
+                                                  columns, ds_groups)
+        self.score_gradients(scores, dpsum, 0, under_dp, ds_groups, under_dp)
         if cutlass.const_expr(not convert_p_early and not self.cfg.has_softcap):
             rP.store(scores.acc_s.load().to(self.dtype))
         if cutlass.const_expr(ds_groups is None):
             rdS.store(scores.acc_dp.load().to(self.dtype))
 
     @cute.jit
-    def probabilities_then_gradients(self, scores: "ScoreOperands", rP: cute.Tensor, sLSE: cute.Tensor,
-                                     rLSE: Optional[cute.Tensor], sdPsum: cute.Tensor,
-                                     rdPsum: Optional[cute.Tensor], work: "TileWork", m_block: Int32,
+    def probabilities_then_gradients(self, scores: "ScoreOperands", rP: cute.Tensor, lse: QueryRowValues,
+                                     dpsum: QueryRowValues, work: "TileWork", m_block: Int32,
                                      scales: BackwardScales, masked: cutlass.Constexpr[bool],
                                      first: cutlass.Constexpr[int], end: cutlass.Constexpr[int],
                                      ds_groups: Optional["DsGroups"] = None):
         """P^T and then dS^T, column by column, for the thread's query columns [first, end): those
         past P^T's share under dP^T, computed before the columns below ``first``."""
         for c in cutlass.range_constexpr(first, end):
-            self.probabilities(scores, rP, sLSE, rLSE, work, m_block, scales, masked, c, c + 1)
-            self.score_gradients(scores, sdPsum, rdPsum, c, c + 1, ds_groups, first)
+            self.probabilities(scores, rP, lse, work, m_block, scales, masked, c, c + 1)
+            self.score_gradients(scores, dpsum, c, c + 1, ds_groups, first)
+
+    def query_row(self, coords: cute.Tensor, row: cute.Tensor) -> QueryRowValues:
+        """A stage's LSE or rowsum row at this thread's score columns: in registers at 64-query
+        blocks (16 columns); at longer blocks, where a register per column would spill, by warp
+        shuffle (query_rows_by_shuffle) or from shared memory at each use."""
+        if cutlass.const_expr(self.tile_m == WGMMA_M):
+            return QueryRowValues.per_column(row, coords)
+        if cutlass.const_expr(self.cfg.query_rows_by_shuffle):
+            return QueryRowValues.by_shuffle(row, coords, self.tile_m)
+        return QueryRowValues.from_smem(row, coords)
 
     @cute.jit
-    def per_query(self, tScS: cute.Tensor, sRow: cute.Tensor) -> cute.Tensor:
-        """A per-query row (LSE or rowsum, in shared memory) at this thread's score columns, in
-        registers."""
-        values = cute.make_rmem_tensor((cute.size(tScS, mode=[1]),), Float32)
-        for c in cutlass.range_constexpr(cute.size(tScS, mode=[1])):
-            values[c] = sRow[tScS[0, c][1]]
-        return values
-
-    @cute.jit
-    def score_gradients(self, scores: "ScoreOperands", sdPsum: cute.Tensor, rdPsum: Optional[cute.Tensor],
+    def score_gradients(self, scores: "ScoreOperands", dpsum: QueryRowValues,
                         first: cutlass.Constexpr[int], end: cutlass.Constexpr[int],
                         ds_groups: Optional["DsGroups"] = None, under_dp: cutlass.Constexpr[int] = 0):
         """dS^T = acc_s * (dP^T - rowsum) without the softmax scale (dK's epilogue applies it), into
-        acc_dp in fp32, for the thread's query columns [first, end) (the rowsum from rdPsum, if
-        given, else sdPsum). With ds_groups, each stmatrix group leaves for shared memory after its
-        last column (the columns from under_dp on are computed before those below it)."""
-        tScS = scores.coords
+        acc_dp in fp32, for the thread's query columns [first, end). With ds_groups, each stmatrix
+        group leaves for shared memory after its last column (the columns from under_dp on are
+        computed before those below it)."""
         dS_rows, dP_rows = acc_rows_view(scores.acc_s), acc_rows_view(scores.acc_dp)
         for c in cutlass.range_constexpr(first, end):
-            dpsum = rdPsum[c] if cutlass.const_expr(rdPsum is not None) else sdPsum[tScS[0, c][1]]
+            rowsum = dpsum.at(c)
             for r in cutlass.range_constexpr(cute.size(dP_rows, mode=[0])):
-                dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - dpsum)
+                dP_rows[r, c] = dS_rows[r, c] * (dP_rows[r, c] - rowsum)
             if cutlass.const_expr(ds_groups is not None):
                 group = ds_groups.completed_by(c, under_dp)
                 if cutlass.const_expr(group is not None):
@@ -727,11 +720,10 @@ class FlashAttentionBackwardSm90:
         wgmma(tiled_mma_sdp, scores.acc_dp, scores.v, scores.do[None, None, None, stage], zero_init=True)
 
     @cute.jit
-    def probabilities(self, scores: "ScoreOperands", rP: cute.Tensor, sLSE: cute.Tensor,
-                      rLSE: Optional[cute.Tensor], work: "TileWork", m_block: Int32, scales: BackwardScales,
+    def probabilities(self, scores: "ScoreOperands", rP: cute.Tensor, lse_row: QueryRowValues,
+                      work: "TileWork", m_block: Int32, scales: BackwardScales,
                       masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
-        """P^T from S^T for the thread's query columns [first, end) (the LSE from rLSE, if given, else
-        from sLSE); with ``masked``, entries the mask hides and rows past the sequence 0.
+        """P^T from S^T for the thread's query columns [first, end); with ``masked``, entries the mask hides and rows past the sequence 0.
         scores.acc_s keeps, in fp32, what dS^T = acc_s * (dP^T - rowsum) needs: P, or P * (1 -
         tanh^2) under softcap, where rP gets P itself in the input dtype (without softcap the caller
         converts acc_s)."""
@@ -750,7 +742,7 @@ class FlashAttentionBackwardSm90:
                 lo, hi = work.mask.key_bounds(seqlen, row, Int32(0) if absolute else work.n_block)
                 if row >= seqlen.seqlen_q:
                     hi = lo  # no key
-            lse = rLSE[c] if cutlass.const_expr(rLSE is not None) else sLSE[query]
+            lse = lse_row.at(c)
             for r in cutlass.range_constexpr(cute.size(s_rows, mode=[0])):
                 key = tScS[r, 0][0]
                 if cutlass.const_expr(absolute):

@@ -65,3 +65,54 @@ def store_converted(dst: cute.Tensor, src: cute.Tensor):
         src_pairs, dst_pairs = cute.logical_divide(src, pair), cute.logical_divide(dst, pair)
         for i in cutlass.range_constexpr(n // 2):
             dst_pairs[None, i].store(src_pairs[None, i].load().to(dst.element_type))
+
+
+class QueryRowValues:
+    """A per-query row of floats in shared memory (the backward's LSE or rowsum) at a thread's
+    columns of an accumulator seen through acc_rows_view, whose columns are the queries. In the
+    C fragment of wgmma.m64nNk16, column c of the thread with lane t holds query
+    8 * (c // 2) + 2 * (t % 4) + c % 2. Read one of three ways:
+
+    - ``per_column``: one register per column, loaded once (64-query blocks: 16 columns);
+    - ``from_smem``: a shared-memory load at each use (lanes with the same t % 4 share the address);
+    - ``by_shuffle`` (at most 128 queries): lane L holds queries 2L, 2L + 1, 64 + 2L and 65 + 2L,
+      four loads per step, and each use fetches its value from the lane that holds it: query q
+      sits in lane (q % 64) // 2, register 2 * (q // 64) + q % 2, which for column c is lane
+      4 * (c // 2 % 8) + t % 4 and register 2 * (c // 16) + c % 2, the same on every lane, so that
+      one warp shuffle serves the warp. Every lane must call ``at`` together."""
+
+    def __init__(self, row: cute.Tensor, coords: cute.Tensor, regs=None, quad=None):
+        self.row, self.coords, self.regs, self.quad = row, coords, regs, quad
+
+    @staticmethod
+    def per_column(row: cute.Tensor, coords: cute.Tensor) -> "QueryRowValues":
+        regs = cute.make_rmem_tensor((cute.size(coords, mode=[1]),), cutlass.Float32)
+        for c in range(cute.size(coords, mode=[1])):  # traced, not preprocessed: Python's range unrolls
+            regs[c] = row[coords[0, c][1]]
+        return QueryRowValues(row, coords, regs=regs)
+
+    @staticmethod
+    def from_smem(row: cute.Tensor, coords: cute.Tensor) -> "QueryRowValues":
+        return QueryRowValues(row, coords)
+
+    @staticmethod
+    def by_shuffle(row: cute.Tensor, coords: cute.Tensor, queries: int) -> "QueryRowValues":
+        assert 64 < queries <= 128 and queries % 16 == 0, f"by_shuffle holds 65 to 128 queries, not {queries}"
+        lane = cute.arch.lane_idx()
+        regs = cute.make_rmem_tensor((4,), cutlass.Float32)
+        second = 64 + 2 * lane
+        if queries < 128:
+            second = cutlass.min(second, queries - 2)  # lanes past the row hold a copy no column reads
+        for i, first in enumerate((2 * lane, second)):
+            regs[2 * i] = row[first]
+            regs[2 * i + 1] = row[first + 1]
+        return QueryRowValues(row, coords, regs=regs, quad=lane % THREADS_PER_ROW)
+
+    def at(self, c: int):
+        """The value at the thread's column ``c`` (a compile-time index)."""
+        if self.quad is not None:
+            pair = c // 2
+            return cute.arch.shuffle_sync(self.regs[2 * (pair // 8) + c % 2], 4 * (pair % 8) + self.quad)
+        if self.regs is not None:
+            return self.regs[c]
+        return self.row[self.coords[0, c][1]]
