@@ -1,5 +1,5 @@
 """The sm90 backward's schedule switches (BackwardConfig.separate_do_barrier, dq_bulk_reduce,
-tma_store_dkv, one_step_body, exp2_emulated_eighths, ds_store_by_group; off in the config,
+tma_store_dkv, one_step_body, exp2_emulated_eighths, ds_store_by_group, query_rows_by_shuffle; off in the config,
 tma_store_dkv switched on by dispatch where the layout allows it): what the configuration accepts,
 what the sm100 backward refuses, and what each compiles to for sm_90a (no GPU). tests/gpu/test_bwd.py
 checks their gradients."""
@@ -17,7 +17,8 @@ from flash_attn4.fa4_kernels.arch import Arch
 from flash_attn4.fa4_kernels.config import BackwardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SWITCHES = ("separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv", "one_step_body", "ds_store_by_group")
+SWITCHES = ("separate_do_barrier", "dq_bulk_reduce", "tma_store_dkv", "one_step_body", "ds_store_by_group",
+            "query_rows_by_shuffle")
 SM90_D128 = dict(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128)
 
 
@@ -216,3 +217,19 @@ def test_ds_groups_store_each_group_once_after_its_last_column(columns, eighths)
             assert set(range(4 * g, 4 * g + 4)) <= done, (c, g)
             stored.append(g)
     assert sorted(stored) == list(range(columns // 4))
+
+
+def _count(ops: Counter, prefix: str) -> int:
+    return sum(n for op, n in ops.items() if op.startswith(prefix))
+
+
+@pytest.mark.parametrize("spec", ["d=64,causal=true", "d=64", "d=128,causal=true"])
+def test_query_rows_by_shuffle_takes_lse_and_rowsum_off_shared_memory(spec):
+    """query_rows_by_shuffle at 128- and 80-query blocks: each column pair's LSE or rowsum load
+    (LDS, all of the kernel's) becomes two warp shuffles (SHFL.IDX), and one step loads four
+    values a lane: two LDS.64 per row; no spills nor serialised WGMMAs."""
+    report = _sass_report()
+    base, ops = _opcodes(report, spec), _opcodes(report, spec + ",query_rows_by_shuffle=true")
+    assert _count(ops, "LDS") <= 4 < _count(base, "LDS"), (_count(ops, "LDS"), _count(base, "LDS"))
+    assert _count(ops, "SHFL") - _count(base, "SHFL") >= 2 * (_count(base, "LDS") - 4)
+    _no_spills_nor_serialised_wgmmas(ops, base)
