@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -103,7 +104,14 @@ def build(out: Path, archs: list[Arch], jobs: int, only: int | None = None, dtyp
         users = _models_of(arch, dtypes)
         for cfg in sharded(aot.shipped_configs(arch, dtypes=dtypes)[:only], shard):
             work.append((arch, cfg, users.get((aot.kind_of(cfg),) + cfg.key(), [])))
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # Spawned workers, not forked: a caller that has compiled kernels in its own process (the tests
+    # do) holds the DSL's threads and locks, and a forked child deadlocked on one (a JIT-cache
+    # finalizer waiting forever). They import this module by name, so its folder goes on the path
+    # they inherit.
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.append(here)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(build_one, cfg, str(folder), fingerprint): (arch, cfg, users)
                    for arch, cfg, users in work}
         for i, future in enumerate(as_completed(futures), 1):

@@ -14,6 +14,7 @@ one compiled kernel serves every problem size.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import time
@@ -349,7 +350,8 @@ def main(argv=None) -> int:
     if jobs == 1:
         results = map(_compile_one, configs)
     else:
-        pool = ProcessPoolExecutor(max_workers=jobs)
+        # spawned, not forked (scripts/build_aot.py says why)
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
         results = pool.map(_compile_one, configs)  # in the set's order, as they finish
     for cfg, (seconds, status) in zip(configs, results):
         failures += status != "ok"
