@@ -233,3 +233,20 @@ def test_query_rows_by_shuffle_takes_lse_and_rowsum_off_shared_memory(spec):
     assert _count(ops, "LDS") <= 4 < _count(base, "LDS"), (_count(ops, "LDS"), _count(base, "LDS"))
     assert _count(ops, "SHFL") - _count(base, "SHFL") >= 2 * (_count(base, "LDS") - 4)
     _no_spills_nor_serialised_wgmmas(ops, base)
+
+
+@pytest.mark.parametrize("queries", [80, 128])
+def test_query_rows_by_shuffle_fetches_each_columns_own_query(queries):
+    """QueryRowValues.by_shuffle's lanes and registers: for every lane t and column c of a WGMMA
+    accumulator (query 8 * (c // 2) + 2 * (t % 4) + c % 2), the register and lane shuffle_source
+    names hold exactly that query (held_queries), and the register is the same on every lane."""
+    from flash_attn4.fa4_kernels.sm90.fragments import QueryRowValues
+
+    held = [QueryRowValues.held_queries(lane, queries) for lane in range(32)]
+    columns = queries // 4  # per thread: 2 adjacent columns in each 8-column group
+    for c in range(columns):
+        register, source = QueryRowValues.shuffle_source(c)
+        for t in range(32):
+            query = 8 * (c // 2) + 2 * (t % 4) + c % 2
+            assert query < queries
+            assert held[source + t % 4][register] == query, (queries, c, t)

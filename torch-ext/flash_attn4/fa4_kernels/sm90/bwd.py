@@ -685,9 +685,9 @@ class FlashAttentionBackwardSm90:
         """A stage's LSE or rowsum row at this thread's score columns: in registers at 64-query
         blocks (16 columns); at longer blocks, where a register per column would spill, by warp
         shuffle (query_rows_by_shuffle) or from shared memory at each use."""
-        if cutlass.const_expr(self.tile_m == WGMMA_M):
+        if self.tile_m == WGMMA_M:
             return QueryRowValues.per_column(row, coords)
-        if cutlass.const_expr(self.cfg.query_rows_by_shuffle):
+        if self.cfg.query_rows_by_shuffle:
             return QueryRowValues.by_shuffle(row, coords, self.tile_m)
         return QueryRowValues.from_smem(row, coords)
 
@@ -723,8 +723,8 @@ class FlashAttentionBackwardSm90:
     def probabilities(self, scores: "ScoreOperands", rP: cute.Tensor, lse_row: QueryRowValues,
                       work: "TileWork", m_block: Int32, scales: BackwardScales,
                       masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
-        """P^T from S^T for the thread's query columns [first, end); with ``masked``, entries the mask hides and rows past the sequence 0.
-        scores.acc_s keeps, in fp32, what dS^T = acc_s * (dP^T - rowsum) needs: P, or P * (1 -
+        """P^T from S^T for the thread's query columns [first, end); with ``masked``, entries the
+        mask hides and rows past the sequence 0. scores.acc_s keeps, in fp32, what dS^T = acc_s * (dP^T - rowsum) needs: P, or P * (1 -
         tanh^2) under softcap, where rP gets P itself in the input dtype (without softcap the caller
         converts acc_s)."""
         tScS, seqlen = scores.coords, work.seqlen

@@ -103,16 +103,28 @@ class QueryRowValues:
         second = 64 + 2 * lane
         if queries < 128:
             second = cutlass.min(second, queries - 2)  # lanes past the row hold a copy no column reads
-        for i, first in enumerate((2 * lane, second)):
+        for i, first in enumerate((2 * lane, second)):  # held_queries
             regs[2 * i] = row[first]
             regs[2 * i + 1] = row[first + 1]
         return QueryRowValues(row, coords, regs=regs, quad=lane % THREADS_PER_ROW)
 
+    @staticmethod
+    def held_queries(lane: int, queries: int) -> tuple[int, int, int, int]:
+        """by_shuffle: the queries whose values ``lane`` holds, by register."""
+        second = min(64 + 2 * lane, queries - 2)
+        return 2 * lane, 2 * lane + 1, second, second + 1
+
+    @staticmethod
+    def shuffle_source(c: int) -> tuple[int, int]:
+        """by_shuffle: column ``c``'s (register, source lane less t % 4)."""
+        pair = c // 2
+        return 2 * (pair // 8) + c % 2, 4 * (pair % 8)
+
     def at(self, c: int):
         """The value at the thread's column ``c`` (a compile-time index)."""
         if self.quad is not None:
-            pair = c // 2
-            return cute.arch.shuffle_sync(self.regs[2 * (pair // 8) + c % 2], 4 * (pair % 8) + self.quad)
+            register, lane = QueryRowValues.shuffle_source(c)
+            return cute.arch.shuffle_sync(self.regs[register], lane + self.quad)
         if self.regs is not None:
             return self.regs[c]
         return self.row[self.coords[0, c][1]]
