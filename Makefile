@@ -53,15 +53,12 @@ sass-report: ## static SASS facts of ARCH's kernel set (no GPU; ANCHORS=DIR, STR
 	  $(if $(ANCHORS),--anchors $(ANCHORS)) $(if $(STRICT),--strict)
 
 # Test processes (pytest-xdist): kernel compiles are most of both suites' time and run in parallel.
-# The CPU suite hands out whole modules (--dist loadscope): a module's tests share its compiles, which
-# each test process makes once (scripts/sass_stats_lib.py), so spreading a module over both processes
-# compiled most of its kernels twice (2778 against 2162 worker-seconds, docs/DEVELOPMENT.md).
 TEST_WORKERS ?= 2
 GPU_TEST_WORKERS ?= 4
 
 # CPU tests. pytest exits 5 when it collected no test: that is a failure here, said out loud.
-test: ## CPU tests: python -m pytest tests -m "not gpu" -q -n 2 --dist loadscope (TEST_WORKERS=...)
-	$(PYTHON) -m pytest tests -m "not gpu" -q -n $(TEST_WORKERS) --dist loadscope; rc=$$?; \
+test: ## CPU tests: python -m pytest tests -m "not gpu" -q -n 2 (TEST_WORKERS=...)
+	$(PYTHON) -m pytest tests -m "not gpu" -q -n $(TEST_WORKERS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 # GPU tests: need an sm90/sm100 GPU, skipped otherwise.
