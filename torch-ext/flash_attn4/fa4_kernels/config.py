@@ -297,9 +297,8 @@ class BackwardConfig(_KernelConfig):
     num_stages everywhere; longest_first wherever the arch's scheduler orders tiles; split_head_dim,
     exp_eighths_under_dp, exp2_emulated_eighths, separate_do_barrier, dq_bulk_reduce, tma_store_dkv,
     one_step_body, ds_store_by_group and query_rows_by_shuffle are sm90 layout and schedule switches
-    (sm90/tiles.py). The
-    arch's check_backward (registry in arch.py) rejects tiles its kernel cannot build, when the
-    config is constructed.
+    (sm90/tiles.py). The arch's check_backward (registry in arch.py) rejects tiles its kernel cannot
+    build, when the config is constructed.
     """
 
     has_softcap: bool = False
