@@ -736,9 +736,8 @@ class FlashAttentionBackwardSm90:
         # columns per thread), where it spilled 6 registers at d=64 causal; not under softcap.
         absolute = masked and not self.cfg.has_softcap and self.tile_m != 128
         for c in cutlass.range_constexpr(first, end):
-            query = tScS[0, c][1]
             if cutlass.const_expr(masked):
-                row = m_block * self.tile_m + query
+                row = m_block * self.tile_m + tScS[0, c][1]
                 lo, hi = work.mask.key_bounds(seqlen, row, Int32(0) if absolute else work.n_block)
                 if row >= seqlen.seqlen_q:
                     hi = lo  # no key

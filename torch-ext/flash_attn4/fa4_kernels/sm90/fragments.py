@@ -100,18 +100,17 @@ class QueryRowValues:
         assert 64 < queries <= 128 and queries % 16 == 0, f"by_shuffle holds 65 to 128 queries, not {queries}"
         lane = cute.arch.lane_idx()
         regs = cute.make_rmem_tensor((4,), cutlass.Float32)
-        second = 64 + 2 * lane
-        if queries < 128:
-            second = cutlass.min(second, queries - 2)  # lanes past the row hold a copy no column reads
-        for i, first in enumerate((2 * lane, second)):  # held_queries
-            regs[2 * i] = row[first]
-            regs[2 * i + 1] = row[first + 1]
+        for register, query in enumerate(QueryRowValues.held_queries(lane, queries)):
+            regs[register] = row[query]
         return QueryRowValues(row, coords, regs=regs, quad=lane % THREADS_PER_ROW)
 
     @staticmethod
-    def held_queries(lane: int, queries: int) -> tuple[int, int, int, int]:
-        """by_shuffle: the queries whose values ``lane`` holds, by register."""
-        second = min(64 + 2 * lane, queries - 2)
+    def held_queries(lane, queries: int) -> tuple:
+        """by_shuffle: the queries whose values ``lane`` (an Int32 in the kernel, an int in tests)
+        holds, by register."""
+        second = 64 + 2 * lane
+        if queries < 128:
+            second = cutlass.min(second, queries - 2)  # lanes past the row hold a copy no column reads
         return 2 * lane, 2 * lane + 1, second, second + 1
 
     @staticmethod
