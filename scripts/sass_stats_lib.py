@@ -671,6 +671,10 @@ def _config_cache_key(cfg) -> tuple:
 
 
 _SESSION_DIR: Path | None = None
+# A folder that several processes (pytest-xdist workers) share, named by the environment: each
+# compile result is made once in it, by whichever process asks first, while the others wait for it
+# (a lock file per result) and then read it. Without it, compiles are cached per process only.
+SHARED_CACHE_ENV = "FA4_SASS_SHARED_CACHE"
 
 
 def _session_dir() -> Path:
@@ -684,22 +688,47 @@ def _session_dir() -> Path:
     return _SESSION_DIR
 
 
+def _made_once(tag: str, make):
+    """``make(folder)``'s JSON-able result for ``tag``: with a shared cache (SHARED_CACHE_ENV), made in
+    its own folder there by the first process to ask, and read back by every later one; else made in
+    a new folder of this process's session folder. A failed ``make`` leaves no result (the next
+    process to ask makes it again)."""
+    root = os.environ.get(SHARED_CACHE_ENV)
+    if not root:
+        return make(Path(tempfile.mkdtemp(dir=_session_dir())))
+    import fcntl
+    import hashlib
+
+    digest = hashlib.sha256(tag.encode()).hexdigest()[:24]
+    result = Path(root) / digest / "result.json"
+    with open(Path(root) / f"{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if result.exists():
+            return json.loads(result.read_text())
+        result.parent.mkdir(exist_ok=True)
+        value = make(Path(tempfile.mkdtemp(dir=result.parent)))  # a new folder per try
+        result.write_text(json.dumps(value))
+        return value
+
+
 @functools.lru_cache(maxsize=None)
 def _cached_artifacts(key: tuple, flavour: str, cfg_blob: bytes) -> tuple[str, str, str | None, str | None]:
-    cfg = pickle.loads(cfg_blob)
-    out = Path(tempfile.mkdtemp(prefix=f"{flavour}_", dir=_session_dir()))
-    result = compile_config(cfg, flavour, out, keep="ptx,cubin").check(f"compile of {key}")
-    files = _main_module(result)
-    sass = out / (files["cubin"].name.rsplit(".", 2)[0] + ".nvdisasm.sass")
-    sass.write_text(disassemble(files["cubin"]))
-    ptx = files.get("ptx")
-    return str(files["cubin"]), str(sass), str(ptx) if ptx else None, result.dsl_ir_module
+    def make(out: Path) -> list:
+        result = compile_config(pickle.loads(cfg_blob), flavour, out, keep="ptx,cubin").check(f"compile of {key}")
+        files = _main_module(result)
+        sass = out / (files["cubin"].name.rsplit(".", 2)[0] + ".nvdisasm.sass")
+        sass.write_text(disassemble(files["cubin"]))
+        ptx = files.get("ptx")
+        return [str(files["cubin"]), str(sass), str(ptx) if ptx else None, result.dsl_ir_module]
+
+    return tuple(_made_once(repr(("artifacts", key, flavour)), make))
 
 
 def kernel_artifacts(cfg, flavour: str = "auto") -> dict:
     """{cubin, sass (nvdisasm -c), ptx: Path, dsl_ir_module: str} of ``cfg``'s kernel compiled
-    with ``flavour``: files in a per-process temp folder, compiled once per (cfg.key(), flavour)
-    for the process (kernel_stats reads the same files). Read them; do not modify them."""
+    with ``flavour``: files in a temp folder, compiled once per (cfg.key(), flavour) for the
+    process, or for every process sharing SHARED_CACHE_ENV's folder (kernel_stats reads the same
+    files). Read them; do not modify them."""
     cubin, sass, ptx, module = _cached_artifacts(_config_cache_key(cfg), flavour, pickle.dumps(cfg))
     return {"cubin": Path(cubin), "sass": Path(sass), "ptx": Path(ptx) if ptx else None, "dsl_ir_module": module}
 
@@ -714,16 +743,19 @@ def _cached_stats(key: tuple, flavour: str, cfg_blob: bytes) -> str:
 
 def kernel_stats(cfg, flavour: str = "auto") -> dict:
     """The statistics dict (module docstring) of ``cfg``'s kernel compiled with ``flavour``'s ptxas.
-    Cached per (cfg.key(), flavour) for the process: tests share one compile. A fresh copy each call."""
+    Cached per (cfg.key(), flavour) for the process (and its compile shared as kernel_artifacts
+    says): tests share one compile. A fresh copy each call."""
     return json.loads(_cached_stats(_config_cache_key(cfg), flavour, pickle.dumps(cfg)))
 
 
 @functools.lru_cache(maxsize=None)
 def _cached_diagnostics(key: tuple, flavour: str, options: str, cfg_blob: bytes) -> tuple:
-    cfg = pickle.loads(cfg_blob)
-    with tempfile.TemporaryDirectory(prefix="fa4_verify_") as tmp:
-        result = compile_config(cfg, flavour, tmp, keep="", compiler_opt=options).check(f"compile of {key}")
-    return tuple(json.dumps(d) for d in parse_verifier_output(result.stderr))
+    def make(out: Path) -> list:
+        result = compile_config(pickle.loads(cfg_blob), flavour, out, keep="", compiler_opt=options)
+        shutil.rmtree(out, ignore_errors=True)  # nothing kept: the diagnostics are in its stderr
+        return [json.dumps(d) for d in parse_verifier_output(result.check(f"compile of {key}").stderr)]
+
+    return tuple(_made_once(repr(("diagnostics", key, flavour, options)), make))
 
 
 def verifier_diagnostics(cfg, flavour: str = "auto", options: str = "warnings") -> list[dict]:

@@ -8,12 +8,18 @@
   are skipped, with the reason, on a family without a backward kernel, and where the backward raises
   a NotImplementedError that tests/unsupported.py lists for the GPU's arch (pytest_runtest_call).
 - ``hub_build``: the Hub tree as ``make build`` writes it, built once per session into a temp folder.
+- The static SASS tests' compiles (scripts/sass_stats_lib.py) are shared by every test process of a
+  run (pytest-xdist workers): the controlling process names one folder for them, so that a kernel
+  two workers both test is compiled once.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 for _path in (REPO_ROOT, REPO_ROOT / "torch-ext"):  # torch-ext ends up first
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
+
+from scripts.sass_stats_lib import SHARED_CACHE_ENV  # noqa: E402 (needs the path above)
 
 
 def gpu_skip_reason() -> str | None:
@@ -50,6 +58,20 @@ def backward_skip_reason() -> str | None:
     if "backward" not in IMPLEMENTED.get(arch, ()):
         return f"no {arch.value} backward kernel yet (flash-attn4 issue: Blackwell backward)"
     return None
+
+
+def pytest_configure(config):
+    # Set before xdist starts its workers, which inherit it; a worker or an outer run keeps its own.
+    if not hasattr(config, "workerinput") and not os.environ.get(SHARED_CACHE_ENV):
+        config._fa4_sass_cache = tempfile.mkdtemp(prefix="fa4_sass_shared_")
+        os.environ[SHARED_CACHE_ENV] = config._fa4_sass_cache
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_fa4_sass_cache", None)
+    if folder is not None:
+        os.environ.pop(SHARED_CACHE_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
