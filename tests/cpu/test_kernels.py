@@ -101,8 +101,8 @@ def test_sm90_forward_uses_wgmma_tma_and_does_not_spill(tmp_path):
     assert 0 < fsel < 400, f"{fsel} FSEL in the causal forward"
 
 
-@pytest.mark.parametrize("flags", [dict(qhead_per_kvhead=4),
-                                   dict(varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=7, pack_group=8)])
+@pytest.mark.parametrize("flags", [
+    dict(qhead_per_kvhead=4), dict(varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=7, pack_group=8)])
 def test_sm90_split_forward_that_merges_its_splits_counts_tiles_atomically(flags):
     """merge_splits (decode: batched, and varlen over pages with padded groups): one GPU-scope
     atomic add per CTA (a tile's split count) between GPU-scope fences, no spills, the same WGMMAs

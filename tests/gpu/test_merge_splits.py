@@ -19,8 +19,9 @@ from flash_attn4 import dispatch, flash_attn_func, flash_attn_varlen_func, ops
 from tests.gpu.helpers import DEVICE, rand
 from tests.gpu.test_fwd import check, poison_outputs, seed  # noqa: F401 (fixtures)
 from tests.gpu.test_gqa_pack import test_padded_groups_over_a_paged_cache  # noqa: F401
-from tests.gpu.test_kvcache import (test_cache_batch_idx, test_cuda_graph_replay_with_changing_cache_seqlens,  # noqa: F401
-                                    test_fully_masked_rows, test_kvcache_100k, test_unpackable_ratios)
+from tests.gpu.test_kvcache import (test_cache_batch_idx,  # noqa: F401
+                                    test_cuda_graph_replay_with_changing_cache_seqlens, test_fully_masked_rows,
+                                    test_kvcache_100k, test_unpackable_ratios)
 from tests.gpu.test_paged_kv import (test_paged_100k, test_paged_cuda_graph_replay_with_changing_lengths,  # noqa: F401
                                      test_paged_many_queries)
 from tests.gpu.test_splitkv import (test_fully_masked_rows_batched, test_fully_masked_rows_varlen,  # noqa: F401
@@ -50,7 +51,8 @@ def merging(monkeypatch):
 
 
 @pytest.mark.parametrize("b,sq,sk,hq,hk,d,num_splits", [
-    (1, 1, 65536, 32, 8, 128, 0), (2, 1, 30000, 28, 4, 128, 0), (3, 4, 9000, 8, 8, 64, 5), (2, 70, 3000, 16, 2, 128, 7)])
+    (1, 1, 65536, 32, 8, 128, 0), (2, 1, 30000, 28, 4, 128, 0), (3, 4, 9000, 8, 8, 64, 5),
+    (2, 70, 3000, 16, 2, 128, 7)])
 def test_merged_equals_the_combine_kernel_bit_for_bit(seed, monkeypatch, b, sq, sk, hq, hk, d, num_splits):
     """The kernel's merge and the combine kernel run the same row merge over the same partials in the
     same order: equal outputs and LSEs, not just close ones (decode at 64k, a padded ratio, several

@@ -95,7 +95,9 @@ class ForwardConfig(_KernelConfig):
     current CUDA stream):
 
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
-           softmax_scale, softcap, window_left, window_right, max_seqlen_q)
+           softmax_scale, softcap, window_left, window_right, max_seqlen_q, out_merged, lse_merged, tile_counts)
+
+    (the last three are None except for a kernel that merges its own splits: ``merge_splits`` below)
 
     batched (``varlen=False``): q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv),
         out (b, sq, hq, dv), lse (b, hq, sq) float32; cu_seqlens_* are None.

@@ -38,7 +38,9 @@ Split-KV (``split_kv``): the grid's head mode holds head * num_splits + split (s
 a CTA walks only its split's share of the tile's KV blocks and stores O normalised over those keys
 alone, as float32 from the accumulator layout, with their LSE, into its split's slice of the partial
 buffers (an empty share stores O = 0, LSE = -inf like a tile that sees no key); fa4_kernels/combine.py
-merges them.
+merges them, or with ``merge_splits`` the tile's last split CTA to finish does (merge_if_last: an
+atomic count per tile says which CTA is last; its consumers then merge the tile's rows as the
+combine kernel would, with the same RowMerge).
 """
 
 from __future__ import annotations
