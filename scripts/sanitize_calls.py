@@ -42,14 +42,17 @@ def batched(d, dv, sq, sk, hq, hk, **kwargs):
 
 def main() -> int:
     if "--thread-stored-o" in sys.argv[1:]:
-        # initcheck does not see the forward's TMA stores of O (tma_store_o, batched calls): every
-        # element of such an O reads as uninitialized in the backward's preprocessing (H100,
-        # 2026-12-05: 48640 16-byte reads, exactly the batched calls' O). With O stored by threads
-        # the same calls are checked for real.
+        # initcheck does not see TMA stores: every element of an O the forward stores by TMA
+        # (tma_store_o, batched calls) reads as uninitialized in the backward's preprocessing (H100,
+        # 2026-12-05: 48640 16-byte reads, exactly the batched calls' O), and so does every element
+        # of a dK or dV the backward stores by TMA (tma_store_dkv, batched calls) when it is copied
+        # to the host (H100, 2026-12-07: 29904 reads, the first a 74,240-byte dK). With both stored
+        # by threads the same calls are checked for real.
         from flash_attn4 import dispatch, ops
 
-        chosen = dispatch.forward_config
-        dispatch.forward_config = lambda *a, **k: chosen(*a, **k).replace(tma_store_o=False)
+        forward, backward = dispatch.forward_config, dispatch.backward_config
+        dispatch.forward_config = lambda *a, **k: forward(*a, **k).replace(tma_store_o=False)
+        dispatch.backward_config = lambda *a, **k: backward(*a, **k).replace(tma_store_dkv=False)
         ops._PLANS.clear()
     torch.manual_seed(0)
     batched(64, 64, 300, 290, 4, 2, causal=True)
