@@ -11,7 +11,6 @@ over cuDNN's, and checks every variant's output against base's.
     python benchmarks/decode_tiles_ab.py --variant st3:num_stages=3,tma_store_o=false
     python benchmarks/decode_tiles_ab.py --variant nopdl:combine.pdl=false --problems 0,1,2,4 --rounds 7
     python benchmarks/decode_tiles_ab.py --variant fill:dispatch.NEAR_BEST=0.95 --problem 1,1,65536,32,8,128
-    python benchmarks/decode_tiles_ab.py --variant merged:dispatch.MERGE_SPLITS=true
 
 Field variants apply to kernels up to --max-head-dim (shared memory); larger ones run base's kernel.
 """
@@ -57,7 +56,6 @@ def use(overrides: dict, max_head_dim: int) -> None:
     dispatch.forward_config = forward_config
     dispatch.combine_config = lambda *a, **k: _CHOSEN["combine_config"](*a, **k).replace(**combine)
     dispatch._fullest_split.cache_clear()
-    _CHOSEN["forward_config"].cache_clear()  # it reads dispatch constants too (MERGE_SPLITS)
     ops._PLANS.clear()
 
 

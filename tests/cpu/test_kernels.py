@@ -101,31 +101,6 @@ def test_sm90_forward_uses_wgmma_tma_and_does_not_spill(tmp_path):
     assert 0 < fsel < 400, f"{fsel} FSEL in the causal forward"
 
 
-@pytest.mark.parametrize("flags", [
-    dict(qhead_per_kvhead=4), dict(varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=7, pack_group=8)])
-def test_sm90_split_forward_that_merges_its_splits_counts_tiles_atomically(flags):
-    """merge_splits (decode: batched, and varlen over pages with padded groups): one GPU-scope
-    atomic add per CTA (a tile's split count) between GPU-scope fences, no spills, the same WGMMAs
-    as the kernel that leaves its partials to the combine; that kernel has none of it."""
-    from flash_attn4 import dispatch
-
-    problem = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False, has_sink=False)
-    problem.update(flags)
-    plain = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, split_kv=True, **problem)
-    merging = plain.replace(merge_splits=True)
-    counts = {}
-    for name, cfg in (("plain", plain), ("merging", merging)):
-        stats = lib.kernel_stats(cfg, "cu13")
-        assert not lib.static_problems(stats), (name, lib.static_problems(stats))
-        ops = stats["opcodes"]
-        counts[name] = dict(atomics=sum(n for op, n in ops.items() if op.startswith("ATOMG.E.ADD")),
-                            gpu_fences=ops.get("MEMBAR.ALL.GPU", 0) + ops.get("MEMBAR.SC.GPU", 0),
-                            gmma=stats["gmma"])
-    assert counts["plain"]["atomics"] == 0 and counts["plain"]["gpu_fences"] == 0
-    assert counts["merging"]["atomics"] == 1 and counts["merging"]["gpu_fences"] >= 2, counts
-    assert counts["merging"]["gmma"] == counts["plain"]["gmma"]
-
-
 def test_sm90_forward_tma_store_o_uses_stmatrix_and_a_tma_store(tmp_path):
     proc = _compile_in_subprocess(tmp_path, dict(head_dim=128, head_dim_v=128, causal=True, tma_store_o=True),
                                   keep="ptx,cubin")

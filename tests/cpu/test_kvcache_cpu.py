@@ -35,8 +35,7 @@ def split_stand_in(cfg, calls):
     [s * per, (s + 1) * per)."""
 
     def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, scale, softcap, left, right,
-            max_seqlen_q, *merged):
-        assert merged == (None, None, None) and not cfg.merge_splits
+            max_seqlen_q):
         assert seqused_q is None
         if page_table is not None:
             k, v, cu_k = unpage(k, v, page_table, seqused_k, batched=not cfg.varlen)
@@ -74,9 +73,8 @@ def unsplit_stand_in(cfg, calls):
 
     def run(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, *rest):
         packed = (k, v, cu_k) if page_table is None else unpage(k, v, page_table, seqused_k, batched=not cfg.varlen)
-        max_seqlen_q = rest[5]  # after sink, softmax_scale, softcap, window_left, window_right
         calls.append((cfg, dict(k=packed[0], v=packed[1], cu_q=_clone(cu_q), cu_k=_clone(packed[2]),
-                                seqused_k=_clone(seqused_k), max_seqlen_q=max_seqlen_q, page_table=page_table)))
+                                seqused_k=_clone(seqused_k), max_seqlen_q=rest[-1], page_table=page_table)))
         inner(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, *rest)
 
     return run

@@ -29,9 +29,8 @@ def torch_kernel(cfg, calls):
     """A stand-in for compile_forward(cfg): same call convention, computed with the reference."""
 
     def run(q, k, v, out, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, softmax_scale, softcap,
-            window_left, window_right, max_seqlen_q, *merged):
+            window_left, window_right, max_seqlen_q):
         calls.append(cfg)
-        assert merged == (None, None, None) and not cfg.merge_splits
         assert (seqused_q is not None) == cfg.has_seqused_q
         assert (page_table is not None) == (cfg.page_size > 0)
         if page_table is not None:  # the keys as a packed or padded batch, as the kernel reads them through the table

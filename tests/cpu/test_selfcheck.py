@@ -67,9 +67,8 @@ class FakeKernel:
         self.cfg, self.calls, self.mutate = cfg, calls, mutate
 
     def __call__(self, q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, sink, scale, softcap, left, right,
-                 max_seqlen_q, *merged):
+                 max_seqlen_q):
         cfg = self.cfg
-        assert merged == (None, None, None) and not cfg.merge_splits
         assert (used_q is not None) == cfg.has_seqused_q and (page_table is not None) == (cfg.page_size > 0)
         self.calls.append(tuple(q.shape))
         if page_table is not None:  # the pages' keys as the packed (or padded) batch they hold
@@ -430,9 +429,7 @@ def seqused_q_ignored(cfg, q, k, v, out, lse, *rest):
 def split_kernel(cfg, how):
     """A split-KV stand-in that is wrong: "duplicate" (split 1 repeats split 0's keys) or
     "unwritten" (split 1 claims keys but writes nothing)."""
-    def run(q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, sink, scale, softcap, left, right, max_seqlen_q,
-            *merged):
-        assert merged == (None, None, None)
+    def run(q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, sink, scale, softcap, left, right, max_seqlen_q):
         reference_into(cfg, q, k, v, out[0], lse[0], cu_q, cu_k, used, sink, scale, softcap, left, right,
                        used_q=used_q)
         lse[2:] = float("-inf")
@@ -471,9 +468,8 @@ def pages_misread(cfg, q, k, v, out, lse, cu_q, cu_k, used, *rest):
 def test_paged_kernel_that_ignores_the_page_table_fails(seed):
     cfg = config(varlen=True, has_seqused_k=True, page_size=64)
 
-    def run(q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, sink, scale, softcap, left, right, max_seqlen_q,
-            *merged):
-        pages_misread(cfg, q, k, v, out, lse, cu_q, cu_k, used, sink, scale, softcap, left, right)
+    def run(q, k, v, out, lse, cu_q, cu_k, used_q, used, page_table, *rest):
+        pages_misread(cfg, q, k, v, out, lse, cu_q, cu_k, used, *rest[:-1])
     report = selfcheck.check_forward(cfg, run, ops._launch_forward, torch.device("cpu"))
     assert not report.ok and report.out_err > report.out_allowed
     assert "paged:" in report.problem and "shuffled" in report.problem

@@ -221,10 +221,9 @@ def split_kernel_stand_in(cfg, calls):
     each tile's visible range; merged, both are the same attention)."""
 
     def run(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, scale, softcap, left, right,
-            max_seqlen_q, out=None, lse=None, tile_counts=None):
+            max_seqlen_q):
         calls.append(cfg)
         assert seqused_q is None  # (the split tests run no padded batches)
-        assert (out is not None) == (lse is not None) == (tile_counts is not None) == cfg.merge_splits
         if page_table is not None:
             k, v, cu_k = unpage(k, v, page_table, seqused_k)
         assert cfg.split_kv and sink is None and out_p.dtype == lse_p.dtype == torch.float32
@@ -242,22 +241,12 @@ def split_kernel_stand_in(cfg, calls):
             per = -(-n_blocks // num_splits) * cfg.tile_n
             for s in range(num_splits):
                 pos = torch.arange(ks.shape[0])
-                o_s, lse_s = partial_attention_ref(qs, ks, vs, (pos >= s * per) & (pos < (s + 1) * per),
-                                                   softmax_scale=scale, causal=cfg.causal, window_size=window)
+                o, lse = partial_attention_ref(qs, ks, vs, (pos >= s * per) & (pos < (s + 1) * per),
+                                               softmax_scale=scale, causal=cfg.causal, window_size=window)
                 if b is not None:
-                    out_p[s, b], lse_p[s, b] = o_s, lse_s
+                    out_p[s, b], lse_p[s, b] = o, lse
                 else:
-                    out_p[s, rows], lse_p[s, :, rows] = o_s, lse_s
-        if cfg.merge_splits:  # the merge the kernel's last CTA of each tile does, with its counts
-            batch = q.shape[0] if cu_q is None else cu_q.shape[0] - 1
-            heads = k.shape[-2] if cfg.pack_gqa > 1 else q.shape[-2]
-            assert tile_counts.dtype == torch.int32 and not tile_counts.any()
-            assert tile_counts.numel() >= batch * heads * -(-max_seqlen_q * cfg.pack_gqa // cfg.tile_m)
-            assert out.shape == q.shape[:-1] + v.shape[-1:] and lse.dtype == torch.float32
-            varlen = cu_q is not None
-            o, l = combine_ref(out_p.unsqueeze(1) if varlen else out_p, lse_p.unsqueeze(1) if varlen else lse_p, None)
-            out.copy_((o[0] if varlen else o).to(out.dtype))
-            lse.copy_(l[0] if varlen else l)
+                    out_p[s, rows], lse_p[s, :, rows] = o, lse
 
     return run
 
@@ -329,48 +318,6 @@ def test_flash_attn_func_split_path(cpu_kernels, num_splits, causal):
     assert combines == [CombineConfig(arch=Arch.SM90, dtype="bfloat16", head_dim_v=64)]
     assert out.shape == (2, 3, 8, 64) and out.dtype == torch.bfloat16 and lse.shape == (2, 8, 3)
     close_to_reference(out, lse, q, k, v, causal=causal)
-
-
-@pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("with_sink", [False, True])
-def test_split_kernels_merge_their_own_splits_where_dispatch_says(cpu_kernels, monkeypatch, varlen, with_sink):
-    """dispatch.MERGE_SPLITS: the split kernel merges its partials (ForwardConfig.merge_splits; out,
-    lse and zeroed per-tile counts passed to it) and no combine kernel runs, batched and varlen,
-    through the launch plan and without it; with a learnable sink the combine still adds it."""
-    monkeypatch.setattr(dispatch, "MERGE_SPLITS", True)
-    dispatch.forward_config.cache_clear()
-    q, k, v = q_kv(b=2, sq=1, sk=900, hq=8, hk=2, d=64)
-    sink = torch.randn(8) if with_sink else None
-    for plan_cache in (True, False):
-        monkeypatch.setattr(ops, "PLAN_CACHE", plan_cache)
-        cpu_kernels.clear()
-        if varlen:
-            cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-            cu_k = torch.tensor([0, 900, 1800], dtype=torch.int32)
-            out, lse = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, 1, 900,
-                                                 learnable_sink=sink, num_splits=3, return_lse=True)
-            out, lse = out.unflatten(0, (2, 1)), lse.unflatten(1, (2, 1)).transpose(0, 1)
-        else:
-            out, lse = flash_attn_func(q, k, v, learnable_sink=sink, num_splits=3, return_lse=True)
-        (split,) = [c for c in cpu_kernels if isinstance(c, ForwardConfig)]
-        combines = [c for c in cpu_kernels if isinstance(c, CombineConfig)]
-        assert split.split_kv and split.merge_splits == (not with_sink) and split.varlen == varlen
-        assert [c.has_sink for c in combines] == ([True] if with_sink else [])
-        close_to_reference(out, lse, q, k, v, learnable_sink=sink)
-    dispatch.forward_config.cache_clear()
-
-
-def test_merge_splits_config_rules():
-    """merge_splits needs split_kv and an arch whose rules say it merges (sm90; sm100 does not)."""
-    base = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 128, causal=False, local=False, has_softcap=False,
-                                   varlen=False, has_seqused_k=False, has_sink=False, split_kv=True)
-    assert not base.merge_splits  # dispatch.MERGE_SPLITS is off
-    assert base.replace(merge_splits=True).merge_splits
-    with pytest.raises(ValueError, match="needs split_kv=True"):
-        base.replace(split_kv=False, merge_splits=True)
-    with pytest.raises(NotImplementedError, match="sm_100a forward does not merge"):
-        ForwardConfig(arch=Arch.SM100, dtype="bfloat16", head_dim=128, head_dim_v=128, split_kv=True,
-                      merge_splits=True)
 
 
 def test_flash_attn_func_num_splits_1_and_0(cpu_kernels):

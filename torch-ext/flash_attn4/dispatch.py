@@ -17,7 +17,7 @@ from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
 from .fa4_kernels.config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
 from .fa4_kernels.tiles import (backward_grid, backward_head_dims, backward_schedule, backward_tiles, forward_grid,
-                                forward_schedule, forward_tiles, has_merge_splits, has_padded_pack)
+                                forward_schedule, forward_tiles, has_padded_pack)
 
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -69,18 +69,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, causal: bool, local: bool,
                    has_softcap: bool, varlen: bool, has_seqused_k: bool, has_sink: bool,
                    qhead_per_kvhead: int = 1, page_size: int = 0, split_kv: bool = False,
-                   has_seqused_q: bool = False, pack_group: int = 0, merge_splits: bool = False) -> ForwardConfig:
+                   has_seqused_q: bool = False, pack_group: int = 0) -> ForwardConfig:
     """The ForwardConfig for a problem class (a model's head ratio included: it decides GQA
     packing; ``page_size``: of a paged KV cache, 0 for contiguous keys; ``split_kv``: the kernel that
-    writes float32 partials for num_splits > 1; ``merge_splits``: that kernel may merge them itself
-    (no learnable sink to add), which it does where MERGE_SPLITS and the arch's rules say so;
-    ``pack_group``: the ratio packed in padded groups of that many rows, padded_pack's choice for
-    short queries). Cached: the same arguments give the same object."""
-    merge_splits = split_kv and merge_splits and MERGE_SPLITS and has_merge_splits(arch)
+    writes float32 partials for num_splits > 1; ``pack_group``: the ratio packed in padded groups of
+    that many rows, padded_pack's choice for short queries). Cached: the same arguments give the
+    same object."""
     return ForwardConfig(
         arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, local=local,
         has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k, has_sink=has_sink, split_kv=split_kv,
-        merge_splits=merge_splits, page_size=page_size, has_seqused_q=has_seqused_q,
+        page_size=page_size, has_seqused_q=has_seqused_q,
         # Used query lengths end like packed sequences: the schedule's epilogue treats them alike.
         **forward_schedule(arch, head_dim, head_dim_v, varlen or has_seqused_q, qhead_per_kvhead, split_kv=split_kv,
                            pack_group=pack_group),
@@ -172,10 +170,6 @@ def padded_pack(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_
 
 
 # ---- split-KV: how many CTAs share a tile's KV blocks ----
-
-# Split-KV kernels merge their own partials (ForwardConfig.merge_splits: the last CTA of a tile to
-# finish merges it) instead of a combine kernel after them. Off until measured (docs/perf.md).
-MERGE_SPLITS = False
 
 # The most splits the automatic choice takes (more only add combine traffic), and the most an
 # explicit num_splits may ask for.

@@ -134,13 +134,12 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 
 def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
                 varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, page_size: int = 0,
-                has_seqused_q: bool = False, split_kv: bool = False, pack_group: int = 0, merge_splits: bool = False):
+                has_seqused_q: bool = False, split_kv: bool = False, pack_group: int = 0):
     """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
     on its first use where selfcheck asks for it."""
     cfg = _config_for(q, v, causal=causal, local=local, has_softcap=has_softcap, varlen=varlen,
                       has_seqused_k=has_seqused_k, has_sink=has_sink, qhead_per_kvhead=qhead_per_kvhead,
-                      page_size=page_size, has_seqused_q=has_seqused_q, split_kv=split_kv, pack_group=pack_group,
-                      merge_splits=merge_splits)
+                      page_size=page_size, has_seqused_q=has_seqused_q, split_kv=split_kv, pack_group=pack_group)
     if cfg.query_heads_per_group not in (1, qhead_per_kvhead):
         # The kernel folds exactly that many query heads into each KV head's rows.
         raise ValueError(f"ForwardConfig packs {cfg.query_heads_per_group} query heads per KV head (pack_gqa="
@@ -335,11 +334,10 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
     plan.out_shape, plan.lse_shape, plan.dtype, plan.device = out_shape, lse_shape, q.dtype, q.device
     plan.num_splits, plan.flags, plan.combine = num_splits, flags, None
     if num_splits > 1:
-        split_flags = _split_flags(flags)
+        split_flags = dict(flags, has_sink=False, split_kv=True)
         plan.kernel = _kernel_for(q, v, **split_flags)  # first: it may replace the configuration
         plan.cfg = _config_for(q, v, **split_flags)
-        if not plan.cfg.merge_splits:
-            plan.combine = _combine_kernel(q.device, q.dtype, v.shape[-1], has_sink=learnable_sink is not None)
+        plan.combine = _combine_kernel(q.device, q.dtype, v.shape[-1], has_sink=learnable_sink is not None)
     else:
         plan.kernel = _kernel_for(q, v, **flags)  # first: it may replace the configuration
         plan.cfg = _config_for(q, v, **flags)
@@ -433,12 +431,11 @@ def _metadata_inputs(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink
 def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values: bool = True,
                     page_table: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
-                    laid_out: bool = False, merged: tuple = (None, None, None)) -> None:
+                    laid_out: bool = False) -> None:
     """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller; for a split-KV
     kernel its float32 partials) on the current stream of q's device. ``fwd`` and the first-use
     self-check (selfcheck.py) both launch through here. ``laid_out``: q, k and v are known to need
-    no layout copy (a launch plan checked that for their strides and alignment). ``merged``: for a
-    kernel that merges its splits itself (ForwardConfig.merge_splits), (out, lse, tile_counts)."""
+    no layout copy (a launch plan checked that for their strides and alignment)."""
     if not laid_out:
         q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
     cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _metadata_inputs(
@@ -446,7 +443,7 @@ def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sequs
         seqused_q)
     with _device_guard(q.device):
         kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
-               float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q), *merged)
+               float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
 
 
 def _device_guard(device: torch.device):
@@ -507,19 +504,13 @@ def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         out_partial.fill_(float("nan"))
         lse_partial.fill_(float("inf"))
     if plan is None:
-        kernel = _kernel_for(q, v, **_split_flags(flags))  # first: it may replace the configuration
-        cfg = _config_for(q, v, **_split_flags(flags))
+        kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
     else:
-        kernel, cfg = plan.kernel, plan.cfg
-        selfcheck.ensure_checked(cfg, q.device, kernel, _launch_forward)
-    merged = (None, None, None)
-    if cfg.merge_splits:
-        merged = (out, lse, _tile_counts(cfg, q, k, cu_seqlens_q, max_seqlen_q))
+        kernel = plan.kernel
+        selfcheck.ensure_checked(plan.cfg, q.device, kernel, _launch_forward)
     _launch_forward(kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values,
-                    page_table=page_table, seqused_q=seqused_q, laid_out=plan is not None, merged=merged)
-    if cfg.merge_splits:
-        return
+                    page_table=page_table, seqused_q=seqused_q, laid_out=plan is not None)
     learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
     with _device_guard(q.device):
         if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
@@ -528,36 +519,6 @@ def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         combine_kernel = (_combine_kernel(out.device, out.dtype, out.shape[-1], has_sink=learnable_sink is not None)
                           if plan is None else plan.combine)
         combine_kernel(out_partial, lse_partial, out, lse, learnable_sink)
-
-
-def _split_flags(flags: dict) -> dict:
-    """The split-KV kernel's flags for a call's: no learnable sink in the splits (the combine adds
-    it once), and where there is none to add, the kernel may merge its splits itself."""
-    return dict(flags, has_sink=False, split_kv=True, merge_splits=not flags["has_sink"])
-
-
-# merge_splits kernels' per-tile split counts: one zeroed int32 buffer per (device, stream), which
-# every launch leaves zeroed (each tile's merging CTA resets its count), so that launches on one
-# stream, which run one after another, share it and launches on two streams never do. Under CUDA
-# graph capture each call gets a buffer of its own, zeroed in the graph: a graph replayed on another
-# stream than it was captured on must not share one with eager launches there.
-_TILE_COUNTS: dict = {}
-
-
-def _tile_counts(cfg, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
-                 max_seqlen_q: int) -> torch.Tensor:
-    """A zeroed count per output tile of ``cfg``'s kernel (batch x tile heads x query blocks, the
-    numbering of its merge) on the current stream."""
-    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-    heads = k.shape[-2] if cfg.pack_gqa > 1 else q.shape[-2]  # packed tiles walk KV heads
-    tiles = batch * heads * -(-max_seqlen_q * cfg.pack_gqa // cfg.tile_m)
-    if q.device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # (not cuda: the CPU tests)
-        return torch.zeros(tiles, dtype=torch.int32, device=q.device)
-    key = (q.device, torch.cuda.current_stream(q.device).cuda_stream)
-    counts = _TILE_COUNTS.get(key)
-    if counts is None or counts.numel() < tiles:
-        counts = _TILE_COUNTS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=q.device)
-    return counts
 
 
 def _combine_kernel(device: torch.device, dtype: torch.dtype, head_dim_v: int, has_sink: bool = False):

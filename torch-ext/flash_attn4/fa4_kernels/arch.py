@@ -13,8 +13,8 @@ An arch's sub-package provides:
   ``FORWARD_KERNEL_SET``: the problem classes CI compiles (``fa4_kernels.compile.kernel_set``), each a
   dict of ``d``, ``dv``, ``dtype``, ``qhead_per_kvhead``, ``pack_group`` and ForwardConfig flags
   (defaults: 128, 128, bfloat16, 1, 0; ``pack_group``: the ratio packed in padded groups);
-  optionally ``FORWARD_SPLIT_KV``, ``FORWARD_MERGE_SPLITS`` and ``FORWARD_PADDED_PACK`` (True: the
-  forward has the split-KV variant, merges its splits itself, packs padded GQA groups);
+  optionally ``FORWARD_SPLIT_KV`` and ``FORWARD_PADDED_PACK`` (True: the forward has the split-KV
+  variant, packs padded GQA groups);
   optionally ``check_forward(cfg)``: raises ValueError for a ForwardConfig this arch's kernel
   cannot build (ForwardConfig runs it when constructed);
   with a backward also ``backward_tiles(head_dim, head_dim_v, causal, local, has_softcap)``,

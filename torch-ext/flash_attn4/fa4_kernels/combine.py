@@ -10,11 +10,12 @@ nothing: its partial output, read with the others, is selected away (whatever it
 learnable sink (``has_sink``) the sink logit of the row's head joins the maximum and the sum as one
 more split without a value: the split-KV forward leaves it to the combine, so that it counts once.
 
-Work split: a row is merged by neighbouring lanes (RowMerge, which the split-KV forward's own merge,
-ForwardConfig.merge_splits, runs too); a CTA of 128 threads takes consecutive (token, head) rows of
-one batch entry, so that decoding (one token, many heads) still fills whole CTAs. Each lane first
-reads every ``threads_per_row``-th split's LSE for the row maximum and the sum (shuffle reductions
-over the row's lanes), then every split's vectors it owns.
+Work split: a row's head-dim vectors (4 floats, 16 bytes) are spread over ``threads_per_row``
+neighbouring lanes (32 at dv = 128: a warp reads a split's row in one 512-byte sweep); a CTA of
+128 threads takes consecutive (token, head) rows of one batch entry, so that decoding (one token,
+many heads) still fills whole CTAs. Each lane first reads every ``threads_per_row``-th split's LSE
+for the row maximum and the sum (shuffle reductions over the row's lanes), then every split's
+vectors it owns.
 
 Call convention (TVM-FFI, current CUDA stream): fn(out_partial, lse_partial, out, lse, sink) with
 out_partial (num_splits, b, s, h, dv) float32, lse_partial (num_splits, b, h, s) float32,
@@ -48,98 +49,16 @@ def _add(a, b):
     return a + b
 
 
-class RowMerge:
-    """The merge of one row's split partials, by ``threads_per_row`` neighbouring lanes: the combine
-    kernel's rows and the split-KV forward's own merge (ForwardConfig.merge_splits) both run it.
-    A row's head-dim vectors (VECTOR floats, 16 bytes) are dealt to its lanes: lane l owns vectors
-    l, l + threads_per_row, ...; at dv = 128 a warp reads a split's row in one 512-byte sweep."""
-
-    def __init__(self, head_dim_v: int, dtype, splits_in_flight: int = 16, max_threads_per_row: int = 32):
-        vectors = head_dim_v // VECTOR  # head dims are multiples of 8: at least 2 vectors
-        # The lanes of a row split its vectors evenly: a power of two that divides 32.
-        self.threads_per_row = max(t for t in (1, 2, 4, 8, 16, 32)
-                                   if vectors % t == 0 and t <= max_threads_per_row)
-        self.vectors_per_thread = vectors // self.threads_per_row
-        self.splits_unroll = max(1, min(splits_in_flight, VECTORS_IN_FLIGHT // self.vectors_per_thread))
-        self.dtype = dtype
-
-    @cute.jit
-    def merge(self, lane, inside, num_splits, lse_at, o_row_at, out_row: cute.Tensor, sink) -> Float32:
-        """Write the merged row into ``out_row`` (dv,) when ``inside``, and return its LSE. ``lse_at(s)``
-        and ``o_row_at(s)``: split s's LSE and its (dv,) float32 partial row; ``sink``: the row's
-        learnable sink logit, or None. Every lane of the row calls it, ``inside`` or not (shuffles)."""
-        tpr = self.threads_per_row
-        # The row's largest LSE, then the sum of exp(LSE_s - m): lane l takes splits l, l + tpr, ...
-        # (a row past the end contributes -inf and 0).
-        lse_max = -Float32.inf
-        if inside:
-            for s in cutlass.range(lane, num_splits, tpr, unroll=1):
-                lse_max = cute.arch.fmax(lse_max, lse_at(s))
-        lse_max = cute.arch.warp_reduction(lse_max, _fmax, threads_in_group=tpr)
-        if cutlass.const_expr(sink is not None):
-            lse_max = cute.arch.fmax(lse_max, sink)
-        shift = lse_max
-        if lse_max == -Float32.inf:
-            shift = Float32(0.0)  # every split empty: exp(-inf - 0) = 0, not NaN
-        total = Float32(0.0)
-        if inside:
-            for s in cutlass.range(lane, num_splits, tpr, unroll=1):
-                total += cute.math.exp(lse_at(s) - shift)
-        total = cute.arch.warp_reduction(total, _add, threads_in_group=tpr)
-        if cutlass.const_expr(sink is not None):
-            total += cute.math.exp(sink - shift)  # a logit without a value: the sum, not O
-        # total >= 1 whenever a split saw a key or there is a sink (the maximum contributes exp(0)).
-        lse = -Float32.inf
-        inv_total = Float32(0.0)
-        if total > Float32(0.0):
-            lse = cute.math.log(total) + shift
-            inv_total = Float32(1.0) / total
-
-        if inside:
-            acc = cute.make_rmem_tensor((self.vectors_per_thread * VECTOR,), Float32)
-            acc.fill(0.0)
-            # Splits in groups of `unroll` (splits_in_flight): all of a group's partial rows are
-            # loaded into their own registers before any is used, so their loads are in flight
-            # together (decoding merges a few rows over many splits, and one dependent load after
-            # another was most of the combine's time). A split past the end loads nothing; an empty
-            # split's partial is read too. Both are selected away (an empty split's partial may hold
-            # anything, NaN included; the other's registers were never written), never multiplied.
-            unroll = self.splits_unroll
-            for first in cutlass.range(0, num_splits, unroll, unroll=1):
-                parts = [[cute.make_rmem_tensor((VECTOR,), Float32) for _ in range(self.vectors_per_thread)]
-                         for _ in range(unroll)]
-                scales = cute.make_rmem_tensor((unroll,), Float32)
-                for j in cutlass.range_constexpr(unroll):
-                    inside_splits = first + j < num_splits
-                    s = cutlass.select_(inside_splits, first + j, num_splits - 1)
-                    lse_s = lse_at(s)
-                    scales[j] = cutlass.select_(inside_splits and lse_s != -Float32.inf,
-                                                cute.math.exp(lse_s - shift) * inv_total, Float32(0.0))
-                    # (dv,) -> (VECTOR, vectors): this lane takes vectors lane, lane + tpr, ...
-                    o_row = cute.zipped_divide(o_row_at(s), (VECTOR,))
-                    if inside_splits:
-                        for i in cutlass.range_constexpr(self.vectors_per_thread):
-                            cute.autovec_copy(o_row[None, i * tpr + lane], parts[j][i])
-                for j in cutlass.range_constexpr(unroll):
-                    for i in cutlass.range_constexpr(self.vectors_per_thread):
-                        for e in cutlass.range_constexpr(VECTOR):
-                            acc[i * VECTOR + e] += cutlass.select_(scales[j] > Float32(0.0),
-                                                                   scales[j] * parts[j][i][e], Float32(0.0))
-            out_vectors = cute.zipped_divide(out_row, (VECTOR,))
-            converted = cute.make_rmem_tensor((VECTOR,), self.dtype)
-            for i in cutlass.range_constexpr(self.vectors_per_thread):
-                for e in cutlass.range_constexpr(VECTOR):
-                    converted[e] = acc[i * VECTOR + e].to(self.dtype)
-                cute.autovec_copy(converted, out_vectors[None, i * tpr + lane])
-        return lse
-
-
 class SplitKVCombine:
     def __init__(self, cfg: CombineConfig):
         self.cfg = cfg
-        dtype = Float32 if cfg.dtype == "float32" else CUTLASS_DTYPES[cfg.dtype]
-        self.rows = RowMerge(cfg.head_dim_v, dtype, cfg.splits_in_flight)
-        self.rows_per_cta = THREADS // self.rows.threads_per_row
+        self.dtype = Float32 if cfg.dtype == "float32" else CUTLASS_DTYPES[cfg.dtype]
+        vectors = cfg.head_dim_v // VECTOR  # head dims are multiples of 8: at least 2 vectors
+        # The lanes of a row split its vectors evenly: a power of two that divides 32.
+        self.threads_per_row = max(t for t in (1, 2, 4, 8, 16, 32) if vectors % t == 0)
+        self.vectors_per_thread = vectors // self.threads_per_row
+        self.rows_per_cta = THREADS // self.threads_per_row
+        self.splits_unroll = max(1, min(cfg.splits_in_flight, VECTORS_IN_FLIGHT // self.vectors_per_thread))
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -160,16 +79,79 @@ class SplitKVCombine:
             cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         row_block, batch, _ = cute.arch.block_idx()
-        tpr = self.rows.threads_per_row
+        tpr = self.threads_per_row
         num_heads = mO.shape[2]
         row = row_block * self.rows_per_cta + tidx // tpr
+        lane = tidx % tpr
         token = row // num_heads
         head = row - token * num_heads
         inside = token < mO.shape[1]
-        sink = None
+        num_splits = mOp.shape[0]
+
+        # The row's largest LSE, then the sum of exp(LSE_s - m): lane l takes splits l, l + tpr, ...
+        # Every lane of a row joins the shuffles (rows past the end contribute -inf and 0).
+        lse_max = -Float32.inf
+        if inside:
+            for s in cutlass.range(lane, num_splits, tpr, unroll=1):
+                lse_max = cute.arch.fmax(lse_max, mLSEp[s, batch, head, token])
+        lse_max = cute.arch.warp_reduction(lse_max, _fmax, threads_in_group=tpr)
+        sink = -Float32.inf
         if cutlass.const_expr(self.cfg.has_sink):
             sink = mSink[head]  # every row has a head (rows past the end read head < num_heads too)
-        lse = self.rows.merge(tidx % tpr, inside, mOp.shape[0], lambda s: mLSEp[s, batch, head, token],
-                              lambda s: mOp[s, batch, token, head, None], mO[batch, token, head, None], sink)
-        if inside and tidx % tpr == 0:
-            mLSE[batch, head, token] = lse
+            lse_max = cute.arch.fmax(lse_max, sink)
+        shift = lse_max
+        if lse_max == -Float32.inf:
+            shift = Float32(0.0)  # every split empty: exp(-inf - 0) = 0, not NaN
+        total = Float32(0.0)
+        if inside:
+            for s in cutlass.range(lane, num_splits, tpr, unroll=1):
+                total += cute.math.exp(mLSEp[s, batch, head, token] - shift)
+        total = cute.arch.warp_reduction(total, _add, threads_in_group=tpr)
+        if cutlass.const_expr(self.cfg.has_sink):
+            total += cute.math.exp(sink - shift)  # a logit without a value: the sum, not O
+        # total >= 1 whenever a split saw a key or there is a sink (the maximum contributes exp(0)).
+        lse = -Float32.inf
+        inv_total = Float32(0.0)
+        if total > Float32(0.0):
+            lse = cute.math.log(total) + shift
+            inv_total = Float32(1.0) / total
+
+        if inside:
+            acc = cute.make_rmem_tensor((self.vectors_per_thread * VECTOR,), Float32)
+            acc.fill(0.0)
+            # Splits in groups of `unroll` (CombineConfig.splits_in_flight): all of a group's
+            # partial rows are loaded into their own registers before any is used, so their loads
+            # are in flight together (decoding combines a few rows over many splits, and one
+            # dependent load after another was most of the kernel's time). A split past the end
+            # loads nothing; an empty split's partial is read too. Both are selected away (an empty
+            # split's partial may hold anything, NaN included; the other's registers were never
+            # written), never multiplied.
+            unroll = self.splits_unroll
+            for first in cutlass.range(0, num_splits, unroll, unroll=1):
+                parts = [[cute.make_rmem_tensor((VECTOR,), Float32) for _ in range(self.vectors_per_thread)]
+                         for _ in range(unroll)]
+                scales = cute.make_rmem_tensor((unroll,), Float32)
+                for j in cutlass.range_constexpr(unroll):
+                    inside_splits = first + j < num_splits
+                    s = cutlass.select_(inside_splits, first + j, num_splits - 1)
+                    lse_s = mLSEp[s, batch, head, token]
+                    scales[j] = cutlass.select_(inside_splits and lse_s != -Float32.inf,
+                                                cute.math.exp(lse_s - shift) * inv_total, Float32(0.0))
+                    # (dv,) -> (VECTOR, vectors): this lane takes vectors lane, lane + tpr, ...
+                    o_row = cute.zipped_divide(mOp[s, batch, token, head, None], (VECTOR,))
+                    if inside_splits:
+                        for i in cutlass.range_constexpr(self.vectors_per_thread):
+                            cute.autovec_copy(o_row[None, i * tpr + lane], parts[j][i])
+                for j in cutlass.range_constexpr(unroll):
+                    for i in cutlass.range_constexpr(self.vectors_per_thread):
+                        for e in cutlass.range_constexpr(VECTOR):
+                            acc[i * VECTOR + e] += cutlass.select_(scales[j] > Float32(0.0),
+                                                                   scales[j] * parts[j][i][e], Float32(0.0))
+            out_row = cute.zipped_divide(mO[batch, token, head, None], (VECTOR,))
+            converted = cute.make_rmem_tensor((VECTOR,), self.dtype)
+            for i in cutlass.range_constexpr(self.vectors_per_thread):
+                for e in cutlass.range_constexpr(VECTOR):
+                    converted[e] = acc[i * VECTOR + e].to(self.dtype)
+                cute.autovec_copy(converted, out_row[None, i * tpr + lane])
+            if lane == 0:
+                mLSE[batch, head, token] = lse

@@ -93,18 +93,6 @@ def _fake_tensors(cfg: ForwardConfig):
     return q, k, v, o, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, sink
 
 
-def _fake_merged(cfg: ForwardConfig):
-    """The call's last tensors: with merge_splits the output and LSE (as without split-KV) and the
-    tiles' split counts, else three Nones."""
-    import cutlass
-
-    if not cfg.merge_splits:
-        return None, None, None
-    lead = 2 if cfg.varlen else 3
-    return (_fake_tokens(_cutlass_dtype(cfg.dtype), lead, cfg.head_dim_v), _fake_rows(lead - 1, padded=False),
-            _fake_vector(cutlass.Int32))
-
-
 def _compile(kernel, *args, arch: Arch, jit_engine: bool):
     """cute.compile for ``arch`` with the TVM-FFI calling convention, the CUDA stream (every
     kernel's last argument) taken from the caller's environment at run time. ``jit_engine=False`` skips
@@ -134,7 +122,6 @@ def compile_forward(cfg: ForwardConfig, *, jit_engine: bool = True):
         cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
         cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
         cutlass.Int32(1),  # max_seqlen_q
-        *_fake_merged(cfg),
         arch=cfg.arch, jit_engine=jit_engine,
     )
 

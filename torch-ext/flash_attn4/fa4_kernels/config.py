@@ -95,9 +95,7 @@ class ForwardConfig(_KernelConfig):
     current CUDA stream):
 
         fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
-           softmax_scale, softcap, window_left, window_right, max_seqlen_q, out_merged, lse_merged, tile_counts)
-
-    (the last three are None except for a kernel that merges its own splits: ``merge_splits`` below)
+           softmax_scale, softcap, window_left, window_right, max_seqlen_q)
 
     batched (``varlen=False``): q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv),
         out (b, sq, hq, dv), lse (b, hq, sq) float32; cu_seqlens_* are None.
@@ -190,14 +188,6 @@ class ForwardConfig(_KernelConfig):
     # per = ceil((n_max - n_min) / num_splits); an empty split writes O = 0 and LSE = -inf. Only for
     # an arch whose rules say it has split-KV (``FORWARD_SPLIT_KV`` in its tiles.py).
     split_kv: bool = False
-    # Split-KV merged in the forward itself: the last of a tile's num_splits CTAs to finish (an
-    # atomic count per output tile) merges the tile's partials into the output, so that no combine
-    # kernel runs after the forward. Call convention: split_kv's, then out and lse as without
-    # split-KV, then tile_counts, int32 with at least one element per output tile (the arch's
-    # forward says how it numbers them), zero before the call and zero after it (each tile's
-    # merging CTA resets its count). No learnable sink (the combine kernel adds one). Only for an
-    # arch whose rules say so (``FORWARD_MERGE_SPLITS`` in its tiles.py).
-    merge_splits: bool = False
     # Paged KV cache (fa4_kernels/paged_kv.py): 0, K and V are contiguous; N > 0, they are pages of N
     # keys read through a page table, for batched queries (flash_attn_with_kvcache: O leaves by TMA)
     # or varlen ones. A compile-time size: it shapes the TMA boxes of a K/V tile.
@@ -218,8 +208,6 @@ class ForwardConfig(_KernelConfig):
         self._check_common()
         if self.split_kv:
             self._check_split_kv()
-        if self.merge_splits:
-            self._check_merge_splits()
         if self.cluster_m != 1:
             self._check_cluster()
         if self.page_size:
@@ -269,14 +257,6 @@ class ForwardConfig(_KernelConfig):
             raise ValueError("split_kv kernels take no learnable sink: the combine kernel adds it")
         if self.persistent_ctas:
             raise ValueError("split_kv needs one CTA per (tile, split): persistent_ctas must be 0")
-
-    def _check_merge_splits(self) -> None:
-        if not self.split_kv:
-            raise ValueError("merge_splits merges a split-KV forward's partials: it needs split_kv=True")
-        entry = KERNELS.get(self.arch)
-        if entry is None or not getattr(entry.rules(), "FORWARD_MERGE_SPLITS", False):
-            raise NotImplementedError(f"merge_splits: the {self.arch} forward does not merge its splits itself; "
-                                      f"run the combine kernel after it (merge_splits=False)")
 
     def _check_cluster(self) -> None:
         entry = KERNELS.get(self.arch)

@@ -69,12 +69,6 @@ def has_split_kv(arch: Arch) -> bool:
     return bool(getattr(kernels_for(arch, "forward").rules(), "FORWARD_SPLIT_KV", False))
 
 
-def has_merge_splits(arch: Arch) -> bool:
-    """Whether the arch's split-KV forward can merge its own partials (ForwardConfig.merge_splits;
-    its rules say ``FORWARD_MERGE_SPLITS``)."""
-    return bool(getattr(kernels_for(arch, "forward").rules(), "FORWARD_MERGE_SPLITS", False))
-
-
 def backward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, has_softcap: bool) -> dict:
     """BackwardConfig overrides (tiles, stages and the arch's backward layout switches) for a
     problem class."""

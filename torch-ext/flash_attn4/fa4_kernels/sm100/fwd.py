@@ -229,10 +229,7 @@ class FlashAttentionForwardSm100:
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  mPageTable: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, mOMerged: Optional[cute.Tensor], mLSEMerged: Optional[cute.Tensor],
-                 mTileCounts: Optional[cute.Tensor], stream: cuda.CUstream):
-        # mOMerged, mLSEMerged, mTileCounts: the call convention's merge_splits tensors, None here
-        # (this forward's splits are merged by the combine kernel: no FORWARD_MERGE_SPLITS).
+                 max_seqlen_q: Int32, stream: cuda.CUstream):
         cfg = self.cfg
         splits = None
         if cutlass.const_expr(cfg.split_kv):

@@ -38,9 +38,7 @@ Split-KV (``split_kv``): the grid's head mode holds head * num_splits + split (s
 a CTA walks only its split's share of the tile's KV blocks and stores O normalised over those keys
 alone, as float32 from the accumulator layout, with their LSE, into its split's slice of the partial
 buffers (an empty share stores O = 0, LSE = -inf like a tile that sees no key); fa4_kernels/combine.py
-merges them, or with ``merge_splits`` the tile's last split CTA to finish does (merge_if_last: an
-atomic count per tile says which CTA is last; its consumers then merge the tile's rows as the
-combine kernel would, with the same RowMerge).
+merges them.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..combine import RowMerge
 from ..config import ForwardConfig
 from ..dtypes import CUTLASS_DTYPES
 from ..kv_tail import first_row_past_keys, tail_possible, zero_rows
@@ -101,8 +98,6 @@ class Barrier(enum.IntEnum):
     Q_FREE = EPILOGUE_FIRST + MAX_CONSUMER_WARPGROUPS
     # zero_v_tail: every consumer warpgroup has zeroed its share of the last KV block's V rows
     V_TAIL = Q_FREE + 1
-    # merge_splits: every consumer thread's partial is stored; then, the count is read
-    MERGE = V_TAIL + 1
 
 
 # A GEMM turn is handed from one warpgroup (arriving) to the next (waiting): both count.
@@ -132,9 +127,6 @@ class FlashAttentionForwardSm90:
         self.num_consumer_wg = cfg.tile_m // WGMMA_M
         self.producer_regs, self.consumer_regs = REGISTERS[self.num_consumer_wg]
         self.num_threads = WARPGROUP_THREADS * (1 + self.num_consumer_wg)
-        # merge_splits: a row's partials are merged by a warp's lanes (fewer at small dv), up to 8
-        # splits' rows in flight (registers beside nothing: the tile's accumulators are dead).
-        self.merge_rows = RowMerge(self.hdim_v, self.dtype, splits_in_flight=8)
 
     # ------------------------------------------------------------------------------------------
     # Host side: views, MMAs, shared-memory layouts, TMA descriptors, launch
@@ -158,9 +150,6 @@ class FlashAttentionForwardSm90:
         window_left: Int32,
         window_right: Int32,
         max_seqlen_q: Int32,
-        mOMerged: Optional[cute.Tensor],  # merge_splits: out and lse as without split-KV, and the
-        mLSEMerged: Optional[cute.Tensor],  # tiles' counts (ForwardConfig.merge_splits); else None
-        mTileCounts: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -175,20 +164,25 @@ class FlashAttentionForwardSm90:
         # Re-view everything as (seq, dim, head[, batch]) so that the sequence is the tiled mode
         # (split-KV partials: (..., split)).
         split_mode = [cute.rank(mQ)] if cutlass.const_expr(cfg.split_kv) else []
-        # (total, h, d) / (b, s, h, d) -> (seq, d, h[, b]); LSE (h, total) / (b, h, s) -> (seq, h[, b]).
-        o_modes, lse_modes, num_batch = [1, 3, 2, 0], [2, 1, 0], mQ.shape[0]
         if cutlass.const_expr(cfg.varlen):
-            o_modes, lse_modes, num_batch = [0, 2, 1], [1, 0], mCuSeqlensQ.shape[0] - 1
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=o_modes))
-        if cutlass.const_expr(cfg.page_size > 0):
-            mK, mV = kernel_view(mK), kernel_view(mV)  # (page_size, d, hk, page)
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
+            if cutlass.const_expr(cfg.page_size > 0):
+                mK, mV = kernel_view(mK), kernel_view(mV)  # (page_size, d, hk, page)
+            else:
+                mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mK, mV)]
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1] + split_mode))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0] + [m - 1 for m in split_mode]))
+            num_batch = mCuSeqlensQ.shape[0] - 1
         else:
-            mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=o_modes)) for t in (mK, mV)]
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=o_modes + split_mode))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=lse_modes + [m - 1 for m in split_mode]))
-        if cutlass.const_expr(cfg.merge_splits):
-            mOMerged = cute.make_tensor(mOMerged.iterator, cute.select(mOMerged.layout, mode=o_modes))
-            mLSEMerged = cute.make_tensor(mLSEMerged.iterator, cute.select(mLSEMerged.layout, mode=lse_modes))
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+            if cutlass.const_expr(cfg.page_size > 0):
+                mK, mV = kernel_view(mK), kernel_view(mV)  # (page_size, d, hk, page)
+            else:
+                mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mK, mV)]
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0] + split_mode))
+            mLSE = cute.make_tensor(mLSE.iterator,
+                                    cute.select(mLSE.layout, mode=[2, 1, 0] + [m - 1 for m in split_mode]))
+            num_batch = mQ.shape[3]
         num_heads = mQ.shape[2]
         qhead_per_kvhead = num_heads // mK.shape[2]
         packing = self.packing
@@ -199,8 +193,6 @@ class FlashAttentionForwardSm90:
             mQ, mO_tma = [packing.tma_view(t, 2, qhead_per_kvhead) for t in (mQ, mO)]
             mO = packing.view(mO, head_mode=2)
             mLSE = packing.view(mLSE, head_mode=1)
-            if cutlass.const_expr(cfg.merge_splits):
-                mOMerged, mLSEMerged = packing.view(mOMerged, head_mode=2), packing.view(mLSEMerged, head_mode=1)
             num_heads, qhead_per_kvhead = mK.shape[2], 1
             max_seqlen_q = max_seqlen_q * packing.group
         else:
@@ -271,7 +263,6 @@ class FlashAttentionForwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_elements], 1024]  # last: offsets stay
-            merging: cute.struct.MemRange[Int32, 1 if cfg.merge_splits else 0]  # this CTA merges its tile
 
         if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_BYTES_PER_BLOCK):
             raise ValueError(f"sm90 forward: {SharedStorage.size_in_bytes()} bytes of shared memory for head "
@@ -293,15 +284,11 @@ class FlashAttentionForwardSm90:
                                          num_batch, kv_bytes_per_head, longest_first=longest_first,
                                          min_blocks=cfg.longest_first_min_blocks,
                                          num_ctas=cfg.persistent_ctas, l2_budget_bytes=L2_BUDGET_BYTES)
-        merged = None
-        if cutlass.const_expr(cfg.merge_splits):
-            merged = MergedOutputs(o=mOMerged, lse=mLSEMerged, tile_counts=mTileCounts)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mSink,
             score_prescale, scale_log2, window_left, window_right, qhead_per_kvhead,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scheduler, splits,
-            merged,
         ).launch(grid=scheduler.grid(), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -321,7 +308,6 @@ class FlashAttentionForwardSm90:
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         tiled_mma_o: Optional[cute.TiledMma], scheduler: TileScheduler, splits: Optional[KVSplits],
-        merged: Optional[MergedOutputs],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -402,7 +388,7 @@ class FlashAttentionForwardSm90:
                                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                                   self.num_stages))
-                        if cutlass.const_expr(self.cfg.split_kv and not self.cfg.merge_splits):
+                        if cutlass.const_expr(self.cfg.split_kv):
                             # The combine is a programmatic dependent of this grid (combine.py): it
                             # may launch once every CTA has issued its last load (a few KV blocks
                             # before the end), and waits for this grid to finish.
@@ -413,9 +399,6 @@ class FlashAttentionForwardSm90:
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
                                  score_prescale, scale_log2, first_tile=True)
-                    if cutlass.const_expr(self.cfg.merge_splits):
-                        self.merge_if_last(tidx - WARPGROUP_THREADS, mO, mLSE, merged, storage.merging.get_tensor((1,)),
-                                           tile, scheduler, splits)
 
     @cute.jit
     def tile_work(self, m_block: Int32, head: Int32, batch: Int32, qhead_per_kvhead: Int32, mQ: cute.Tensor,
@@ -788,58 +771,6 @@ class FlashAttentionForwardSm90:
                 if tidx % THREADS_PER_ROW == 0:
                     gLSE[m_block * self.tile_m + row] = lse[r]
 
-    # ---- merge_splits: the last split CTA of a tile merges the tile's partials -------------------
-    @cute.jit
-    def merge_if_last(self, tidx, mO: cute.Tensor, mLSE: cute.Tensor, merged: MergedOutputs,
-                      s_merging: cute.Tensor, tile: "OutputTile", scheduler: TileScheduler, splits: KVSplits):
-        """Count this CTA's split done for its tile; the tile's last one merges every split's partial
-        rows (mO, mLSE: all splits, the split mode last) into the output, as the combine kernel
-        would, and resets the tile's count for the next launch.
-
-        Ordering: the consumers' partial stores, a CTA barrier, then one thread's acq_rel atomic at
-        GPU scope, which releases them (cumulatively, through the barrier) to the CTA whose atomic
-        reads the count after it; that CTA's barrier after its own atomic orders its loads of the
-        other splits' partials after it (the acquire). Tiles are numbered (batch, head, m_block),
-        m_block fastest, over the unsplit grid: batch x heads (KV heads when packed) x
-        num_m_blocks counts, the caller's ``tile_counts``."""
-        threads = self.num_consumer_wg * WARPGROUP_THREADS
-        num_splits = splits.num_splits
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier(barrier_id=int(Barrier.MERGE), number_of_threads=threads)
-        heads = scheduler.num_heads // num_splits
-        index = (tile.batch * heads + tile.head) * scheduler.num_m_blocks + tile.m_block
-        if tidx == 0:
-            done = cute.arch.atomic_add((merged.tile_counts.iterator + index).llvm_ptr, Int32(1), sem="acq_rel",
-                                        scope="gpu")
-            last = done == num_splits - 1
-            if last:
-                merged.tile_counts[index] = Int32(0)  # every split has counted: the next launch's zero
-            s_merging[0] = cutlass.select_(last, Int32(1), Int32(0))
-        cute.arch.barrier(barrier_id=int(Barrier.MERGE), number_of_threads=threads)
-        if s_merging[0] == 1:
-            cute.arch.fence_acq_rel_gpu()
-            seqlen, mask, head, batch, varlen = tile.seqlen, tile.mask, tile.head, tile.batch, self.cfg.varlen
-            rows_before = mask.rows_before(seqlen)
-            first_row = tile.m_block * self.tile_m
-            rows_here = cutlass.min(mask.rows(seqlen) - first_row, self.tile_m)
-            tpr = self.merge_rows.threads_per_row
-            rows_per_pass = threads // tpr
-            out_rows = head_rows(merged.o, rows_before, head, batch, varlen)
-            lse_rows = head_rows(merged.lse, rows_before, head, batch, varlen)
-            for first in cutlass.range(0, rows_here, rows_per_pass, unroll=1):
-                row = first + tidx // tpr
-                inside = row < rows_here
-                if cutlass.const_expr(self.packing.padded):
-                    inside = inside & self.packing.real_row(row)  # a dummy row aliases a real head
-                seq_row = first_row + row
-                lse = self.merge_rows.merge(
-                    tidx % tpr, inside, num_splits,
-                    lambda s: head_rows(last_mode_slice(mLSE, s), rows_before, head, batch, varlen)[seq_row],
-                    lambda s: head_rows(last_mode_slice(mO, s), rows_before, head, batch, varlen)[seq_row, None],
-                    out_rows[seq_row, None], None)
-                if inside and tidx % tpr == 0:
-                    lse_rows[seq_row] = lse
-
     @cute.jit
     def store_o_by_tma(self, tidx, tiled_mma_o, tma_atom_O, sO, acc_O, out_scale, mO, m_block, head, batch):
         """tma_store_o: this warpgroup's 64 normalised rows of O into its shared-memory slab with
@@ -901,16 +832,6 @@ class Mmas:
     qk: cute.TiledMma
     pv: cute.TiledMma
     o: Optional[cute.TiledMma]
-
-
-@dataclass(frozen=True)
-class MergedOutputs:
-    """merge_splits: the output and LSE (sequence-first views, packed like the partials) and the
-    per-tile split counts (ForwardConfig.merge_splits)."""
-
-    o: cute.Tensor
-    lse: cute.Tensor
-    tile_counts: cute.Tensor
 
 
 @dataclass(frozen=True)

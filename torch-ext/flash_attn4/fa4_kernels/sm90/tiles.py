@@ -168,8 +168,6 @@ FORWARD_KERNEL_SET = (
 )
 # This arch's forward has the split-KV variant (ForwardConfig.split_kv).
 FORWARD_SPLIT_KV = True
-# Its split-KV forward can merge its own partials (ForwardConfig.merge_splits).
-FORWARD_MERGE_SPLITS = True
 # Its forward packs a head ratio that does not divide 64 in padded groups (ForwardConfig.pack_gqa_heads).
 FORWARD_PADDED_PACK = True
 # Backward: the common head dims and every feature switch once (compile.backward_kernel_set adds the
