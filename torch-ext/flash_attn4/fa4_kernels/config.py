@@ -355,6 +355,7 @@ class BackwardConfig(_KernelConfig):
     # needs it (False: a broadcast load per column pair), or (True) a few values per lane loaded
     # once per step and fetched by warp shuffle per column, off shared memory's bandwidth, which
     # the step's GEMM operands use (sm90/fragments.py QueryRowValues). No effect at 64-row blocks.
+    # Off: within noise at d = 64, 1-4% slower at d = 128 causal (H100, docs/perf.md session 23).
     query_rows_by_shuffle: bool = False
     # CTAs that share one MMA along the keys: 1, each CTA issues its own; 2, a cluster of two CTAs
     # (a pair, tile_n keys each) runs the M = 2 * tile_n tcgen05 MMAs of cta_group::2 issued by the
