@@ -53,12 +53,15 @@ sass-report: ## static SASS facts of ARCH's kernel set (no GPU; ANCHORS=DIR, STR
 	  $(if $(ANCHORS),--anchors $(ANCHORS)) $(if $(STRICT),--strict)
 
 # Test processes (pytest-xdist): kernel compiles are most of both suites' time and run in parallel.
+# The CPU suite is dealt by work stealing: each process starts on its own half (whole runs of
+# modules, so the two seldom need the same kernel at once; tests/conftest.py lets them share what
+# both compile) and takes tests from the other's queue once its own is empty.
 TEST_WORKERS ?= 2
 GPU_TEST_WORKERS ?= 4
 
 # CPU tests. pytest exits 5 when it collected no test: that is a failure here, said out loud.
-test: ## CPU tests: python -m pytest tests -m "not gpu" -q -n 2 (TEST_WORKERS=...)
-	$(PYTHON) -m pytest tests -m "not gpu" -q -n $(TEST_WORKERS); rc=$$?; \
+test: ## CPU tests: python -m pytest tests -m "not gpu" -q -n 2 --dist worksteal (TEST_WORKERS=...)
+	$(PYTHON) -m pytest tests -m "not gpu" -q -n $(TEST_WORKERS) --dist worksteal; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 # GPU tests: need an sm90/sm100 GPU, skipped otherwise.
