@@ -32,7 +32,7 @@ build: $(if $(AOT),aot) ## the Hub tree in build/torch-cuda/ with the AOT kernel
 AOT_ARCHS ?= sm_90a sm_100a
 AOT_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 # AOT_SHARD=K/N compiles every N-th configuration from the K-th only: CI's check that the shipped
-# set builds, a different quarter per commit (.ci/run); such a build/aot is not a set to ship.
+# set builds, a different eighth per commit (.ci/run); such a build/aot is not a set to ship.
 AOT_SHARD ?=
 aot: ## precompile the shipped kernel set into build/aot/ (AOT_ARCHS="sm_90a sm_100a", AOT_JOBS=N, AOT_SHARD=K/N)
 	rm -rf $(BUILD_DIR)/aot

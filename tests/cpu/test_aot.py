@@ -136,19 +136,21 @@ def test_model_configs_follow_the_profile():
 
 @pytest.mark.parametrize("arch", SHIPPED_ARCHS, ids=lambda a: a.value)
 def test_ci_shards_partition_the_shipped_set(arch):
-    """.ci/run compiles one quarter of the shipped set per commit (build_aot --shard K/4, K from the
-    commit hash): the four quarters are disjoint and together the whole set, each about a quarter;
+    """.ci/run compiles one eighth of the shipped set per commit (build_aot --shard K/8, K from the
+    commit hash): the eight shards are disjoint and together the whole set, each about an eighth;
     a malformed shard is refused."""
+    ci = (REPO / ".ci" / "run").read_text()
+    count = int(re.search(r"% (\d+) \)\)/(\d+)", ci).group(1))
+    assert count == 8 and "AOT_SHARD=" in ci
     configs = aot.shipped_configs(arch)
-    shards = [build_aot.sharded(configs, (k, 4)) for k in range(4)]
+    shards = [build_aot.sharded(configs, (k, count)) for k in range(count)]
     assert sorted(map(repr, (c for shard in shards for c in shard))) == sorted(map(repr, configs))
-    assert all(abs(len(shard) - len(configs) / 4) < 1 for shard in shards)
+    assert all(abs(len(shard) - len(configs) / count) < 1 for shard in shards)
     assert build_aot.sharded(configs, None) == configs
     assert build_aot.parse_shard("3/4") == (3, 4)
     for bad in ("4/4", "-1/4", "1", "a/b", "1/0"):
         with pytest.raises(ValueError, match="K/N"):
             build_aot.parse_shard(bad)
-    assert "AOT_SHARD=" in (REPO / ".ci" / "run").read_text()
 
 
 # ---- a small set built here: lookup, fingerprint, key, switch ----
