@@ -65,6 +65,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -547,23 +548,23 @@ def diagnostic_key(diag: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# compiling a configuration in a fresh interpreter
+# compiling a configuration in a separate interpreter
 # ---------------------------------------------------------------------------------------------
 
-# argv: pickled config (base64 file), flavour, json list of sys.path entries. Prints one JSON line.
+# argv: flavour, json list of sys.path entries, json {flavour: driver version}, then either a
+# pickled config (base64 file): compile it, print one JSON line; or "--serve": a compile worker
+# (_CompileWorker) that takes one request per stdin line and answers each on its first stdout.
 _CHILD = r"""
-import base64, ctypes, importlib, inspect, json, pickle, sys
-cfg_file, flavour, paths = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+import base64, ctypes, importlib, inspect, json, os, pickle, sys, traceback, types
+flavour, paths, versions = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 sys.path[:0] = paths
 # The kernels (flash_attn4.fa4_kernels) compile without torch, whose import is half of this
 # interpreter's start-up: the package's __init__ (the torch layer) is replaced by an empty package
 # of the same folder, and torch is made unimportable (tvm_ffi, imported by the DSL, tries it).
-import os, types
 _pkg = types.ModuleType("flash_attn4")
 _pkg.__path__ = [os.path.join(paths[0], "flash_attn4")]
 sys.modules["flash_attn4"] = _pkg
 sys.modules["torch"] = None
-versions = json.loads(sys.argv[4])
 if flavour in versions:
     # The DSL picks its toolkit flavour at import from cuDriverGetVersion: answer for it.
     real_cdll = ctypes.CDLL
@@ -581,18 +582,168 @@ if flavour in versions:
 else:
     import cutlass
 ir_module = sys.modules["cutlass._mlir._mlir_libs._cutlass_ir"].__file__.rsplit("/", 1)[-1]
-with open(cfg_file) as f:
-    cfg = pickle.loads(base64.b64decode(f.read()))
-compile_mod = importlib.import_module(type(cfg).__module__.rsplit(".", 1)[0] + ".compile")
-compiler = getattr(compile_mod, "_COMPILERS", {}).get(type(cfg))
-if compiler is None:
-    kind = {"ForwardConfig": "forward", "BackwardConfig": "backward", "PreprocessConfig": "backward_preprocess",
-            "PostprocessConfig": "backward_postprocess"}.get(type(cfg).__name__)
-    compiler = getattr(compile_mod, "compile_" + str(kind))
-kwargs = {"jit_engine": False} if "jit_engine" in inspect.signature(compiler).parameters else {}
-compiler(cfg, **kwargs)
-print(json.dumps({"dsl_ir_module": ir_module}))
+
+def compile_one(cfg_file):
+    with open(cfg_file) as f:
+        cfg = pickle.loads(base64.b64decode(f.read()))
+    compile_mod = importlib.import_module(type(cfg).__module__.rsplit(".", 1)[0] + ".compile")
+    compiler = getattr(compile_mod, "_COMPILERS", {}).get(type(cfg))
+    if compiler is None:
+        kind = {"ForwardConfig": "forward", "BackwardConfig": "backward", "PreprocessConfig": "backward_preprocess",
+                "PostprocessConfig": "backward_postprocess"}.get(type(cfg).__name__)
+        compiler = getattr(compile_mod, "compile_" + str(kind))
+    kwargs = {"jit_engine": False} if "jit_engine" in inspect.signature(compiler).parameters else {}
+    compiler(cfg, **kwargs)
+    print(json.dumps({"dsl_ir_module": ir_module}))
+
+def take_environment(env):
+    # The DSL reads CUTE_DSL_* (dumps, verifier options, target) into its DSL objects through
+    # memoised getters: a new request's environment needs both forgotten. Compiles already kept
+    # in its JIT cache would be served without their dump files: forgotten too.
+    from cutlass.base_dsl import env_manager
+    from cutlass.base_dsl.dsl import DSLSingletonMeta
+    os.environ.clear()
+    os.environ.update(env)
+    for getter in vars(env_manager).values():
+        if callable(getattr(getter, "cache_clear", None)):
+            getter.cache_clear()
+    for dsl in list(DSLSingletonMeta._instances.values()):
+        dsl.envar = dsl._env_class(dsl.name)
+        dsl.jit_cache.clear()
+
+if sys.argv[4] != "--serve":
+    compile_one(sys.argv[4])
+    sys.exit(0)
+answers = os.fdopen(os.dup(1), "w")
+for line in sys.stdin:
+    request = json.loads(line)
+    take_environment(request["env"])
+    os.chdir(request["cwd"])
+    saved = os.dup(1), os.dup(2)
+    logs = [os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for name in ("stdout", "stderr")]
+    os.dup2(logs[0], 1)
+    os.dup2(logs[1], 2)
+    rc = 0
+    try:
+        compile_one(request["cfg_file"])
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        rc = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, log in zip((1, 2), logs):
+            os.dup2(saved[fd - 1], fd)
+            os.close(saved[fd - 1])
+            os.close(log)
+    answers.write(json.dumps({"rc": rc}) + "\n")
+    answers.flush()
 """
+
+# Compiles run in worker interpreters that stay up between compiles: a new interpreter per compile
+# spent ~2 s of each (importing the DSL and the kernels) on top of a 2-10 s compile. "0" here: a
+# fresh interpreter per compile, as before (to rule the workers out when something looks odd).
+WORKERS_ENV = "FA4_SASS_COMPILE_WORKERS"
+# The DSL keeps state per compile that nothing here relies on; a worker is replaced after this many
+# compiles all the same, so that its memory stays bounded.
+WORKER_COMPILES = 32
+# What a request sets per compile; every other variable of the environment is fixed per worker.
+_PER_COMPILE_ENV = ("CUTE_DSL_ARCH", "CUTE_DSL_DUMP_DIR", "CUTE_DSL_KEEP", "CUTE_DSL_COMPILER_OPT")
+
+
+def _child_argv(flavour: str) -> list[str]:
+    return [sys.executable, "-c", _CHILD, flavour, json.dumps(_import_paths()), json.dumps(DRIVER_VERSION_FOR_FLAVOUR)]
+
+
+class _CompileWorker:
+    """One worker interpreter (_CHILD --serve): a request per compile, answered with its exit code;
+    the compile's stdout and stderr go to files of the request."""
+
+    def __init__(self, flavour: str, env: dict):
+        self.log = Path(tempfile.mkdtemp(dir=_session_dir(), prefix="worker_"))
+        self.compiles = 0
+        with open(self.log / "worker.stderr", "w") as stderr:
+            self.proc = subprocess.Popen(_child_argv(flavour) + ["--serve"], env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+    def compile(self, cfg_file: str, env: dict, timeout: float) -> tuple[int, str, str]:
+        import select
+
+        out, err = self.log / f"{self.compiles}.stdout", self.log / f"{self.compiles}.stderr"
+        self.compiles += 1
+        request = dict(cfg_file=cfg_file, env=env, cwd=os.getcwd(), stdout=str(out), stderr=str(err))
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker is gone: the read below says so
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.close()
+            raise subprocess.TimeoutExpired(["compile worker", cfg_file], timeout)
+        answer = self.proc.stdout.readline()
+        texts = [f.read_text() if f.exists() else "" for f in (out, err)]
+        for f in (out, err):
+            f.unlink(missing_ok=True)
+        if not answer:  # the worker died (a crash in the compiler): report it as the child's exit
+            rc = self.proc.wait()
+            texts[1] += f"\ncompile worker exited with {rc}:\n" + (self.log / "worker.stderr").read_text()[-4000:]
+            return rc or 1, texts[0], texts[1]
+        return json.loads(answer)["rc"], texts[0], texts[1]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.compiles < WORKER_COMPILES
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            stream.close()
+
+
+_IDLE_WORKERS: dict[tuple, list[_CompileWorker]] = {}
+_WORKERS_LOCK = threading.Lock()
+_WORKERS_PID: int | None = None  # the process whose workers these are (not a forked child's)
+
+
+def _run_compile(cfg_file: str, flavour: str, env: dict, timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of compiling the pickled config in ``cfg_file`` with ``env``: in an
+    idle worker of this flavour and fixed environment, a new one if none is idle (callers may
+    compile from several threads), or a fresh interpreter where WORKERS_ENV is "0"."""
+    global _WORKERS_PID
+    if os.environ.get(WORKERS_ENV, "1") == "0":
+        proc = subprocess.run(_child_argv(flavour) + [cfg_file], env=env, capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout, proc.stderr
+    import atexit
+
+    if _WORKERS_PID != os.getpid():  # first use, or a forked child: its parent's workers are not its own
+        _IDLE_WORKERS.clear()
+        _WORKERS_PID = os.getpid()
+        atexit.register(_close_workers, os.getpid())
+    fixed = {k: v for k, v in env.items() if k not in _PER_COMPILE_ENV}
+    key = (flavour, tuple(sorted(fixed.items())))
+    with _WORKERS_LOCK:
+        idle = _IDLE_WORKERS.setdefault(key, [])
+        worker = idle.pop() if idle else None
+    worker = worker or _CompileWorker(flavour, fixed)
+    result = worker.compile(cfg_file, env, timeout)
+    with _WORKERS_LOCK:
+        if worker.alive():
+            _IDLE_WORKERS[key].append(worker)
+        else:
+            worker.close()
+    return result
+
+
+def _close_workers(pid: int):
+    if pid == os.getpid():
+        for workers in _IDLE_WORKERS.values():
+            for worker in workers:
+                worker.close()
+        _IDLE_WORKERS.clear()
 
 
 @dataclasses.dataclass
@@ -643,19 +794,17 @@ def compile_config(cfg, flavour: str = "auto", out_dir: Path | str | None = None
         f.write(base64.b64encode(pickle.dumps(cfg)).decode())
         cfg_file = f.name
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, cfg_file, flavour, json.dumps(_import_paths()),
-                               json.dumps(DRIVER_VERSION_FOR_FLAVOUR)],
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        returncode, stdout, stderr = _run_compile(cfg_file, flavour, env, timeout)
     finally:
         os.unlink(cfg_file)
     ir_module = None
-    for line in reversed(proc.stdout.splitlines()):
+    for line in reversed(stdout.splitlines()):
         try:
             ir_module = json.loads(line).get("dsl_ir_module")
             break
         except (ValueError, AttributeError):
             continue
-    return CompileResult(proc.returncode, proc.stdout, proc.stderr, out, flavour, ir_module)
+    return CompileResult(returncode, stdout, stderr, out, flavour, ir_module)
 
 
 def _main_module(result: CompileResult) -> dict[str, Path]:
