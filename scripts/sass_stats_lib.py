@@ -649,8 +649,13 @@ WORKERS_ENV = "FA4_SASS_COMPILE_WORKERS"
 # The DSL keeps state per compile that nothing here relies on; a worker is replaced after this many
 # compiles all the same, so that its memory stays bounded.
 WORKER_COMPILES = 32
-# What a request sets per compile; every other variable of the environment is fixed per worker.
-_PER_COMPILE_ENV = ("CUTE_DSL_ARCH", "CUTE_DSL_DUMP_DIR", "CUTE_DSL_KEEP", "CUTE_DSL_COMPILER_OPT")
+# A request sets the whole environment of its compile; a worker serves only requests whose
+# environment equals the one it started with (what the DSL read at import), except for these: the
+# DSL reads its own again per request, and pytest names the running test in its variable.
+_PER_COMPILE_ENV = ("CUTE_DSL_ARCH", "CUTE_DSL_DUMP_DIR", "CUTE_DSL_KEEP", "CUTE_DSL_COMPILER_OPT",
+                    "PYTEST_CURRENT_TEST")
+# Idle workers kept, over all flavours and environments (the least recently used go first).
+IDLE_WORKERS = 4
 
 
 def _child_argv(flavour: str) -> list[str]:
@@ -731,11 +736,25 @@ def _run_compile(cfg_file: str, flavour: str, env: dict, timeout: float) -> tupl
     worker = worker or _CompileWorker(flavour, fixed)
     result = worker.compile(cfg_file, env, timeout)
     with _WORKERS_LOCK:
-        if worker.alive():
-            _IDLE_WORKERS[key].append(worker)
-        else:
-            worker.close()
+        _IDLE_WORKERS[key] = _IDLE_WORKERS.pop(key, []) + [worker]  # the most recently used key last
+        retired = _retire_workers()
+    for w in retired:
+        w.close()
     return result
+
+
+def _retire_workers() -> list[_CompileWorker]:
+    """Takes out of _IDLE_WORKERS (its lock held) the workers that are done, and the least
+    recently used beyond IDLE_WORKERS; the caller closes them."""
+    idle = [(key, w) for key, workers in _IDLE_WORKERS.items() for w in workers]
+    done = [(key, w) for key, w in idle if not w.alive()]
+    live = [(key, w) for key, w in idle if w.alive()]
+    retired = done + live[:max(0, len(live) - IDLE_WORKERS)]
+    for key, w in retired:
+        _IDLE_WORKERS[key].remove(w)
+    for key in [key for key, workers in _IDLE_WORKERS.items() if not workers]:
+        del _IDLE_WORKERS[key]
+    return [w for _, w in retired]
 
 
 def _close_workers(pid: int):

@@ -493,6 +493,35 @@ def test_flavour_selects_the_embedded_ptxas():
         lib.compile_config(cfg, "cu11")
 
 
+class _NotAConfig:
+    """Unpickles into an exception in the compiling interpreter (int("not a config"))."""
+
+    arch = "sm_90a"
+
+    def __reduce__(self):
+        return int, ("not a config",)
+
+
+@pytest.mark.slow
+def test_compile_workers_build_what_a_fresh_interpreter_builds(tmp_path, monkeypatch):
+    """A compile in a worker interpreter (one that has compiled before, with other CUTE_DSL_*
+    settings) leaves the same PTX and SASS as one in a fresh interpreter; a compile that fails in
+    a worker reports the child's failure (exit code, traceback) and the worker compiles on."""
+    _need_nvdisasm()
+    cfg = _sm90_forward(64, causal=True)
+    failed = lib.compile_config(_NotAConfig(), "auto", tmp_path / "bad")
+    assert failed.returncode != 0 and "invalid literal for int()" in failed.stderr
+    with pytest.raises(RuntimeError, match="invalid literal"):
+        failed.check()
+    assert lib.compile_config(cfg, "auto", tmp_path / "verify", keep="", compiler_opt="warnings").returncode == 0
+    by_worker = lib._main_module(lib.compile_config(cfg, "auto", tmp_path / "worker").check())
+    monkeypatch.setenv(lib.WORKERS_ENV, "0")
+    fresh = lib._main_module(lib.compile_config(cfg, "auto", tmp_path / "fresh").check())
+    assert by_worker["ptx"].read_text() == fresh["ptx"].read_text()
+    assert lib.disassemble(by_worker["cubin"]) == lib.disassemble(fresh["cubin"])
+    assert not any((tmp_path / "verify").iterdir())  # nothing kept where nothing was asked for
+
+
 def _baseline() -> dict:
     return json.loads(BASELINE.read_text())
 
