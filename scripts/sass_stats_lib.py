@@ -14,10 +14,13 @@ Entry points (everything below them is reusable on its own):
     static_problems(stats) -> list[str]   (spills, USETMAXREG vs setmaxnreg, TMEM alloc/free, 2-CTA views)
 
 ``cfg`` is any fa4_kernels configuration object (ForwardConfig, BackwardConfig, PreprocessConfig,
-PostprocessConfig, or a future class): it is pickled to a fresh interpreter, which imports the
+PostprocessConfig, or a future class): it is pickled to another interpreter, which imports the
 ``compile`` module next to the config's module and calls the compiler registered for its class
-(``_COMPILERS``, else ``compile_<kind>`` by class name). A fresh interpreter per compile because
-the DSL reads CUTE_DSL_* (dumps, verifier options) and picks its toolkit flavour at import.
+(``_COMPILERS``, else ``compile_<kind>`` by class name). Not this interpreter, because the DSL
+picks its toolkit flavour at import and reads CUTE_DSL_* (dumps, verifier options) into its own
+objects: a worker interpreter per flavour (and environment) serves one compile after another,
+making the DSL read CUTE_DSL_* again for each (FA4_SASS_COMPILE_WORKERS=0: a fresh interpreter
+per compile instead).
 
 Toolkit flavour: the DSL embeds ptxas in ``_cutlass_ir.cuNN.so`` and loads the newest flavour whose
 major version is at most the driver's (no driver: the newest installed). ``cu12`` / ``cu13`` make
