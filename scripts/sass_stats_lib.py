@@ -646,11 +646,11 @@ for line in sys.stdin:
 """
 
 # Compiles run in worker interpreters that stay up between compiles: a new interpreter per compile
-# spent ~2 s of each (importing the DSL and the kernels) on top of a 2-10 s compile. "0" here: a
+# spent ~1.3 s of each (importing the DSL and the kernels) on top of a 2-25 s compile. "0" here: a
 # fresh interpreter per compile, as before (to rule the workers out when something looks odd).
 WORKERS_ENV = "FA4_SASS_COMPILE_WORKERS"
-# The DSL keeps state per compile that nothing here relies on; a worker is replaced after this many
-# compiles all the same, so that its memory stays bounded.
+# A worker is replaced after this many compiles, so that what the DSL keeps from one compile to the
+# next (memory) stays bounded.
 WORKER_COMPILES = 32
 # A request sets the whole environment of its compile; a worker serves only requests whose
 # environment equals the one it started with (what the DSL read at import), except for these: the
@@ -796,7 +796,7 @@ def _import_paths() -> list[str]:
 def compile_config(cfg, flavour: str = "auto", out_dir: Path | str | None = None, *, keep: str = "ptx,cubin",
                    compiler_opt: str | None = None, timeout: float = 900,
                    extra_env: dict | None = None) -> CompileResult:
-    """Compile ``cfg`` in a fresh interpreter with CUTE_DSL_KEEP=``keep`` into ``out_dir`` (a new
+    """Compile ``cfg`` in a worker interpreter with CUTE_DSL_KEEP=``keep`` into ``out_dir`` (a new
     temp folder when None; the caller owns it). ``compiler_opt``: CUTE_DSL_COMPILER_OPT (e.g.
     'warnings', 'remarks{ptx}'). The target is ``cfg.arch`` (CUTE_DSL_ARCH is set from it too)."""
     if flavour not in FLAVOURS:

@@ -58,8 +58,8 @@ def test_exp2_round_down_magic_gives_floor_for_negative_and_positive_inputs():
 
 
 def _compile_in_subprocess(tmp_path: Path, cfg_kwargs: dict, keep: str = "", arch: str = "SM90"):
-    """Compile one forward configuration (of Arch.<arch>) in a fresh interpreter (CUTE_DSL_* settings
-    are read at import), its files in ``tmp_path``: the CompileResult (returncode, stdout, stderr)."""
+    """Compile one forward configuration (of Arch.<arch>) in another interpreter (sass_stats_lib's
+    compile workers), its files in ``tmp_path``: the CompileResult (returncode, stdout, stderr)."""
     cfg = ForwardConfig(arch=getattr(Arch, arch), dtype="bfloat16", **cfg_kwargs)
     return lib.compile_config(cfg, "auto", tmp_path, keep=keep)
 
