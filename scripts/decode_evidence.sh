@@ -10,8 +10,8 @@
 #       kind="nvidia-h200", timeout_s=600)
 #
 # after ../shared/device/stage.sh and scripts/stage_device_extras.sh here. On a GPU other than an
-# H200 it runs only the suite (SUITE_ONLY_OFF_H200=0 runs everything anyway); SUITE=0 leaves the
-# suite out (a try for an H200 when the suite has already run on the tree elsewhere).
+# H200 it runs only the suite (SUITE_ONLY_OFF_H200=0 runs everything anyway), or nothing with
+# SUITE_OFF_H200=0 (a try for an H200 once the suite has run on the tree on another GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STEP_BUDGET_S="${STEP_BUDGET_S:-570}"
@@ -25,7 +25,7 @@ if [[ $GPU_NAME == *H200* || "${SUITE_ONLY_OFF_H200:-1}" == 0 ]]; then
   step model 150 python benchmarks/bench.py --mode decode-model --static --out "$RES/decode-model.json"
   (cd "$RES" && tar czf "$OUT/bench.tgz" .)
 fi
-if [[ "${SUITE:-1}" == 1 ]]; then
+if [[ $GPU_NAME == *H200* || "${SUITE_OFF_H200:-1}" == 1 ]]; then
   step suite 220 python -u -m pytest tests/gpu -n 12 -q -rfEx -p no:cacheprovider
 fi
 cat "$OUT/summary.txt" 2>/dev/null || echo "nothing run on $GPU_NAME"
