@@ -56,6 +56,7 @@ The statistics dict (``kernel_stats`` / ``stats_from_files``), one kernel (the l
 
 from __future__ import annotations
 
+import atexit
 import base64
 import dataclasses
 import functools
@@ -63,6 +64,7 @@ import json
 import os
 import pickle
 import re
+import select
 import shutil
 import struct
 import subprocess
@@ -677,8 +679,6 @@ class _CompileWorker:
                                          stdout=subprocess.PIPE, stderr=stderr, text=True)
 
     def compile(self, cfg_file: str, env: dict, timeout: float) -> tuple[int, str, str]:
-        import select
-
         out, err = self.log / f"{self.compiles}.stdout", self.log / f"{self.compiles}.stderr"
         self.compiles += 1
         request = dict(cfg_file=cfg_file, env=env, cwd=os.getcwd(), stdout=str(out), stderr=str(err))
@@ -725,8 +725,6 @@ def _run_compile(cfg_file: str, flavour: str, env: dict, timeout: float) -> tupl
     if os.environ.get(WORKERS_ENV, "1") == "0":
         proc = subprocess.run(_child_argv(flavour) + [cfg_file], env=env, capture_output=True, text=True, timeout=timeout)
         return proc.returncode, proc.stdout, proc.stderr
-    import atexit
-
     if _WORKERS_PID != os.getpid():  # first use, or a forked child: its parent's workers are not its own
         _IDLE_WORKERS.clear()
         _WORKERS_PID = os.getpid()
@@ -852,8 +850,6 @@ def _session_dir() -> Path:
     """One temp folder per process for cached compiles' files, removed at exit."""
     global _SESSION_DIR
     if _SESSION_DIR is None:
-        import atexit
-
         _SESSION_DIR = Path(tempfile.mkdtemp(prefix="fa4_sass_session_"))
         atexit.register(shutil.rmtree, _SESSION_DIR, True)
     return _SESSION_DIR
