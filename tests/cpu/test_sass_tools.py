@@ -508,12 +508,17 @@ def test_compile_workers_build_what_a_fresh_interpreter_builds(tmp_path, monkeyp
     settings) leaves the same PTX and SASS as one in a fresh interpreter; a compile that fails in
     a worker reports the child's failure (exit code, traceback) and the worker compiles on."""
     _need_nvdisasm()
+    monkeypatch.delenv(lib.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(lib, "WORKER_COMPILES", 10**6)  # no replacement by age within this test
     cfg = _sm90_forward(64, causal=True)
     failed = lib.compile_config(_NotAConfig(), "auto", tmp_path / "bad")
     assert failed.returncode != 0 and "invalid literal for int()" in failed.stderr
     with pytest.raises(RuntimeError, match="invalid literal"):
         failed.check()
+    served = list(lib._IDLE_WORKERS.values())[-1][-1]  # the most recently used worker
+    assert served.proc.poll() is None
     assert lib.compile_config(cfg, "auto", tmp_path / "verify", keep="", compiler_opt="warnings").returncode == 0
+    assert list(lib._IDLE_WORKERS.values())[-1][-1] is served  # the same worker compiled on
     by_worker = lib._main_module(lib.compile_config(cfg, "auto", tmp_path / "worker").check())
     monkeypatch.setenv(lib.WORKERS_ENV, "0")
     fresh = lib._main_module(lib.compile_config(cfg, "auto", tmp_path / "fresh").check())
