@@ -9,23 +9,27 @@
 #   run(command="FA4_TREE=<commit> bash scripts/decode_evidence.sh", carry=[".device", ".device-extras"],
 #       kind="nvidia-h200", timeout_s=600)
 #
-# after ../shared/device/stage.sh and scripts/stage_device_extras.sh here. On a GPU other than an
-# H200 it runs only the suite (SUITE_ONLY_OFF_H200=0 runs everything anyway), or nothing with
-# SUITE_OFF_H200=0 (a try for an H200 once the suite has run on the tree on another GPU).
+# after ../shared/device/stage.sh and scripts/stage_device_extras.sh here. On an H200 it runs
+# everything; on another GPU what OFF_H200 says: "suite" (the default), "all", or "none" (a try for
+# an H200 once the suite has run on the tree on another GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STEP_BUDGET_S="${STEP_BUDGET_S:-570}"
+OFF_H200="${OFF_H200:-suite}"
+case "$OFF_H200" in suite|all|none) ;; *) echo "OFF_H200 must be suite, all or none, not '$OFF_H200'" >&2; exit 2;; esac
 source scripts/device_steps.sh  # OUT, setup, GPU_NAME, step
 RES=/tmp/fa4_bench; mkdir -p "$RES"
+RUN=$OFF_H200
+[[ $GPU_NAME == *H200* ]] && RUN=all
 
-if [[ $GPU_NAME == *H200* || "${SUITE_ONLY_OFF_H200:-1}" == 0 ]]; then
+if [[ $RUN == all ]]; then
   step decode 180 python benchmarks/bench.py --mode decode --rounds 3 --out "$RES/decode.json" \
     --only ours,ours-kvcache,ours-varlen,ours-paged256,ours-paged16,cudnn,sdpa-flash
   step host 60 python scripts/host_time.py --calls 1000
   step model 150 python benchmarks/bench.py --mode decode-model --static --out "$RES/decode-model.json"
   (cd "$RES" && tar czf "$OUT/bench.tgz" .)
 fi
-if [[ $GPU_NAME == *H200* || "${SUITE_OFF_H200:-1}" == 1 ]]; then
+if [[ $RUN != none ]]; then
   step suite 220 python -u -m pytest tests/gpu -n 12 -q -rfEx -p no:cacheprovider
 fi
 cat "$OUT/summary.txt" 2>/dev/null || echo "nothing run on $GPU_NAME"
