@@ -732,7 +732,7 @@ def _run_compile(cfg_file: str, flavour: str, env: dict, timeout: float) -> tupl
     fixed = {k: v for k, v in env.items() if k not in _PER_COMPILE_ENV}
     key = (flavour, tuple(sorted(fixed.items())))
     with _WORKERS_LOCK:
-        idle = _IDLE_WORKERS.setdefault(key, [])
+        idle = _IDLE_WORKERS.get(key)
         worker = idle.pop() if idle else None
     worker = worker or _CompileWorker(flavour, fixed)
     result = worker.compile(cfg_file, env, timeout)
@@ -747,10 +747,9 @@ def _run_compile(cfg_file: str, flavour: str, env: dict, timeout: float) -> tupl
 def _retire_workers() -> list[_CompileWorker]:
     """Takes out of _IDLE_WORKERS (its lock held) the workers that are done, and the least
     recently used beyond IDLE_WORKERS; the caller closes them."""
-    idle = [(key, w) for key, workers in _IDLE_WORKERS.items() for w in workers]
-    done = [(key, w) for key, w in idle if not w.alive()]
-    live = [(key, w) for key, w in idle if w.alive()]
-    retired = done + live[:max(0, len(live) - IDLE_WORKERS)]
+    idle = [(key, w, w.alive()) for key, workers in _IDLE_WORKERS.items() for w in workers]
+    live = [(key, w) for key, w, alive in idle if alive]
+    retired = [(key, w) for key, w, alive in idle if not alive] + live[:max(0, len(live) - IDLE_WORKERS)]
     for key, w in retired:
         _IDLE_WORKERS[key].remove(w)
     for key in [key for key, workers in _IDLE_WORKERS.items() if not workers]:
