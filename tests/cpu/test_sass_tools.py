@@ -506,7 +506,8 @@ class _NotAConfig:
 def test_compile_workers_build_what_a_fresh_interpreter_builds(tmp_path, monkeypatch):
     """A compile in a worker interpreter (one that has compiled before, with other CUTE_DSL_*
     settings) leaves the same PTX and SASS as one in a fresh interpreter; a compile that fails in
-    a worker reports the child's failure (exit code, traceback) and the worker compiles on."""
+    a worker reports the child's failure (exit code, traceback) and the worker compiles on; one
+    that died while idle is passed over."""
     _need_nvdisasm()
     monkeypatch.delenv(lib.WORKERS_ENV, raising=False)
     monkeypatch.setattr(lib, "WORKER_COMPILES", 10**6)  # no replacement by age within this test
@@ -519,7 +520,10 @@ def test_compile_workers_build_what_a_fresh_interpreter_builds(tmp_path, monkeyp
     assert served.proc.poll() is None
     assert lib.compile_config(cfg, "auto", tmp_path / "verify", keep="", compiler_opt="warnings").returncode == 0
     assert list(lib._IDLE_WORKERS.values())[-1][-1] is served  # the same worker compiled on
+    served.proc.kill()  # a worker that dies while idle is passed over, not blamed for the next compile
+    served.proc.wait()
     by_worker = lib._main_module(lib.compile_config(cfg, "auto", tmp_path / "worker").check())
+    assert list(lib._IDLE_WORKERS.values())[-1][-1] is not served and served.proc.stdin.closed
     monkeypatch.setenv(lib.WORKERS_ENV, "0")
     fresh = lib._main_module(lib.compile_config(cfg, "auto", tmp_path / "fresh").check())
     assert by_worker["ptx"].read_text() == fresh["ptx"].read_text()
