@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 21's H200 evidence in one device call (docs/DECODING.md, "Measured"): the GPU suite (its
-# H200 run is owed to issues 21 and 25, and it takes a known ~130 s), then the decode benchmark
+# Issue 21's H200 evidence in one device call (docs/DECODING.md, "Measured"): the GPU suite first
+# (a known ~130 s: a call cut short loses a benchmark, not the suite), then the decode benchmark
 # (dense, KV-cache, varlen and paged rows against cuDNN and SDPA-flash; its PNG and JSON), the host
 # time per call, and the model-level decode benchmark (the last steps are the ones cut when time
 # runs out). Each step has a limit cut to what is left of STEP_BUDGET_S seconds (default 570); logs

@@ -520,15 +520,20 @@ def test_compile_workers_build_what_a_fresh_interpreter_builds(tmp_path, monkeyp
     assert served.proc.poll() is None
     assert lib.compile_config(cfg, "auto", tmp_path / "verify", keep="", compiler_opt="warnings").returncode == 0
     assert list(lib._IDLE_WORKERS.values())[-1][-1] is served  # the same worker compiled on
-    served.proc.kill()  # a worker that dies while idle is passed over, not blamed for the next compile
-    served.proc.wait()
     by_worker = lib._main_module(lib.compile_config(cfg, "auto", tmp_path / "worker").check())
-    assert list(lib._IDLE_WORKERS.values())[-1][-1] is not served and served.proc.stdin.closed
     monkeypatch.setenv(lib.WORKERS_ENV, "0")
     fresh = lib._main_module(lib.compile_config(cfg, "auto", tmp_path / "fresh").check())
     assert by_worker["ptx"].read_text() == fresh["ptx"].read_text()
     assert lib.disassemble(by_worker["cubin"]) == lib.disassemble(fresh["cubin"])
     assert not any((tmp_path / "verify").iterdir())  # nothing kept where nothing was asked for
+    # A worker that died while idle is passed over: the next compile fails for its own reason (the
+    # config), not with the dead worker's exit, and runs in a new worker.
+    monkeypatch.delenv(lib.WORKERS_ENV)
+    served.proc.kill()
+    served.proc.wait()
+    again = lib.compile_config(_NotAConfig(), "auto", tmp_path / "bad_again")
+    assert "invalid literal for int()" in again.stderr and "compile worker exited" not in again.stderr
+    assert list(lib._IDLE_WORKERS.values())[-1][-1] is not served and served.proc.stdin.closed
 
 
 def _baseline() -> dict:
