@@ -731,15 +731,10 @@ def _run_compile(cfg_file: str, flavour: str, env: dict, timeout: float) -> tupl
         atexit.register(_close_workers, os.getpid())
     fixed = {k: v for k, v in env.items() if k not in _PER_COMPILE_ENV}
     key = (flavour, tuple(sorted(fixed.items())))
-    worker, dead = None, []
     with _WORKERS_LOCK:
-        idle = _IDLE_WORKERS.get(key, [])
-        while idle and worker is None:
-            candidate = idle.pop()
-            if candidate.proc.poll() is None:
-                worker = candidate
-            else:  # it died while idle (killed, out of memory): not this compile's failure
-                dead.append(candidate)
+        dead = _retire_workers()  # idle ones that died since their last compile (killed, out of memory)
+        idle = _IDLE_WORKERS.get(key)
+        worker = idle.pop() if idle else None
     for w in dead:
         w.close()
     worker = worker or _CompileWorker(flavour, fixed)
