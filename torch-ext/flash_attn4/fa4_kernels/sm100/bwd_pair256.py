@@ -107,7 +107,7 @@ from ..seqlen import head_rows
 from ..softmax import BackwardScales
 from ..tile_work import TileWork
 from . import bwd_pair
-from .bwd import COMPUTE_GROUPS, MMA_K, NUM_WARPS, FlashAttentionBackwardSm100, Pipelines
+from .bwd import COMPUTE_GROUPS, MMA_K, NUM_WARPS, FlashAttentionBackwardSm100, Pipelines, flat
 from .bwd_pair import CTAS, FlashAttentionBackwardSm100Pair, PairLoads
 from .dq_accum import VECTOR
 from .fwd import PAIR_LEADER, FlashAttentionForwardSm100, TMEM_COLUMNS, WARP, WARPGROUP, gemm
@@ -487,10 +487,6 @@ class FlashAttentionBackwardSm100Pair256(FlashAttentionBackwardSm100Pair):
                             gRow, (BWD_DQ_CHUNK,), (out_chunk_index(group, half, c, dim, self.out_loads),)))
         elif has_steps:
             pipes.dkv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-
-
-def flat(t: cute.Tensor) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.make_layout(cute.size(t)))
 
 
 def check_folded(layout: cute.Layout, cols: int, name: str) -> None:
