@@ -532,6 +532,36 @@ def test_packed_position_ids_go_varlen(backend):
     assert backend.calls[-1]["fn"] == "dense"
 
 
+def test_packed_position_ids_checked_once_per_forward(backend, monkeypatch):
+    """Every layer passes the same position_ids: transformers' check (a host sync on a GPU) runs
+    once, until the tensor changes in place or another one comes; inference tensors (no version
+    counter) are checked every call."""
+    mfau = ta._flash_utils()
+    checks = []
+    real = mfau._is_packed_sequence
+    monkeypatch.setattr(mfau, "_is_packed_sequence", lambda *a: checks.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(19)
+    lens = [6, 9, 3]
+    total = sum(lens)
+    q, k, v = _qkv(1, 4, 2, total, total, gen=gen)
+    position_ids = torch.cat([torch.arange(n) for n in lens]).view(1, -1)
+    outs = [ta.attention_forward(_module(), q, k, v, None, position_ids=position_ids)[0] for _ in range(4)]
+    assert len(checks) == 1 and [c["fn"] for c in backend.calls] == ["varlen"] * 4
+    assert all(c["cu_seqlens_q"].tolist() == [0, 6, 15, 18] for c in backend.calls)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    position_ids.copy_(torch.arange(total).view(1, -1))  # in place: now one sequence
+    ta.attention_forward(_module(), q, k, v, None, position_ids=position_ids)
+    assert len(checks) == 2 and backend.calls[-1]["fn"] == "dense"
+    other = torch.cat([torch.arange(n) for n in (10, 8)]).view(1, -1)  # a new tensor
+    ta.attention_forward(_module(), q, k, v, None, position_ids=other)
+    assert len(checks) == 3 and backend.calls[-1]["cu_seqlens_q"].tolist() == [0, 10, 18]
+    with torch.inference_mode():
+        frozen = torch.cat([torch.arange(n) for n in lens]).view(1, -1)
+        for _ in range(2):
+            ta.attention_forward(_module(), q, k, v, None, position_ids=frozen)
+    assert len(checks) == 5 and backend.calls[-1]["cu_seqlens_q"].tolist() == [0, 6, 15, 18]
+
+
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_cu_seq_lens_kwargs(backend, as_tensor):
     gen = torch.Generator().manual_seed(10 + as_tensor)

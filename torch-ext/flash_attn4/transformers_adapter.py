@@ -421,11 +421,26 @@ def _packed_kwargs(kwargs: dict, batch: int, sq: int, sk: int):
         return None
     if position_ids.shape[-1] != sq:
         return None
+    memo = _PACKED_MEMO[0]
+    # (inference tensors have no version counter: checked every time, as under torch.compile)
+    memoize = not torch.compiler.is_compiling() and not position_ids.is_inference()
+    if memoize and memo is not None and memo[0]() is position_ids and memo[1] == position_ids._version:
+        return memo[2]
     mfau = _flash_utils()
-    if not bool(mfau._is_packed_sequence(position_ids, batch)):
-        return None
-    (cu_q, cu_k), (max_q, max_k) = mfau.prepare_fa_kwargs_from_position_ids(position_ids)
-    return cu_q, cu_k, _as_int(max_q), _as_int(max_k)
+    packed = None
+    if bool(mfau._is_packed_sequence(position_ids, batch)):
+        (cu_q, cu_k), (max_q, max_k) = mfau.prepare_fa_kwargs_from_position_ids(position_ids)
+        packed = cu_q, cu_k, _as_int(max_q), _as_int(max_k)
+    if memoize:
+        _PACKED_MEMO[0] = (weakref.ref(position_ids), position_ids._version, packed)
+    return packed
+
+
+# The verdict on the last position_ids seen: every layer of a forward passes the same tensor, and
+# checking it (_is_packed_sequence, then the lengths) waits for the GPU. Kept while that tensor lives
+# unchanged (its version counter), so a training forward waits once instead of once per layer. Not
+# under torch.compile, which traces the check into the graph.
+_PACKED_MEMO: list = [None]  # (weakref to position_ids, its _version, _packed_kwargs' result)
 
 
 def _packed_attention(fa, q, k, v, cu_q, cu_k, max_q: int, max_k: int, options: dict) -> torch.Tensor:
