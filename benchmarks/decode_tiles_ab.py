@@ -11,6 +11,11 @@ over cuDNN's, and checks every variant's output against base's.
     python benchmarks/decode_tiles_ab.py --variant st3:num_stages=3,tma_store_o=false
     python benchmarks/decode_tiles_ab.py --variant nopdl:combine.pdl=false --problems 0,1,2,4 --rounds 7
     python benchmarks/decode_tiles_ab.py --variant fill:dispatch.NEAR_BEST=0.95 --problem 1,1,65536,32,8,128
+    python benchmarks/decode_tiles_ab.py --call paged256 --problems 5 --max-head-dim 256 --variant t80:tile_n=80
+
+``--call`` picks the call every variant makes: ``func`` (flash_attn_func, the default) or one of
+bench_decode's flash_attn_with_kvcache rows: ``kvcache`` (the dense cache), ``paged256``, ``paged16``
+(the cache in shuffled pages of that many tokens).
 
 Field variants apply to kernels up to --max-head-dim (shared memory); larger ones run base's kernel.
 """
@@ -35,6 +40,8 @@ from flash_attn4.fa4_kernels import config  # noqa: E402
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # peak by device name (SXM parts)
 _CHOSEN = {"forward_config": dispatch.forward_config, "combine_config": dispatch.combine_config}
 _CONSTANTS: dict = {}
+CALLS = {"kvcache": bench_decode._ours_kvcache, "paged256": bench_decode._ours_paged(256),
+         "paged16": bench_decode._ours_paged(16)}
 
 
 def use(overrides: dict, max_head_dim: int) -> None:
@@ -66,6 +73,7 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], help="NAME:field=value,... (see above)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-head-dim", type=int, default=128)
+    p.add_argument("--call", default="func", choices=("func", *CALLS))
     args = p.parse_args()
     variants = {"base": {}}
     for text in args.variant:
@@ -79,8 +87,8 @@ def main() -> None:
 
     gpu = torch.cuda.get_device_name()
     peak = next((tbps for part, tbps in HBM_TBPS.items() if part in gpu), HBM_TBPS["H200"])
-    print(f"{gpu}, torch {torch.__version__}; bf16, num_splits = 0; % HBM: K+V bytes of {peak} TB/s; "
-          f"variants {variants}")
+    print(f"{gpu}, torch {torch.__version__}; bf16, num_splits = 0, call {args.call}; % HBM: K+V bytes of "
+          f"{peak} TB/s; variants {variants}")
     names = [*variants, "cudnn"]
     print("| problem | " + " | ".join(f"{n} us" for n in names) + " | base % HBM | " +
           " | ".join(f"{n} / base" for n in variants if n != "base") + " | base / cuDNN |")
@@ -91,7 +99,10 @@ def main() -> None:
         fns, outs = {}, {}
         for name, overrides in variants.items():
             use(overrides, args.max_head_dim)
-            fns[name] = lambda: flash_attn_func(q, k, v, causal=prob.causal, num_splits=0)
+            if args.call == "func":
+                fns[name] = lambda: flash_attn_func(q, k, v, causal=prob.causal, num_splits=0)
+            else:  # the same inputs (a paged call: the same pages and table) for every variant
+                fns[name] = fns["base"] if name != "base" else CALLS[args.call](prob, x, {})
             outs[name] = fns[name]()
             diff = (outs[name].float() - outs["base"].float()).abs().max().item()
             assert diff < 2e-2, f"{name} differs from base by {diff:.1e} on {prob.name}"

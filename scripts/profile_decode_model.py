@@ -6,7 +6,9 @@ random weights) under torch.profiler, per attn_implementation, after a warm-up g
 Prints, per implementation: the host ops by self CPU time, the GPU kernels by device time (both per
 generated token), and the host-device synchronisations (cudaStreamSynchronize, cudaMemcpy* device to
 host, cudaDeviceSynchronize) per token: a sync inside a layer stops the host from running ahead of
-the GPU, so each one adds the GPU's queue to the step time. Needs a CUDA GPU and transformers.
+the GPU, so each one adds the GPU's queue to the step time. ``--cprofile``: the Python functions of
+one more generate by own time (cProfile; the prefill's calls are in it too), to see which of a
+step's host work one implementation adds. Needs a CUDA GPU and transformers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--attn", default="fa4,sdpa")
     p.add_argument("--rows", type=int, default=25, help="table rows per listing")
+    p.add_argument("--cprofile", action="store_true", help="also the Python functions by own time")
     args = p.parse_args(argv)
 
     import torch
@@ -59,6 +62,17 @@ def main(argv=None) -> int:
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
         syncs = {e.key: e.count for e in events if any(e.key.startswith(n.strip()) for n in SYNC_NAMES)}
         print(f"{attn}: sync-like runtime calls over {per} tokens (prefill included): {syncs}")
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            bench_decode.generate_once(model, attn, ids, args.new_tokens, "dynamic", sync)
+            prof.disable()
+            stats = pstats.Stats(prof)
+            print(f"{attn}: {stats.total_calls / per:.0f} Python function calls per token (prefill included)")
+            stats.sort_stats("tottime").print_stats(args.rows)
     return 0
 
 
