@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -148,6 +149,25 @@ def test_choose_tiles_large_head_dims_shrink_tile_n(d, dv):
     assert tiles["tile_n"] % 16 == 0
     # larger head dim never gets a larger K/V tile
     assert dispatch.choose_tiles(Arch.SM90, 256, 256, False, False)["tile_n"] <= tiles["tile_n"]
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_paged_tiles_load_whole_boxes(d):
+    """A paged K/V tile loads in boxes of gcd(tile_n, page_size) rows: at d = 256 pages of 32 and
+    more get 64-key tiles (boxes of 32 and more rows, one per tile from pages of 64) instead of 80
+    (five 16-row boxes); pages of 16 keep 80. Other head dims take the dense tiles."""
+    dense = dispatch.choose_tiles(Arch.SM90, d, d, False, False)
+    boxes_at_d256 = {16: 5, 32: 2, 48: 4, 64: 1, 128: 1, 256: 1, 512: 1}
+    for page_size, boxes in boxes_at_d256.items():
+        tiles = dispatch.choose_tiles(Arch.SM90, d, d, False, False, page_size=page_size)
+        if d == 256:
+            assert tiles["tile_n"] // math.gcd(tiles["tile_n"], page_size) == boxes
+            assert tiles == dict(dense, tile_n=80 if page_size == 16 else 64)
+        else:
+            assert tiles == dense
+        cfg = dispatch.forward_config(Arch.SM90, "bfloat16", d, d, causal=False, local=False, has_softcap=False,
+                                      varlen=False, has_seqused_k=True, has_sink=False, page_size=page_size)
+        assert cfg.tile_n == tiles["tile_n"]
 
 
 def test_kernel_set_of_the_compiler_is_what_dispatch_builds():

@@ -1,21 +1,25 @@
 """Paged KV caches on a real GPU: flash_attn_with_kvcache and flash_attn_varlen_func over pages in
 shuffled order, against the same call on the dense cache holding the same keys (bit for bit: the
-kernel visits the same blocks with the same tiles, only the loads differ) and against
-tests/reference.py under FlashAttention's accuracy rule (test_fwd.check).
+dense call takes the paged call's tiles (same_tiles), so the kernel visits the same blocks, only
+the loads differ) and against tests/reference.py under FlashAttention's accuracy rule
+(test_fwd.check).
 
 Every page holds finite random values, also the pages no sequence uses; the page table's entries
 past a sequence's pages hold 10**6, far out of range (the kernel must never read them). Outputs are
 poisoned right after allocation (test_fwd's fixture). Page sizes: powers of two from 16 to 256 and
 48 (any multiple of 16 is a page size); head dims 64, 128, 256 and 192/128, whose tiles (128, 128,
-80 and 96 keys) make a K/V tile one box, several boxes, or boxes of part of a page.
+80 at page 16 else 64, and 96 keys) make a K/V tile one box, several boxes, or boxes of part of a
+page.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from flash_attn4 import compile_cache, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn4 import compile_cache, dispatch, flash_attn_varlen_func, flash_attn_with_kvcache, ops
 from tests.gpu.helpers import DEVICE, rand
 from tests.gpu.test_fwd import check
 from tests.gpu.test_kvcache import check_against_gathered, i32
@@ -40,6 +44,27 @@ def paged_copy(dense: torch.Tensor, table: torch.Tensor, num_pages: int, page_si
     return pages
 
 
+@contextlib.contextmanager
+def same_tiles(page_size: int):
+    """Calls on contiguous keys take the tiles dispatch gives a paged cache of ``page_size`` (at
+    d = 256 paged tiles are 64 keys, contiguous ones 80), and the split count those tiles give."""
+    real = dispatch.forward_config
+
+    def paged_tiles(arch, dtype, d, dv, **flags):
+        cfg = real(arch, dtype, d, dv, **flags)
+        if flags.get("page_size"):
+            return cfg
+        return cfg.replace(**dispatch.choose_tiles(arch, d, dv, flags["causal"], flags["local"], page_size=page_size))
+
+    dispatch.forward_config = paged_tiles
+    ops._PLANS.clear()  # launch plans hold their configuration
+    try:
+        yield
+    finally:
+        dispatch.forward_config = real
+        ops._PLANS.clear()
+
+
 def run_paged(seqlens, *, page_size, sq, s_new, ratio=4, d=128, dv=None, causal=False, num_splits=0,
               dtype=torch.bfloat16, **opts):
     """One paged call and the dense call on the same keys; checks the pages after the append, the
@@ -56,8 +81,9 @@ def run_paged(seqlens, *, page_size, sq, s_new, ratio=4, d=128, dv=None, causal=
     lens = i32(seqlens)
     out, lse = flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=lens, page_table=table,
                                        causal=causal, num_splits=num_splits, return_softmax_lse=True, **opts)
-    out_d, lse_d = flash_attn_with_kvcache(q, k_dense, v_dense, k, v, cache_seqlens=lens, causal=causal,
-                                           num_splits=num_splits, return_softmax_lse=True, **opts)
+    with same_tiles(page_size):
+        out_d, lse_d = flash_attn_with_kvcache(q, k_dense, v_dense, k, v, cache_seqlens=lens, causal=causal,
+                                               num_splits=num_splits, return_softmax_lse=True, **opts)
     ends = [n + s_new for n in seqlens]
     got_k, got_v, _ = unpage(k_pages, v_pages, table, ends)
     assert torch.equal(got_k, torch.cat([k_dense[i, :n] for i, n in enumerate(ends)])), "the append (k)"

@@ -52,10 +52,10 @@ def arch_for_device(device: torch.device, kernel: str = "forward") -> Arch:
     return arch_for_capability(info.capability, f"{info.name} (cuda:{info.index})", kernel)
 
 
-def choose_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
+def choose_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, page_size: int = 0) -> dict:
     """Tile sizes and pipeline depth for a problem class (never for a problem size): the kernels'
     own table (fa4_kernels.tiles), so the torch layer asks for what CI compiles."""
-    return forward_tiles(arch, head_dim, head_dim_v, causal, local)
+    return forward_tiles(arch, head_dim, head_dim_v, causal, local, page_size=page_size)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -82,7 +82,7 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
         # Used query lengths end like packed sequences: the schedule's epilogue treats them alike.
         **forward_schedule(arch, head_dim, head_dim_v, varlen or has_seqused_q, qhead_per_kvhead, split_kv=split_kv,
                            pack_group=pack_group),
-        **choose_tiles(arch, head_dim, head_dim_v, causal, local),
+        **choose_tiles(arch, head_dim, head_dim_v, causal, local, page_size=page_size),
         **forward_grid(arch, head_dim, head_dim_v, causal, local, varlen or has_seqused_q, split_kv,
                        has_seqused_k=has_seqused_k, has_sink=has_sink, paged=page_size > 0),
     )

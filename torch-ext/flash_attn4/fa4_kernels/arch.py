@@ -8,7 +8,7 @@ DSL, which takes seconds.
 
 An arch's sub-package provides:
 - ``tiles.py``, its rules, plain Python (no DSL import):
-  ``forward_tiles(head_dim, head_dim_v, causal, local)`` and
+  ``forward_tiles(head_dim, head_dim_v, causal, local, page_size=0)`` and
   ``forward_schedule(head_dim, head_dim_v, varlen, qhead_per_kvhead)``: ForwardConfig overrides;
   ``FORWARD_KERNEL_SET``: the problem classes CI compiles (``fa4_kernels.compile.kernel_set``), each a
   dict of ``d``, ``dv``, ``dtype``, ``qhead_per_kvhead``, ``pack_group`` and ForwardConfig flags

@@ -21,9 +21,10 @@ def _rule(arch: Arch, name: str, kernel: str):
     return rule
 
 
-def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
-    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class."""
-    return _rule(arch, "forward_tiles", "forward")(head_dim, head_dim_v, causal, local)
+def forward_tiles(arch: Arch, head_dim: int, head_dim_v: int, causal: bool, local: bool, page_size: int = 0) -> dict:
+    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class (``page_size``: of a
+    paged KV cache, 0 for contiguous keys)."""
+    return _rule(arch, "forward_tiles", "forward")(head_dim, head_dim_v, causal, local, page_size=page_size)
 
 
 def forward_schedule(arch: Arch, head_dim: int, head_dim_v: int, varlen: bool, qhead_per_kvhead: int = 1,

@@ -36,10 +36,11 @@ def query_tiles(head_dim: int, head_dim_v: int) -> int:
     return 2 if (SMEM_BYTES - SMEM_RESERVED - q_bytes) // stage_bytes >= MIN_KV_STAGES else 1
 
 
-def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
+def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, page_size: int = 0) -> dict:
     """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class. num_stages is the
-    depth of the K/V ring in shared memory: as many K or V tiles as fit beside the query tiles."""
-    del causal, local
+    depth of the K/V ring in shared memory: as many K or V tiles as fit beside the query tiles. Paged
+    caches take the same tiles: 128 keys load in whole-page boxes from pages of 128 and more."""
+    del causal, local, page_size
     return dict(tile_m=TILE_M * query_tiles(head_dim, head_dim_v), tile_n=TILE_N,
                 num_stages=kv_stages(head_dim, head_dim_v))
 

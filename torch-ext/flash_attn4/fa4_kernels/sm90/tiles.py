@@ -8,7 +8,8 @@ Forward, measured on the H200 (docs/perf.md has the A/B runs):
   long as the GEMMs; a third warpgroup keeps the tensor cores fed while two others run softmax.
   Its 160-register budget fits S, P and O only up to 64 columns of O.
 - <= 128: 128 x 128.  <= 192: 128 x 96.  <= 256: 128 x 80 (Q and two K/V stages fill 224 KiB
-  of shared memory; 80 beat 64 at d=256 causal and tied non-causal).
+  of shared memory; 80 beat 64 at d=256 causal and tied non-causal), 128 x 64 for a paged cache of
+  pages of 32 keys or more (whole-page TMA boxes).
 
 Backward (sm90/bwd.py): 64 queries x 128 keys, each consumer warpgroup owning 64 keys with
 dK and dV for the whole head dim in registers, while head_dim == head_dim_v <= 128; 128 queries at
@@ -33,11 +34,11 @@ from __future__ import annotations
 L2_BUDGET_BYTES = 24 * 1024 * 1024
 
 
-def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> dict:
-    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class. (Causal, every
-    head's query tiles run longest first. At 1k, where a head has at most 8 tiles, one H100 call
-    measured it at 0.95-0.99x of the launch order, the next at 0.98-1.01x: nothing to act on;
-    docs/perf.md, session 20.)"""
+def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool, page_size: int = 0) -> dict:
+    """ForwardConfig overrides (tile_m, tile_n, num_stages) for a problem class; ``page_size``: of a
+    paged KV cache (0: contiguous keys). (Causal, every head's query tiles run longest first. At 1k,
+    where a head has at most 8 tiles, one H100 call measured it at 0.95-0.99x of the launch order, the
+    next at 0.98-1.01x: nothing to act on; docs/perf.md, session 20.)"""
     del causal, local  # no mask-specific tiles measured to pay yet
     d = max(head_dim, head_dim_v)
     if d <= 64:
@@ -46,6 +47,13 @@ def forward_tiles(head_dim: int, head_dim_v: int, causal: bool, local: bool) -> 
         return dict(tile_m=128, tile_n=128, num_stages=2)
     if d <= 192:
         return dict(tile_m=128, tile_n=96, num_stages=2)
+    if page_size > 16:
+        # A paged tile loads in boxes of gcd(tile_n, page_size) rows (paged_kv.py), each box a page
+        # table read and its own TMA copies: 80 keys take five 16-row boxes from any page, 64 keys one
+        # box from pages of 64 and more. Decoding 4 x 32k keys at page 256, H100: 64 keys 0.98x the
+        # time of 80, level with the dense cache; at page 16 (16-row boxes either way) 80 is 0.99x
+        # of 64 (benchmarks/decode_tiles_ab.py --call, docs/perf.md).
+        return dict(tile_m=128, tile_n=64, num_stages=2)
     return dict(tile_m=128, tile_n=80, num_stages=2)
 
 
@@ -153,7 +161,7 @@ FORWARD_KERNEL_SET = (
     dict(split_kv=True, qhead_per_kvhead=4), dict(split_kv=True, causal=True, varlen=True, has_seqused_k=True),
     dict(d=64, dv=64, split_kv=True, local=True),
     # Paged KV caches: small pages (several TMA boxes per K/V tile) with GQA packing, whole-tile
-    # pages through split-KV, and pages that a d = 256 tile (80 keys) divides into 16-row boxes;
+    # pages through split-KV, and d = 256 (64-key tiles from pages of 32 and more, each one box);
     # batched queries (flash_attn_with_kvcache: O stored by TMA) once.
     dict(varlen=True, has_seqused_k=True, page_size=16, qhead_per_kvhead=4),
     dict(split_kv=True, varlen=True, has_seqused_k=True, page_size=256, qhead_per_kvhead=4, causal=True),
