@@ -8,13 +8,21 @@ generated token), and the host-device synchronisations (cudaStreamSynchronize, c
 host, cudaDeviceSynchronize) per token: a sync inside a layer stops the host from running ahead of
 the GPU, so each one adds the GPU's queue to the step time. ``--cprofile``: the Python functions of
 one more generate by own time (cProfile; the prefill's calls are in it too), to see which of a
-step's host work one implementation adds. Needs a CUDA GPU and transformers.
+step's host work one implementation adds. ``--rounds N``: first N interleaved unprofiled generates
+per implementation (in --attn's order, after every warm-up), each with its median step time and the
+CPU time each thread of the process used meanwhile (Linux /proc): the main thread's against the
+process's, so a busy helper thread (a compiler's pool, a runtime's poller) shows. Needs a CUDA GPU
+and transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="fa4,sdpa")
     p.add_argument("--rows", type=int, default=25, help="table rows per listing")
     p.add_argument("--cprofile", action="store_true", help="also the Python functions by own time")
+    p.add_argument("--rounds", type=int, default=0, help="interleaved timed generates first (thread CPU times)")
+    p.add_argument("--no-profile", action="store_true", help="only the --rounds")
     args = p.parse_args(argv)
 
     import torch
@@ -50,8 +60,23 @@ def main(argv=None) -> int:
                                      args.prompt_len + args.new_tokens + 8)
     ids = torch.randint(0, bench_decode.LLAMA_1B["vocab_size"], (1, args.prompt_len), device="cuda")
     sync = torch.cuda.synchronize
-    for attn in [a.strip() for a in args.attn.split(",") if a.strip()]:
+    attns = [a.strip() for a in args.attn.split(",") if a.strip()]
+    for attn in attns:
         bench_decode.generate_once(model, attn, ids, args.new_tokens, "dynamic", sync)  # warm-up
+    for r in range(args.rounds):
+        for attn in attns:
+            before, t0 = _thread_cpu(), time.perf_counter()
+            steps, _ = bench_decode.generate_once(model, attn, ids, args.new_tokens, "dynamic", sync)
+            wall, used = time.perf_counter() - t0, _thread_cpu_since(before)
+            main = used.pop(threading.get_native_id(), ("main", 0.0))[1]
+            busy = sorted(((cpu, f"{name}({tid})") for tid, (name, cpu) in used.items() if cpu >= 0.01), reverse=True)
+            print(f"round {r} {attn}: step median {statistics.median(steps):.2f} ms (min {min(steps):.2f}, max "
+                  f"{max(steps):.2f}); generate {wall:.2f} s wall, main thread {main:.2f} s CPU, others "
+                  f"{sum(c for c, _ in busy):.2f} s: {', '.join(f'{n} {c:.2f}' for c, n in busy[:6]) or '-'}",
+                  flush=True)
+    if args.no_profile:
+        return 0
+    for attn in attns:
         steps, _ = bench_decode.generate_once(model, attn, ids, args.new_tokens, "dynamic", sync)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             bench_decode.generate_once(model, attn, ids, args.new_tokens, "dynamic", sync)
@@ -74,6 +99,26 @@ def main(argv=None) -> int:
             print(f"{attn}: {stats.total_calls / per:.0f} Python function calls per token (prefill included)")
             stats.sort_stats("tottime").print_stats(args.rows)
     return 0
+
+
+def _thread_cpu() -> dict:
+    """{thread id: (name, user + system CPU seconds)} of this process's threads (Linux /proc; empty
+    elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+    return out
+
+
+def _thread_cpu_since(before: dict) -> dict:
+    return {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in _thread_cpu().items()}
 
 
 if __name__ == "__main__":
