@@ -275,8 +275,9 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
                             paged=flags.get("page_size", 0) > 0)
         if "cluster_m" in flags:
             grid["cluster_m"] = flags.pop("cluster_m")
+        tiles = forward_tiles(arch, d, dv, causal, local, page_size=flags.get("page_size", 0))
         return ForwardConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=dv,
-                             causal=causal, local=local, **flags, **forward_tiles(arch, d, dv, causal, local, page_size=flags.get("page_size", 0)),
+                             causal=causal, local=local, **flags, **tiles,
                              **forward_schedule(arch, d, dv, varlen, qhead_per_kvhead, split_kv=split_kv,
                                                 pack_group=pack_group), **grid)
 
