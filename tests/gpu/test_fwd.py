@@ -64,9 +64,19 @@ def check(out, lse, q, k, v, *, atol=None, lse_atol=2e-3, **ref_kwargs):
         assert (out[rows] == 0).all(), "fully masked rows must give out = 0"
 
 
+def route_forward_config(monkeypatch, choose) -> None:
+    """``choose`` in place of dispatch.forward_config for the rest of the test (or of the
+    monkeypatch context), with a launch-plan cache of its own: ops' plans hold the configuration they
+    were built with, so a plan made earlier for the same shapes would run the earlier kernel. Kernels
+    compiled for earlier choices stay cached under their own configs."""
+    from flash_attn4 import dispatch
+
+    monkeypatch.setattr(dispatch, "forward_config", choose)
+    monkeypatch.setattr(ops, "_PLANS", {})
+
+
 def override_forward_config(monkeypatch, **overrides):
-    """Dispatch's ForwardConfig with ``overrides`` for the rest of the test (kernels compiled for
-    earlier choices stay cached under their own configs)."""
+    """Dispatch's ForwardConfig with ``overrides`` for the rest of the test (route_forward_config)."""
     from flash_attn4 import dispatch
 
     arch = dispatch.arch_for_device(torch.device(DEVICE))
@@ -74,7 +84,7 @@ def override_forward_config(monkeypatch, **overrides):
     if hopper_only and arch.value != "sm_90a":
         pytest.skip(f"{', '.join(hopper_only)}: schedule switches of the sm90 kernel; this GPU runs {arch.value}")
     chosen = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: chosen(*a, **k).replace(**overrides))
+    route_forward_config(monkeypatch, lambda *a, **k: chosen(*a, **k).replace(**overrides))
 
 
 # ForwardConfig fields only the sm90 forward reads (sm90/tiles.py), with the value that means "off".
@@ -290,7 +300,7 @@ def persistent(monkeypatch):
         return cfg.replace(persistent_ctas=5, tma_store_o=tma_store_o)
 
     dispatch_forward_config = dispatch.forward_config
-    monkeypatch.setattr(dispatch, "forward_config", chosen)
+    route_forward_config(monkeypatch, chosen)
 
 
 @pytest.mark.parametrize("causal", [False, True])

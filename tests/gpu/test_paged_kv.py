@@ -19,9 +19,9 @@ import contextlib
 import pytest
 import torch
 
-from flash_attn4 import compile_cache, dispatch, flash_attn_varlen_func, flash_attn_with_kvcache, ops
+from flash_attn4 import compile_cache, dispatch, flash_attn_varlen_func, flash_attn_with_kvcache
 from tests.gpu.helpers import DEVICE, rand
-from tests.gpu.test_fwd import check
+from tests.gpu.test_fwd import check, route_forward_config
 from tests.gpu.test_kvcache import check_against_gathered, i32
 from tests.reference import random_pages, unpage
 
@@ -56,13 +56,9 @@ def same_tiles(page_size: int):
             return cfg
         return cfg.replace(**dispatch.choose_tiles(arch, d, dv, flags["causal"], flags["local"], page_size=page_size))
 
-    dispatch.forward_config = paged_tiles
-    ops._PLANS.clear()  # launch plans hold their configuration
-    try:
+    with pytest.MonkeyPatch.context() as m:
+        route_forward_config(m, paged_tiles)
         yield
-    finally:
-        dispatch.forward_config = real
-        ops._PLANS.clear()
 
 
 def run_paged(seqlens, *, page_size, sq, s_new, ratio=4, d=128, dv=None, causal=False, num_splits=0,
