@@ -134,9 +134,9 @@ def test_dummy_rows_write_nothing(seed, varlen, split_kv):
     big_o, out, inside_o = _view_inside(lead + out_shape, torch.float32 if split_kv else torch.bfloat16)
     big_l, lse, inside_l = _view_inside(lead + lse_shape, torch.float32)
     before_o, before_l = big_o.clone(), big_l.clone()
-    kernel = ops._kernel_for(q, v, causal=True, local=False, has_softcap=False, varlen=varlen, has_seqused_k=False,
-                             has_sink=False, qhead_per_kvhead=ratio, split_kv=split_kv,
-                             pack_group=dispatch.padded_pack(arch(), d, d, varlen, ratio, sq))
+    _, kernel = ops._checked_forward(q, v, causal=True, local=False, has_softcap=False, varlen=varlen,
+                                     has_seqused_k=False, has_sink=False, qhead_per_kvhead=ratio, split_kv=split_kv,
+                                     pack_group=dispatch.padded_pack(arch(), d, d, varlen, ratio, sq))
     ops._launch_forward(kernel, q, k, v, out, lse, cu_q, cu_k, None, None, d ** -0.5, 0.0, -1, -1, sq)
     torch.cuda.synchronize()
     assert torch.equal(big_o[~inside_o], before_o[~inside_o]), "a write outside out's view (a dummy row)"

@@ -132,11 +132,12 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
     return not causal and (window_left >= 0 or window_right >= 0)
 
 
-def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
-                varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, page_size: int = 0,
-                has_seqused_q: bool = False, split_kv: bool = False, pack_group: int = 0):
-    """Device -> arch -> ForwardConfig -> compiled kernel (the one seam CPU tests replace), self-checked
-    on its first use where selfcheck asks for it."""
+def _checked_forward(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
+                     varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, page_size: int = 0,
+                     has_seqused_q: bool = False, split_kv: bool = False, pack_group: int = 0):
+    """Device -> arch -> ForwardConfig -> compiled kernel (CPU tests replace the compile step), self-checked
+    on its first use where selfcheck asks for it: (the configuration, its kernel), the configuration
+    being the fallback that replaced the chosen one where that failed its check."""
     cfg = _config_for(q, v, causal=causal, local=local, has_softcap=has_softcap, varlen=varlen,
                       has_seqused_k=has_seqused_k, has_sink=has_sink, qhead_per_kvhead=qhead_per_kvhead,
                       page_size=page_size, has_seqused_q=has_seqused_q, split_kv=split_kv, pack_group=pack_group)
@@ -145,7 +146,7 @@ def _kernel_for(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, 
         raise ValueError(f"ForwardConfig packs {cfg.query_heads_per_group} query heads per KV head (pack_gqa="
                          f"{cfg.pack_gqa}, pack_gqa_heads={cfg.pack_gqa_heads}) but the inputs have "
                          f"{qhead_per_kvhead}")
-    return _checked_kernel(cfg, q.device, compile_cache.get_forward_kernel, _launch_forward)[1]
+    return _checked_kernel(cfg, q.device, compile_cache.get_forward_kernel, _launch_forward)
 
 
 def _checked_kernel(cfg, device: torch.device, get_kernel: Callable, launch: Callable):
@@ -169,7 +170,7 @@ def _checked_kernel(cfg, device: torch.device, get_kernel: Callable, launch: Cal
 
 
 def _config_for(q: torch.Tensor, v: torch.Tensor, **flags):
-    """The ForwardConfig _kernel_for compiles for these flags (or the one that replaced it on this
+    """The ForwardConfig _checked_forward compiles for these flags (or the one that replaced it on this
     device after it failed its self-check)."""
     return selfcheck.substitute(dispatch.forward_config(dispatch.arch_for_device(q.device),
                                                         dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1],
@@ -242,36 +243,24 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
         if plan is not None:
             return _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
                              softcap, window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
+    # No plan: an empty problem, inputs whose layout the kernels cannot read, or the plan cache off.
     varlen = cu_seqlens_q is not None
-    group = _padded_group(q, k, v, varlen, max_seqlen_q)
+    if math.prod(_output_shapes(q, v, varlen)[0]) == 0 or k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
+        return _empty_forward(q, v, learnable_sink, varlen)
+    q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
+    plan = _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
+                       max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q)
+    return _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
+                     window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
+
+
+def _empty_forward(q, v, learnable_sink, varlen: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse of a problem without work: no query row (empty tensors), or no key at all."""
     out_shape, lse_shape = _output_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    if _poison_outputs_for_tests:
-        out.fill_(float("nan"))
-        lse.fill_(float("inf"))
-    if out.numel() == 0:
-        return out, lse
-    if k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
+    if out.numel():
         _fill_empty_keys(out, lse, learnable_sink, varlen)
-        return out, lse
-
-    flags = _forward_flags(q, k, seqused_k, learnable_sink, softcap, causal, window_left, window_right, varlen,
-                           page_table, seqused_q, group)
-    if num_splits != 1:
-        if page_table is not None and max_seqlen_k < 0:  # the longest sequence the table can hold
-            max_seqlen_k = page_table.shape[1] * k.shape[1]
-        num_splits = _num_splits(num_splits, q, k, v.shape[-1], cu_seqlens_q, max_seqlen_q, max_seqlen_k, window_left,
-                                 window_right, flags)
-    if num_splits > 1:
-        _split_kv_forward(num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                          softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags,
-                          check_values=check_values, page_table=page_table, seqused_q=seqused_q)
-        return out, lse
-    kernel = _kernel_for(q, v, **flags)
-    _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
-                    softcap, window_left, window_right, max_seqlen_q, check_values, page_table=page_table,
-                    seqused_q=seqused_q)
     return out, lse
 
 
@@ -281,8 +270,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
 # and its kernels - cached under a key of everything that derivation read: shapes, strides, dtype,
 # device, pointer alignment (mod 16), which optional tensors are given, mask flags and the sequence
 # bounds the split heuristic reads. A repeated call (decoding: the same shapes at every step and layer)
-# then allocates its outputs and launches. Calls the general path serves differently (empty
-# problems, inputs that need a layout copy) get no plan. Off: every call derives anew
+# then allocates its outputs and launches. Empty problems get no plan, and inputs that need a layout
+# copy get no cached one (they run a plan made for their copies). Off: every call derives anew
 # (the tests compare both). compile_cache.clear() forgets the plans with the kernels they hold.
 PLAN_CACHE = True
 MAX_PLANS = 1024
@@ -291,7 +280,11 @@ compile_cache._clear_hooks.append(_PLANS.clear)
 
 
 class _Plan:
-    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "cfg", "kernel", "num_splits", "flags", "combine")
+    """``kernel`` writes out and lse (one split), or float32 partials of ``partial_shapes`` that
+    ``combine`` merges into them (split-KV; ``varlen``: combine.py takes the packed tokens as one
+    batch entry)."""
+    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "cfg", "kernel", "num_splits", "partial_shapes",
+                 "combine", "varlen")
 
 
 def _plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
@@ -332,38 +325,61 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
                                  window_left, window_right, flags)
     plan = _Plan()
     plan.out_shape, plan.lse_shape, plan.dtype, plan.device = out_shape, lse_shape, q.dtype, q.device
-    plan.num_splits, plan.flags, plan.combine = num_splits, flags, None
+    plan.num_splits, plan.partial_shapes, plan.combine, plan.varlen = num_splits, None, None, varlen
     if num_splits > 1:
         split_flags = dict(flags, has_sink=False, split_kv=True)
-        plan.kernel = _kernel_for(q, v, **split_flags)  # first: it may replace the configuration
-        plan.cfg = _config_for(q, v, **split_flags)
+        plan.cfg, plan.kernel = _checked_forward(q, v, **split_flags)
         plan.combine = _combine_kernel(q.device, q.dtype, v.shape[-1], has_sink=learnable_sink is not None)
+        plan.partial_shapes = (num_splits, *out_shape), (num_splits, *lse_shape)
     else:
-        plan.kernel = _kernel_for(q, v, **flags)  # first: it may replace the configuration
-        plan.cfg = _config_for(q, v, **flags)
+        plan.cfg, plan.kernel = _checked_forward(q, v, **flags)
     return plan
 
 
 def _run_plan(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
               window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q):
-    """_forward's allocations and launches as the plan decided them."""
+    """_forward's allocations and launches as the plan decided them (q, k and v laid out). A decode
+    step runs this once per layer, between the model's other ops, where every Python call on the way
+    to the launch costs a multiple of its back-to-back time (scripts/host_time.py --in-model): hence
+    one flat function, not a chain of helpers."""
     device = plan.device
     out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
-    if _poison_outputs_for_tests:
-        out.fill_(float("nan"))
-        lse.fill_(float("inf"))
-    if plan.num_splits > 1:
-        _split_kv_forward(plan.num_splits, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                          softmax_scale, softcap, window_left, window_right, max_seqlen_q, plan.flags,
-                          check_values=check_values, page_table=page_table, seqused_q=seqused_q, plan=plan)
-        return out, lse
+    cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _metadata_inputs(
+        q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table,
+        seqused_q)
     # The first-use self-check's verdict (one set lookup once settled; a failed check raises every call).
     selfcheck.ensure_checked(plan.cfg, device, plan.kernel, _launch_forward)
-    _launch_forward(plan.kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values,
-                    page_table=page_table, seqused_q=seqused_q, laid_out=True)
+    if plan.num_splits == 1:
+        if _poison_outputs_for_tests:
+            _poison((out,), (lse,))
+        with _device_guard(device):
+            _launch(plan.kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
+                    learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q)
+        return out, lse
+    # Split-KV: the splits leave the sink out; the combine adds it to the denominator once.
+    out_shape, lse_shape = plan.partial_shapes
+    out_partial = torch.empty(out_shape, dtype=torch.float32, device=device)
+    lse_partial = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    if _poison_outputs_for_tests:  # an element the split kernel or the combine leaves unwritten shows up
+        _poison((out, out_partial), (lse, lse_partial))
+    with _device_guard(device):
+        _launch(plan.kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                page_table, None, softmax_scale, softcap, window_left, window_right, max_seqlen_q)
+        if plan.varlen:  # the packed tokens as one batch entry (combine.py's call convention)
+            plan.combine(out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0), lse.unsqueeze(0),
+                         learnable_sink)
+        else:
+            plan.combine(out_partial, lse_partial, out, lse, learnable_sink)
     return out, lse
+
+
+def _poison(outs: tuple, rows: tuple) -> None:
+    """_poison_outputs_for_tests: NaN in the outputs, +inf in the LSE-like row buffers."""
+    for t in outs:
+        t.fill_(float("nan"))
+    for t in rows:
+        t.fill_(float("inf"))
 
 
 def _forward_flags(q, k, seqused_k, learnable_sink, softcap, causal, window_left, window_right, varlen, page_table,
@@ -430,20 +446,26 @@ def _metadata_inputs(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink
 
 def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values: bool = True,
-                    page_table: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
-                    laid_out: bool = False) -> None:
+                    page_table: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None) -> None:
     """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller; for a split-KV
-    kernel its float32 partials) on the current stream of q's device. ``fwd`` and the first-use
-    self-check (selfcheck.py) both launch through here. ``laid_out``: q, k and v are known to need
-    no layout copy (a launch plan checked that for their strides and alignment)."""
-    if not laid_out:
-        q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
+    kernel its float32 partials) on the current stream of q's device, its inputs first made readable
+    (layout copies, contiguous metadata): the first-use self-check's launch (selfcheck.py)."""
+    q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
     cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _metadata_inputs(
         q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table,
         seqused_q)
     with _device_guard(q.device):
-        kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
-               float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
+        _launch(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
+                learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q)
+
+
+def _launch(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
+            softmax_scale, softcap, window_left, window_right, max_seqlen_q) -> None:
+    """The forward kernels' call convention (ForwardConfig): every forward launch, the caller's and
+    the self-check's, goes through here, on inputs the kernel can read, under the caller's device
+    guard."""
+    kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
+           float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
 
 
 def _device_guard(device: torch.device):
@@ -501,36 +523,6 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
         tile_m=cfg.tile_m, tile_n=cfg.tile_n, pack_gqa=cfg.pack_gqa,
         num_sms=device_info.get_device_info(q.device).sm_count,
         window_left=window_left if flags["local"] else -1, window_right=window_right if flags["local"] else -1)
-
-
-def _split_kv_forward(num_splits: int, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
-                      softmax_scale, softcap, window_left, window_right, max_seqlen_q, flags: dict,
-                      check_values: bool = True, page_table: Optional[torch.Tensor] = None,
-                      seqused_q: Optional[torch.Tensor] = None, plan: Optional["_Plan"] = None) -> None:
-    """out, lse through the split-KV kernel's float32 partials (ForwardConfig.split_kv) and the
-    combine kernel, which adds a learnable sink to the denominator once (the splits leave it out).
-    ``plan``: the launch plan's kernels (looked up here without one)."""
-    out_partial = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
-    lse_partial = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=out.device)
-    if _poison_outputs_for_tests:  # an element the split kernel leaves unwritten shows up
-        out_partial.fill_(float("nan"))
-        lse_partial.fill_(float("inf"))
-    if plan is None:
-        kernel = _kernel_for(q, v, **dict(flags, has_sink=False), split_kv=True)
-    else:
-        kernel = plan.kernel
-        selfcheck.ensure_checked(plan.cfg, q.device, kernel, _launch_forward)
-    _launch_forward(kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
-                    softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values,
-                    page_table=page_table, seqused_q=seqused_q, laid_out=plan is not None)
-    learnable_sink = None if learnable_sink is None else learnable_sink.contiguous()
-    with _device_guard(q.device):
-        if flags["varlen"]:  # the packed tokens as one batch entry (combine.py's call convention)
-            out_partial, lse_partial, out, lse = (out_partial.unsqueeze(1), lse_partial.unsqueeze(1),
-                                                  out.unsqueeze(0), lse.unsqueeze(0))
-        combine_kernel = (_combine_kernel(out.device, out.dtype, out.shape[-1], has_sink=learnable_sink is not None)
-                          if plan is None else plan.combine)
-        combine_kernel(out_partial, lse_partial, out, lse, learnable_sink)
 
 
 def _combine_kernel(device: torch.device, dtype: torch.dtype, head_dim_v: int, has_sink: bool = False):

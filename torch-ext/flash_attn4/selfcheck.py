@@ -6,7 +6,7 @@ such a GPU, that kernel computes a small problem with the same configuration and
 compared with a PyTorch reference *before* the caller's call gets a result. A wrong kernel then
 fails loudly at its first call instead of returning wrong numbers.
 
-When: ``ops._kernel_for`` calls :func:`ensure_checked` after it has the compiled forward kernel for a
+When: ``ops._checked_forward`` calls :func:`ensure_checked` after it has the compiled forward kernel for a
 (device, ForwardConfig), before the caller's launch; ``ops.bwd`` likewise with the compiled backward
 kernel for a (device, BackwardConfig), whose check runs the whole backward (the preprocessing, that
 kernel and the postprocessing its configuration derives; "The backward" section below). Which
