@@ -2,6 +2,7 @@
 
     python scripts/host_time.py [--calls 2000]          # GPU: real kernels, beside SDPA (cuDNN)
     python scripts/host_time.py --noop [--calls 20000]  # CPU: the compiled kernels are no-ops
+    python scripts/host_time.py --in-model [--noop]     # the attention call inside a model's decode
 
 GPU mode: the kernels take a few microseconds, so the host's Python and launch work is what is
 measured; beside PyTorch SDPA (cuDNN) on a comparable problem. ``--noop`` needs no GPU: CPU tensors
@@ -13,6 +14,15 @@ allocator (CPU allocations instead) and the CUDA-only checks (stream capture que
 
 Prints microseconds per call: wall time and the calling thread's CPU time (steadier on a shared
 host), each the best of five runs. ``--profile NAME`` runs one path under cProfile instead.
+
+``--in-model`` times the attention function itself where it really runs: greedy decoding of
+bench_decode's Llama-style model (1.1B shape, random weights; ``--noop``: a narrow one, with the
+attention's shapes, for the CPU) with each implementation's attention function wrapped in a clock,
+per decode-step call (the prefill's calls left out). Between two layers' calls the model runs its
+other ops, so the call's code and data are no longer warm: its host time there is what a token pays,
+and for Python-heavy code it is a multiple of the back-to-back loop's (about 2.5x for our call on
+the development CPU). GPU: "fa4" beside "sdpa", interleaved; ``--noop``: "fa4" only (SDPA would
+compute on the CPU).
 
 GPU mode adds the GPU's own time per call: the stream is held by ``torch.cuda._sleep`` while 100
 calls are queued, then they run back to back between two events, so the host is out of that number.
@@ -31,7 +41,8 @@ import time
 from pathlib import Path
 
 # FLASH_ATTN4_TREE=path/to/torch-ext measures another checkout's layer (before/after runs).
-sys.path[:0] = [os.environ.get("FLASH_ATTN4_TREE", str(Path(__file__).resolve().parents[1] / "torch-ext"))]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [os.environ.get("FLASH_ATTN4_TREE", str(ROOT / "torch-ext")), str(ROOT)]
 
 H200_SMS = 132
 
@@ -183,6 +194,10 @@ def main(argv=None) -> int:
     p.add_argument("--noop", action="store_true", help="CPU only: no-op kernels, measure the torch layer")
     p.add_argument("--only", default="", help="comma-separated substrings of the path names to run")
     p.add_argument("--profile", default="", help="run the first path matching this under cProfile")
+    p.add_argument("--in-model", action="store_true", help="the attention call's host time inside a decode step")
+    p.add_argument("--prompt-len", type=int, default=16384, help="--in-model: prompt tokens (the cache length)")
+    p.add_argument("--new-tokens", type=int, default=32, help="--in-model: decode steps per generate")
+    p.add_argument("--rounds", type=int, default=3, help="--in-model: generates per implementation, interleaved")
     args = p.parse_args(argv)
     import torch
 
@@ -195,6 +210,9 @@ def main(argv=None) -> int:
 
         dev, sync = "cuda", torch.cuda.synchronize
         header = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    if args.in_model:
+        return in_model(dev, sync, header, ("fa4",) if args.noop else ("fa4", "sdpa"), narrow=args.noop,
+                        prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.rounds)
     calls = args.calls or (20000 if args.noop else 2000)
     todo = paths(fa, dev, gpu=not args.noop)
     if args.only:
@@ -217,6 +235,57 @@ def main(argv=None) -> int:
         except Exception as exc:  # a path an older tree lacks (A/B runs against a checkout)
             print(f"{name:40s}     n/a ({type(exc).__name__}: {str(exc)[:60]})")
     return 0
+
+
+def in_model(dev: str, sync, header: str, attns: tuple, narrow: bool, prompt_len: int, new_tokens: int,
+             rounds: int) -> int:
+    """--in-model: per implementation, the median host time of its attention function per decode-step
+    call and the median step time, over ``rounds`` interleaved greedy generates after a warm-up."""
+    import statistics
+
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from benchmarks import bench_decode
+    from flash_attn4 import transformers_adapter
+
+    transformers_adapter.register()
+    shape = dict(bench_decode.LLAMA_1B)
+    if narrow:  # the attention's heads and head dim, a CPU's worth of everything else
+        shape.update(vocab_size=1024, hidden_size=256, intermediate_size=512)
+    model = bench_decode.build_model(shape, dev, torch.bfloat16, 0, prompt_len + new_tokens + 8)
+    layers = shape["num_hidden_layers"]
+    input_ids = torch.randint(0, shape["vocab_size"], (1, prompt_len), device=dev)
+    stamps: list[int] = []
+    for name in attns:
+        ALL_ATTENTION_FUNCTIONS[name] = _clocked(ALL_ATTENTION_FUNCTIONS[name], stamps)
+    calls: dict = {name: [] for name in attns}
+    steps: dict = {name: [] for name in attns}
+    print(f"{header}; attention calls inside greedy decoding: {layers} layers, {prompt_len}-token prompt, "
+          f"{new_tokens} new tokens, {rounds} rounds{' (narrow model, no-op kernels)' if narrow else ''}")
+    for round_ in range(rounds + 1):  # round 0 warms up (compiles, plans)
+        for name in attns:
+            stamps.clear()
+            step_ms, _ = bench_decode.generate_once(model, name, input_ids, new_tokens, "dynamic", sync)
+            if round_:
+                calls[name] += stamps[layers:]  # the prefill's calls left out
+                steps[name] += step_ms
+    for name in attns:
+        print(f"{name:6s} attention call {statistics.median(calls[name]) / 1e3:7.1f} us host "
+              f"(p90 {statistics.quantiles(calls[name], n=10)[-1] / 1e3:.1f}, {len(calls[name])} calls); "
+              f"step {statistics.median(steps[name]):.2f} ms")
+    return 0
+
+
+def _clocked(fn, stamps: list):
+    """``fn`` appending its own wall time (ns) to ``stamps`` per call."""
+    def clocked(*args, **kwargs):
+        start = time.perf_counter_ns()
+        result = fn(*args, **kwargs)
+        stamps.append(time.perf_counter_ns() - start)
+        return result
+
+    return clocked
 
 
 def _profile(todo: dict, name: str, calls: int) -> int:

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 PATHS = ("flash_attn_func", "flash_attn_func requires_grad", "flash_attn_func num_splits=0", "flash_attn_varlen_func",
@@ -33,3 +35,21 @@ def test_noop_run_times_every_path():
     assert set(rows) == set(PATHS), done.stdout
     for name, rest in rows.items():
         assert re.fullmatch(r"\s+[\d.]+ us/call wall\s+[\d.]+ us/call CPU", rest), (name, rest)
+
+
+def test_in_model_run_times_the_attention_call():
+    """--in-model on the CPU: a narrow model's greedy decoding runs through the adapter, and the
+    report counts the decode-step calls only (layers x (new tokens - 1) x rounds)."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ)
+    env.pop("FLASH_ATTN4_TREE", None)
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "host_time.py"), "--noop", "--in-model",
+                           "--prompt-len", "64", "--new-tokens", "3", "--rounds", "2"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("fa4 ")]
+    match = re.fullmatch(r"fa4\s+attention call\s+([\d.]+) us host \(p90 ([\d.]+), (\d+) calls\); step ([\d.]+) ms",
+                         row)
+    assert match, row
+    assert float(match[1]) > 0 and float(match[2]) >= float(match[1]) and float(match[4]) > 0
+    assert int(match[3]) == 16 * (3 - 1) * 2
