@@ -18,7 +18,9 @@ host), each the best of five runs. ``--profile NAME`` runs one path under cProfi
 ``--in-model`` times the attention function itself where it really runs: greedy decoding of
 bench_decode's Llama-style model (1.1B shape, random weights; ``--noop``: a narrow one, with the
 attention's shapes, for the CPU) with each implementation's attention function wrapped in a clock,
-per decode-step call (the prefill's calls left out). Between two layers' calls the model runs its
+per decode-step call (the prefill's calls left out): the median, and the mean, which is what a
+step pays per layer (it counts the one call per step whose cache length is new, whose validation
+and launch plan are made afresh). Between two layers' calls the model runs its
 other ops, so the call's code and data are no longer warm: its host time there is what a token pays,
 and for Python-heavy code it is a multiple of the back-to-back loop's (about 2.5x for our call on
 the development CPU). GPU: "fa4" beside "sdpa", interleaved; ``--noop``: "fa4" only (SDPA would
@@ -271,8 +273,9 @@ def in_model(dev: str, sync, header: str, attns: tuple, narrow: bool, prompt_len
                 calls[name] += stamps[layers:]  # the prefill's calls left out
                 steps[name] += step_ms
     for name in attns:
-        print(f"{name:6s} attention call {statistics.median(calls[name]) / 1e3:7.1f} us host "
-              f"(p90 {statistics.quantiles(calls[name], n=10)[-1] / 1e3:.1f}, {len(calls[name])} calls); "
+        us = [ns / 1e3 for ns in calls[name]]
+        print(f"{name:6s} attention call {statistics.median(us):7.1f} us host (mean {statistics.fmean(us):.1f}, "
+              f"p90 {statistics.quantiles(us, n=10)[-1]:.1f}, {len(us)} calls); "
               f"step {statistics.median(steps[name]):.2f} ms")
     return 0
 
