@@ -20,7 +20,7 @@ bench_decode's Llama-style model (1.1B shape, random weights; ``--noop``: a narr
 attention's shapes, for the CPU) with each implementation's attention function wrapped in a clock,
 per decode-step call (the prefill's calls left out): the median, and the mean, which is what a
 step pays per layer (it counts the one call per step whose cache length is new, whose validation
-and launch plan are made afresh). Between two layers' calls the model runs its
+and launch plan are made afresh), and the median thread CPU time (steadier on a shared host). Between two layers' calls the model runs its
 other ops, so the call's code and data are no longer warm: its host time there is what a token pays,
 and for Python-heavy code it is a multiple of the back-to-back loop's (about 2.5x for our call on
 the development CPU). GPU: "fa4" beside "sdpa", interleaved; ``--noop``: "fa4" only (SDPA would
@@ -273,19 +273,20 @@ def in_model(dev: str, sync, header: str, attns: tuple, narrow: bool, prompt_len
                 calls[name] += stamps[layers:]  # the prefill's calls left out
                 steps[name] += step_ms
     for name in attns:
-        us = [ns / 1e3 for ns in calls[name]]
+        us = [wall / 1e3 for wall, _ in calls[name]]
+        cpu = statistics.median(cpu / 1e3 for _, cpu in calls[name])
         print(f"{name:6s} attention call {statistics.median(us):7.1f} us host (mean {statistics.fmean(us):.1f}, "
-              f"p90 {statistics.quantiles(us, n=10)[-1]:.1f}, {len(us)} calls); "
+              f"p90 {statistics.quantiles(us, n=10)[-1]:.1f}, thread CPU {cpu:.1f}, {len(us)} calls); "
               f"step {statistics.median(steps[name]):.2f} ms")
     return 0
 
 
 def _clocked(fn, stamps: list):
-    """``fn`` appending its own wall time (ns) to ``stamps`` per call."""
+    """``fn`` appending its own (wall, thread CPU) time in ns to ``stamps`` per call."""
     def clocked(*args, **kwargs):
-        start = time.perf_counter_ns()
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         result = fn(*args, **kwargs)
-        stamps.append(time.perf_counter_ns() - start)
+        stamps.append((time.perf_counter_ns() - start, time.thread_time_ns() - start_cpu))
         return result
 
     return clocked

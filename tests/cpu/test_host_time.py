@@ -48,9 +48,9 @@ def test_in_model_run_times_the_attention_call():
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("fa4 ")]
-    match = re.fullmatch(r"fa4\s+attention call\s+([\d.]+) us host \(mean ([\d.]+), p90 ([\d.]+), (\d+) calls\); "
-                         r"step ([\d.]+) ms", row)
+    match = re.fullmatch(r"fa4\s+attention call\s+([\d.]+) us host \(mean ([\d.]+), p90 ([\d.]+), "
+                         r"thread CPU ([\d.]+), (\d+) calls\); step ([\d.]+) ms", row)
     assert match, row
-    median, mean, p90, calls, step = (float(x) for x in match.groups())
-    assert 0 < median <= p90 and mean > 0 and step > 0
+    median, mean, p90, cpu, calls, step = (float(x) for x in match.groups())
+    assert 0 < median <= p90 and mean > 0 and cpu > 0 and step > 0
     assert calls == 16 * (3 - 1) * 2
