@@ -2,8 +2,8 @@
 # Issue 21's H200 evidence in one device call (docs/DECODING.md, "Measured"): the GPU suite first
 # (a known ~130 s: a call cut short loses a benchmark, not the suite), then the decode benchmark
 # (dense, KV-cache, varlen and paged rows against cuDNN and SDPA-flash; its PNG and JSON), the host
-# time per call, and the model-level decode benchmark (the last steps are the ones cut when time
-# runs out). Each step has a limit cut to what is left of STEP_BUDGET_S seconds (default 570); logs
+# time per call, back to back and inside the 1.1B model's decoding ("fa4" beside "sdpa"), and the
+# model-level decode benchmark (the last steps are the ones cut when time runs out). Each step has a limit cut to what is left of STEP_BUDGET_S seconds (default 570); logs
 # and a tarball of the benchmark files land in $OUT (setup.log names the tree and the GPU;
 # summary.txt each step's exit status and time).
 #
@@ -30,6 +30,7 @@ if [[ $RUN == all ]]; then
   step decode 180 python benchmarks/bench.py --mode decode --rounds 3 --out "$RES/decode.json" \
     --only ours,ours-kvcache,ours-varlen,ours-paged256,ours-paged16,cudnn,sdpa-flash
   step host 60 python scripts/host_time.py --calls 1000
+  step in-model 90 python scripts/host_time.py --in-model --rounds 2 --new-tokens 32
   step model 150 python benchmarks/bench.py --mode decode-model --static --out "$RES/decode-model.json"
   (cd "$RES" && tar czf "$OUT/bench.tgz" .)
 fi
