@@ -5,7 +5,8 @@
     python scripts/host_time.py --in-model [--noop]     # the attention call inside a model's decode
 
 GPU mode: the kernels take a few microseconds, so the host's Python and launch work is what is
-measured; beside PyTorch SDPA (cuDNN) on a comparable problem. ``--noop`` needs no GPU: CPU tensors
+measured; beside PyTorch SDPA (cuDNN) on a comparable problem, and transformers' own "sdpa"
+attention call on the adapter's decode problem (torch picks its backend). ``--noop`` needs no GPU: CPU tensors
 pass the device check, the device reports an H200 (sm_90, 132 SMs) and every compiled kernel is a
 Python no-op (the callable compile_cache hands out), so everything of a call but the launch itself
 runs: validation, dispatch, config and kernel lookup, allocations, KV-cache metadata and append
@@ -117,9 +118,10 @@ def install_noop_kernels():
 
 
 class _Module:
-    """What transformers' attention call reads of its module."""
+    """What transformers' attention functions read of their module (the 1.1B model's 16/4 heads)."""
     is_causal = True
     training = False
+    num_key_value_groups = 4
 
 
 def paths(fa, dev: str, gpu: bool) -> dict:
@@ -187,6 +189,11 @@ def paths(fa, dev: str, gpu: bool) -> dict:
         qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
         calls["sdpa cudnn (reference)"] = (lambda: _sdpa(F, sdpa_kernel, SDPBackend.CUDNN_ATTENTION, qs, ks, vs),
                                            False)
+        # What "sdpa" runs in the model where the adapter's decode call runs (torch picks the backend).
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        calls["transformers sdpa decode (reference)"] = (lambda: sdpa_attention_forward(
+            module, tq, tk, tv, None, scaling=d ** -0.5), False)
     return calls
 
 
