@@ -18,14 +18,14 @@ host), each the best of five runs. ``--profile NAME`` runs one path under cProfi
 
 ``--in-model`` times the attention function itself where it really runs: greedy decoding of
 bench_decode's Llama-style model (1.1B shape, random weights; ``--noop``: a narrow one, with the
-attention's shapes, for the CPU) with each implementation's attention function wrapped in a clock,
-per decode-step call (the prefill's calls left out): the median, and the mean, which is what a
-step pays per layer (it counts the one call per step whose cache length is new, whose validation
-and launch plan are made afresh), and the median thread CPU time (steadier on a shared host). Between two layers' calls the model runs its
-other ops, so the call's code and data are no longer warm: its host time there is what a token pays,
-and for Python-heavy code it is a multiple of the back-to-back loop's (about 2.5x for our call on
-the development CPU). GPU: "fa4" beside "sdpa", interleaved; ``--noop``: "fa4" only (SDPA would
-compute on the CPU).
+attention's shapes, for the CPU) with each implementation's attention function wrapped in a clock.
+Per decode-step call (the prefill's calls left out) it prints the median wall time; the mean, which
+is what a step pays per layer (it counts the one call per step whose cache length is new, whose
+validation and launch plan are made afresh); and the median thread CPU time (steadier on a shared
+host). Between two layers' calls the model runs its other ops, so the call's code and data are no
+longer warm: its host time there is what a token pays, and for Python-heavy code it is a multiple
+of the back-to-back loop's (about 2.3x for our call on the development CPU). GPU: "fa4" beside
+"sdpa", interleaved; ``--noop``: "fa4" only (SDPA would compute on the CPU).
 
 GPU mode adds the GPU's own time per call: the stream is held by ``torch.cuda._sleep`` while 100
 calls are queued, then they run back to back between two events, so the host is out of that number.
@@ -248,8 +248,8 @@ def main(argv=None) -> int:
 
 def in_model(dev: str, sync, header: str, attns: tuple, narrow: bool, prompt_len: int, new_tokens: int,
              rounds: int) -> int:
-    """--in-model: per implementation, the median host time of its attention function per decode-step
-    call and the median step time, over ``rounds`` interleaved greedy generates after a warm-up."""
+    """--in-model: per implementation, the host time of its attention function per decode-step call
+    and the median step time, over ``rounds`` interleaved greedy generates after a warm-up."""
     import statistics
 
     import torch
@@ -265,7 +265,7 @@ def in_model(dev: str, sync, header: str, attns: tuple, narrow: bool, prompt_len
     model = bench_decode.build_model(shape, dev, torch.bfloat16, 0, prompt_len + new_tokens + 8)
     layers = shape["num_hidden_layers"]
     input_ids = torch.randint(0, shape["vocab_size"], (1, prompt_len), device=dev)
-    stamps: list[int] = []
+    stamps: list[tuple[int, int]] = []  # (wall, thread CPU) ns per call
     for name in attns:
         ALL_ATTENTION_FUNCTIONS[name] = _clocked(ALL_ATTENTION_FUNCTIONS[name], stamps)
     calls: dict = {name: [] for name in attns}
