@@ -3,9 +3,10 @@
 # (a known ~130 s: a call cut short loses a benchmark, not the suite), then the decode benchmark
 # (dense, KV-cache, varlen and paged rows against cuDNN and SDPA-flash; its PNG and JSON), the host
 # time per call, back to back and inside the 1.1B model's decoding ("fa4" beside "sdpa"), and the
-# model-level decode benchmark (the last steps are the ones cut when time runs out). Each step has a limit cut to what is left of STEP_BUDGET_S seconds (default 570); logs
-# and a tarball of the benchmark files land in $OUT (setup.log names the tree and the GPU;
-# summary.txt each step's exit status and time).
+# model-level decode benchmark (the last steps are the ones cut when time runs out). Each step has a
+# limit cut to what is left of STEP_BUDGET_S seconds (default 570); logs and a tarball of the
+# benchmark files land in $OUT (setup.log names the tree and the GPU; summary.txt each step's exit
+# status and time).
 #
 #   run(command="FA4_TREE=<commit> bash scripts/decode_evidence.sh", carry=[".device", ".device-extras"],
 #       kind="nvidia-h200", timeout_s=600)
