@@ -245,13 +245,19 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
                              softcap, window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
     # No plan: an empty problem, inputs whose layout the kernels cannot read, or the plan cache off.
     varlen = cu_seqlens_q is not None
-    if math.prod(_output_shapes(q, v, varlen)[0]) == 0 or k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
+    if _no_work(_output_shapes(q, v, varlen)[0], k, varlen):
         return _empty_forward(q, v, learnable_sink, varlen)
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
     plan = _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
                        max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q)
     return _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
                      window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
+
+
+def _no_work(out_shape: tuple, k, varlen: bool) -> bool:
+    """No output element (no query row, or a zero-sized head or dim), or no key at all: nothing for a
+    kernel to do (_empty_forward's outputs)."""
+    return math.prod(out_shape) == 0 or k.shape[0] == 0 or (not varlen and k.shape[1] == 0)
 
 
 def _empty_forward(q, v, learnable_sink, varlen: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,7 +320,7 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
     if any(validate.needs_copy(t) for t in (q, k, v)):
         return None
     out_shape, lse_shape = _output_shapes(q, v, varlen)
-    if math.prod(out_shape) == 0 or k.shape[0] == 0 or (not varlen and k.shape[1] == 0):
+    if _no_work(out_shape, k, varlen):
         return None
     flags = _forward_flags(q, k, seqused_k, learnable_sink, softcap, causal, window_left, window_right, varlen,
                            page_table, seqused_q, group)
