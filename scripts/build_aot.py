@@ -35,7 +35,8 @@ from flash_attn4.fa4_kernels.arch import Arch  # noqa: E402
 
 DEFAULT_ARCHS = ("sm_90a", "sm_100a")
 COMPILERS = {"fwd": "compile_forward", "bwd": "compile_backward", "bwd_pre": "compile_backward_preprocess",
-             "bwd_post": "compile_backward_postprocess", "combine": "compile_combine", "append": "compile_append"}
+             "bwd_post": "compile_backward_postprocess", "combine": "compile_combine", "append": "compile_append",
+             "split_kv": "compile_split_kv"}
 
 
 def _entry_name(kind: str, key: tuple, fingerprint: str) -> str:

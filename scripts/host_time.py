@@ -109,8 +109,8 @@ def install_noop_kernels():
     def noop(*args):
         return None
 
-    for name in ("_compile_forward", "_compile_combine", "_compile_backward", "_compile_backward_preprocess",
-                 "_compile_backward_postprocess", "_compile_append"):
+    for name in ("_compile_forward", "_compile_combine", "_compile_split_kv", "_compile_backward",
+                 "_compile_backward_preprocess", "_compile_backward_postprocess", "_compile_append"):
         setattr(compile_cache, name, lambda cfg, **_: noop)
     ops.APPEND_KERNEL_DEVICES = ("cuda", "cpu")  # the KV-cache append as on a GPU: one (no-op) kernel call
     compile_cache.clear()

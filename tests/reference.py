@@ -162,6 +162,17 @@ def combine_ref(out_partial, lse_partial, sink=None):
     return terms.sum(0), lse
 
 
+def split_kv_workspace_views(workspace, out_shape, lse_shape):
+    """A split-KV pipeline's float32 workspace (num_splits, per_split) as the partials it holds
+    (fa4_kernels/split_kv.py: split s's rows x dv partial outputs, then its rows LSEs):
+    (num_splits, *out_shape) and (num_splits, *lse_shape) views."""
+    splits = workspace.shape[0]
+    n_out, n_lse = math.prod(out_shape), math.prod(lse_shape)
+    assert workspace.shape[1] >= n_out + n_lse and workspace.stride(1) == 1
+    return (workspace[:, :n_out].view(splits, *out_shape),
+            workspace[:, n_out:n_out + n_lse].view(splits, *lse_shape))
+
+
 def partial_attention_ref(q, k, v, keys, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
     """Attention of one sequence over the key positions ``keys`` only (bool (sk,)), in float32, with the
     masks of the whole sequence (bottom-right alignment by all sk keys): q (sq, hq, d), k (sk, hk, d),

@@ -18,7 +18,7 @@ import pytest
 from flash_attn4 import aot, compile_cache, dispatch, native, settings, warmup
 from flash_attn4.fa4_kernels.arch import IMPLEMENTED, Arch
 from flash_attn4.fa4_kernels.config import (AppendConfig, BackwardConfig, CombineConfig, ForwardConfig,
-                                           PostprocessConfig)
+                                           PostprocessConfig, SplitKVConfig)
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_ARCHS = (Arch.SM90, Arch.SM100)
@@ -67,6 +67,14 @@ def _redispatch(cfg, shipped_bwd):
         return next((b.postprocess() for b in shipped_bwd if b.postprocess() == cfg), None)
     if isinstance(cfg, CombineConfig):
         return dispatch.combine_config(cfg.arch, cfg.dtype, cfg.head_dim_v, cfg.has_sink)
+    if isinstance(cfg, SplitKVConfig):  # dispatch's pipeline around the split kernel it picks
+        forward = _redispatch(cfg.forward, shipped_bwd)
+        return None if forward is None else dispatch.split_kv_config(
+            cfg.arch, cfg.forward.dtype, cfg.forward.head_dim, cfg.forward.head_dim_v, has_sink=cfg.combine.has_sink,
+            causal=forward.causal, local=forward.local, has_softcap=forward.has_softcap, varlen=forward.varlen,
+            has_seqused_k=forward.has_seqused_k, qhead_per_kvhead=forward.query_heads_per_group,
+            page_size=forward.page_size, has_seqused_q=forward.has_seqused_q,
+            pack_group=forward.pack_gqa if forward.pack_gqa_heads else 0)
     if isinstance(cfg, AppendConfig):
         return dispatch.append_config(cfg.arch, cfg.dtype, cfg.head_dim, cfg.head_dim_v, cfg.paged, cfg.has_rows)
     return dispatch.preprocess_config(cfg.arch, cfg.dtype, cfg.head_dim_v)

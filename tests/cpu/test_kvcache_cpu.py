@@ -84,7 +84,7 @@ def unsplit_stand_in(cfg, calls):
 def kernels(monkeypatch):
     """CPU tensors pass validation, dispatch says sm90 with 132 SMs, compiling yields the stand-ins.
     Returns the list of (config, arguments) of the forward launches."""
-    from tests.cpu.test_splitkv_cpu import combine_stand_in
+    from tests.cpu.test_splitkv_cpu import combine_stand_in, pipeline_stand_in
 
     calls = []
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
@@ -94,6 +94,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(compile_cache, "_compile_forward",
                         lambda cfg, **_: (split_stand_in if cfg.split_kv else unsplit_stand_in)(cfg, calls))
     monkeypatch.setattr(compile_cache, "_compile_combine", lambda cfg, **_: combine_stand_in(cfg, []))
+    monkeypatch.setattr(compile_cache, "_compile_split_kv", lambda cfg, **_: pipeline_stand_in(
+        cfg, split_stand_in(cfg.forward, calls), combine_stand_in(cfg.combine, [])))
     monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
     monkeypatch.delenv("FLASH_ATTN4_CHECK_CU_SEQLENS", raising=False)
     compile_cache.clear()

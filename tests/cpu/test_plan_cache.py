@@ -50,6 +50,7 @@ def launches(monkeypatch):
                         lambda device: device_info.DeviceInfo(0, "stand-in H200", (9, 0), 132))
     monkeypatch.setattr(compile_cache, "_compile_forward", stand_in)
     monkeypatch.setattr(compile_cache, "_compile_combine", stand_in)
+    monkeypatch.setattr(compile_cache, "_compile_split_kv", stand_in)
     monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
     monkeypatch.delenv("FLASH_ATTN4_CHECK_CU_SEQLENS", raising=False)
     compile_cache.clear()

@@ -11,6 +11,7 @@ launched on a GPU is checked correctly (tests/gpu/test_selfcheck_gpu.py does tha
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -19,8 +20,8 @@ import torch
 from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_func, flash_attn_varlen_func, ops
 from flash_attn4 import selfcheck, settings, validate
 from flash_attn4.fa4_kernels.arch import Arch
-from flash_attn4.fa4_kernels.config import ForwardConfig
-from tests.reference import attention_ref, attention_used_into, unpage
+from flash_attn4.fa4_kernels.config import CombineConfig, ForwardConfig, SplitKVConfig
+from tests.reference import attention_ref, attention_used_into, combine_ref, unpage
 
 BF16 = torch.bfloat16
 
@@ -103,6 +104,8 @@ def fake_gpu(monkeypatch, seed):
     monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": state["arch"])
     monkeypatch.setattr(compile_cache, "_compile_forward",
                         lambda cfg, **_: FakeKernel(cfg, state["calls"], state["mutate"]))
+    monkeypatch.setattr(compile_cache, "_compile_split_kv",
+                        lambda cfg, **_: pipeline(cfg, FakeKernel(cfg.forward, state["calls"], state["mutate"])))
     monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
     monkeypatch.delenv(settings.SELF_CHECK, raising=False)
     compile_cache.clear()
@@ -437,6 +440,77 @@ def split_kernel(cfg, how):
             out[1].copy_(out[0])
             lse[1].copy_(lse[0])
     return run
+
+
+def pipeline(cfg: SplitKVConfig, split, drop_sink: bool = False):
+    """A split-KV pipeline (fa4_kernels/split_kv.py's call convention) of the stand-in ``split``
+    kernel and the reference combine; ``drop_sink``: a wrong combine that leaves the sink out."""
+    from tests.cpu.test_splitkv_cpu import combine_stand_in, pipeline_stand_in
+
+    def no_sink(out_p, lse_p, out, lse, sink):
+        o, l = combine_ref(out_p, lse_p)
+        out.copy_(o.to(out.dtype))
+        lse.copy_(l)
+    return pipeline_stand_in(cfg, split, no_sink if drop_sink else combine_stand_in(cfg.combine, []))
+
+
+def split_kv_config(has_sink: bool, **flags) -> SplitKVConfig:
+    forward = config(split_kv=True, **flags)
+    return SplitKVConfig(forward=forward, combine=CombineConfig(arch=forward.arch, dtype=forward.dtype,
+                                                                head_dim_v=forward.head_dim_v, has_sink=has_sink))
+
+
+@pytest.mark.parametrize("varlen", [True, False])
+def test_split_kv_pipeline_is_checked_on_its_combined_output(seed, varlen):
+    """The pipeline splits the check's keys SPLITS ways into a workspace and its own combine writes
+    out and lse, with the sink the combine adds: a correct one passes, one whose combine drops the
+    sink fails on both out and lse."""
+    cfg = split_kv_config(True, causal=True, varlen=varlen, has_seqused_k=varlen)
+    calls = []
+    report = selfcheck.check_forward(cfg, pipeline(cfg, FakeKernel(cfg.forward, calls)), ops._launch_forward,
+                                     torch.device("cpu"))
+    assert report.ok, report.failures
+    assert calls and f"{selfcheck.SPLITS} KV splits" in report.problem and "learnable sink" in report.problem
+    report = selfcheck.check_forward(cfg, pipeline(cfg, FakeKernel(cfg.forward, []), drop_sink=True),
+                                     ops._launch_forward, torch.device("cpu"))
+    assert not report.ok and report.out_err > report.out_allowed and report.lse_err > report.lse_allowed
+
+
+def test_split_kv_pipeline_that_leaves_a_split_unwritten_fails(seed):
+    """Split 1 claims keys (its LSE finite) but its partial output stays as the workspace was: NaN."""
+    cfg = split_kv_config(False, causal=True, varlen=True, has_seqused_k=True)
+
+    def split(q, k, v, out, lse, *rest):
+        split_kernel(cfg.forward, "unwritten")(q, k, v, out, lse, *rest)
+        lse[1] = lse[0]
+    report = selfcheck.check_forward(cfg, pipeline(cfg, split), ops._launch_forward, torch.device("cpu"))
+    assert not report.ok and any("NaN or infinite" in f for f in report.failures), report.failures
+
+
+def test_split_kv_call_checks_its_pipeline_first(fake_gpu, monkeypatch):
+    """A split-KV call is one launch of the pipeline, with its workspace, after the pipeline's own
+    check (also one launch); the pipeline's verdict is kept under its SplitKVConfig."""
+    launched = []
+    real = ops._launch
+
+    def spy(kernel, q, k, v, out, lse, *args):
+        launched.append((tuple(q.shape), tuple(args[-1].shape)))
+        return real(kernel, q, k, v, out, lse, *args)
+
+    monkeypatch.setattr(ops, "_launch", spy)
+    q, k, v = rand_qkv(sq=1, sk=700, hq=4, hk=1)
+    out = flash_attn_func(q, k, v, num_splits=3)
+    ref, _ = attention_ref(q, k, v)
+    assert (out.float() - ref.float()).abs().max() < 2e-2
+    forward = dispatch.forward_config(Arch.SM100, "bfloat16", 128, 128, causal=False, local=False, has_softcap=False,
+                                      varlen=False, has_seqused_k=False, has_sink=False, qhead_per_kvhead=4,
+                                      split_kv=True)
+    cfg = dispatch.split_kv_config(Arch.SM100, "bfloat16", 128, 128, causal=False, local=False, has_softcap=False,
+                                   varlen=False, has_seqused_k=False, has_sink=False, qhead_per_kvhead=4)
+    assert cfg.forward == forward and selfcheck.verdict(cfg, "cpu") == "passed"
+    check_rows = math.prod(selfcheck.build_forward_problem(cfg).output_shapes()[0][:-1])
+    assert launched == [(problem_shape(cfg), cfg.workspace_shape(selfcheck.SPLITS, check_rows)),
+                        (tuple(q.shape), cfg.workspace_shape(3, 2 * 1 * 4))]
 
 
 @pytest.mark.parametrize("flags", [dict(has_seqused_q=True, causal=True),

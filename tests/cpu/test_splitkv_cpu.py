@@ -14,8 +14,9 @@ import torch
 from flash_attn4 import (compile_cache, device_info, dispatch, flash_attn_combine, flash_attn_func,
                          flash_attn_varlen_func, ops, validate)
 from flash_attn4.fa4_kernels.arch import Arch, kernels_for
-from flash_attn4.fa4_kernels.config import CombineConfig, ForwardConfig
-from tests.reference import attention_ref, combine_ref, partial_attention_ref, random_cu_seqlens, unpage
+from flash_attn4.fa4_kernels.config import CombineConfig, ForwardConfig, SplitKVConfig
+from tests.reference import (attention_ref, combine_ref, partial_attention_ref, random_cu_seqlens,
+                             split_kv_workspace_views, unpage)
 
 H200_SMS = 132
 
@@ -145,6 +146,41 @@ def test_split_kv_config_rules(monkeypatch):
             CombineConfig(arch=Arch.SM90, dtype="float32", head_dim_v=64, splits_in_flight=bad)
 
 
+def test_split_kv_pipeline_config():
+    """A SplitKVConfig composes a split forward and the combine of its dtype and head dim; its key
+    names both parts; its workspace holds every split's partial rows and LSEs, each split's start
+    32-byte aligned; dispatch builds it from the same flags as the forward, and a pipeline falls
+    back as its forward does (padded GQA groups: unpacked), keeping its combine."""
+    flags = dict(causal=True, local=False, has_softcap=False, varlen=False, has_seqused_k=True)
+    split = dispatch.forward_config(Arch.SM90, "bfloat16", 128, 64, **flags, has_sink=False, qhead_per_kvhead=7,
+                                    pack_group=8, split_kv=True)
+    combine = CombineConfig(arch=Arch.SM90, dtype="bfloat16", head_dim_v=64, has_sink=True)
+    cfg = dispatch.split_kv_config(Arch.SM90, "bfloat16", 128, 64, **flags, has_sink=True, qhead_per_kvhead=7,
+                                   pack_group=8)
+    assert cfg == SplitKVConfig(forward=split, combine=combine) and cfg.arch == Arch.SM90
+    key = cfg.key()
+    assert key[0] == "SplitKVConfig" and "forward.pack_gqa_heads=7" in key and "combine.has_sink=True" in key
+    assert key != dataclasses.replace(cfg, combine=combine.replace(has_sink=False)).key()
+    assert key != dataclasses.replace(cfg, forward=split.replace(tile_n=64)).key()
+    with pytest.raises(ValueError, match="split_kv=True"):
+        SplitKVConfig(forward=split.replace(split_kv=False), combine=combine)
+    for bad in (combine.replace(head_dim_v=128), combine.replace(dtype="float16"), combine.replace(arch=Arch.SM100)):
+        with pytest.raises(ValueError, match="must match the forward"):
+            SplitKVConfig(forward=split, combine=bad)
+    for splits, rows in ((2, 1), (3, 7), (16, 28 * 4), (5, 1000)):
+        shape = cfg.workspace_shape(splits, rows)
+        assert shape[0] == splits and shape[1] % 8 == 0 and rows * 65 <= shape[1] < rows * 65 + 8
+        workspace = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+        out_p, lse_p = split_kv_workspace_views(workspace, (1, rows, 64), (1, rows))
+        seen = torch.cat([out_p.flatten(), lse_p.flatten()])
+        assert seen.unique().numel() == seen.numel()  # no element of the workspace serves twice
+    fallback = dispatch.self_check_fallback(cfg)
+    assert fallback.combine == combine and fallback.forward == dispatch.self_check_fallback(split)
+    assert fallback.forward.pack_gqa == 1 and fallback.forward.split_kv
+    assert dispatch.self_check_fallback(dataclasses.replace(cfg, forward=split.replace(
+        pack_gqa=4, pack_gqa_heads=0))) is None
+
+
 def partials(splits=3, b=2, sq=5, h=4, dv=64):
     return torch.randn(splits, b, sq, h, dv), torch.randn(splits, b, h, sq)
 
@@ -227,7 +263,7 @@ def split_kernel_stand_in(cfg, calls):
         if page_table is not None:
             k, v, cu_k = unpage(k, v, page_table, seqused_k)
         assert cfg.split_kv and sink is None and out_p.dtype == lse_p.dtype == torch.float32
-        assert out_p.is_contiguous() and lse_p.is_contiguous()
+        assert out_p[0].is_contiguous() and lse_p[0].is_contiguous()  # one split's rows (a workspace's views)
         num_splits = out_p.shape[0]
         window = (left, right) if cfg.local else (-1, -1)
         seqs = ([(b, slice(None), slice(None)) for b in range(q.shape[0])] if cu_q is None else
@@ -263,6 +299,24 @@ def combine_stand_in(cfg, calls):
     return run
 
 
+def pipeline_stand_in(cfg, forward, combine):
+    """The split-KV pipeline's call convention (fa4_kernels/split_kv.py) from stand-ins of its two
+    kernels (``forward`` and ``combine``, called as the kernels' own conventions): the partials
+    are views of the caller's workspace, laid out as the pipeline lays them out."""
+
+    def run(q, k, v, out, lse, workspace, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, *scalars):
+        assert workspace.dtype == torch.float32 and workspace.shape[0] > 1
+        assert workspace.shape == cfg.workspace_shape(workspace.shape[0], math.prod(out.shape[:-1]))
+        out_p, lse_p = split_kv_workspace_views(workspace, out.shape, lse.shape)
+        forward(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_q, seqused_k, page_table, None, *scalars)
+        if cfg.forward.varlen:  # combine.py's convention: the packed tokens as one batch entry
+            combine(out_p.unsqueeze(1), lse_p.unsqueeze(1), out.unsqueeze(0), lse.unsqueeze(0), sink)
+        else:
+            combine(out_p, lse_p, out, lse, sink)
+
+    return run
+
+
 @pytest.fixture
 def cpu_kernels(monkeypatch):
     """CPU tensors pass validation, dispatch says sm90 with 132 SMs, compiling yields torch stand-ins.
@@ -277,6 +331,8 @@ def cpu_kernels(monkeypatch):
     monkeypatch.setattr(compile_cache, "_compile_forward",
                         lambda cfg, **_: (split_kernel_stand_in if cfg.split_kv else torch_kernel)(cfg, calls))
     monkeypatch.setattr(compile_cache, "_compile_combine", lambda cfg, **_: combine_stand_in(cfg, calls))
+    monkeypatch.setattr(compile_cache, "_compile_split_kv", lambda cfg, **_: pipeline_stand_in(
+        cfg, split_kernel_stand_in(cfg.forward, calls), combine_stand_in(cfg.combine, calls)))
     monkeypatch.setenv("FLASH_ATTN4_DISABLE_DISK_CACHE", "1")
     compile_cache.clear()
     yield calls

@@ -19,11 +19,12 @@ import itertools
 import pytest
 import torch
 
-from flash_attn4 import device_info, dispatch, flash_attn_combine, flash_attn_func, flash_attn_varlen_func, ops
+from flash_attn4 import (compile_cache, device_info, dispatch, flash_attn_combine, flash_attn_func,
+                         flash_attn_varlen_func, ops)
 from flash_attn4.fa4_kernels.arch import Arch
 from tests.gpu.helpers import DEVICE, rand, random_lengths, seed_from_urandom
 from tests.gpu.test_fwd import check
-from tests.reference import combine_ref, max_abs_diff
+from tests.reference import combine_ref, max_abs_diff, split_kv_workspace_views
 
 pytestmark = pytest.mark.gpu
 
@@ -116,6 +117,55 @@ def test_split_forward_with_sink(seed, varlen, num_splits):
     check(out, lse, q, k, v, causal=True, learnable_sink=sink, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     masked = out[1:101]  # sequence 2's first 100 queries see no key
     assert (masked == 0).all() and torch.allclose(lse[:, 1:101], sink[:, None].expand(hq, 100))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_pipeline_is_the_split_kernel_then_the_combine(seed, varlen):
+    """The split-KV pipeline (one host call, fa4_kernels/split_kv.py) runs exactly the split kernel
+    and the combine that separate launches run: its workspace holds the same float32 partials, bit
+    for bit, where split_kv_workspace_views says, and out and lse are those of the combine over
+    them. Padded GQA groups (7 query heads per KV head), seqused_k and a sink; 5 splits, some of
+    them empty for the short sequences; workspaces and outputs poisoned first."""
+    hq, hk, d, splits = 14, 2, 128, 5
+    sink = torch.randn(hq, device=DEVICE, dtype=torch.float32) * 3
+    lens_q, lens_k = [1, 3, 1], [2000, 130, 1]
+    if varlen:
+        cu_q, cu_k = (torch.tensor([0] + list(itertools.accumulate(x)), dtype=torch.int32, device=DEVICE)
+                      for x in (lens_q, lens_k))
+        q, k, v = rand(sum(lens_q), hq, d), rand(sum(lens_k), hk, d), rand(sum(lens_k), hk, d)
+        max_seqlen_q = max(lens_q)
+    else:
+        cu_q = cu_k = None
+        q, k, v = rand(3, 3, hq, d), rand(3, 2000, hk, d), rand(3, 2000, hk, d)
+        max_seqlen_q = 3
+    seqused_k = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    flags = dict(causal=True, local=False, has_softcap=False, varlen=varlen, has_seqused_k=True,
+                 qhead_per_kvhead=hq // hk, pack_group=dispatch.padded_pack(dispatch.arch_for_device(q.device), d, d,
+                                                                            varlen, hq // hk, max_seqlen_q))
+    cfg = dispatch.split_kv_config(dispatch.arch_for_device(q.device), "bfloat16", d, d, has_sink=True, **flags)
+    out_shape, lse_shape = ops._output_shapes(q, v, varlen)
+    scalars = (d ** -0.5, 0.0, -1, 0, max_seqlen_q)
+
+    def poisoned(shape, dtype=torch.float32, value=float("nan")):
+        return torch.full(shape, value, dtype=dtype, device=DEVICE)
+
+    workspace = poisoned(cfg.workspace_shape(splits, torch.Size(out_shape[:-1]).numel()))
+    out, lse = poisoned(out_shape, torch.bfloat16), poisoned(lse_shape, value=float("inf"))
+    ops._launch_forward(compile_cache.get_split_kv_kernel(cfg), q, k, v, out, lse, cu_q, cu_k, seqused_k, sink,
+                        *scalars, workspace=workspace)
+    out_p, lse_p = poisoned((splits, *out_shape)), poisoned((splits, *lse_shape), value=float("inf"))
+    ops._launch_forward(compile_cache.get_forward_kernel(cfg.forward), q, k, v, out_p, lse_p, cu_q, cu_k, seqused_k,
+                        None, *scalars)
+    out_2, lse_2 = poisoned(out_shape, torch.bfloat16), poisoned(lse_shape, value=float("inf"))
+    unit = (lambda t, dim: t.unsqueeze(dim)) if varlen else (lambda t, dim: t)
+    compile_cache.get_combine_kernel(cfg.combine)(unit(out_p, 1), unit(lse_p, 1), unit(out_2, 0), unit(lse_2, 0),
+                                                  sink)
+    in_workspace = split_kv_workspace_views(workspace, out_shape, lse_shape)
+    for mine, theirs in zip(in_workspace + (out, lse), (out_p, lse_p, out_2, lse_2)):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+    assert not torch.isnan(out).any() and not torch.isinf(lse).any()
+    check(out, lse, q, k, v, causal=True, learnable_sink=sink, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+          seqused_k=seqused_k)
 
 
 @pytest.mark.parametrize("num_splits", [3, 64])

@@ -87,7 +87,7 @@ MODEL_PROFILES = (
 # How calls reach the kernels (ops.py): "dense" = flash_attn_func on an unpadded batch; "varlen" =
 # padded or packed batches (the transformers adapter unpads to cu_seqlens); "decode" = one query per
 # sequence (a ratio that does not pack run in padded groups, dispatch.padded_pack); "kvcache" = flash_attn_with_kvcache
-# over a contiguous cache, unsplit and split-KV plus the combine kernel: batched + seqused_k (entry b on
+# over a contiguous cache, unsplit and split-KV (with its combine, one pipeline): batched + seqused_k (entry b on
 # cache row b from position 0: decoding's common case) and varlen + seqused_k (cache_batch_idx or
 # cache_leftpad: left-padded batches, the transformers adapter's left padding), with the append kernel;
 # "paged" = the same call over a paged cache (batched + seqused_k + page table), unsplit and split-KV, for
@@ -126,6 +126,10 @@ def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTE
             return dispatch.forward_config(arch, dtype, p.head_dim, p.dv, varlen=varlen,
                                            **_ratio(arch, p, varlen, short), **base, **extra)
 
+        def split(varlen, **extra):  # the split-KV pipeline (split kernel + combine, one call)
+            return dispatch.split_kv_config(arch, dtype, p.head_dim, p.dv, varlen=varlen,
+                                            **_ratio(arch, p, varlen, True), **base, **extra)
+
         if "dense" in patterns:
             out.append(fwd(False, False, has_seqused_k=False))
         if "varlen" in patterns:
@@ -136,17 +140,14 @@ def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTE
             for varlen in (False, True):
                 out.append(fwd(varlen, True, has_seqused_k=True))
                 if has_split_kv(arch):
-                    out.append(fwd(varlen, True, has_seqused_k=True, split_kv=True))
-            if has_split_kv(arch):
-                out.append(dispatch.combine_config(arch, dtype, p.dv))
+                    out.append(split(varlen, has_seqused_k=True))
             # The append of new tokens into the cache (cache_batch_idx: compiled on first use).
             out.append(dispatch.append_config(arch, dtype, p.head_dim, p.dv, paged=False, has_rows=False))
         if "paged" in patterns and p.causal:
             for page_size in SHIPPED_PAGE_SIZES:
                 out.append(fwd(False, True, has_seqused_k=True, page_size=page_size))
                 if has_split_kv(arch):
-                    out += [fwd(False, True, has_seqused_k=True, page_size=page_size, split_kv=True),
-                            dispatch.combine_config(arch, dtype, p.dv)]
+                    out.append(split(False, has_seqused_k=True, page_size=page_size))
             out.append(dispatch.append_config(arch, dtype, p.head_dim, p.dv, paged=True, has_rows=False))
     return out
 
@@ -188,7 +189,7 @@ def kind_of(cfg) -> str:
     """The compile-cache kind of a configuration (compile_cache.get_*_kernel)."""
     return {"ForwardConfig": "fwd", "BackwardConfig": "bwd", "PreprocessConfig": "bwd_pre",
             "PostprocessConfig": "bwd_post", "CombineConfig": "combine",
-            "AppendConfig": "append"}[type(cfg).__name__]
+            "AppendConfig": "append", "SplitKVConfig": "split_kv"}[type(cfg).__name__]
 
 
 def shipped_configs(arch: Arch, profiles=MODEL_PROFILES, dtypes=SHIPPED_DTYPES) -> list:

@@ -237,6 +237,7 @@ _compile_backward = _kernel_compiler("compile_backward")
 _compile_backward_preprocess = _kernel_compiler("compile_backward_preprocess")
 _compile_backward_postprocess = _kernel_compiler("compile_backward_postprocess")
 _compile_combine = _kernel_compiler("compile_combine")
+_compile_split_kv = _kernel_compiler("compile_split_kv")
 _compile_append = _kernel_compiler("compile_append")
 
 
@@ -378,6 +379,12 @@ def get_backward_postprocess_kernel(cfg):
 def get_combine_kernel(cfg):
     """The compiled split-KV combine kernel for a CombineConfig (call convention: combine.py)."""
     return get_kernel("combine", cfg, _compile_combine)
+
+
+def get_split_kv_kernel(cfg):
+    """The compiled split-KV forward with its combine, one host function, for a SplitKVConfig (call
+    convention: fa4_kernels/split_kv.py)."""
+    return get_kernel("split_kv", cfg, _compile_split_kv)
 
 
 def get_append_kernel(cfg):

@@ -15,7 +15,8 @@ import torch
 
 from . import device_info
 from .fa4_kernels.arch import IMPLEMENTED, Arch, supported_devices
-from .fa4_kernels.config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig
+from .fa4_kernels.config import (AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PreprocessConfig,
+                                 SplitKVConfig)
 from .fa4_kernels.tiles import (backward_grid, backward_head_dims, backward_schedule, backward_tiles, forward_grid,
                                 forward_schedule, forward_tiles, has_padded_pack)
 
@@ -88,14 +89,18 @@ def forward_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, ca
     )
 
 
-def self_check_fallback(cfg) -> Optional[ForwardConfig | BackwardConfig]:
+def self_check_fallback(cfg) -> Optional[ForwardConfig | BackwardConfig | SplitKVConfig]:
     """The configuration that computes ``cfg``'s problem class in its place once ``cfg`` has failed
     its first-use self-check on a device, or None (the failure raises: selfcheck.py). CTA pairs
     (cluster_m = 2: the newest, least verified kernels) fall back to single CTAs, the kernel the
     rules pick with the pair switch off (sm100/tiles.TWO_CTA for the forward, BWD_TWO_CTA for the
     backward, whose 1-CTA kernel takes the stages of its own rule). A forward packing padded GQA
     groups (pack_gqa_heads, a pair or not) falls back to the same heads unpacked on single CTAs:
-    the kernel dispatch picks for longer queries, on the caller's tensors as they are."""
+    the kernel dispatch picks for longer queries, on the caller's tensors as they are. A split-KV
+    pipeline falls back as its forward does, with the same combine."""
+    if isinstance(cfg, SplitKVConfig):
+        forward = self_check_fallback(cfg.forward)
+        return None if forward is None else cfg.replace(forward=forward)
     if isinstance(cfg, ForwardConfig) and cfg.pack_gqa_heads:
         return cfg.replace(cluster_m=1, pack_gqa=1, pack_gqa_heads=0)
     if isinstance(cfg, ForwardConfig) and cfg.cluster_m > 1:
@@ -132,6 +137,15 @@ def combine_config(arch: Arch, dtype: str, head_dim_v: int, has_sink: bool = Fal
     """The split-KV combine kernel for an output dtype and head dim (``has_sink``: it adds a learnable
     sink to the denominator)."""
     return CombineConfig(arch=arch, dtype=dtype, head_dim_v=head_dim_v, has_sink=has_sink)
+
+
+def split_kv_config(arch: Arch, dtype: str, head_dim: int, head_dim_v: int, *, has_sink: bool,
+                    **flags) -> SplitKVConfig:
+    """The split-KV forward of a problem class as one host function: forward_config's split kernel
+    (which leaves the sink out) and the combine that adds it (``has_sink``). Not cached itself: it
+    composes the two cached choices, which tools and A/B runs replace (benchmarks/decode_tiles_ab.py)."""
+    forward = forward_config(arch, dtype, head_dim, head_dim_v, **dict(flags, has_sink=False, split_kv=True))
+    return SplitKVConfig(forward=forward, combine=combine_config(arch, dtype, head_dim_v, has_sink))
 
 
 @functools.lru_cache(maxsize=64)

@@ -135,18 +135,27 @@ def _is_local(causal: bool, window_left: int, window_right: int) -> bool:
 def _checked_forward(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, has_softcap: bool,
                      varlen: bool, has_seqused_k: bool, has_sink: bool, qhead_per_kvhead: int, page_size: int = 0,
                      has_seqused_q: bool = False, split_kv: bool = False, pack_group: int = 0):
-    """Device -> arch -> ForwardConfig -> compiled kernel (CPU tests replace the compile step), self-checked
-    on its first use where selfcheck asks for it: (the configuration, its kernel), the configuration
-    being the fallback that replaced the chosen one where that failed its check."""
-    cfg = _config_for(q, v, causal=causal, local=local, has_softcap=has_softcap, varlen=varlen,
-                      has_seqused_k=has_seqused_k, has_sink=has_sink, qhead_per_kvhead=qhead_per_kvhead,
-                      page_size=page_size, has_seqused_q=has_seqused_q, split_kv=split_kv, pack_group=pack_group)
-    if cfg.query_heads_per_group not in (1, qhead_per_kvhead):
+    """Device -> arch -> configuration -> compiled kernel (CPU tests replace the compile step),
+    self-checked on its first use where selfcheck asks for it: (the configuration, its kernel), the
+    configuration being the fallback that replaced the chosen one where that failed its check.
+    ``split_kv``: the split-KV pipeline (SplitKVConfig: the split kernel and the combine, one call),
+    else the ForwardConfig's kernel."""
+    flags = dict(causal=causal, local=local, has_softcap=has_softcap, varlen=varlen, has_seqused_k=has_seqused_k,
+                 has_sink=has_sink, qhead_per_kvhead=qhead_per_kvhead, page_size=page_size,
+                 has_seqused_q=has_seqused_q, pack_group=pack_group)
+    problem = (dispatch.arch_for_device(q.device), dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1])
+    if split_kv:
+        cfg = selfcheck.substitute(dispatch.split_kv_config(*problem, **flags), q.device)
+        forward, get_kernel = cfg.forward, compile_cache.get_split_kv_kernel
+    else:
+        cfg = forward = selfcheck.substitute(dispatch.forward_config(*problem, **flags), q.device)
+        get_kernel = compile_cache.get_forward_kernel
+    if forward.query_heads_per_group not in (1, qhead_per_kvhead):
         # The kernel folds exactly that many query heads into each KV head's rows.
-        raise ValueError(f"ForwardConfig packs {cfg.query_heads_per_group} query heads per KV head (pack_gqa="
-                         f"{cfg.pack_gqa}, pack_gqa_heads={cfg.pack_gqa_heads}) but the inputs have "
+        raise ValueError(f"ForwardConfig packs {forward.query_heads_per_group} query heads per KV head (pack_gqa="
+                         f"{forward.pack_gqa}, pack_gqa_heads={forward.pack_gqa_heads}) but the inputs have "
                          f"{qhead_per_kvhead}")
-    return _checked_kernel(cfg, q.device, compile_cache.get_forward_kernel, _launch_forward)
+    return _checked_kernel(cfg, q.device, get_kernel, _launch_forward)
 
 
 def _checked_kernel(cfg, device: torch.device, get_kernel: Callable, launch: Callable):
@@ -167,14 +176,6 @@ def _checked_kernel(cfg, device: torch.device, get_kernel: Callable, launch: Cal
         cfg, kernel = fallback, get_kernel(fallback)
         selfcheck.ensure_checked(cfg, device, kernel, launch)
     return cfg, kernel
-
-
-def _config_for(q: torch.Tensor, v: torch.Tensor, **flags):
-    """The ForwardConfig _checked_forward compiles for these flags (or the one that replaced it on this
-    device after it failed its self-check)."""
-    return selfcheck.substitute(dispatch.forward_config(dispatch.arch_for_device(q.device),
-                                                        dispatch.dtype_name(q.dtype), q.shape[-1], v.shape[-1],
-                                                        **flags), q.device)
 
 
 def _fill_empty_keys(out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optional[torch.Tensor],
@@ -286,11 +287,10 @@ compile_cache._clear_hooks.append(_PLANS.clear)
 
 
 class _Plan:
-    """``kernel`` writes out and lse (one split), or float32 partials of ``partial_shapes`` that
-    ``combine`` merges into them (split-KV; ``varlen``: combine.py takes the packed tokens as one
-    batch entry)."""
-    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "cfg", "kernel", "num_splits", "partial_shapes",
-                 "combine", "varlen")
+    """``kernel`` writes out and lse: the forward itself (``workspace_shape`` None), or the split-KV
+    pipeline (fa4_kernels/split_kv.py: the split kernel into a float32 workspace of that shape,
+    then the combine)."""
+    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "cfg", "kernel", "workspace_shape")
 
 
 def _plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
@@ -331,12 +331,10 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
                                  window_left, window_right, flags)
     plan = _Plan()
     plan.out_shape, plan.lse_shape, plan.dtype, plan.device = out_shape, lse_shape, q.dtype, q.device
-    plan.num_splits, plan.partial_shapes, plan.combine, plan.varlen = num_splits, None, None, varlen
+    plan.workspace_shape = None
     if num_splits > 1:
-        split_flags = dict(flags, has_sink=False, split_kv=True)
-        plan.cfg, plan.kernel = _checked_forward(q, v, **split_flags)
-        plan.combine = _combine_kernel(q.device, q.dtype, v.shape[-1], has_sink=learnable_sink is not None)
-        plan.partial_shapes = (num_splits, *out_shape), (num_splits, *lse_shape)
+        plan.cfg, plan.kernel = _checked_forward(q, v, **flags, split_kv=True)
+        plan.workspace_shape = plan.cfg.workspace_shape(num_splits, math.prod(out_shape[:-1]))
     else:
         plan.cfg, plan.kernel = _checked_forward(q, v, **flags)
     return plan
@@ -344,10 +342,10 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
 
 def _run_plan(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
               window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q):
-    """_forward's allocations and launches as the plan decided them (q, k and v laid out). A decode
+    """_forward's allocations and launch as the plan decided them (q, k and v laid out). A decode
     step runs this once per layer, between the model's other ops, where every Python call on the way
     to the launch costs a multiple of its back-to-back time (scripts/host_time.py --in-model): hence
-    one flat function, not a chain of helpers."""
+    one flat function, not a chain of helpers, and one host call for a split-KV forward."""
     device = plan.device
     out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
@@ -356,27 +354,19 @@ def _run_plan(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learn
         seqused_q)
     # The first-use self-check's verdict (one set lookup once settled; a failed check raises every call).
     selfcheck.ensure_checked(plan.cfg, device, plan.kernel, _launch_forward)
-    if plan.num_splits == 1:
+    if plan.workspace_shape is None:
         if _poison_outputs_for_tests:
             _poison((out,), (lse,))
         with _device_guard(device):
             _launch(plan.kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
                     learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q)
         return out, lse
-    # Split-KV: the splits leave the sink out; the combine adds it to the denominator once.
-    out_shape, lse_shape = plan.partial_shapes
-    out_partial = torch.empty(out_shape, dtype=torch.float32, device=device)
-    lse_partial = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    workspace = torch.empty(plan.workspace_shape, dtype=torch.float32, device=device)
     if _poison_outputs_for_tests:  # an element the split kernel or the combine leaves unwritten shows up
-        _poison((out, out_partial), (lse, lse_partial))
+        _poison((out, workspace), (lse,))
     with _device_guard(device):
-        _launch(plan.kernel, q, k, v, out_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                page_table, None, softmax_scale, softcap, window_left, window_right, max_seqlen_q)
-        if plan.varlen:  # the packed tokens as one batch entry (combine.py's call convention)
-            plan.combine(out_partial.unsqueeze(1), lse_partial.unsqueeze(1), out.unsqueeze(0), lse.unsqueeze(0),
-                         learnable_sink)
-        else:
-            plan.combine(out_partial, lse_partial, out, lse, learnable_sink)
+        _launch(plan.kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
+                learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q, workspace)
     return out, lse
 
 
@@ -452,26 +442,32 @@ def _metadata_inputs(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink
 
 def _launch_forward(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink,
                     softmax_scale, softcap, window_left, window_right, max_seqlen_q, check_values: bool = True,
-                    page_table: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None) -> None:
+                    page_table: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
+                    workspace: Optional[torch.Tensor] = None) -> None:
     """Run a compiled forward kernel into ``out``/``lse`` (allocated by the caller; for a split-KV
-    kernel its float32 partials) on the current stream of q's device, its inputs first made readable
-    (layout copies, contiguous metadata): the first-use self-check's launch (selfcheck.py)."""
+    pipeline with its ``workspace``) on the current stream of q's device, its inputs first made
+    readable (layout copies, contiguous metadata): the first-use self-check's launch (selfcheck.py)."""
     q, k, v = validate.kernel_layout(q), validate.kernel_layout(k), validate.kernel_layout(v)
     cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _metadata_inputs(
         q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table,
         seqused_q)
     with _device_guard(q.device):
         _launch(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q)
+                learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q, workspace)
 
 
 def _launch(kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
-            softmax_scale, softcap, window_left, window_right, max_seqlen_q) -> None:
-    """The forward kernels' call convention (ForwardConfig): every forward launch, the caller's and
-    the self-check's, goes through here, on inputs the kernel can read, under the caller's device
-    guard."""
-    kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
-           float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
+            softmax_scale, softcap, window_left, window_right, max_seqlen_q, workspace=None) -> None:
+    """The forward kernels' call convention (ForwardConfig; a split-KV pipeline's takes its
+    ``workspace`` after lse: fa4_kernels/split_kv.py): every forward launch, the caller's and the
+    self-check's, goes through here, on inputs the kernel can read, under the caller's device guard."""
+    scalars = (float(softmax_scale), float(softcap), int(window_left), int(window_right), int(max_seqlen_q))
+    if workspace is None:
+        kernel(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink,
+               *scalars)
+    else:
+        kernel(q, k, v, out, lse, workspace, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
+               learnable_sink, *scalars)
 
 
 def _device_guard(device: torch.device):

@@ -6,11 +6,12 @@ such a GPU, that kernel computes a small problem with the same configuration and
 compared with a PyTorch reference *before* the caller's call gets a result. A wrong kernel then
 fails loudly at its first call instead of returning wrong numbers.
 
-When: ``ops._checked_forward`` calls :func:`ensure_checked` after it has the compiled forward kernel for a
-(device, ForwardConfig), before the caller's launch; ``ops.bwd`` likewise with the compiled backward
-kernel for a (device, BackwardConfig), whose check runs the whole backward (the preprocessing, that
-kernel and the postprocessing its configuration derives; "The backward" section below). Which
-configurations are checked:
+When: ``ops._checked_forward`` calls :func:`ensure_checked` after it has the compiled forward kernel
+for a (device, ForwardConfig), or split-KV pipeline for a (device, SplitKVConfig), before the
+caller's launch; ``ops.bwd`` likewise with the compiled backward kernel for a (device,
+BackwardConfig), whose check runs the whole backward (the preprocessing, that kernel and the
+postprocessing its configuration derives; "The backward" section below). Which configurations are
+checked:
 
 * ``FLASH_ATTN4_SELF_CHECK`` unset (or ``auto``): configurations whose ``arch`` is in
   :data:`UNVERIFIED_ARCHS` (today sm_100a and sm_103a: the registry's ``run_by_us``, the one place
@@ -43,7 +44,10 @@ unspecified and take the reference's values. The launch goes through ``ops._laun
 function every forward call launches through, into outputs filled with NaN (out) and +inf (lse) so
 that anything left unwritten fails. A split-KV kernel writes SPLITS float32 partials (short sequences
 leave some splits empty); they are merged in float64 by :func:`merge_partials` (the combine kernel's
-rule, which leaves an empty split's partial unread) and the merge is compared. A paged kernel reads the same
+rule, which leaves an empty split's partial unread) and the merge is compared. A split-KV pipeline
+(SplitKVConfig: the split kernel and the combine in one call, what ops runs) splits the same way
+into a workspace filled with NaN, and its own combine's out and lse are compared (a learnable sink
+where its combine adds one). A paged kernel reads the same
 keys from a paged copy of the cache (pages shuffled, spare pages and the tables' unused entries
 holding other data).
 
@@ -98,7 +102,7 @@ import torch
 
 from . import settings
 from .fa4_kernels.arch import NOT_RUN_BY_US
-from .fa4_kernels.config import BackwardConfig, ForwardConfig
+from .fa4_kernels.config import BackwardConfig, ForwardConfig, SplitKVConfig
 
 # Architectures whose kernels have never been run by us: checked by default (FLASH_ATTN4_SELF_CHECK
 # unset). The registry says which (fa4_kernels/arch.py, ArchKernels.run_by_us).
@@ -224,12 +228,13 @@ class ForwardProblem:
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_forward_problem(cfg: ForwardConfig, seed: Optional[int] = None) -> ForwardProblem:
-    """A problem on the CPU that takes ``cfg``'s paths (the module docstring lists them); random
-    inputs from ``seed`` (default: SEED) drawn from a private generator, so the caller's RNG state is
-    left alone."""
-    return _build_problem(cfg, cfg.query_heads_per_group if cfg.pack_gqa > 1 else UNPACKED_HEAD_RATIO, cfg.has_sink,
-                          torch.Generator().manual_seed(SEED if seed is None else seed))
+def build_forward_problem(cfg: ForwardConfig | SplitKVConfig, seed: Optional[int] = None) -> ForwardProblem:
+    """A problem on the CPU that takes ``cfg``'s paths (the module docstring lists them; a split-KV
+    pipeline's are its forward's, with a sink where its combine adds one); random inputs from
+    ``seed`` (default: SEED) drawn from a private generator, so the caller's RNG state is left alone."""
+    forward, has_sink = (cfg.forward, cfg.combine.has_sink) if isinstance(cfg, SplitKVConfig) else (cfg, cfg.has_sink)
+    ratio = forward.query_heads_per_group if forward.pack_gqa > 1 else UNPACKED_HEAD_RATIO
+    return _build_problem(forward, ratio, has_sink, torch.Generator().manual_seed(SEED if seed is None else seed))
 
 
 def _build_problem(cfg, ratio: int, has_sink: bool, gen: torch.Generator) -> ForwardProblem:
@@ -570,19 +575,25 @@ def compare_forward(p: ForwardProblem, out: torch.Tensor, lse: torch.Tensor,
 Launch = Callable[..., None]  # ops._launch_forward's signature: (kernel, q, k, v, out, lse, cu_q, ...)
 
 
-def check_forward(cfg: ForwardConfig, kernel, launch: Launch, device, seed: Optional[int] = None) -> CheckReport:
-    """Run ``kernel`` (``cfg``'s compiled forward) on the problem of ``cfg`` through ``launch`` on
-    ``device``'s current stream, compute the reference on the same device and compare (the
-    comparison's reductions wait for the kernel)."""
+def check_forward(cfg: ForwardConfig | SplitKVConfig, kernel, launch: Launch, device,
+                  seed: Optional[int] = None) -> CheckReport:
+    """Run ``kernel`` (``cfg``'s compiled forward, or split-KV pipeline) on the problem of ``cfg``
+    through ``launch`` on ``device``'s current stream, compute the reference on the same device and
+    compare (the comparison's reductions wait for the kernel). A split-KV kernel's partials are
+    merged here; a pipeline's workspace starts as NaN and its own combine writes out and lse."""
     t0 = time.perf_counter()
     p = build_forward_problem(cfg, seed)
     (q, k, v), rest = p.launch_args(device)
     out_shape, lse_shape = p.output_shapes()
-    splits = (p.num_splits,) if p.num_splits > 1 else ()
+    pipeline = isinstance(cfg, SplitKVConfig)
+    splits = (p.num_splits,) if p.num_splits > 1 and not pipeline else ()
     out = torch.full(splits + out_shape, float("nan"), dtype=torch.float32 if splits else q.dtype, device=device)
     lse = torch.full(splits + lse_shape, float("inf"), dtype=torch.float32, device=device)
-    t1 = time.perf_counter()
     extra = {} if p.seqused_q is None else {"seqused_q": p.seqused_q.to(device)}
+    if pipeline:
+        extra["workspace"] = torch.full(cfg.workspace_shape(p.num_splits, math.prod(out_shape[:-1])), float("nan"),
+                                        device=device)
+    t1 = time.perf_counter()
     if p.page_table is not None:
         extra["page_table"] = p.page_table.to(device)
     launch(kernel, q, k, v, out, lse, *rest, **extra)
@@ -874,7 +885,7 @@ def check_backward(cfg, kernel, launch: BackwardLaunch, device, seed: Optional[i
     return report
 
 
-_CHECKS = {ForwardConfig: check_forward, BackwardConfig: check_backward}
+_CHECKS = {ForwardConfig: check_forward, SplitKVConfig: check_forward, BackwardConfig: check_backward}
 
 # (device index, id(kernel)) -> kernel, for kernels whose use is decided: the hot path's one lookup
 # (a pair of ints hashes faster than a config; the value keeps the kernel, and so its id, alive)
@@ -1012,12 +1023,20 @@ def fall_back(cfg, fallback, device: torch.device, error: SelfCheckError) -> Non
         _fallbacks[(device.index, cfg)] = fallback
     log.warning("flash-attn4: %s failed its first-use self-check on %s; using %s for this problem class "
                 "instead (please report at %s)", _describe_cfg(cfg), _describe_device(device),
-                ", ".join(f"{f}={getattr(fallback, f)}" for f in _changed_fields(cfg, fallback)), ISSUE_TRACKER)
+                ", ".join(_changes(cfg, fallback)), ISSUE_TRACKER)
     log.info("flash-attn4: the failed self-check: %s", error)
 
 
-def _changed_fields(cfg, other) -> list[str]:
-    return [f for f in cfg.__dataclass_fields__ if getattr(cfg, f) != getattr(other, f)]
+def _changes(cfg, other, prefix: str = "") -> list[str]:
+    """'field=value' for each field of ``other`` that differs from ``cfg``'s ('forward.pack_gqa=1'
+    inside a split-KV pipeline's configuration)."""
+    changes = []
+    for name in cfg.__dataclass_fields__:
+        mine, theirs = getattr(cfg, name), getattr(other, name)
+        if mine != theirs:
+            nested = hasattr(theirs, "__dataclass_fields__")
+            changes += _changes(mine, theirs, f"{prefix}{name}.") if nested else [f"{prefix}{name}={theirs}"]
+    return changes
 
 
 def verdict(cfg, device) -> Optional[str]:

@@ -25,6 +25,7 @@ from .fa4_kernels.arch import Arch
 _GETTERS = {"fwd": compile_cache.get_forward_kernel, "bwd": compile_cache.get_backward_kernel,
             "bwd_pre": compile_cache.get_backward_preprocess_kernel,
             "bwd_post": compile_cache.get_backward_postprocess_kernel, "combine": compile_cache.get_combine_kernel,
+            "split_kv": compile_cache.get_split_kv_kernel,
             "append": compile_cache.get_append_kernel}
 
 

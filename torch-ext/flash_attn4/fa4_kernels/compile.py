@@ -20,9 +20,11 @@ import sys
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
+from typing import Optional
 
 from .arch import KERNELS, Arch, describe_implemented, kernels_for
-from .config import AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig
+from .config import (AppendConfig, BackwardConfig, CombineConfig, ForwardConfig, PostprocessConfig, PreprocessConfig,
+                     SplitKVConfig)
 from .tiles import backward_grid, backward_schedule, backward_tiles, forward_grid, forward_schedule, forward_tiles
 
 
@@ -71,7 +73,10 @@ def _fake_page_table():
     return make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()), (cute.sym_int(64), 1), assumed_align=4)
 
 
-def _fake_tensors(cfg: ForwardConfig):
+def _fake_tensors(cfg: ForwardConfig, partials: Optional[bool] = None, has_sink: Optional[bool] = None):
+    """The forward call convention's tensors for ``cfg``; ``partials=False`` gives a split-KV
+    config's final out and lse instead of its partials, ``has_sink`` overrides cfg.has_sink (both for
+    compile_split_kv)."""
     import cutlass
 
     dtype = _cutlass_dtype(cfg.dtype)
@@ -80,8 +85,8 @@ def _fake_tensors(cfg: ForwardConfig):
     kv_lead = 3 if cfg.page_size else lead  # a paged cache: (num_pages, page_size, h)
     k, v = (_fake_tokens(dtype, kv_lead, dim) for dim in (cfg.head_dim, cfg.head_dim_v))
     # Split-KV: float32 partials with a leading split mode (ForwardConfig.split_kv).
-    split = 1 if cfg.split_kv else 0
-    o = _fake_tokens(cutlass.Float32 if cfg.split_kv else dtype, lead + split, cfg.head_dim_v)
+    split = 1 if (cfg.split_kv if partials is None else partials) else 0
+    o = _fake_tokens(cutlass.Float32 if split else dtype, lead + split, cfg.head_dim_v)
     lse = _fake_rows((1 if cfg.varlen else 2) + split, padded=False)
     cu_q, cu_k = (_fake_vector(cutlass.Int32), _fake_vector(cutlass.Int32)) if cfg.varlen else (None, None)
     if cfg.page_size:
@@ -89,7 +94,7 @@ def _fake_tensors(cfg: ForwardConfig):
     seqused_q = _fake_vector(cutlass.Int32) if cfg.has_seqused_q else None
     seqused_k = _fake_vector(cutlass.Int32) if cfg.has_seqused_k else None
     page_table = _fake_page_table() if cfg.page_size else None
-    sink = _fake_vector(cutlass.Float32) if cfg.has_sink else None
+    sink = _fake_vector(cutlass.Float32) if (cfg.has_sink if has_sink is None else has_sink) else None
     return q, k, v, o, lse, cu_q, cu_k, seqused_q, seqused_k, page_table, sink
 
 
@@ -123,6 +128,28 @@ def compile_forward(cfg: ForwardConfig, *, jit_engine: bool = True):
         cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
         cutlass.Int32(1),  # max_seqlen_q
         arch=cfg.arch, jit_engine=jit_engine,
+    )
+
+
+def compile_split_kv(cfg: SplitKVConfig, *, jit_engine: bool = True):
+    """Compile a split-KV forward with its combine as one host function (no GPU needed; call
+    convention in split_kv.py)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from .config import WORKSPACE_ALIGN
+    from .split_kv import SplitKVForward
+
+    q, k, v, o, lse, *metadata = _fake_tensors(cfg.forward, partials=False, has_sink=cfg.combine.has_sink)
+    workspace = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                 (cute.sym_int(64, divisibility=WORKSPACE_ALIGN), 1), assumed_align=32)
+    return _compile(
+        SplitKVForward(cfg), q, k, v, o, lse, workspace, *metadata,
+        cutlass.Float32(1.0), cutlass.Float32(1.0),  # softmax_scale, softcap
+        cutlass.Int32(-1), cutlass.Int32(-1),  # window_left, window_right
+        cutlass.Int32(1),  # max_seqlen_q
+        arch=cfg.forward.arch, jit_engine=jit_engine,
     )
 
 
@@ -285,12 +312,30 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
     return list(dict.fromkeys(cfg(**problem) for problem in entry.rules().FORWARD_KERNEL_SET))
 
 
+def split_kv_kernel_set(arch: Arch) -> list[SplitKVConfig]:
+    """The split-KV forwards of the arch's kernel set as the one-call pipelines the torch layer runs
+    (split_kv.py), each with its combine: the first one's adds a learnable sink."""
+    splits = [cfg for cfg in kernel_set(arch) if cfg.split_kv]
+    return [SplitKVConfig(forward=cfg, combine=CombineConfig(arch=arch, dtype=cfg.dtype, head_dim_v=cfg.head_dim_v,
+                                                             has_sink=i == 0))
+            for i, cfg in enumerate(splits)]
+
+
+def compile_set(arch: Arch) -> list:
+    """Everything ``main`` compiles for an arch: the forward set (its split-KV kernels inside their
+    pipelines, which compile them), the backward, combine and append kernels."""
+    return ([cfg for cfg in kernel_set(arch) if not cfg.split_kv] + split_kv_kernel_set(arch)
+            + backward_kernel_set(arch) + combine_kernel_set(arch) + append_kernel_set(arch))
+
+
 _COMPILERS = {ForwardConfig: compile_forward, BackwardConfig: compile_backward,
               PreprocessConfig: compile_backward_preprocess, PostprocessConfig: compile_backward_postprocess,
-              CombineConfig: compile_combine, AppendConfig: compile_append}
+              CombineConfig: compile_combine, AppendConfig: compile_append, SplitKVConfig: compile_split_kv}
 
 
 def _describe(cfg) -> str:
+    if isinstance(cfg, SplitKVConfig):
+        return f"split-KV pipeline: {_describe(cfg.forward)} + {_describe(cfg.combine)}"
     if isinstance(cfg, PreprocessConfig):
         return f"bwd preprocess {cfg.dtype} dv={cfg.head_dim_v}"
     if isinstance(cfg, AppendConfig):
@@ -335,7 +380,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configs = kernel_set(arch) + backward_kernel_set(arch) + combine_kernel_set(arch) + append_kernel_set(arch)
+    configs = compile_set(arch)
     if not configs:
         print(f"error: flash-attn4 has no kernels for {arch.value}; implemented: {describe_implemented()}",
               file=sys.stderr)

@@ -422,6 +422,48 @@ class CombineConfig(_Config):
             raise ValueError(f"splits_in_flight must be 1 to 16, got {self.splits_in_flight}")
 
 
+# A split-KV workspace's row (one split's partials) is a multiple of this many float32 elements, so
+# that every split's partial outputs start 32-byte aligned (fa4_kernels/split_kv.py).
+WORKSPACE_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class SplitKVConfig(_Config):
+    """A split-KV forward as one host function (fa4_kernels/split_kv.py, call convention there): the
+    arch's split forward (``forward``, split_kv=True) into float32 partials carved from one
+    workspace, then the combine (``combine``) into the caller's out and LSE. One TVM-FFI call and one
+    allocation for the partials instead of two of each: a decode step pays them once per layer, on
+    the host, between the model's other ops. ``has_sink`` lives on the combine (the splits leave the
+    sink out; the combine counts it once)."""
+
+    forward: ForwardConfig
+    combine: CombineConfig
+
+    def __post_init__(self):
+        f, c = self.forward, self.combine
+        if not f.split_kv:
+            raise ValueError("SplitKVConfig.forward must be a split-KV forward (split_kv=True)")
+        if (c.arch, c.dtype, c.head_dim_v) != (f.arch, f.dtype, f.head_dim_v):
+            raise ValueError(f"SplitKVConfig: the combine ({c.arch}, {c.dtype}, head_dim_v={c.head_dim_v}) must "
+                             f"match the forward ({f.arch}, {f.dtype}, head_dim_v={f.head_dim_v})")
+
+    @property
+    def arch(self) -> Arch:
+        return self.forward.arch
+
+    def workspace_shape(self, num_splits: int, rows: int) -> tuple[int, int]:
+        """The float32 workspace of ``num_splits`` splits for ``rows`` output rows (query tokens x
+        heads): (num_splits, per_split), per_split holding a split's rows x head_dim_v partial
+        outputs, then its rows LSEs, padded to a multiple of WORKSPACE_ALIGN (split_kv.py)."""
+        per_split = rows * (self.forward.head_dim_v + 1)
+        return num_splits, -(-per_split // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+    def key(self) -> tuple:
+        """Both kernels' keys, their fields prefixed with the part they configure."""
+        return ((type(self).__name__,) + tuple("forward." + part for part in self.forward.key()[1:])
+                + tuple("combine." + part for part in self.combine.key()[1:]))
+
+
 @dataclass(frozen=True)
 class AppendConfig(_Config):
     """The KV-cache append kernel (fa4_kernels/kv_append.py, call convention there), for every
