@@ -18,7 +18,7 @@ import itertools
 import pytest
 import torch
 
-from flash_attn4 import dispatch, flash_attn_func, flash_attn_varlen_func, ops
+from flash_attn4 import compile_cache, dispatch, flash_attn_func, flash_attn_varlen_func, ops
 from flash_attn4.fa4_kernels.tiles import has_padded_pack
 from tests.gpu.helpers import DEVICE, rand
 from tests.gpu.test_fwd import check
@@ -134,9 +134,13 @@ def test_dummy_rows_write_nothing(seed, varlen, split_kv):
     big_o, out, inside_o = _view_inside(lead + out_shape, torch.float32 if split_kv else torch.bfloat16)
     big_l, lse, inside_l = _view_inside(lead + lse_shape, torch.float32)
     before_o, before_l = big_o.clone(), big_l.clone()
-    _, kernel = ops._checked_forward(q, v, causal=True, local=False, has_softcap=False, varlen=varlen,
-                                     has_seqused_k=False, has_sink=False, qhead_per_kvhead=ratio, split_kv=split_kv,
-                                     pack_group=dispatch.padded_pack(arch(), d, d, varlen, ratio, sq))
+    # The bare kernel (with split_kv: the split kernel alone, its partials in out and lse; ops runs it
+    # inside the split-KV pipeline, which carves the same partials out of its workspace).
+    cfg = dispatch.forward_config(arch(), "bfloat16", d, d, causal=True, local=False, has_softcap=False, varlen=varlen,
+                                  has_seqused_k=False, has_sink=False, qhead_per_kvhead=ratio, split_kv=split_kv,
+                                  pack_group=dispatch.padded_pack(arch(), d, d, varlen, ratio, sq))
+    assert cfg.pack_gqa_heads == ratio
+    kernel = compile_cache.get_forward_kernel(cfg)
     ops._launch_forward(kernel, q, k, v, out, lse, cu_q, cu_k, None, None, d ** -0.5, 0.0, -1, -1, sq)
     torch.cuda.synchronize()
     assert torch.equal(big_o[~inside_o], before_o[~inside_o]), "a write outside out's view (a dummy row)"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flash_attn4 import compile_cache, flash_attn_func, flash_attn_varlen_func, selfcheck, settings
+from flash_attn4.fa4_kernels.config import SplitKVConfig
 from tests.gpu.helpers import DEVICE, rand, seed_from_urandom
 from tests.reference import assert_close_fa_rule, attention_ref, max_abs_diff
 
@@ -99,8 +100,8 @@ def i32(values):
 
 @pytest.mark.parametrize("name", ["split-KV gqa causal", "padded batch seqused_q causal"])
 def test_real_sm90_split_kv_and_seqused_q_configurations_pass(name):
-    """The check's split-KV problem (float32 partials merged in float64) and its seqused_q problem
-    (rows past seqused_q unspecified) pass with the real kernels; the caller's result is right."""
+    """The check's split-KV problem (the pipeline: the split kernel and its combine) and its seqused_q
+    problem (rows past seqused_q unspecified) pass with the real kernels; the caller's result is right."""
     with torch.no_grad():
         if name.startswith("split"):
             q, k, v = rand(2, 5, 8, 128), rand(2, 700, 2, 128), rand(2, 700, 2, 128)
@@ -114,7 +115,9 @@ def test_real_sm90_split_kv_and_seqused_q_configurations_pass(name):
             rows = list(zip(range(3), used_q, used_k))
     cfgs = [key[1] for key, verdict in selfcheck._verdicts.items() if verdict == "passed"]
     assert len(cfgs) == 1, selfcheck._verdicts
-    assert cfgs[0].split_kv == name.startswith("split") and cfgs[0].has_seqused_q == name.startswith("padded")
+    forward = cfgs[0].forward if isinstance(cfgs[0], SplitKVConfig) else cfgs[0]
+    assert isinstance(cfgs[0], SplitKVConfig) == forward.split_kv == name.startswith("split")
+    assert forward.has_seqused_q == name.startswith("padded")
     report = selfcheck.report(cfgs[0], q.device)
     assert report.ok and report.out_err <= report.out_allowed and report.lse_err <= report.lse_allowed
     print(f"\n[selfcheck] {name}: the check {report.total_s * 1e3:.1f} ms; {report.summary()}; {report.problem}")
