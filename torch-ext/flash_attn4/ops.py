@@ -527,10 +527,11 @@ def _num_splits(num_splits: int, q: torch.Tensor, k: torch.Tensor, head_dim_v: i
         window_left=window_left if flags["local"] else -1, window_right=window_right if flags["local"] else -1)
 
 
-def _combine_kernel(device: torch.device, dtype: torch.dtype, head_dim_v: int, has_sink: bool = False):
+def _combine_kernel(device: torch.device, dtype: torch.dtype, head_dim_v: int):
+    """flash_attn_combine's kernel (the split-KV forward's combine is part of its pipeline)."""
     name = "float32" if dtype == torch.float32 else dispatch.dtype_name(dtype)
     return compile_cache.get_combine_kernel(dispatch.combine_config(dispatch.arch_for_device(device), name,
-                                                                    head_dim_v, has_sink))
+                                                                    head_dim_v))
 
 
 def _combine_layout(t: torch.Tensor) -> torch.Tensor:

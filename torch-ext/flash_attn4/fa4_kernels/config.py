@@ -186,7 +186,8 @@ class ForwardConfig(_KernelConfig):
     # float32 and lse (num_splits, b, hq, sq) / (num_splits, hq, total_q). Split s of a tile whose
     # visible KV blocks are [n_min, n_max) takes [n_min + s * per, min(n_min + (s + 1) * per, n_max)),
     # per = ceil((n_max - n_min) / num_splits); an empty split writes O = 0 and LSE = -inf. Only for
-    # an arch whose rules say it has split-KV (``FORWARD_SPLIT_KV`` in its tiles.py).
+    # an arch whose rules say it has split-KV (``FORWARD_SPLIT_KV`` in its tiles.py). The torch
+    # layer runs it with its combine as one host function (SplitKVConfig, fa4_kernels/split_kv.py).
     split_kv: bool = False
     # Paged KV cache (fa4_kernels/paged_kv.py): 0, K and V are contiguous; N > 0, they are pages of N
     # keys read through a page table, for batched queries (flash_attn_with_kvcache: O leaves by TMA)
