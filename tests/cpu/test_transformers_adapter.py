@@ -353,11 +353,13 @@ def test_chunk_after_cache_is_bottom_right_causal(backend):
     torch.testing.assert_close(out, _sdpa(q, k, v, _causal_allowed(b, sq, sk)), atol=1e-5, rtol=1e-5)
 
 
-def test_single_query_decode_step_is_sent_non_causal(backend):
+def test_single_query_decode_step_is_sent_causal(backend):
+    """One bottom-right-aligned query sees every key, causal or not: the step is sent causal, as
+    FlashAttention-style decode callers send it (one kernel for both, the one the shipped set holds)."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = _qkv(3, 4, 2, 1, 23, gen=gen)
     out, _ = ta.attention_forward(_module(), q, k, v, None)
-    assert backend.calls[-1]["causal"] is False  # identical to causal for one bottom-right-aligned row
+    assert backend.calls[-1]["causal"] is True and backend.calls[-1]["num_splits"] == 0
     torch.testing.assert_close(out, _sdpa(q, k, v, torch.ones(3, 1, 23, dtype=torch.bool)), atol=1e-5, rtol=1e-5)
 
 
@@ -402,7 +404,7 @@ def test_padded_decode_step_and_padded_chunk_read_the_cache_in_place(backend):
         q, k, v = _qkv(b, hq, hk, sq, sk, gen=gen)
         out, _ = ta.attention_forward(_module(), q, k, v, valid)
         call = backend.calls[-1]
-        assert call["fn"] == "kvcache" and call["causal"] is (sq > 1)
+        assert call["fn"] == "kvcache" and call["causal"] is True
         assert call["q"].shape == (b * hk, sq, hq // hk, 32) and call["k"].shape == (b * hk, sk, 1, 32)
         assert call["k"].data_ptr() == k.data_ptr()  # the cache itself, not a copy
         assert call["cache_leftpad"].tolist() == (sk - lengths).repeat_interleave(hk).tolist()

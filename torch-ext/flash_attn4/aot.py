@@ -86,7 +86,9 @@ MODEL_PROFILES = (
 
 # How calls reach the kernels (ops.py): "dense" = flash_attn_func on an unpadded batch; "varlen" =
 # padded or packed batches (the transformers adapter unpads to cu_seqlens); "decode" = one query per
-# sequence (a ratio that does not pack run in padded groups, dispatch.padded_pack); "kvcache" = flash_attn_with_kvcache
+# sequence (a ratio that does not pack run in padded groups, dispatch.padded_pack), sent causal as the
+# transformers adapter sends its decode steps, batched (dynamic cache: unsplit, and split-KV for long
+# caches) or varlen (padding with holes); "kvcache" = flash_attn_with_kvcache
 # over a contiguous cache, unsplit and split-KV (with its combine, one pipeline): batched + seqused_k (entry b on
 # cache row b from position 0: decoding's common case) and varlen + seqused_k (cache_batch_idx or
 # cache_leftpad: left-padded batches, the transformers adapter's left padding), with the append kernel;
@@ -136,6 +138,8 @@ def forward_configs(arch: Arch, p: ModelProfile, dtype: str, patterns=CALL_PATTE
             out.append(fwd(True, False, has_seqused_k=False))
         if "decode" in patterns and p.causal:
             out += [fwd(False, True, has_seqused_k=False), fwd(True, True, has_seqused_k=False)]
+            if has_split_kv(arch):  # a long dynamic cache: flash_attn_func's automatic split-KV
+                out.append(split(False, has_seqused_k=False))
         if "kvcache" in patterns and p.causal:
             for varlen in (False, True):
                 out.append(fwd(varlen, True, has_seqused_k=True))

@@ -39,9 +39,10 @@ What the "fa4" attention function does with transformers' arguments (both 5.17 a
 - packed sequences: ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs (DataCollatorWithFlattening
   with ``return_flash_attn_kwargs=True``), or ``position_ids`` that restart (B == 1, no padding
   mask; transformers' ``_is_packed_sequence`` / ``prepare_fa_kwargs_from_position_ids``) -> varlen.
-- Causality: ``kwargs["is_causal"]`` if given, else ``module.is_causal``. Masks are aligned
-  bottom-right (CONTRACTS.md), so a single-query step (decode) is the same as non-causal and is
-  sent as such.
+- Causality: ``kwargs["is_causal"]`` if given, else ``module.is_causal``, sent as it is. Masks are
+  aligned bottom-right (CONTRACTS.md), so a single-query step (decode) sees every key either way;
+  sent causal, it runs the kernels that FlashAttention-style decode callers (``causal=True``) run
+  and that the shipped precompiled set holds (docs/AOT.md), instead of compiling unmasked ones.
 - ``scaling`` -> ``softmax_scale``; ``softcap`` -> ``softcap``; ``s_aux`` (attention sinks, one
   logit per query head) -> ``learnable_sink`` in float32.
 - ``sliding_window`` follows transformers' flash-attention path: only when the key length exceeds
@@ -376,7 +377,7 @@ def attention_forward(
         window = (left, 0) if is_causal else (left, left)
     options = dict(
         softmax_scale=scaling,
-        causal=is_causal and sq > 1,  # one query row sees every key under bottom-right alignment
+        causal=is_causal,
         window_size=window,
         softcap=float(softcap) if softcap else 0.0,
         learnable_sink=s_aux.float() if s_aux is not None else None,
