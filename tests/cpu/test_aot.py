@@ -129,6 +129,69 @@ def test_docs_state_the_shipped_counts():
         assert int(count) == len(aot.shipped_configs(arch)), arch.value
 
 
+@pytest.fixture
+def requested_configs(monkeypatch):
+    """CPU tensors pass validation and the device is a stand-in GPU of ``arch`` (set by the test);
+    compiling records the configuration and yields a no-op kernel: what a call would need compiled,
+    with nothing run (no self-check either). The shipped set and the disk cache are off, so every
+    configuration reaches the recorder."""
+    import torch
+
+    from flash_attn4 import device_info, validate
+
+    state = {"arch": Arch.SM90, "configs": []}
+
+    def record(cfg, **_):
+        state["configs"].append(cfg)
+        return lambda *args: None
+
+    sms = {Arch.SM90: ((9, 0), 132), Arch.SM100: ((10, 0), 148)}
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(dispatch, "arch_for_device", lambda device, kernel="forward": state["arch"])
+    monkeypatch.setattr(device_info, "get_device_info",
+                        lambda device: device_info.DeviceInfo(0, "stand-in", *sms[state["arch"]]))
+    for name in ("_compile_forward", "_compile_split_kv", "_compile_combine"):
+        monkeypatch.setattr(compile_cache, name, record)
+    for name in (settings.DISABLE_DISK_CACHE, settings.DISABLE_AOT):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv(settings.SELF_CHECK, "0")
+    compile_cache.clear()
+    torch.manual_seed(30)
+    yield state
+    compile_cache.clear()
+
+
+@pytest.mark.parametrize("arch", SHIPPED_ARCHS, ids=lambda a: a.value)
+@pytest.mark.parametrize("profile", [p for p in aot.MODEL_PROFILES if p.causal and p.full], ids=lambda p: p.name)
+def test_the_adapters_decode_steps_run_shipped_kernels(requested_configs, arch, profile):
+    """generate()'s one-query steps through the transformers adapter - dynamic cache, a static
+    cache's unused tail, left padding; a short cache (one split) and, where the KV heads are few,
+    a long one (split-KV) - need only kernels the shipped set holds: the first decode step of a
+    listed model compiles nothing."""
+    import torch
+
+    from flash_attn4 import transformers_adapter
+
+    requested_configs["arch"] = arch
+    module = type("Attention", (), {"is_causal": True, "training": False})()
+    hq, hk, d, dv = profile.num_heads, profile.num_kv_heads, profile.head_dim, profile.dv
+    lengths = (64, 16384) if hk <= 8 else (64,)
+    for keys in lengths:
+        q = torch.randn(2, hq, 1, d, dtype=torch.bfloat16)
+        k, v = (torch.randn(2, hk, keys, dim, dtype=torch.bfloat16) for dim in (d, dv))
+        tail, left = torch.ones(2, keys, dtype=torch.bool), torch.ones(2, keys, dtype=torch.bool)
+        tail[:, -5:] = False  # a static cache: keys past the tokens seen
+        left[1, :7] = False  # left padding
+        for mask in (None, tail, left):
+            out, _ = transformers_adapter.attention_forward(module, q, k, v, mask)
+            assert out.shape == (2, 1, hq, dv)
+    requested = {(aot.kind_of(c),) + c.key(): c for c in requested_configs["configs"]}
+    assert {aot.kind_of(c) for c in requested.values()} == ({"fwd", "split_kv"} if len(lengths) > 1 else {"fwd"})
+    shipped = {(aot.kind_of(c),) + c.key() for c in aot.shipped_configs(arch)}
+    missing = [c for key, c in requested.items() if key not in shipped]
+    assert not missing, f"{profile.name} on {arch.value} compiles at its first decode step: {missing}"
+
+
 def test_model_configs_follow_the_profile():
     gemma = aot.ModelProfile("g", 256, 16, 8, sliding=True, softcap=True)
     fwd = [c for c in aot.model_configs(Arch.SM90, gemma, ("float16",)) if isinstance(c, ForwardConfig)]
