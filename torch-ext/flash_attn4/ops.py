@@ -354,16 +354,11 @@ def _run_plan(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learn
         seqused_q)
     # The first-use self-check's verdict (one set lookup once settled; a failed check raises every call).
     selfcheck.ensure_checked(plan.cfg, device, plan.kernel, _launch_forward)
-    if plan.workspace_shape is None:
-        if _poison_outputs_for_tests:
-            _poison((out,), (lse,))
-        with _device_guard(device):
-            _launch(plan.kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                    learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q)
-        return out, lse
-    workspace = torch.empty(plan.workspace_shape, dtype=torch.float32, device=device)
-    if _poison_outputs_for_tests:  # an element the split kernel or the combine leaves unwritten shows up
-        _poison((out, workspace), (lse,))
+    workspace = None
+    if plan.workspace_shape is not None:
+        workspace = torch.empty(plan.workspace_shape, dtype=torch.float32, device=device)
+    if _poison_outputs_for_tests:  # an element the kernels leave unwritten (split-KV: its partials too) shows up
+        _poison((out,) if workspace is None else (out, workspace), (lse,))
     with _device_guard(device):
         _launch(plan.kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
                 learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q, workspace)
