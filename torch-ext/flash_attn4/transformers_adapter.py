@@ -375,29 +375,34 @@ def attention_forward(
     if sliding_window is not None and sk > sliding_window:
         left = int(sliding_window) - 1
         window = (left, 0) if is_causal else (left, left)
-    options = dict(
-        softmax_scale=scaling,
-        causal=is_causal,
-        window_size=window,
-        softcap=float(softcap) if softcap else 0.0,
-        learnable_sink=s_aux.float() if s_aux is not None else None,
-    )
+    softcap = float(softcap) if softcap else 0.0
+    sink = s_aux.float() if s_aux is not None else None
     fa = _backend()
 
     if mask is not None:
+        options = dict(softmax_scale=scaling, causal=is_causal, window_size=window, softcap=softcap,
+                       learnable_sink=sink)
         if sq < mask.shape[-1] and (is_causal or sq == 1):  # a step on a KV cache
             out = _cache_forward(fa, query, key, value, mask, options)
             if out is not None:
                 return out, None
         return _padded_forward(fa, query, key, value, mask, is_causal, options), None
 
-    q, k, v = _bshd(query), _bshd(key), _bshd(value)
-    packed = _packed_kwargs(kwargs, q.shape[0], sq, k.shape[1])
-    if packed is not None:
-        return _packed_attention(fa, q, k, v, *packed, options), None
-    if not _needs_grad(q, k, v):
-        options["num_splits"] = 0  # automatic split-KV: decoding's few (batch, head) pairs fill the GPU
-    return _first_tensor(fa.flash_attn_func(q, k, v, **options)), None
+    # No mask: every decode step on a dynamic cache lands here, once per layer, so this path calls
+    # the function directly (no options dict, no helpers): each Python step between the model's
+    # other ops costs a multiple of its back-to-back time (scripts/host_time.py --in-model).
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D) views
+    if kwargs:
+        packed = _packed_kwargs(kwargs, q.shape[0], sq, k.shape[1])
+        if packed is not None:
+            options = dict(softmax_scale=scaling, causal=is_causal, window_size=window, softcap=softcap,
+                           learnable_sink=sink)
+            return _packed_attention(fa, q, k, v, *packed, options), None
+    # automatic split-KV (decoding's few (batch, head) pairs fill the GPU) where no gradient is needed
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    out = fa.flash_attn_func(q, k, v, softmax_scale=scaling, causal=is_causal, window_size=window, softcap=softcap,
+                             learnable_sink=sink, num_splits=1 if grad else 0)
+    return (out[0] if isinstance(out, (tuple, list)) else out), None
 
 
 # ---- packed sequences (padding-free training) ----
