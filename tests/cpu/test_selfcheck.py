@@ -509,8 +509,10 @@ def test_split_kv_call_checks_its_pipeline_first(fake_gpu, monkeypatch):
                                    varlen=False, has_seqused_k=False, has_sink=False, qhead_per_kvhead=4)
     assert cfg.forward == forward and selfcheck.verdict(cfg, "cpu") == "passed"
     check_rows = math.prod(selfcheck.build_forward_problem(cfg).output_shapes()[0][:-1])
-    assert launched == [(problem_shape(cfg), cfg.workspace_shape(selfcheck.SPLITS, check_rows)),
-                        (tuple(q.shape), cfg.workspace_shape(3, 2 * 1 * 4))]
+    assert launched[0] == (problem_shape(cfg), cfg.workspace_shape(selfcheck.SPLITS, check_rows))
+    # the call's workspace: 3 splits, rows with room past the partials (ops puts the dropped LSE there)
+    assert len(launched) == 2 and launched[1][0] == tuple(q.shape) and launched[1][1][0] == 3
+    assert launched[1][1][1] >= cfg.workspace_shape(3, 2 * 1 * 4)[1]
 
 
 @pytest.mark.parametrize("flags", [dict(has_seqused_q=True, causal=True),

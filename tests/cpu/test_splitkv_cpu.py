@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flash_attn4 import (compile_cache, device_info, dispatch, flash_attn_combine, flash_attn_func,
-                         flash_attn_varlen_func, ops, validate)
+                         flash_attn_varlen_func, flash_attn_with_kvcache, ops, validate)
 from flash_attn4.fa4_kernels.arch import Arch, kernels_for
-from flash_attn4.fa4_kernels.config import CombineConfig, ForwardConfig, SplitKVConfig
+from flash_attn4.fa4_kernels.config import WORKSPACE_ALIGN, CombineConfig, ForwardConfig, SplitKVConfig
 from tests.reference import (attention_ref, combine_ref, partial_attention_ref, random_cu_seqlens,
                              split_kv_workspace_views, unpage)
 
@@ -306,7 +306,16 @@ def pipeline_stand_in(cfg, forward, combine):
 
     def run(q, k, v, out, lse, workspace, cu_q, cu_k, seqused_q, seqused_k, page_table, sink, *scalars):
         assert workspace.dtype == torch.float32 and workspace.shape[0] > 1
-        assert workspace.shape == cfg.workspace_shape(workspace.shape[0], math.prod(out.shape[:-1]))
+        # rows of at least the kernels' partials (the caller may keep its own data past them), 32-byte aligned
+        needed = cfg.workspace_shape(workspace.shape[0], math.prod(out.shape[:-1]))[1]
+        assert workspace.shape[1] >= needed and workspace.stride(1) == 1
+        assert workspace.stride(0) % WORKSPACE_ALIGN == 0 and workspace.data_ptr() % 32 == 0
+        if lse.untyped_storage().data_ptr() == workspace.untyped_storage().data_ptr():  # an LSE the caller drops
+            rows = math.prod(out.shape[:-1])
+            row, start = divmod(lse.storage_offset() - workspace.storage_offset(), workspace.stride(0))
+            assert lse.is_contiguous() and 0 <= row < workspace.shape[0]
+            # past the partials the kernels use in that split's row, and within it
+            assert start >= rows * (out.shape[-1] + 1) and start + lse.numel() <= workspace.shape[1]
         out_p, lse_p = split_kv_workspace_views(workspace, out.shape, lse.shape)
         forward(q, k, v, out_p, lse_p, cu_q, cu_k, seqused_q, seqused_k, page_table, None, *scalars)
         if cfg.forward.varlen:  # combine.py's convention: the packed tokens as one batch entry
@@ -406,6 +415,43 @@ def test_flash_attn_varlen_func_split_path(cpu_kernels, num_splits):
     assert any(c.split_kv for c in cpu_kernels if isinstance(c, ForwardConfig))
     assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
     close_to_reference(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("path", ["func", "varlen", "kvcache"])
+def test_a_dropped_lse_is_written_into_the_workspace(cpu_kernels, monkeypatch, path):
+    """A split-KV call whose caller drops the LSE (return_lse / return_softmax_lse False, the
+    adapter's decode step) has the combine write it into the workspace's spare room (one allocation
+    fewer per step; the pipeline stand-in checks that no partial lives there); one that returns it
+    gets its own tensor. The output is the same either way."""
+    launched = []
+    real_launch = ops._launch
+
+    def record(kernel, q, k, v, out, lse, *rest):
+        launched.append((lse, rest[-1]))  # the workspace is _launch's last argument
+        return real_launch(kernel, q, k, v, out, lse, *rest)
+
+    monkeypatch.setattr(ops, "_launch", record)
+    torch.manual_seed(0)
+    q, k, v = q_kv(b=2, sq=2, sk=900, hq=8, hk=2, d=64)
+    if path == "func":
+        call = lambda lse: flash_attn_func(q, k, v, causal=True, num_splits=3, return_lse=lse)  # noqa: E731
+    elif path == "varlen":
+        cu = torch.tensor([0, 900, 1800], dtype=torch.int32)
+        call = lambda lse: flash_attn_varlen_func(  # noqa: E731
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu * 2 // 900, cu, 2, 900, causal=True,
+            num_splits=3, return_lse=lse)
+    else:
+        lens = torch.tensor([900, 517], dtype=torch.int32)
+        call = lambda lse: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, num_splits=3,  # noqa: E731
+                                                   return_softmax_lse=lse)
+    dropped = call(False)
+    kept, lse = call(True)
+    (lse_dropped, ws_dropped), (lse_kept, ws_kept) = launched[-2:]
+    assert ws_dropped is not None and ws_kept is not None  # both split
+    assert lse_dropped.untyped_storage().data_ptr() == ws_dropped.untyped_storage().data_ptr()
+    assert lse_kept.untyped_storage().data_ptr() != ws_kept.untyped_storage().data_ptr()
+    assert lse.untyped_storage().data_ptr() != ws_kept.untyped_storage().data_ptr()
+    assert torch.equal(dropped, kept)
 
 
 def test_split_forward_backward_is_the_usual_backward(cpu_kernels, monkeypatch):

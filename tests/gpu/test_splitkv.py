@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from flash_attn4 import (compile_cache, device_info, dispatch, flash_attn_combine, flash_attn_func,
-                         flash_attn_varlen_func, ops)
+                         flash_attn_varlen_func, flash_attn_with_kvcache, ops)
 from flash_attn4.fa4_kernels.arch import Arch
 from tests.gpu.helpers import DEVICE, rand, random_lengths, seed_from_urandom
 from tests.gpu.test_fwd import check
@@ -166,6 +166,50 @@ def test_pipeline_is_the_split_kernel_then_the_combine(seed, varlen):
     assert not torch.isnan(out).any() and not torch.isinf(lse).any()
     check(out, lse, q, k, v, causal=True, learnable_sink=sink, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
           seqused_k=seqused_k)
+
+
+@pytest.mark.parametrize("path", ["func", "varlen", "kvcache"])
+def test_a_dropped_lse_in_the_workspace(seed, monkeypatch, path):
+    """A split-KV call whose caller drops the LSE has the combine write it into the workspace's
+    spare room (ops._Plan.lse_view): the real kernels leave that room to it, so the LSE written
+    there equals the one a return_lse call gets, bit for bit, as does out (poisoned workspaces,
+    7 query heads per KV head, 100 to 5000 keys)."""
+    launched = []
+    real_launch = ops._launch
+
+    def record(kernel, q, k, v, out, lse, *rest):
+        real_launch(kernel, q, k, v, out, lse, *rest)
+        launched.append((lse, rest[-1]))  # the workspace is the last argument
+
+    monkeypatch.setattr(ops, "_launch", record)
+    hq, hk, d = 14, 2, 128
+    lens = [5000, 100]
+    q, k, v = rand(2, 2, hq, d), rand(2, 5000, hk, d), rand(2, 5000, hk, d)
+    if path == "func":
+        def call(keep):
+            return flash_attn_func(q, k, v, causal=True, num_splits=4, return_lse=keep)
+    elif path == "varlen":
+        cu_q = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, 5000, 5100], dtype=torch.int32, device=DEVICE)
+
+        def call(keep):
+            return flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 2, 5000,
+                                          causal=True, num_splits=5, return_lse=keep)
+    else:
+        cache_seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+        def call(keep):
+            return flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens, causal=True, num_splits=4,
+                                           return_softmax_lse=keep)
+    dropped = call(False)
+    kept, lse = call(True)
+    (lse_in_workspace, workspace), (lse_own, _) = launched[-2:]  # after any first-use self-check's launches
+    assert workspace is not None
+    assert lse_in_workspace.untyped_storage().data_ptr() == workspace.untyped_storage().data_ptr()
+    assert lse_own.untyped_storage().data_ptr() != workspace.untyped_storage().data_ptr()
+    torch.testing.assert_close(dropped, kept, rtol=0, atol=0)
+    torch.testing.assert_close(lse_in_workspace, lse_own, rtol=0, atol=0)
+    assert lse is lse_own and torch.isfinite(lse).all()
 
 
 @pytest.mark.parametrize("num_splits", [3, 64])

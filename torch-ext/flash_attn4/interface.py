@@ -128,7 +128,7 @@ def flash_attn_func(
     if learnable_sink is not None and learnable_sink.dtype != torch.float32:
         learnable_sink = learnable_sink.float()  # the kernel reads float32 sinks
     out, lse = ops.forward(q, k, v, None, None, None, learnable_sink, softmax_scale, softcap, causal, left, right,
-                           q.shape[1], k.shape[1], deterministic, num_splits)
+                           q.shape[1], k.shape[1], deterministic, num_splits, need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -223,14 +223,16 @@ def flash_attn_varlen_func(
         learnable_sink = learnable_sink.float()  # the kernel reads float32 sinks
     if cu_seqlens_q is None and cu_seqlens_k is None and page_table is None:  # padded batch (_check_padded_batch)
         out, lse = ops.forward(q, k, v, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal, left,
-                               right, q.shape[1], k.shape[1], deterministic, num_splits, None, seqused_q)
+                               right, q.shape[1], k.shape[1], deterministic, num_splits, None, seqused_q,
+                               need_lse=return_lse)
         return (out, lse) if return_lse else out
     if max_q is None:
         max_q = validate.longest_sequence(cu_seqlens_q, q.shape[0])
     if max_k is None:
         max_k = -1  # only the backward needs it: it finds it then (ops.bwd)
     out, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table, seqused_q)
+                           causal, left, right, max_q, max_k, deterministic, num_splits, page_table, seqused_q,
+                           need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -43,6 +43,7 @@ import torch
 from . import compile_cache, device_info, dispatch, selfcheck, settings, validate
 from ._ops import add_op_namespace_prefix
 from .fa4_kernels.arch import Arch, kernels_for
+from .fa4_kernels.config import WORKSPACE_ALIGN
 from .fa4_kernels.tiles import has_split_kv
 
 # The ops are defined with torch.library's low-level API rather than torch.library.custom_op: that
@@ -218,13 +219,15 @@ def fwd(
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, window_left,
-            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None, seqused_q=None):
+            window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None, seqused_q=None,
+            need_lse=True):
     """``fwd`` for the public functions: the op, or its implementation directly where nothing needs
-    the dispatcher (_dispatcher_free)."""
+    the dispatcher (_dispatcher_free). ``need_lse=False``: the caller drops the LSE (then it may be
+    a view of scratch memory; the op, whose autograd keeps it, always allocates it)."""
     if _dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q):
         return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                         window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table,
-                        seqused_q=seqused_q)
+                        seqused_q=seqused_q, need_lse=need_lse)
     return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits, page_table, seqused_q)
 
@@ -232,18 +235,20 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, soft
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
              window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits,
              check_values: bool = True, page_table: Optional[torch.Tensor] = None,
-             seqused_q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             seqused_q: Optional[torch.Tensor] = None, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """fwd's implementation, shared with fwd_kvcache. ``check_values=False`` skips the opt-in varlen
     value check (the KV-cache op checks its own metadata: its cu_seqlens_k are cache row offsets,
     which need not increase). ``page_table``: k and v are a paged cache (ForwardConfig.page_size),
     cu_seqlens_k is None and seqused_k holds the key lengths. ``seqused_q``: sequence b uses its first
-    seqused_q[b] queries; the rows of out and lse past them are left as allocated."""
+    seqused_q[b] queries; the rows of out and lse past them are left as allocated. ``need_lse=False``:
+    the caller drops the LSE, which a split-KV plan then writes into its workspace (_run_plan)."""
     if PLAN_CACHE:
         plan = _plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
                      max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q)
         if plan is not None:
             return _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale,
-                             softcap, window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
+                             softcap, window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q,
+                             need_lse)
     # No plan: an empty problem, inputs whose layout the kernels cannot read, or the plan cache off.
     varlen = cu_seqlens_q is not None
     if _no_work(_output_shapes(q, v, varlen)[0], k, varlen):
@@ -252,7 +257,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
     plan = _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
                        max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q)
     return _run_plan(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-                     window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q)
+                     window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q, need_lse)
 
 
 def _no_work(out_shape: tuple, k, varlen: bool) -> bool:
@@ -289,8 +294,12 @@ compile_cache._clear_hooks.append(_PLANS.clear)
 class _Plan:
     """``kernel`` writes out and lse: the forward itself (``workspace_shape`` None), or the split-KV
     pipeline (fa4_kernels/split_kv.py: the split kernel into a float32 workspace of that shape,
-    then the combine)."""
-    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "cfg", "kernel", "workspace_shape")
+    then the combine). A split-KV workspace has room for one more LSE past the first split's
+    partials, which the kernels never touch: an LSE the caller drops is written there as the
+    ``lse_view`` (size, stride, offset) of the workspace, one allocation fewer per decode step.
+    ``guard``: the launch may need a device guard (a process with several GPUs)."""
+    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "cfg", "kernel", "workspace_shape", "lse_view",
+                 "guard")
 
 
 def _plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
@@ -331,35 +340,45 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
                                  window_left, window_right, flags)
     plan = _Plan()
     plan.out_shape, plan.lse_shape, plan.dtype, plan.device = out_shape, lse_shape, q.dtype, q.device
-    plan.workspace_shape = None
+    plan.workspace_shape = plan.lse_view = None
+    plan.guard = q.device.type == "cuda" and q.device.index is not None and _several_gpus()
     if num_splits > 1:
         plan.cfg, plan.kernel = _checked_forward(q, v, **flags, split_kv=True)
-        plan.workspace_shape = plan.cfg.workspace_shape(num_splits, math.prod(out_shape[:-1]))
+        rows, align = math.prod(out_shape[:-1]), WORKSPACE_ALIGN
+        spare = -(-rows // align) * align
+        plan.workspace_shape = plan.cfg.workspace_shape(num_splits, rows, spare=spare)
+        strides = tuple(math.prod(lse_shape[i + 1:]) for i in range(len(lse_shape)))
+        used = -(-rows * (v.shape[-1] + 1) // align) * align  # split 0's partials, rounded up: its spare room
+        plan.lse_view = lse_shape, strides, used
     else:
         plan.cfg, plan.kernel = _checked_forward(q, v, **flags)
     return plan
 
 
 def _run_plan(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap,
-              window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q):
+              window_left, window_right, max_seqlen_q, check_values, page_table, seqused_q, need_lse=True):
     """_forward's allocations and launch as the plan decided them (q, k and v laid out). A decode
     step runs this once per layer, between the model's other ops, where every Python call on the way
     to the launch costs a multiple of its back-to-back time (scripts/host_time.py --in-model): hence
-    one flat function, not a chain of helpers, and one host call for a split-KV forward."""
+    one flat function, not a chain of helpers, one host call for a split-KV forward, and no LSE
+    allocation where the caller drops it (plan.lse_view)."""
     device = plan.device
-    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
-    cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _metadata_inputs(
-        q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table,
-        seqused_q)
+    out = q.new_empty(plan.out_shape)  # q's dtype and device (plan.dtype, plan.device)
+    workspace = None
+    if plan.workspace_shape is None:
+        lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    else:
+        workspace = q.new_empty(plan.workspace_shape, dtype=torch.float32)
+        lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if need_lse else workspace.as_strided(*plan.lse_view)
+    if cu_seqlens_q is not None or seqused_k is not None or seqused_q is not None or learnable_sink is not None:
+        cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q = _metadata_inputs(
+            q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, max_seqlen_q, check_values, page_table,
+            seqused_q)
     # The first-use self-check's verdict (one set lookup once settled; a failed check raises every call).
     selfcheck.ensure_checked(plan.cfg, device, plan.kernel, _launch_forward)
-    workspace = None
-    if plan.workspace_shape is not None:
-        workspace = torch.empty(plan.workspace_shape, dtype=torch.float32, device=device)
     if _poison_outputs_for_tests:  # an element the kernels leave unwritten (split-KV: its partials too) shows up
         _poison((out,) if workspace is None else (out, workspace), (lse,))
-    with _device_guard(device):
+    with _device_guard(device) if plan.guard else _NO_GUARD:
         _launch(plan.kernel, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
                 learnable_sink, softmax_scale, softcap, window_left, window_right, max_seqlen_q, workspace)
     return out, lse
@@ -1073,13 +1092,13 @@ def _kvcache_forward(
         seqused_k = appended if appended is not None else _keys_used(page_table, k_cache.shape[1], s_new, cache_seqlens)
         out, lse = _forward(q, k_cache, v_cache, None, None, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                             window_left, window_right, sq, s_cache, num_splits, check_values=False,
-                            page_table=page_table)
+                            page_table=page_table, need_lse=return_lse)
         return out, lse if return_lse else None
     cu_seqlens_q, cu_seqlens_k, seqused_k = _kvcache_metadata(
         q, k_cache.shape[0], s_cache, s_new, cache_seqlens, cache_batch_idx, cache_leftpad, appended)
     out, lse = _forward(q.reshape(batch * sq, hq, d), _packed_cache(k_cache), _packed_cache(v_cache),
                         cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
-                        window_left, window_right, sq, s_cache, num_splits, check_values=False)
+                        window_left, window_right, sq, s_cache, num_splits, check_values=False, need_lse=return_lse)
     out = out.view(batch, sq, hq, v_cache.shape[-1])
     if not return_lse:
         return out, None

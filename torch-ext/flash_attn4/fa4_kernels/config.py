@@ -452,11 +452,13 @@ class SplitKVConfig(_Config):
     def arch(self) -> Arch:
         return self.forward.arch
 
-    def workspace_shape(self, num_splits: int, rows: int) -> tuple[int, int]:
+    def workspace_shape(self, num_splits: int, rows: int, spare: int = 0) -> tuple[int, int]:
         """The float32 workspace of ``num_splits`` splits for ``rows`` output rows (query tokens x
         heads): (num_splits, per_split), per_split holding a split's rows x head_dim_v partial
-        outputs, then its rows LSEs, padded to a multiple of WORKSPACE_ALIGN (split_kv.py)."""
-        per_split = rows * (self.forward.head_dim_v + 1)
+        outputs, then its rows LSEs, then ``spare`` elements the kernels never touch (a caller's
+        scratch: ops puts an LSE that nobody reads there), padded to a multiple of WORKSPACE_ALIGN
+        (split_kv.py)."""
+        per_split = rows * (self.forward.head_dim_v + 1) + spare
         return num_splits, -(-per_split // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
     def key(self) -> tuple:

@@ -15,7 +15,9 @@ The workspace, float32 (num_splits, per_split) row-major, holds each split's par
 with per_split >= rows * (dv + 1), a multiple of 8 (SplitKVConfig.workspace_shape), so that every
 split's O starts 32-byte aligned. O_s is laid out like out (b, sq, hq, dv) or (total_q, hq, dv) and
 LSE_s like lse (b, hq, sq) or (hq, total_q): the views the split kernel and the combine take
-(ForwardConfig.split_kv and combine.py) are cut from it here, at no host cost.
+(ForwardConfig.split_kv and combine.py) are cut from it here, at no host cost. The kernels touch
+only those rows * (dv + 1) elements of a split: a caller may keep its own data in the rest (ops
+has the combine write an LSE that its caller drops there).
 
 Call convention (TVM-FFI, current CUDA stream), ForwardConfig's with the workspace after lse:
 
