@@ -240,8 +240,9 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, sof
     value check (the KV-cache op checks its own metadata: its cu_seqlens_k are cache row offsets,
     which need not increase). ``page_table``: k and v are a paged cache (ForwardConfig.page_size),
     cu_seqlens_k is None and seqused_k holds the key lengths. ``seqused_q``: sequence b uses its first
-    seqused_q[b] queries; the rows of out and lse past them are left as allocated. ``need_lse=False``:
-    the caller drops the LSE, which a split-KV plan then writes into its workspace (_run_plan)."""
+    seqused_q[b] queries; the rows of out and lse past them are undefined (split-KV: merged from
+    partials nobody wrote; else left as allocated). ``need_lse=False``: the caller drops the LSE,
+    which a split-KV plan then writes into its workspace (_run_plan)."""
     if PLAN_CACHE:
         plan = _plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
                      max_seqlen_q, max_seqlen_k, num_splits, page_table, seqused_q)
