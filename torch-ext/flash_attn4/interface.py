@@ -187,8 +187,9 @@ def flash_attn_varlen_func(
 
     Padded batches (forward only): ``seqused_q`` int32 (b,) uses only the first seqused_q[i] queries of
     sequence i (of its cu_seqlens_q slot; masks align to that length); the output and LSE rows past
-    them are undefined (left as allocated, or with num_splits != 1 merged from unwritten partials). With cu_seqlens_q and cu_seqlens_k both None, q, k, v are
-    batched (b, s, h, d) tensors padded per sequence, lengths given by seqused_q and/or seqused_k:
+    them are undefined (left as allocated, or with num_splits != 1 merged from unwritten partials).
+    With cu_seqlens_q and cu_seqlens_k both None, q, k, v are batched (b, s, h, d) tensors padded per
+    sequence, lengths given by seqused_q and/or seqused_k:
     a decode or prefill batch runs without repacking. The outputs then have flash_attn_func's shapes.
 
     Paged keys (``page_table`` int32 (b, max_pages), forward only): k (num_pages, page_size, hk, d) and
