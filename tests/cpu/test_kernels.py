@@ -134,6 +134,25 @@ def test_sm90_forward_tma_store_o_stages_o_in_q_where_it_does_not_fit_beside(tmp
     assert proc.returncode != 0 and "persistent CTA needs" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_sm90_forward_with_one_consumer_warpgroup(tmp_path):
+    """tile_m = 64 (an A/B variant for decoding, where a tile holds a few real rows): one consumer
+    warpgroup beside the producer, 256 threads, WGMMAs, no spills; ping-pong, which hands the GEMMs
+    between consumers, is refused for it."""
+    with pytest.raises(ValueError, match="pingpong=False"):
+        ForwardConfig(arch=Arch.SM90, dtype="bfloat16", head_dim=128, head_dim_v=128, tile_m=64)
+    proc = _compile_in_subprocess(tmp_path, dict(head_dim=128, head_dim_v=128, causal=True, tile_m=64, pingpong=False,
+                                                 split_kv=True, pack_gqa=4), keep="ptx,cubin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
+    assert ".reqntid 256, 1, 1" in ptx and "wgmma.mma_async" in ptx
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    sass = subprocess.run([nvdisasm, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
+                          text=True).stdout
+    assert "HGMMA" in sass and "STL" not in sass and "LDL" not in sass, "register spills to local memory"
+
+
 @pytest.mark.parametrize("head_dim,tile_n", [(256, 80), (192, 96)])
 def test_sm90_forward_converts_p_in_pairs_at_kv_tiles_that_are_not_powers_of_two(tmp_path, head_dim, tile_n):
     """P's fragment holds tile_n / 2 scores per thread (40, 48): converted as one vector they became
@@ -183,8 +202,10 @@ _ZERO_THEN_SYNC = {"SM90": r"fence\.proxy\.async\.shared::cta;\s+bar\.sync\s+8, 
     ("SM90", dict(head_dim=64, head_dim_v=64, tile_m=192, has_seqused_k=True), 384),
     ("SM90", dict(head_dim=128, head_dim_v=128, varlen=True, has_seqused_k=True, page_size=64, split_kv=True,
                   causal=True), 256),
+    ("SM90", dict(head_dim=128, head_dim_v=128, tile_m=64, pingpong=False, has_seqused_k=True, split_kv=True,
+                  pack_gqa=4), 128),
     ("SM100", dict(head_dim=128, head_dim_v=128, tile_m=256, varlen=True, has_seqused_k=True), 32),
-], ids=["sm90-batched", "sm90-seqused_k-3wg", "sm90-paged-split", "sm100-varlen"])
+], ids=["sm90-batched", "sm90-seqused_k-3wg", "sm90-paged-split", "sm90-one-consumer-split", "sm100-varlen"])
 def test_v_rows_past_the_keys_are_zeroed_where_they_can_exist(tmp_path, arch, cfg, threads):
     """Issue 21 (NaN tail): kernels whose last KV tile can hold rows of the tensor past the keys
     (varlen, seqused_k, pages) zero those V rows, fenced for the async proxy and followed by the

@@ -1,7 +1,8 @@
 """FlashAttention forward for Hopper (sm_90a).
 
 One CTA computes one (tile_m x head_dim_v) output tile of one head, with 64 query rows per consumer
-warpgroup (tile_m = 128: two consumers; 192: three); or, with ``persistent_ctas``, a grid of at most
+warpgroup (tile_m = 128: two consumers; 192: three; 64: one, without ping-pong, an A/B variant for
+decoding, where a tile holds a few real rows); or, with ``persistent_ctas``, a grid of at most
 that many CTAs each computes a strided series of tiles, its pipelines running on from one to the next:
 
     warpgroup 0    producer   one warp issues TMA loads: Q once, then K_j and V_j for every KV
@@ -75,8 +76,9 @@ from .wgmma import (WARPGROUP_THREADS, WGMMA_M, WarpGroup, mma_k_multiple, smem_
                     warpgroup_slice_thread, wgmma)
 
 # setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the 64K-register file
-# split over 128 producer threads and 128 threads per consumer warpgroup.
-REGISTERS = {2: (24, 240), 3: (32, 160)}
+# split over 128 producer threads and 128 threads per consumer warpgroup (one consumer: the budget of
+# two, not tuned; the file would hold more).
+REGISTERS = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 MAX_CONSUMER_WARPGROUPS = max(REGISTERS)
 # The producer warpgroup's warp that issues the TMA loads (and prefetches their descriptors).
 LOAD_WARP = 0
@@ -108,8 +110,9 @@ SMEM_RESERVED_BYTES = 4 * 1024  # beside the tiles: mbarriers, alignment
 
 class FlashAttentionForwardSm90:
     def __init__(self, cfg: ForwardConfig):
-        if cfg.tile_m not in (128, 192):
-            raise ValueError(f"sm90 forward: tile_m must be 128 or 192 (64 rows per consumer warpgroup), got {cfg.tile_m}")
+        if cfg.tile_m not in (64, 128, 192):
+            raise ValueError(f"sm90 forward: tile_m must be 64, 128 or 192 (64 rows per consumer warpgroup), got "
+                             f"{cfg.tile_m}")
         if cfg.tile_n % 16 != 0:
             raise ValueError(f"sm90 forward: tile_n must be a multiple of 16, got {cfg.tile_n}")
         self.cfg = cfg

@@ -194,6 +194,9 @@ def check_forward(cfg) -> None:
     if cfg.head_dim_v < 16:
         # An 8-column WGMMA accumulator has no column-group mode for the row views to split.
         raise NotImplementedError(f"sm_90a forward: head_dim_v below 16 is not implemented, got {cfg.head_dim_v}")
+    if cfg.tile_m == 64 and cfg.pingpong:
+        raise ValueError("pingpong hands the GEMMs between consumer warpgroups: tile_m 64 (one warpgroup) needs "
+                         "pingpong=False")
     if 64 % cfg.pack_gqa:
         raise ValueError(f"pack_gqa must divide 64 (1: off; TMA boxes of whole tokens in 64-row warpgroup "
                          f"tiles), got {cfg.pack_gqa}")
