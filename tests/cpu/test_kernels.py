@@ -79,6 +79,15 @@ def _nvdisasm() -> str | None:
     return _sass_report().find_nvdisasm()
 
 
+def _sass_or_skip(tmp_path: Path) -> str:
+    """The SASS of the one cubin a compile left in ``tmp_path``; the test is skipped without nvdisasm."""
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
+    return subprocess.run([nvdisasm, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
+                          text=True).stdout
+
+
 def test_sm90_forward_uses_wgmma_tma_and_does_not_spill(tmp_path):
     proc = _compile_in_subprocess(tmp_path, dict(head_dim=128, head_dim_v=128, causal=True), keep="ptx,cubin")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,11 +96,7 @@ def test_sm90_forward_uses_wgmma_tma_and_does_not_spill(tmp_path):
     assert "cp.async.bulk.tensor" in ptx  # TMA loads
     assert "setmaxnreg" in ptx  # producer/consumer register reallocation
     assert ".target sm_90a" in ptx
-    nvdisasm = _nvdisasm()
-    if nvdisasm is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
-    cubin = glob.glob(str(tmp_path / "*.cubin"))[0]
-    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+    sass = _sass_or_skip(tmp_path)
     assert "HGMMA" in sass
     assert "MUFU.EX2" in sass
     assert "STL" not in sass and "LDL" not in sass, "register spills to local memory"
@@ -107,11 +112,7 @@ def test_sm90_forward_tma_store_o_uses_stmatrix_and_a_tma_store(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
     assert "stmatrix" in ptx and "cp.async.bulk.tensor.4d.global.shared" in ptx
-    nvdisasm = _nvdisasm()
-    if nvdisasm is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
-    sass = subprocess.run([nvdisasm, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
-                          text=True).stdout
+    sass = _sass_or_skip(tmp_path)
     assert "STL" not in sass and "LDL" not in sass, "register spills to local memory"
 
 
@@ -145,11 +146,7 @@ def test_sm90_forward_with_one_consumer_warpgroup(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = Path(glob.glob(str(tmp_path / "*.ptx"))[0]).read_text()
     assert ".reqntid 256, 1, 1" in ptx and "wgmma.mma_async" in ptx
-    nvdisasm = _nvdisasm()
-    if nvdisasm is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): SASS not checked")
-    sass = subprocess.run([nvdisasm, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]], capture_output=True,
-                          text=True).stdout
+    sass = _sass_or_skip(tmp_path)
     assert "HGMMA" in sass and "STL" not in sass and "LDL" not in sass, "register spills to local memory"
 
 
