@@ -380,8 +380,7 @@ def attention_forward(
     fa = _backend()
 
     if mask is not None:
-        options = dict(softmax_scale=scaling, causal=is_causal, window_size=window, softcap=softcap,
-                       learnable_sink=sink)
+        options = _options(scaling, is_causal, window, softcap, sink)
         if sq < mask.shape[-1] and (is_causal or sq == 1):  # a step on a KV cache
             out = _cache_forward(fa, query, key, value, mask, options)
             if out is not None:
@@ -395,14 +394,18 @@ def attention_forward(
     if kwargs:
         packed = _packed_kwargs(kwargs, q.shape[0], sq, k.shape[1])
         if packed is not None:
-            options = dict(softmax_scale=scaling, causal=is_causal, window_size=window, softcap=softcap,
-                           learnable_sink=sink)
-            return _packed_attention(fa, q, k, v, *packed, options), None
+            return _packed_attention(fa, q, k, v, *packed, _options(scaling, is_causal, window, softcap, sink)), None
     # automatic split-KV (decoding's few (batch, head) pairs fill the GPU) where no gradient is needed
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out = fa.flash_attn_func(q, k, v, softmax_scale=scaling, causal=is_causal, window_size=window, softcap=softcap,
                              learnable_sink=sink, num_splits=1 if grad else 0)
     return (out[0] if isinstance(out, (tuple, list)) else out), None
+
+
+def _options(softmax_scale, causal: bool, window_size: tuple, softcap: float, learnable_sink) -> dict:
+    """The keyword arguments every flash_attn4 call of the masked and packed paths passes."""
+    return dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                learnable_sink=learnable_sink)
 
 
 # ---- packed sequences (padding-free training) ----
