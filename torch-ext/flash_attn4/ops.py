@@ -345,12 +345,14 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
     plan.guard = q.device.type == "cuda" and q.device.index is not None and _several_gpus()
     if num_splits > 1:
         plan.cfg, plan.kernel = _checked_forward(q, v, **flags, split_kv=True)
-        rows, align = math.prod(out_shape[:-1]), WORKSPACE_ALIGN
-        spare = -(-rows // align) * align
+        rows = math.prod(out_shape[:-1])
+        partials = plan.cfg.workspace_shape(num_splits, rows)[1]  # a split's row without spare room
+        # Whole WORKSPACE_ALIGN units of spare keep every row's partials where they were: the LSE fits
+        # between split 0's partials and split 1's.
+        spare = -(-rows // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
         plan.workspace_shape = plan.cfg.workspace_shape(num_splits, rows, spare=spare)
         strides = tuple(math.prod(lse_shape[i + 1:]) for i in range(len(lse_shape)))
-        used = -(-rows * (v.shape[-1] + 1) // align) * align  # split 0's partials, rounded up: its spare room
-        plan.lse_view = lse_shape, strides, used
+        plan.lse_view = lse_shape, strides, partials
     else:
         plan.cfg, plan.kernel = _checked_forward(q, v, **flags)
     return plan
