@@ -396,10 +396,9 @@ def attention_forward(
         if packed is not None:
             return _packed_attention(fa, q, k, v, *packed, _options(scaling, is_causal, window, softcap, sink)), None
     # automatic split-KV (decoding's few (batch, head) pairs fill the GPU) where no gradient is needed
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out = fa.flash_attn_func(q, k, v, softmax_scale=scaling, causal=is_causal, window_size=window, softcap=softcap,
-                             learnable_sink=sink, num_splits=1 if grad else 0)
-    return (out[0] if isinstance(out, (tuple, list)) else out), None
+                             learnable_sink=sink, num_splits=1 if _needs_grad(q, k, v) else 0)
+    return _first_tensor(out), None
 
 
 def _options(softmax_scale, causal: bool, window_size: tuple, softcap: float, learnable_sink) -> dict:
