@@ -139,6 +139,7 @@ def paths(fa, dev: str, gpu: bool) -> dict:
 
     q, k, v = rand(b, 1, hq, d), rand(b, s_small, hk, d), rand(b, s_small, hk, d)
     qg, kg, vg = (rand(*t.shape, requires_grad=True) for t in (q, k, v))
+    dout = rand(*q.shape)
     k_cache, v_cache = rand(b, s_cache, hk, d), rand(b, s_cache, hk, d)
     k1, v1 = rand(b, 1, hk, d), rand(b, 1, hk, d)
     lens = torch.full((b,), s_cache - 1, dtype=torch.int32, device=dev)
@@ -162,6 +163,7 @@ def paths(fa, dev: str, gpu: bool) -> dict:
     calls = {
         "flash_attn_func": (lambda: fa.flash_attn_func(q, k, v), False),
         "flash_attn_func requires_grad": (lambda: fa.flash_attn_func(qg, kg, vg), True),
+        "flash_attn_func forward+backward": (lambda: fa.flash_attn_func(qg, kg, vg).backward(dout), True),
         "flash_attn_func num_splits=0": (lambda: fa.flash_attn_func(q, k, v, num_splits=0), False),
         "flash_attn_varlen_func": (lambda: fa.flash_attn_varlen_func(
             q[0], k[0], v[0], cu_q, cu_k, max_seqlen_q=1, max_seqlen_k=s_small), False),

@@ -19,7 +19,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-PATHS = ("flash_attn_func", "flash_attn_func requires_grad", "flash_attn_func num_splits=0", "flash_attn_varlen_func",
+PATHS = ("flash_attn_func", "flash_attn_func requires_grad", "flash_attn_func forward+backward",
+         "flash_attn_func num_splits=0", "flash_attn_varlen_func",
          "flash_attn_varlen_func paged", "kvcache 16k append 1", "kvcache 16k no append", "kvcache 16k num_splits=1",
          "kvcache 4x4k append 1", "adapter decode (dynamic cache)", "adapter decode (padding mask)",
          "adapter decode (left padding)")

@@ -966,32 +966,76 @@ def test_dq_from_the_postprocess_kernel_or_torch_gives_the_reference_gradient(cp
     assert all(c.dtype == "bfloat16" and c.head_dim == 64 for c in calls)
 
 
-def test_inference_calls_skip_the_dispatcher_and_training_calls_do_not(cpu_kernel, monkeypatch):
-    """Eager calls that record no autograd graph run the op's implementation directly (a third of the
-    host time of a cached call); calls with inputs that require grad, inside a dispatch mode, or on
-    tensor subclasses go through the op, so autograd, FakeTensor and friends still see it."""
+def test_eager_calls_skip_the_dispatcher_and_traced_calls_do_not(cpu_backward, monkeypatch):
+    """Eager calls run the op's implementation directly (a third of the host time of a cached call),
+    inside the eager autograd Function when an input requires grad; calls inside a dispatch mode or
+    a functorch transform, or on tensor subclasses, go through the op, so FakeTensor, torch.func and
+    friends still see it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q, k, v = rand_qkv(2, 33, 40, 4, 2, 64)
-    through_op = []
-    real_fwd = ops.fwd
+    through_op, routes = [], []
+    real_fwd, real_route = ops.fwd, ops._route
 
     def counting_fwd(*args):
         through_op.append(args[0].shape)
         return real_fwd(*args)
 
+    def recording_route(*tensors):
+        routes.append(real_route(*tensors))
+        return routes[-1]
+
     monkeypatch.setattr(ops, "fwd", counting_fwd)
+    monkeypatch.setattr(ops, "_route", recording_route)
     with torch.no_grad():
         out_direct = flash_attn_func(q, k, v, causal=True)
     out_plain = flash_attn_func(q, k, v, causal=True)  # grad on, nothing requires it
-    assert through_op == [] and torch.equal(out_direct, out_plain)
+    assert through_op == [] and routes == [ops._Route.DIRECT] * 2 and torch.equal(out_direct, out_plain)
     qg = q.clone().requires_grad_()
     out_grad = flash_attn_func(qg, k, v, causal=True)
-    assert len(through_op) == 1 and out_grad.grad_fn is not None and torch.equal(out_grad.detach(), out_plain)
+    assert through_op == [] and routes[-1] is ops._Route.EAGER_AUTOGRAD
+    assert type(out_grad.grad_fn).__name__ == "_EagerForwardBackward"
+    assert torch.equal(out_grad.detach(), out_plain)
+    out_grad.float().sum().backward()  # the backward, run with grad off, calls its implementation directly
+    assert routes[-1] is ops._Route.DIRECT and qg.grad is not None and qg.grad.abs().sum() > 0
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         fake_out = flash_attn_func(fq, fk, fv, causal=True)
-    assert len(through_op) == 2 and fake_out.shape == out_plain.shape
+    assert len(through_op) == 1 and routes[-1] is ops._Route.THROUGH_OP and fake_out.shape == out_plain.shape
+    with torch.no_grad():
+        batched = torch.func.vmap(lambda q: flash_attn_func(q[None], k[:1], v[:1], causal=True)[0])(q[:1])
+    assert len(through_op) == 2 and routes[-1] is ops._Route.THROUGH_OP
+    assert torch.equal(batched, out_plain[:1])
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_eager_autograd_matches_the_ops_registered_formula(cpu_backward, varlen):
+    """The eager autograd Function and torch.library's formula for the op (what torch.compile and
+    dispatch modes use) give the same outputs, LSE and gradients: one formula, two wrappers."""
+    if varlen:
+        q, k, v, cu_q, cu_k = rand_varlen(3, 9, 4, 2, 64, allow_zero=False)
+        call = lambda q, k, v, s: flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, learnable_sink=s,
+                                                         return_lse=True)
+    else:
+        q, k, v = rand_qkv(2, 7, 9, 4, 2, 64)
+        call = lambda q, k, v, s: flash_attn_func(q, k, v, causal=True, learnable_sink=s, return_lse=True)
+    sink = torch.randn(4)
+    with torch.no_grad():
+        out, lse = call(q, k, v, sink)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    results = []
+    for route in (ops._Route.EAGER_AUTOGRAD, ops._Route.THROUGH_OP):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ops, "_route", lambda *tensors, route=route: route)
+            got_out, got_lse = call(*leaves)
+        assert got_out.grad_fn is not None and torch.equal(got_out, out) and torch.equal(got_lse, lse)
+        torch.autograd.backward((got_out, got_lse), (dout, dlse))
+        results.append([t.grad for t in leaves])
+    for name, eager, registered in zip(("dq", "dk", "dv", "dsink"), *results):
+        assert torch.equal(eager, registered), name
+    # Not a vacuous agreement: the gradients move (every input, the sink included, gets one).
+    assert all(g.abs().sum() > 0 for g in results[0])
 
 
 @pytest.mark.parametrize("arch,in_kernel", [(Arch.SM90, True), (Arch.SM100, True), (Arch.SM100, False)],

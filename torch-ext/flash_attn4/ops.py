@@ -1,5 +1,7 @@
 """The torch.library custom ops that run the forward and backward kernels, their fake (meta)
-implementations, and the forward's autograd formula (which calls the backward op).
+implementations, and the forward's autograd formula (which calls the backward op). Eager calls
+that nothing needs to trace skip the dispatcher: ``_route`` runs the ops' implementations directly,
+a forward that records autograd inside ``_EagerForward`` (the same formula).
 
 ``fwd`` is functional (``mutates_args=()``): it allocates ``out`` and ``lse`` and returns both, so
 ``torch.compile(fullgraph=True)`` traces it as one opaque node (shapes from the fake implementation)
@@ -32,6 +34,7 @@ side >= 0. ``learnable_sink`` must already be float32.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
 import math
@@ -89,29 +92,40 @@ def _outside_dynamo(fn: Callable) -> Callable:
     return run
 
 
-def _define_op(fn: Callable, mutates_args: tuple = ()):
-    """Define an op named and typed like ``fn`` (functional unless ``mutates_args`` names the
-    arguments it writes in place) in this build's namespace, with ``fn`` as its implementation on
-    every device; returns the op."""
-    name = fn.__name__
+def _define_op(fn: Callable, mutates_args: tuple = (), name: Optional[str] = None):
+    """Define an op typed like ``fn`` and named ``name`` (default: ``fn``'s; functional unless
+    ``mutates_args`` names the arguments it writes in place) in this build's namespace, with ``fn``
+    as its implementation on every device; returns the op."""
+    name = name or fn.__name__
     _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
     _LIBRARY.impl(name, _outside_dynamo(fn), "CompositeExplicitAutograd")
     return getattr(getattr(torch.ops, _NAMESPACE), name).default
 
-def _dispatcher_free(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether a call may run an op's implementation directly instead of through the torch.library
-    dispatcher, which costs a third of a cached forward call's host time: nothing would see the op
-    (no torch.compile / export tracing, no dispatch mode such as FakeTensorMode or FlopCounterMode),
-    no autograd graph is recorded (grad off, or no input requires it), and every tensor is a plain
-    tensor (subclasses such as DTensor or FakeTensor dispatch through the op). CUDA-graph capture
-    records the same launches either way."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    grad = torch.is_grad_enabled()
+class _Route(enum.Enum):
+    """How a forward call runs (_route)."""
+    DIRECT = "the op's implementation, called directly"
+    EAGER_AUTOGRAD = "the implementation inside _EagerForward, the op's autograd formula"
+    THROUGH_OP = "the op, through the dispatcher"
+
+
+def _route(*tensors: Optional[torch.Tensor]) -> _Route:
+    """How a call runs. The dispatcher costs a third of a cached forward call's host time, so a call
+    uses it only where something must see the op: torch.compile / export tracing, a dispatch mode
+    (FakeTensorMode, FlopCounterMode), a functorch transform, or a tensor subclass (DTensor,
+    FakeTensor). Otherwise a call that records no autograd graph (grad off, or no input requires it)
+    runs the implementation directly, and one that records a graph runs it inside _EagerForward,
+    the op's own autograd formula without torch.library's wrapper.
+    CUDA-graph capture records the same launches either way."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()):
+        return _Route.THROUGH_OP
+    grad, needs_grad = torch.is_grad_enabled(), False
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
-            return False
-    return True
+        if t is not None:
+            if type(t) is not torch.Tensor:
+                return _Route.THROUGH_OP
+            needs_grad = needs_grad or (grad and t.requires_grad)
+    return _Route.EAGER_AUTOGRAD if needs_grad else _Route.DIRECT
 
 
 # Test hook: when True the ops fill out with NaN and lse with +inf (forward), dk and dv with NaN
@@ -191,8 +205,7 @@ def _fill_empty_keys(out: torch.Tensor, lse: torch.Tensor, learnable_sink: Optio
         lse.copy_(learnable_sink[None, :, None].expand_as(lse))
 
 
-@_define_op
-def fwd(
+def _fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -218,17 +231,22 @@ def fwd(
                     seqused_q=seqused_q)
 
 
+fwd = _define_op(_fwd, name="fwd")
+
+
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal, window_left,
             window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits=1, page_table=None, seqused_q=None,
             need_lse=True):
-    """``fwd`` for the public functions: the op, or its implementation directly where nothing needs
-    the dispatcher (_dispatcher_free). ``need_lse=False``: the caller drops the LSE (then it may be
-    a view of scratch memory; the op, whose autograd keeps it, always allocates it)."""
-    if _dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q):
+    """``fwd`` for the public functions, run as _route decides. ``need_lse=False``: the caller drops
+    the LSE (then a direct call may return a view of scratch memory; a call that records autograd,
+    which keeps the LSE, always allocates it)."""
+    route = _route(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, page_table, seqused_q)
+    if route is _Route.DIRECT:
         return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                         window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits, page_table=page_table,
                         seqused_q=seqused_q, need_lse=need_lse)
-    return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
+    run = _EagerForward.apply if route is _Route.EAGER_AUTOGRAD else fwd
+    return run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learnable_sink, softmax_scale, softcap, causal,
                window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, num_splits, page_table, seqused_q)
 
 
@@ -706,8 +724,7 @@ def _packed_rows(rows: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor
     return packed.index_copy_(1, index, rows)
 
 
-@_define_op
-def bwd(
+def _bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -748,6 +765,9 @@ def bwd(
     return _launch_backward(kernel, cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                             softmax_scale, softcap, window_left, window_right, max_seqlen_q, max_seqlen_k, dlse,
                             poison=_poison_outputs_for_tests)
+
+
+bwd = _define_op(_bwd, name="bwd")
 
 
 def _launch_backward(kernel, cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
@@ -845,7 +865,10 @@ def backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
     kernel_dim, kernel_dim_v = dispatch.backward_head_dims(arch, head_dim, head_dim_v)
     qp, kp = _padded_head_dims((q, k), kernel_dim)
     vp, outp, grad_outp = _padded_head_dims((v, out, grad_out), kernel_dim_v)
-    dq, dk, dv = bwd(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
+    # Autograd runs this with grad off: directly, unless something must see the op (_route).
+    run = _bwd if _route(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         dlse) is _Route.DIRECT else bwd
+    dq, dk, dv = run(grad_outp, qp, kp, vp, outp, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale,
                      softcap, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, deterministic, dlse)
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
 
@@ -868,6 +891,24 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd(fwd, _backward, setup_context=_setup_context)
+
+
+class _EagerForward(torch.autograd.Function):
+    """fwd's autograd formula (_setup_context, _backward) for an eager call (_route): what
+    register_autograd builds for the op, less two costs per call. torch.library's wrapper refills
+    the op's default arguments from its schema, whose argument list torch rebuilds at each index
+    (quadratic in fwd's 18 arguments); and a Function with a separate setup_context binds its
+    arguments to forward's signature through inspect. Together ~100 us a call on the development
+    CPU, 11x the no-grad call, so forward sets up its context itself and takes all 18 arguments
+    positionally."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _fwd(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
 
 # What the backward's first-use self-check runs: the whole backward and the sink's gradient, looked up
 # here at each call (so that tests can replace either).
@@ -1123,10 +1164,11 @@ fwd_kvcache = _define_op(fwd_kvcache, mutates_args=("k_cache", "v_cache"))
 def forward_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     page_table, learnable_sink, *options):
     """``fwd_kvcache`` for flash_attn_with_kvcache: the op, or its implementation directly where
-    nothing needs the dispatcher (_dispatcher_free; the LSE is then None unless asked for)."""
+    nothing needs the dispatcher and no autograd graph is recorded (_Route.DIRECT; the LSE is then
+    None unless asked for). The cache op has no autograd formula: a KV cache is inference state."""
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                page_table, learnable_sink)
-    run = _kvcache_forward if _dispatcher_free(*tensors) else fwd_kvcache
+    run = _kvcache_forward if _route(*tensors) is _Route.DIRECT else fwd_kvcache
     return run(*tensors, *options)
 
 
