@@ -707,13 +707,15 @@ def environment() -> dict:
         except Exception:
             env[mod] = None
     try:
-        # "-dirty" when tracked files differ from the commit (a device copy of a working tree is
-        # at the commit its .git was copied at, plus everything changed since).
+        # "-dirty" when tracked code that runs here differs from the commit (a device copy of a
+        # working tree is at the commit its .git was copied at, plus everything changed since; the
+        # device recipe leaves the CPU tests and docs behind, which changes no measurement).
         git = ["git", "-C", str(REPO_ROOT)]
         head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no", "--", "torch-ext",
+                                      "benchmarks", "scripts", "tests/reference.py"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
         env["git"] = (head + ("-dirty" if dirty else "")) or None
     except Exception:
         env["git"] = None

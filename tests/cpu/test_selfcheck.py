@@ -20,7 +20,7 @@ import torch
 from flash_attn4 import compile_cache, device_info, dispatch, flash_attn_func, flash_attn_varlen_func, ops
 from flash_attn4 import selfcheck, settings, validate
 from flash_attn4.fa4_kernels.arch import Arch
-from flash_attn4.fa4_kernels.config import CombineConfig, ForwardConfig, SplitKVConfig
+from flash_attn4.fa4_kernels.config import ForwardConfig, SplitKVConfig
 from tests.reference import attention_ref, attention_used_into, combine_ref, unpage
 
 BF16 = torch.bfloat16
@@ -454,10 +454,10 @@ def pipeline(cfg: SplitKVConfig, split, drop_sink: bool = False):
     return pipeline_stand_in(cfg, split, no_sink if drop_sink else combine_stand_in(cfg.combine, []))
 
 
-def split_kv_config(has_sink: bool, **flags) -> SplitKVConfig:
-    forward = config(split_kv=True, **flags)
-    return SplitKVConfig(forward=forward, combine=CombineConfig(arch=forward.arch, dtype=forward.dtype,
-                                                                head_dim_v=forward.head_dim_v, has_sink=has_sink))
+def split_kv_config(has_sink: bool, arch=Arch.SM100, d=128, **flags) -> SplitKVConfig:
+    """dispatch's split-KV pipeline for ``config``'s problem class (its split kernel and combine)."""
+    base = dict(causal=False, local=False, has_softcap=False, varlen=False, has_seqused_k=False)
+    return dispatch.split_kv_config(arch, "bfloat16", d, d, has_sink=has_sink, **dict(base, **flags))
 
 
 @pytest.mark.parametrize("varlen", [True, False])
@@ -946,7 +946,6 @@ def test_await_completion_polls_until_done_or_the_deadline():
 # tests/cpu/test_sm100_bwd_dispatch.py).
 
 from tests.cpu.test_ops import torch_backward_kernel, torch_postprocess_kernel, torch_preprocess_kernel  # noqa: E402
-from flash_attn4.fa4_kernels.config import BackwardConfig  # noqa: E402
 
 
 class FakeBackward:

@@ -315,7 +315,11 @@ def kernel_set(arch: Arch) -> list[ForwardConfig]:
 def split_kv_kernel_set(arch: Arch) -> list[SplitKVConfig]:
     """The split-KV forwards of the arch's kernel set as the one-call pipelines the torch layer runs
     (split_kv.py), each with its combine: the first one's adds a learnable sink."""
-    splits = [cfg for cfg in kernel_set(arch) if cfg.split_kv]
+    return _split_kv_pipelines(arch, kernel_set(arch))
+
+
+def _split_kv_pipelines(arch: Arch, forwards: list[ForwardConfig]) -> list[SplitKVConfig]:
+    splits = [cfg for cfg in forwards if cfg.split_kv]
     return [SplitKVConfig(forward=cfg, combine=CombineConfig(arch=arch, dtype=cfg.dtype, head_dim_v=cfg.head_dim_v,
                                                              has_sink=i == 0))
             for i, cfg in enumerate(splits)]
@@ -324,7 +328,8 @@ def split_kv_kernel_set(arch: Arch) -> list[SplitKVConfig]:
 def compile_set(arch: Arch) -> list:
     """Everything ``main`` compiles for an arch: the forward set (its split-KV kernels inside their
     pipelines, which compile them), the backward, combine and append kernels."""
-    return ([cfg for cfg in kernel_set(arch) if not cfg.split_kv] + split_kv_kernel_set(arch)
+    forwards = kernel_set(arch)
+    return ([cfg for cfg in forwards if not cfg.split_kv] + _split_kv_pipelines(arch, forwards)
             + backward_kernel_set(arch) + combine_kernel_set(arch) + append_kernel_set(arch))
 
 
