@@ -27,6 +27,7 @@ An arch's sub-package provides:
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Optional
@@ -112,12 +113,19 @@ class ArchKernels:
 
     def rules(self):
         """The arch's tiles.py (tile and schedule rules, kernel sets, config checks)."""
-        return importlib.import_module(f".{self.package}.{self.rules_module}", __package__)
+        return _arch_module(self.package, self.rules_module)
 
     def load(self, name: str):
         """The object ``"module:attribute"`` of the arch's package (imports the module)."""
         module, _, attribute = name.partition(":")
-        return getattr(importlib.import_module(f".{self.package}.{module}", __package__), attribute)
+        return getattr(_arch_module(self.package, module), attribute)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_module(package: str, module: str):
+    """An arch package's module, imported on first use. Cached: the torch layer looks rules and
+    layouts up on every backward call, and importlib resolves a relative name anew each time."""
+    return importlib.import_module(f".{package}.{module}", __package__)
 
 
 KERNELS: dict[Arch, ArchKernels] = {
