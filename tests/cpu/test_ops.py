@@ -1006,6 +1006,12 @@ def test_eager_calls_skip_the_dispatcher_and_traced_calls_do_not(cpu_backward, m
         batched = torch.func.vmap(lambda q: flash_attn_func(q[None], k[:1], v[:1], causal=True)[0])(q[:1])
     assert len(through_op) == 2 and routes[-1] is ops._Route.THROUGH_OP
     assert torch.equal(batched, out_plain[:1])
+    # An nn.Parameter (a float32 learnable sink, say) dispatches as a plain tensor: no detour.
+    sink = torch.nn.Parameter(torch.randn(4))
+    out_sink = flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+    assert len(through_op) == 2 and routes[-1] is ops._Route.EAGER_AUTOGRAD
+    out_sink.float().sum().backward()
+    assert sink.grad is not None and sink.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -44,10 +44,11 @@ _Tensor = torch.Tensor
 
 
 def _tensor_key(t):
-    """(shape, dtype, device) of a plain tensor, None for None; False (no memo) for anything else."""
+    """(shape, dtype, device) of a plain tensor or nn.Parameter, None for None; False (no memo) for
+    anything else."""
     if t is None:
         return None
-    if type(t) is not _Tensor:
+    if type(t) not in ops.PLAIN_TENSOR_TYPES:
         return False
     return t.shape, t.dtype, t.device
 

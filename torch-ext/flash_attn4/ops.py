@@ -101,6 +101,11 @@ def _define_op(fn: Callable, mutates_args: tuple = (), name: Optional[str] = Non
     _LIBRARY.impl(name, _outside_dynamo(fn), "CompositeExplicitAutograd")
     return getattr(getattr(torch.ops, _NAMESPACE), name).default
 
+# Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__ and adds no
+# dispatch key (a float32 learnable sink is often one).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 class _Route(enum.Enum):
     """How a forward call runs (_route)."""
     DIRECT = "the op's implementation, called directly"
@@ -112,9 +117,9 @@ def _route(*tensors: Optional[torch.Tensor]) -> _Route:
     """How a call runs. The dispatcher costs a third of a cached forward call's host time, so a call
     uses it only where something must see the op: torch.compile / export tracing, a dispatch mode
     (FakeTensorMode, FlopCounterMode), a functorch transform, or a tensor subclass (DTensor,
-    FakeTensor). Otherwise a call that records no autograd graph (grad off, or no input requires it)
-    runs the implementation directly, and one that records a graph runs it inside _EagerForward,
-    the op's own autograd formula without torch.library's wrapper.
+    FakeTensor; not nn.Parameter). Otherwise a call that records no autograd graph (grad off, or no
+    input requires it) runs the implementation directly, and one that records a graph runs it
+    inside _EagerForward, the op's own autograd formula without torch.library's wrapper.
     CUDA-graph capture records the same launches either way."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active()):
@@ -122,7 +127,7 @@ def _route(*tensors: Optional[torch.Tensor]) -> _Route:
     grad, needs_grad = torch.is_grad_enabled(), False
     for t in tensors:
         if t is not None:
-            if type(t) is not torch.Tensor:
+            if type(t) not in PLAIN_TENSOR_TYPES:
                 return _Route.THROUGH_OP
             needs_grad = needs_grad or (grad and t.requires_grad)
     return _Route.EAGER_AUTOGRAD if needs_grad else _Route.DIRECT
