@@ -107,7 +107,7 @@ PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Route(enum.Enum):
-    """How a forward call runs (_route)."""
+    """How a call of an op (the forward, the backward, the KV-cache forward) runs: _route."""
     DIRECT = "the op's implementation, called directly"
     EAGER_AUTOGRAD = "the implementation inside _EagerForward, the op's autograd formula"
     THROUGH_OP = "the op, through the dispatcher"
@@ -914,6 +914,7 @@ class _EagerForward(torch.autograd.Function):
         return output
 
     backward = staticmethod(_backward)
+
 
 # What the backward's first-use self-check runs: the whole backward and the sink's gradient, looked up
 # here at each call (so that tests can replace either).
