@@ -268,6 +268,34 @@ def test_forward_options_translate(forward_spy, given, expected):
     assert seen["max_seqlen_q"] == seen["max_seqlen_k"] == 24
 
 
+def test_repeated_calls_are_checked_once(provider, forward_spy, monkeypatch):
+    """What the checks derive for an accepted call is kept (a model repeats its calls at every layer
+    and step); a call that differs in anything they read is checked again, and a refused call is
+    never kept: it falls back every time."""
+    checks = []
+    real = torch_provider._checked_forward
+    monkeypatch.setattr(torch_provider, "_checked_forward", lambda *args: checks.append(args[5:7]) or real(*args))
+    original = provider["_flash_attention_forward"]
+    q = rand(2, 16, 2, 64)
+    for _ in range(3):
+        torch.ops.aten._flash_attention_forward(*fwd_args(q), scale=0.5)
+    assert len(checks) == 1 and [seen["softmax_scale"] for seen in forward_spy] == [0.5] * 3
+    torch.ops.aten._flash_attention_forward(*fwd_args(q), scale=0.25)  # an option
+    torch.ops.aten._flash_attention_forward(*fwd_args(q.half()), scale=0.5)  # a dtype
+    assert len(checks) == 3 and [seen["softmax_scale"] for seen in forward_spy[3:]] == [0.25, 0.5]
+    for bad in (fwd_args(q, dropout_p=0.1), fwd_args(q.float())):  # refused, twice each
+        for _ in range(2):
+            assert from_pytorch(torch.ops.aten._flash_attention_forward(*bad, scale=0.5)[0])
+    assert len(checks) == 7 and len(original.calls) == 4 and len(forward_spy) == 5
+    # Packed: the lengths are the call's own, never the first call's.
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    qv = rand(16, 2, 64)
+    for cu_q, max_q in ((cu, 11), (torch.tensor([0, 9, 16], dtype=torch.int32), 9)):
+        torch.ops.aten._flash_attention_forward(qv, qv, qv, cu_q, cu_q, max_q, max_q, 0.0, False, False)
+        assert forward_spy[-1]["cu_seqlens_q"] is cu_q and forward_spy[-1]["max_seqlen_q"] == max_q
+    assert len(checks) == 8
+
+
 def test_causal_flag_zeroes_the_right_window(forward_spy):
     q = rand(1, 24, 2, 64)
     torch.ops.aten._flash_attention_forward(q, q, q, None, None, 24, 24, 0.0, True, False, window_size_left=8,

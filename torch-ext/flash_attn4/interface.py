@@ -41,16 +41,7 @@ VALIDATION_MEMO = True
 MAX_MEMO = 1024
 _MEMO: dict = {}
 _Tensor = torch.Tensor
-
-
-def _tensor_key(t):
-    """(shape, dtype, device) of a plain tensor or nn.Parameter, None for None; False (no memo) for
-    anything else."""
-    if t is None:
-        return None
-    if type(t) not in ops.PLAIN_TENSOR_TYPES:
-        return False
-    return t.shape, t.dtype, t.device
+_tensor_key = validate.tensor_key
 
 
 def _plain(softmax_scale, causal, window_size, softcap) -> bool:

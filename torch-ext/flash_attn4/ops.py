@@ -101,9 +101,7 @@ def _define_op(fn: Callable, mutates_args: tuple = (), name: Optional[str] = Non
     _LIBRARY.impl(name, _outside_dynamo(fn), "CompositeExplicitAutograd")
     return getattr(getattr(torch.ops, _NAMESPACE), name).default
 
-# Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__ and adds no
-# dispatch key (a float32 learnable sink is often one).
-PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TENSOR_TYPES = validate.PLAIN_TENSOR_TYPES
 
 
 class _Route(enum.Enum):
@@ -127,7 +125,7 @@ def _route(*tensors: Optional[torch.Tensor]) -> _Route:
     grad, needs_grad = torch.is_grad_enabled(), False
     for t in tensors:
         if t is not None:
-            if type(t) not in PLAIN_TENSOR_TYPES:
+            if type(t) not in _PLAIN_TENSOR_TYPES:
                 return _Route.THROUGH_OP
             needs_grad = needs_grad or (grad and t.requires_grad)
     return _Route.EAGER_AUTOGRAD if needs_grad else _Route.DIRECT

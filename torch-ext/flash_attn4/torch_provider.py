@@ -21,8 +21,8 @@ Blackwell), a LSE that is not float32. ``num_splits`` > 1 on an arch without spl
 None lets our heuristic choose (ATen's "automatic"), 1 turns split-KV off.
 
 What ATen gets back: the output, the LSE (float32, (b, h, s) batched, (h, total_q) packed, the
-layout our kernels produce), zero rng state ((2,) uint64) and offset (uint64 scalar) since no
-dropout ran, an empty debug mask. The SDPA op's output has the strides of ``empty_like(query)``,
+layout our kernels produce), an rng state ((2,) uint64) and offset (uint64 scalar) left unset since
+no dropout ran (as PyTorch's kernel leaves them), an empty debug mask. The SDPA op's output has the strides of ``empty_like(query)``,
 as PyTorch's meta function promises (a copy only when the query is not a transposed view of
 (b, s, h, d) memory). The backward accepts an LSE it did not produce (context parallelism merges
 the chunks' LSEs before calling it); ``torch.use_deterministic_algorithms(True)`` runs our
@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from . import dispatch, ops, settings, validate
+from . import compile_cache, dispatch, ops, settings, validate
 from .fa4_kernels.tiles import has_split_kv
 
 PROVIDER_NAME = "flash-attn4"
@@ -216,6 +216,24 @@ def _split_count(num_splits, arch, num_heads_q: int) -> int:
 def _forward_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
                   options: dict) -> dict:
     """ATen's flash forward arguments as ours (_run_forward's keywords), or _Unsupported."""
+    key = _memo_key("forward", (q, k, v, cu_seqlens_q, cu_seqlens_k), (dropout_p, is_causal, return_debug_mask),
+                    options)
+    checked = _MEMO.get(key) if key is not None else None
+    if checked is None:
+        checked = _remember(key, _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal,
+                                                  return_debug_mask, options))
+    softmax_scale, causal, left, right, num_splits = checked
+    varlen = cu_seqlens_q is not None
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=options.get("seqused_k"),
+                softmax_scale=softmax_scale, causal=causal, window_left=left, window_right=right,
+                max_seqlen_q=int(max_q) if varlen else q.shape[1], max_seqlen_k=int(max_k) if varlen else k.shape[1],
+                num_splits=num_splits)
+
+
+def _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, return_debug_mask,
+                     options: dict) -> tuple:
+    """_forward_args' checks (_Unsupported for what is not ours to run) and what they derive:
+    (softmax_scale, causal, window_left, window_right, num_splits)."""
     _check_options(options, _FORWARD_OPTIONS)
     if dropout_p:
         raise _Unsupported(f"dropout_p={dropout_p}: flash-attn4 has no dropout")
@@ -224,22 +242,36 @@ def _forward_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, dropout_p, 
     for name in ("alibi_slopes", "block_table"):
         if options.get(name) is not None:
             raise _Unsupported(f"{name} is not supported through the provider")
-    seqused_k = options.get("seqused_k")
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, options.get("seqused_k"))
     arch = _arch(q.device, "forward")
     softmax_scale, causal, left, right = _mask_and_scale(q, is_causal, options.get("scale"),
                                                          options.get("window_size_left"),
                                                          options.get("window_size_right"))
-    varlen = cu_seqlens_q is not None
-    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                softmax_scale=softmax_scale, causal=causal, window_left=left, window_right=right,
-                max_seqlen_q=int(max_q) if varlen else q.shape[1], max_seqlen_k=int(max_k) if varlen else k.shape[1],
-                num_splits=_split_count(options.get("num_splits"), arch, q.shape[-2]))
+    return softmax_scale, causal, left, right, _split_count(options.get("num_splits"), arch, q.shape[-2])
 
 
 def _backward_args(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, dropout_p, is_causal,
                    options: dict) -> dict:
     """ATen's flash backward arguments as ours (_run_backward's keywords), or _Unsupported."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    key = _memo_key("backward", (grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
+                    (dropout_p, is_causal, deterministic), options)
+    checked = _MEMO.get(key) if key is not None else None
+    if checked is None:
+        checked = _remember(key, _checked_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                   dropout_p, is_causal, deterministic, options))
+    softmax_scale, causal, left, right = checked
+    varlen = cu_seqlens_q is not None
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
+                window_left=left, window_right=right,
+                max_seqlen_q=int(max_q) if varlen else q.shape[1], max_seqlen_k=int(max_k) if varlen else k.shape[1],
+                deterministic=deterministic)
+
+
+def _checked_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal,
+                      deterministic: bool, options: dict) -> tuple:
+    """_backward_args' checks (_Unsupported for what is not ours to run) and what they derive:
+    (softmax_scale, causal, window_left, window_right)."""
     _check_options(options, _BACKWARD_OPTIONS)
     if dropout_p:
         raise _Unsupported(f"dropout_p={dropout_p}: flash-attn4 has no dropout")
@@ -257,7 +289,6 @@ def _backward_args(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_
     softmax_scale, causal, left, right = _mask_and_scale(q, is_causal, options.get("scale"),
                                                          options.get("window_size_left"),
                                                          options.get("window_size_right"))
-    deterministic = torch.are_deterministic_algorithms_enabled()
     try:  # what the arch's backward does not implement is PyTorch's (sm90, sm100: every head dim runs, padded)
         dispatch.backward_config(arch, dispatch.dtype_name(q.dtype),
                                  *dispatch.backward_head_dims(arch, q.shape[-1], v.shape[-1]), causal=causal,
@@ -265,10 +296,56 @@ def _backward_args(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_
                                  has_seqused_k=False, deterministic=deterministic)
     except NotImplementedError as exc:
         raise _Unsupported(str(exc)) from None
-    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
-                window_left=left, window_right=right,
-                max_seqlen_q=int(max_q) if varlen else q.shape[1], max_seqlen_k=int(max_k) if varlen else k.shape[1],
-                deterministic=deterministic)
+    return softmax_scale, causal, left, right
+
+
+# ---- the checks' memo ----
+#
+# A model calls these ops with the same shapes and options at every layer and step, and checking
+# them (shapes, dtypes, devices, options, the arch and its backward) cost as much host time as the
+# rest of a small call. What the checks derived for a call they accepted is kept under a key of
+# everything they read: each tensor's shape, dtype and device (no values, no strides), the scalar
+# arguments and options (typed by ATen's schemas, so True, 1 and 1.0 never meet in a key), and what
+# the process adds (the device types validation takes, deterministic mode: part of the backward's
+# scalars). A refused call is never kept, so it falls back, with its reason, every time. Forgotten
+# with the compiled kernels (compile_cache.clear).
+MEMO = True
+MAX_MEMO = 1024
+_MEMO: dict = {}
+compile_cache._clear_hooks.append(_MEMO.clear)
+
+
+def _memo_key(kind: str, tensors: tuple, scalars: tuple, options: dict):
+    """The memo key of a call, or None (not kept): the memo off, a tensor that is not a plain one
+    (validate.tensor_key), or an argument that cannot be a dict key."""
+    if not MEMO:
+        return None
+    parts = [kind, validate.DEVICE_TYPES, scalars]
+    for t in tensors:
+        part = validate.tensor_key(t)
+        if part is False:
+            return None
+        parts.append(part)
+    for name, value in options.items():
+        if isinstance(value, torch.Tensor):
+            value = validate.tensor_key(value)
+            if value is False:
+                return None
+        parts.append((name, value))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _remember(key, checked: tuple) -> tuple:
+    if key is not None:
+        if len(_MEMO) >= MAX_MEMO:
+            _MEMO.clear()
+        _MEMO[key] = checked
+    return checked
 
 
 # ---- the seams to our kernels (CPU tests replace these) ----
@@ -290,9 +367,11 @@ def _run_backward(grad_out, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, so
 
 
 def _no_dropout_outputs(q: torch.Tensor):
-    """rng state, offset and debug mask of a call without dropout, shaped and typed as ATen's."""
-    rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
-    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    """rng state, offset and debug mask of a call without dropout, shaped and typed as ATen's. The
+    first two are left unset, as PyTorch's own flash kernel leaves them without dropout: nothing
+    reads them, and zeroing them cost two fill kernels per forward on the GPU."""
+    rng_state = torch.empty((2,), dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
     return rng_state, offset, torch.empty(0, dtype=q.dtype, device=q.device)
 
 

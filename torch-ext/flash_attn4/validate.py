@@ -38,6 +38,21 @@ SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the plumbing (interface -> op -> kernel call convention) with a torch stand-in for the kernel.
 DEVICE_TYPES = ("cuda",)
 
+# Tensor types that dispatch as plain tensors: nn.Parameter disables __torch_function__ and adds no
+# dispatch key (a float32 learnable sink is often one). What the host fast paths accept (the
+# validation memos, ops._route); any other type (DTensor, FakeTensor, ...) takes the general path.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def tensor_key(t):
+    """What validation reads of a tensor, as a memo key: (shape, dtype, device) of a plain tensor,
+    None for None; False (keep no verdict) for anything else."""
+    if t is None:
+        return None
+    if type(t) not in PLAIN_TENSOR_TYPES:
+        return False
+    return t.shape, t.dtype, t.device
+
 
 def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
