@@ -38,6 +38,7 @@ longer than the sleep): then it is an upper bound.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -125,7 +126,8 @@ class _Module:
 
 
 def paths(fa, dev: str, gpu: bool) -> dict:
-    """name -> (call, needs_grad): the public paths at decode-like sizes."""
+    """name -> (call, needs_grad, scope): the public paths at decode-like sizes, each timed inside
+    its scope (a context manager factory)."""
     import torch
 
     from flash_attn4 import transformers_adapter as adapter
@@ -160,6 +162,9 @@ def paths(fa, dev: str, gpu: bool) -> dict:
     keys = torch.arange(4096, device=dev)[None]
     left_mask = (keys >= torch.tensor([[0], [37]], device=dev)) & (keys < 4000)
     module = _Module()
+    # the SDPA op's (B, H, S, D) with equal heads (ATen's flash ops take no GQA)
+    sq_, sk_, sv_ = q.transpose(1, 2), k.repeat_interleave(hq // hk, 2).transpose(1, 2), \
+        v.repeat_interleave(hq // hk, 2).transpose(1, 2)
     calls = {
         "flash_attn_func": (lambda: fa.flash_attn_func(q, k, v), False),
         "flash_attn_func requires_grad": (lambda: fa.flash_attn_func(qg, kg, vg), True),
@@ -183,6 +188,8 @@ def paths(fa, dev: str, gpu: bool) -> dict:
             module, tq, tk, tv, mask, scaling=d ** -0.5), False),
         "adapter decode (left padding)": (lambda: adapter.attention_forward(
             module, tq2, tk2, tv2, left_mask, scaling=d ** -0.5), False),
+        "sdpa flash op via our provider": (lambda: torch.ops.aten._scaled_dot_product_flash_attention(
+            sq_, sk_, sv_, 0.0, False), False, _provider_scope(gpu)),
     }
     if gpu:
         import torch.nn.functional as F
@@ -196,7 +203,37 @@ def paths(fa, dev: str, gpu: bool) -> dict:
 
         calls["transformers sdpa decode (reference)"] = (lambda: sdpa_attention_forward(
             module, tq, tk, tv, None, scaling=d ** -0.5), False)
-    return calls
+        # The op our provider serves, on PyTorch's own flash kernel (the provider inactive).
+        calls["sdpa flash op, PyTorch's (reference)"] = (lambda: torch.ops.aten._scaled_dot_product_flash_attention(
+            sq_, sk_, sv_, 0.0, False), False)
+    return {name: call if len(call) == 3 else (*call, contextlib.nullcontext) for name, call in calls.items()}
+
+
+def _provider_scope(gpu: bool):
+    """A context in which our attention provider serves ATen's flash ops: on a GPU activated through
+    torch's registry (then F.scaled_dot_product_attention's flash backend is ours too, so only
+    while the path runs); with no-op kernels installed under the CPU dispatch key (ATen's flash ops
+    have no CPU kernel of their own)."""
+    import torch
+
+    from flash_attn4 import torch_provider
+
+    @contextlib.contextmanager
+    def scope():
+        if gpu:
+            torch.nn.attention.activate_flash_attention_impl(torch_provider.PROVIDER_NAME)
+            try:
+                yield
+            finally:
+                torch.nn.attention.restore_flash_attention_impl()
+        else:
+            handle = torch_provider.install("CPU")
+            try:
+                yield
+            finally:
+                handle.remove()
+
+    return scope
 
 
 def main(argv=None) -> int:
@@ -231,9 +268,9 @@ def main(argv=None) -> int:
     if args.profile:
         return _profile(todo, args.profile, calls)
     print(f"{header}; {calls} back-to-back calls, best of 5")
-    for name, (fn, grad) in todo.items():
+    for name, (fn, grad, scope) in todo.items():
         try:
-            with (torch.enable_grad() if grad else torch.inference_mode()):
+            with scope(), (torch.enable_grad() if grad else torch.inference_mode()):
                 wall, cpu = per_call_us(fn, calls, sync)
                 device = ""
                 if not args.noop:
@@ -307,8 +344,8 @@ def _profile(todo: dict, name: str, calls: int) -> int:
 
     import torch
 
-    fn, grad = next(c for n, c in todo.items() if name in n)
-    with (torch.enable_grad() if grad else torch.inference_mode()):
+    fn, grad, scope = next(c for n, c in todo.items() if name in n)
+    with scope(), (torch.enable_grad() if grad else torch.inference_mode()):
         for _ in range(20):
             fn()
         prof = cProfile.Profile()

@@ -23,7 +23,7 @@ PATHS = ("flash_attn_func", "flash_attn_func requires_grad", "flash_attn_func fo
          "flash_attn_func num_splits=0", "flash_attn_varlen_func",
          "flash_attn_varlen_func paged", "kvcache 16k append 1", "kvcache 16k no append", "kvcache 16k num_splits=1",
          "kvcache 4x4k append 1", "adapter decode (dynamic cache)", "adapter decode (padding mask)",
-         "adapter decode (left padding)")
+         "adapter decode (left padding)", "sdpa flash op via our provider")
 
 
 def test_noop_run_times_every_path():
