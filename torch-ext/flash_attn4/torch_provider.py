@@ -22,9 +22,9 @@ None lets our heuristic choose (ATen's "automatic"), 1 turns split-KV off.
 
 What ATen gets back: the output, the LSE (float32, (b, h, s) batched, (h, total_q) packed, the
 layout our kernels produce), an rng state ((2,) uint64) and offset (uint64 scalar) left unset since
-no dropout ran (as PyTorch's kernel leaves them), an empty debug mask. The SDPA op's output has the strides of ``empty_like(query)``,
-as PyTorch's meta function promises (a copy only when the query is not a transposed view of
-(b, s, h, d) memory). The backward accepts an LSE it did not produce (context parallelism merges
+no dropout ran (as PyTorch's kernel leaves them), an empty debug mask. The SDPA op's output has the
+strides of ``empty_like(query)``, as PyTorch's meta function promises (a copy only when the query is
+not a transposed view of (b, s, h, d) memory). The backward accepts an LSE it did not produce (context parallelism merges
 the chunks' LSEs before calling it); ``torch.use_deterministic_algorithms(True)`` runs our
 deterministic backward.
 """
