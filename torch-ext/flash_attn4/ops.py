@@ -320,8 +320,7 @@ class _Plan:
     partials, which the kernels never touch: an LSE the caller drops is written there as the
     ``lse_view`` (size, stride, offset) of the workspace, one allocation fewer per decode step.
     ``guard``: the launch may need a device guard (a process with several GPUs)."""
-    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "cfg", "kernel", "workspace_shape", "lse_view",
-                 "guard")
+    __slots__ = ("out_shape", "lse_shape", "device", "cfg", "kernel", "workspace_shape", "lse_view", "guard")
 
 
 def _plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causal, window_left, window_right,
@@ -361,7 +360,7 @@ def _build_plan(q, k, v, cu_seqlens_q, seqused_k, learnable_sink, softcap, causa
         num_splits = _num_splits(num_splits, q, k, v.shape[-1], cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                  window_left, window_right, flags)
     plan = _Plan()
-    plan.out_shape, plan.lse_shape, plan.dtype, plan.device = out_shape, lse_shape, q.dtype, q.device
+    plan.out_shape, plan.lse_shape, plan.device = out_shape, lse_shape, q.device
     plan.workspace_shape = plan.lse_view = None
     plan.guard = q.device.type == "cuda" and q.device.index is not None and _several_gpus()
     if num_splits > 1:
@@ -387,7 +386,7 @@ def _run_plan(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, learn
     one flat function, not a chain of helpers, one host call for a split-KV forward, and no LSE
     allocation where the caller drops it (plan.lse_view)."""
     device = plan.device
-    out = q.new_empty(plan.out_shape)  # q's dtype and device (plan.dtype, plan.device)
+    out = q.new_empty(plan.out_shape)  # q's dtype and device (the plan's key holds both)
     workspace = None
     if plan.workspace_shape is None:
         lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
