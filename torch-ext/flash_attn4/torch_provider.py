@@ -24,14 +24,15 @@ What ATen gets back: the output, the LSE (float32, (b, h, s) batched, (h, total_
 layout our kernels produce), an rng state ((2,) uint64) and offset (uint64 scalar) left unset since
 no dropout ran (as PyTorch's kernel leaves them), an empty debug mask. The SDPA op's output has the
 strides of ``empty_like(query)``, as PyTorch's meta function promises (a copy only when the query is
-not a transposed view of (b, s, h, d) memory). The backward accepts an LSE it did not produce (context parallelism merges
-the chunks' LSEs before calling it); ``torch.use_deterministic_algorithms(True)`` runs our
-deterministic backward.
+not a transposed view of (b, s, h, d) memory). The backward accepts an LSE it did not produce
+(context parallelism merges the chunks' LSEs before calling it);
+``torch.use_deterministic_algorithms(True)`` runs our deterministic backward.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, Optional
 
 import torch
 
@@ -216,13 +217,10 @@ def _split_count(num_splits, arch, num_heads_q: int) -> int:
 def _forward_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
                   options: dict) -> dict:
     """ATen's flash forward arguments as ours (_run_forward's keywords), or _Unsupported."""
-    key = _memo_key("forward", (q, k, v, cu_seqlens_q, cu_seqlens_k), (dropout_p, is_causal, return_debug_mask),
-                    options)
-    checked = _MEMO.get(key) if key is not None else None
-    if checked is None:
-        checked = _remember(key, _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal,
-                                                  return_debug_mask, options))
-    softmax_scale, causal, left, right, num_splits = checked
+    softmax_scale, causal, left, right, num_splits = _memoized(
+        "forward", (q, k, v, cu_seqlens_q, cu_seqlens_k), (dropout_p, is_causal, return_debug_mask), options,
+        lambda: _checked_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, is_causal, return_debug_mask,
+                                 options))
     varlen = cu_seqlens_q is not None
     return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=options.get("seqused_k"),
                 softmax_scale=softmax_scale, causal=causal, window_left=left, window_right=right,
@@ -254,13 +252,10 @@ def _backward_args(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_
                    options: dict) -> dict:
     """ATen's flash backward arguments as ours (_run_backward's keywords), or _Unsupported."""
     deterministic = torch.are_deterministic_algorithms_enabled()
-    key = _memo_key("backward", (grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
-                    (dropout_p, is_causal, deterministic), options)
-    checked = _MEMO.get(key) if key is not None else None
-    if checked is None:
-        checked = _remember(key, _checked_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                   dropout_p, is_causal, deterministic, options))
-    softmax_scale, causal, left, right = checked
+    softmax_scale, causal, left, right = _memoized(
+        "backward", (grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), (dropout_p, is_causal, deterministic),
+        options, lambda: _checked_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p,
+                                           is_causal, deterministic, options))
     varlen = cu_seqlens_q is not None
     return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
                 window_left=left, window_right=right,
@@ -315,9 +310,28 @@ _MEMO: dict = {}
 compile_cache._clear_hooks.append(_MEMO.clear)
 
 
-def _memo_key(kind: str, tensors: tuple, scalars: tuple, options: dict):
-    """The memo key of a call, or None (not kept): the memo off, a tensor that is not a plain one
-    (validate.tensor_key), or an argument that cannot be a dict key."""
+def _memoized(kind: str, tensors: tuple, scalars: tuple, options: dict, check: Callable[[], tuple]) -> tuple:
+    """``check()``'s result for this call: kept from an earlier call with the same key, or computed
+    (its _Unsupported propagates, and nothing is kept)."""
+    key = _memo_key(kind, tensors, scalars, options)
+    if key is not None:
+        try:
+            checked = _MEMO.get(key)
+        except TypeError:  # an option no dict key can hold: not kept
+            key = checked = None
+        if checked is not None:
+            return checked
+    checked = check()
+    if key is not None:
+        if len(_MEMO) >= MAX_MEMO:
+            _MEMO.clear()
+        _MEMO[key] = checked
+    return checked
+
+
+def _memo_key(kind: str, tensors: tuple, scalars: tuple, options: dict) -> Optional[tuple]:
+    """The memo key of a call, or None (not kept): the memo off, or a tensor that is not a plain one
+    (validate.tensor_key)."""
     if not MEMO:
         return None
     parts = [kind, validate.DEVICE_TYPES, scalars]
@@ -332,20 +346,7 @@ def _memo_key(kind: str, tensors: tuple, scalars: tuple, options: dict):
             if value is False:
                 return None
         parts.append((name, value))
-    key = tuple(parts)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _remember(key, checked: tuple) -> tuple:
-    if key is not None:
-        if len(_MEMO) >= MAX_MEMO:
-            _MEMO.clear()
-        _MEMO[key] = checked
-    return checked
+    return tuple(parts)
 
 
 # ---- the seams to our kernels (CPU tests replace these) ----
